@@ -1,0 +1,54 @@
+# DMuon developer commands. `make demo` and `make test` work on a fresh clone with only
+# Python 3.10+ and make installed.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --constraint constraints.txt
+
+.PHONY: setup demo test test-core test-server test-docs lint format docs docs-serve bench clean
+
+setup: $(STAMP)
+
+# Reinstall only when a dependency list changed; otherwise `make setup` is a no-op.
+$(STAMP): constraints.txt requirements-dev.txt packages/dmuon-core/pyproject.toml packages/dmuon-server/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) -e packages/dmuon-core -e packages/dmuon-server -r requirements-dev.txt
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/python -m dmuon_server.demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-core: setup
+	$(BIN)/python -m pytest tests/core
+
+test-server: setup
+	$(BIN)/python -m pytest tests/server
+
+test-docs: setup
+	$(BIN)/python -m pytest tests/docs
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+docs: setup
+	$(BIN)/mkdocs build --strict
+
+docs-serve: setup
+	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
+
+bench: setup
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) site .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""DMuon: distributed Muon for PyTorch FSDP2 with dedicated parameter ownership."""

@@ -1,0 +1,1 @@
+"""Dedicated ownership: which rank owns each Muon-target matrix, and the hooks that move it."""
