@@ -50,6 +50,13 @@ class DedicationState:
         """The dedicated parameters this rank owns (and steps)."""
         return [p for p in self.params if p.is_owned]
 
+    def mark_parameters_updated(self) -> None:
+        """Tell the runtime that owners changed their masters (called by ``Muon.step``).
+
+        Z2 keeps broadcast buffers resident across micro-batches; this invalidates them so
+        the next forward broadcasts the new values.
+        """
+
 
 def get_dedication(model: nn.Module) -> DedicationState | None:
     """Return the dedication state `dedicate_params` attached to ``model``, or ``None``."""
