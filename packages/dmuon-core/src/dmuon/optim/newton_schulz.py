@@ -170,7 +170,8 @@ def _newton_schulz_unchecked(
 ) -> Tensor:
     """The iteration itself, for a validated 2-D or 3-D input; returns ``G``'s dtype."""
     transpose = G.size(-2) > G.size(-1)
-    X = G.to(torch.float32)
+    # Normalize in float32 (float64 when iterating in float64), then cast.
+    X = G.to(torch.promote_types(dtype, torch.float32))
     if transpose:
         X = X.mT
     norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp_min(eps)
@@ -199,9 +200,9 @@ def newton_schulz(
 ) -> Tensor:
     """Approximate the orthogonal polar factor ``U Vᵀ`` of ``G = U S Vᵀ``.
 
-    ``G`` is normalized by its Frobenius norm (clamped below at ``eps``) in float32, cast to
-    ``dtype``, and run through ``steps`` quintic Newton-Schulz steps on its short side
-    (tall matrices are transposed and transposed back).
+    ``G`` is normalized by its Frobenius norm (clamped below at ``eps``) in float32 (float64
+    when ``dtype`` is float64), cast to ``dtype``, and run through ``steps`` quintic
+    Newton-Schulz steps on its short side (tall matrices are transposed and transposed back).
 
     Args:
         G: a matrix ``(m, n)``, or a batch ``(B, m, n)`` orthogonalized matrix by matrix
