@@ -1,1 +1,30 @@
-"""DMuon: distributed Muon for PyTorch FSDP2 with dedicated parameter ownership."""
+"""DMuon: distributed Muon for PyTorch FSDP2 with dedicated parameter ownership.
+
+Three lines turn an FSDP2 script into a Muon one::
+
+    dmuon.dedicate_params(model, mesh)          # before fully_shard
+    optimizer = dmuon.Muon(model, lr=0.02)      # Muon for dedicated, AdamW for the rest
+    with dmuon.no_sync(model): ...              # around accumulating micro-batches
+"""
+
+from dmuon.accumulation import no_sync
+from dmuon.comm import CollectiveTally, CommAudit, StepComm
+from dmuon.optim import Muon, newton_schulz
+from dmuon.ownership.dedicate import dedicate_params
+from dmuon.ownership.inspect import comm_audit, dedicated_parameters
+from dmuon.ownership.planner import OwnerPlan, default_predicate, plan_owners
+
+__all__ = [
+    "CollectiveTally",
+    "CommAudit",
+    "Muon",
+    "OwnerPlan",
+    "StepComm",
+    "comm_audit",
+    "dedicate_params",
+    "dedicated_parameters",
+    "default_predicate",
+    "newton_schulz",
+    "no_sync",
+    "plan_owners",
+]

@@ -6,9 +6,15 @@ The optimizer and `no_sync` read this state; only the ownership package mutates 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from dmuon.comm import CommAudit
+    from dmuon.ownership.planner import OwnerPlan
+    from dmuon.ownership.runtime import DedicationRuntime
 
 STATE_ATTR = "_dmuon_state"
 
@@ -45,6 +51,9 @@ class DedicationState:
     rank: int
     world_size: int
     params: list[DedicatedParam] = field(default_factory=list)
+    plan: OwnerPlan | None = None
+    audit: CommAudit | None = None
+    runtime: DedicationRuntime | None = None
 
     def owned(self) -> list[DedicatedParam]:
         """The dedicated parameters this rank owns (and steps)."""
@@ -56,6 +65,8 @@ class DedicationState:
         Z2 keeps broadcast buffers resident across micro-batches; this invalidates them so
         the next forward broadcasts the new values.
         """
+        if self.runtime is not None:
+            self.runtime.parameters_updated()
 
 
 def get_dedication(model: nn.Module) -> DedicationState | None:

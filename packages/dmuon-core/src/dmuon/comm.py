@@ -1,0 +1,189 @@
+"""The only place DMuon issues collectives, and the audit of what it sent.
+
+One code path, two transports. Every collective is issued asynchronously and returns a
+`Pending` handle that is waited on where the data is needed:
+
+- CPU / gloo: the work handle of an ``async_op=True`` collective.
+- CUDA / NCCL: the collective is issued from a dedicated communication stream after an
+  event recorded on the compute stream (so it sees the producer's writes); waiting makes
+  the compute stream wait on the collective, without blocking the host.
+
+Averages are SUM followed by a division on the receiving side: gloo's AVG is not reliable
+across versions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+#: How many "units" one collective of E elements costs, in units of (N-1)/N x E.
+_UNITS_PER_ELEMENT = {
+    "broadcast": 1,
+    "reduce": 1,
+    "all_gather": 1,
+    "reduce_scatter": 1,
+    "all_reduce": 2,
+}
+
+
+@dataclass
+class CollectiveTally:
+    """Count, elements and bytes of one kind of collective."""
+
+    count: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class StepComm:
+    """Collectives issued for dedicated parameters during one optimizer step."""
+
+    dedicated_elements: int
+    by_kind: dict[str, CollectiveTally] = field(
+        default_factory=lambda: defaultdict(CollectiveTally)
+    )
+
+    @property
+    def units(self) -> float:
+        """Traffic in units of (N-1)/N x P_M elements, P_M = all dedicated elements."""
+        if self.dedicated_elements == 0:
+            return 0.0
+        moved = sum(_UNITS_PER_ELEMENT[kind] * t.elements for kind, t in self.by_kind.items())
+        return moved / self.dedicated_elements
+
+    def count(self, kind: str) -> int:
+        """Number of collectives of ``kind`` (``"broadcast"``, ``"reduce"``, ...)."""
+        return self.by_kind[kind].count if kind in self.by_kind else 0
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-friendly summary: per-kind tallies and the total in units."""
+        return {
+            "units": self.units,
+            "dedicated_elements": self.dedicated_elements,
+            "collectives": {
+                kind: {"count": t.count, "elements": t.elements, "bytes": t.bytes}
+                for kind, t in sorted(self.by_kind.items())
+            },
+        }
+
+
+class CommAudit:
+    """Per-optimizer-step record of the collectives DMuon issued for dedicated parameters.
+
+    ``current`` collects what was sent since the last optimizer step; ``Muon.step()`` closes
+    it into ``steps`` (one `StepComm` per optimizer step). ``total`` counts everything.
+    """
+
+    def __init__(self, dedicated_elements: int) -> None:
+        self.dedicated_elements = dedicated_elements
+        self.current = StepComm(dedicated_elements)
+        self.total = StepComm(dedicated_elements)
+        self.steps: list[StepComm] = []
+
+    def record(self, kind: str, tensor: torch.Tensor) -> None:
+        """Add one collective of ``kind`` that moved ``tensor``."""
+        for tally in (self.current.by_kind[kind], self.total.by_kind[kind]):
+            tally.count += 1
+            tally.elements += tensor.numel()
+            tally.bytes += tensor.numel() * tensor.element_size()
+
+    def close_step(self) -> StepComm:
+        """End the current optimizer step; return its record."""
+        finished, self.current = self.current, StepComm(self.dedicated_elements)
+        self.steps.append(finished)
+        return finished
+
+    def last_step(self) -> StepComm:
+        """The record of the most recent finished optimizer step."""
+        if not self.steps:
+            raise ValueError("no optimizer step has finished yet; call optimizer.step() first")
+        return self.steps[-1]
+
+
+class Pending:
+    """A collective in flight. ``wait()`` makes its result visible to the caller."""
+
+    def __init__(self, work: dist.Work | None = None) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        """Block (gloo) or order the current CUDA stream (NCCL) after the collective."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+    @property
+    def done(self) -> bool:
+        """Whether ``wait()`` has already been called (or nothing was sent)."""
+        return self._work is None
+
+
+class Communicator:
+    """Collectives over one process group, device aware, audited.
+
+    With no process group (one process) every call is a no-op that returns a finished
+    `Pending`, so the single-process path runs the same code.
+    """
+
+    def __init__(
+        self, group: dist.ProcessGroup | None, device: torch.device, audit: CommAudit
+    ) -> None:
+        self.group = group
+        self.device = device
+        self.audit = audit
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def _global(self, group_rank: int) -> int:
+        assert self.group is not None
+        return dist.get_global_rank(self.group, group_rank)
+
+    def _issue(self, kind: str, tensor: torch.Tensor, call) -> Pending:
+        self.audit.record(kind, tensor)
+        if self._stream is None:
+            return Pending(call())
+        ready = torch.cuda.Event()
+        ready.record()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            work = call()
+        return Pending(work)
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
+        """Broadcast ``tensor`` in place from group rank ``src`` to every rank."""
+        if self.world_size == 1:
+            return Pending()
+        return self._issue(
+            "broadcast",
+            tensor,
+            lambda: dist.broadcast(tensor, self._global(src), group=self.group, async_op=True),
+        )
+
+    def reduce_sum(self, tensor: torch.Tensor, dst: int) -> Pending:
+        """Sum ``tensor`` over ranks into group rank ``dst`` (in place there)."""
+        if self.world_size == 1:
+            return Pending()
+        return self._issue(
+            "reduce",
+            tensor,
+            lambda: dist.reduce(
+                tensor, self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            ),
+        )
+
+    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> Pending:
+        """Gather every rank's ``tensor`` into ``output`` (rank-major), on every rank."""
+        if self.world_size == 1:
+            output.copy_(tensor)
+            return Pending()
+        return self._issue(
+            "all_gather",
+            output,
+            lambda: dist.all_gather_into_tensor(output, tensor, group=self.group, async_op=True),
+        )

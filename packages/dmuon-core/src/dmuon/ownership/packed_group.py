@@ -1,0 +1,140 @@
+"""One packed buffer: the dedicated matrices of one owner inside one hook boundary.
+
+The buffer's storage is allocated before use and freed after, while the per-matrix views
+into it survive (as FSDP2 does for its unsharded parameters): autograd keeps references
+to the views, and re-filling the storage before backward makes them valid again.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dmuon.comm import Communicator, Pending
+from dmuon.ownership.state import DedicatedParam
+
+
+class PackedGroup:
+    """Broadcast buffer and gradient reduction for one (boundary, owner) pair."""
+
+    def __init__(
+        self,
+        params: list[DedicatedParam],
+        owner: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        comm: Communicator,
+    ) -> None:
+        self.params = params
+        self.owner = owner
+        self.comm = comm
+        self.is_owner = comm.rank == owner
+        self.numel = sum(dp.numel for dp in params)
+        self.offsets: list[int] = []
+        self.buffer = torch.empty(self.numel, dtype=dtype, device=device)
+        self.leaves: list[nn.Parameter] = []
+        offset = 0
+        for dp in params:
+            self.offsets.append(offset)
+            view = self.buffer[offset : offset + dp.numel].view(dp.shape)
+            self.leaves.append(nn.Parameter(view, requires_grad=dp.param.requires_grad))
+            offset += dp.numel
+        self._nbytes = self.numel * self.buffer.element_size()
+        self.buffer.untyped_storage().resize_(0)
+        self.valid = False
+        self._broadcast: Pending | None = None
+        self._reduce: Pending | None = None
+        self._reduce_flat: torch.Tensor | None = None
+
+    # ----- forward / backward parameters -------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffer currently holds storage."""
+        return self.buffer.untyped_storage().size() > 0
+
+    def unshard_async(self) -> None:
+        """Make sure a broadcast of the owner's current values is issued (or done)."""
+        if self.valid or self._broadcast is not None:
+            return
+        if not self.allocated:
+            self.buffer.untyped_storage().resize_(self._nbytes)
+        # The buffer backs views that autograd saved; rewriting it must not count as an
+        # in-place modification of those saved tensors.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.buffer):
+            if self.is_owner:
+                for dp, offset in zip(self.params, self.offsets, strict=True):
+                    self.buffer[offset : offset + dp.numel].copy_(dp.param.reshape(-1))
+            self._broadcast = self.comm.broadcast(self.buffer, self.owner)
+
+    def wait_unshard(self) -> None:
+        """Wait for the broadcast issued by `unshard_async`."""
+        if self._broadcast is not None:
+            self._broadcast.wait()
+            self._broadcast = None
+            self.valid = True
+
+    def free(self) -> None:
+        """Release the buffer's storage; the views stay, pointing at no memory."""
+        self.wait_unshard()
+        self.buffer.untyped_storage().resize_(0)
+        self.valid = False
+
+    def invalidate(self) -> None:
+        """The owner's values changed: the next use must broadcast again."""
+        self.wait_unshard()
+        self.valid = False
+
+    # ----- gradients -----------------------------------------------------------------------
+    def _take_local_grads(self) -> list[torch.Tensor | None]:
+        grads = []
+        for leaf in self.leaves:
+            grads.append(leaf.grad)
+            leaf.grad = None
+        return grads
+
+    def accumulate_locally(self) -> None:
+        """``no_sync``: add this backward's gradients to ``_accumulated_grad`` (no comm)."""
+        for dp, grad in zip(self.params, self._take_local_grads(), strict=True):
+            if grad is None:
+                continue
+            grad = grad.detach().to(torch.float32)
+            acc = getattr(dp.param, "_accumulated_grad", None)
+            if acc is None:
+                dp.param._accumulated_grad = grad
+            else:
+                acc.add_(grad)
+
+    def reduce_async(self) -> None:
+        """Merge local and accumulated gradients and SUM-reduce them to the owner."""
+        flat = torch.zeros(self.numel, dtype=torch.float32, device=self.buffer.device)
+        for dp, offset, grad in zip(
+            self.params, self.offsets, self._take_local_grads(), strict=True
+        ):
+            piece = flat[offset : offset + dp.numel]
+            if grad is not None:
+                piece.copy_(grad.detach().reshape(-1))
+            acc = getattr(dp.param, "_accumulated_grad", None)
+            if acc is not None:
+                piece.add_(acc.reshape(-1))
+                dp.param._accumulated_grad = None
+        self._reduce_flat = flat
+        self._reduce = self.comm.reduce_sum(flat, self.owner)
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduce; the owner averages and adds into ``_reduced_grad``."""
+        if self._reduce is None:
+            return
+        self._reduce.wait()
+        self._reduce = None
+        flat, self._reduce_flat = self._reduce_flat, None
+        if not self.is_owner:
+            return
+        assert flat is not None
+        flat.div_(self.comm.world_size)
+        for dp, offset in zip(self.params, self.offsets, strict=True):
+            piece = flat[offset : offset + dp.numel].view(dp.shape)
+            current = getattr(dp.param, "_reduced_grad", None)
+            if current is None:
+                dp.param._reduced_grad = piece
+            else:
+                current.add_(piece)

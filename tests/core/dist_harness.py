@@ -1,0 +1,265 @@
+"""Run DMuon scenarios on N gloo ranks (spawned once) and on one process as the oracle.
+
+A scenario trains `TinyLlama` for a few optimizer steps on a fixed global batch. The
+distributed run uses the three-line integration (dedicate_params, fully_shard, Muon,
+no_sync); the reference trains the plain model on the whole global batch with Muon math
+written out here (float32 Newton-Schulz) and torch.optim.AdamW for everything else.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import tempfile
+import traceback
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_llama import TinyLlama
+
+VOCAB, SEQ, MICRO = 64, 12, 2
+LR, ADAMW_LR = 0.02, 3e-3
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One distributed training configuration."""
+
+    name: str
+    mode: str = "z3"
+    accum: int = 1
+    use_no_sync: bool = True
+    steps: int = 3
+    checkpoint: bool = False
+    dataclass_output: bool = False
+    bf16: bool = False
+    model_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_model(scenario: Scenario) -> TinyLlama:
+    """The scenario's model, identically initialised on every rank."""
+    torch.manual_seed(1234)
+    return TinyLlama(
+        vocab=VOCAB,
+        use_checkpoint=scenario.checkpoint,
+        dataclass_output=scenario.dataclass_output,
+        **scenario.model_kwargs,
+    )
+
+
+def global_batch(step: int, world: int, accum: int) -> torch.Tensor:
+    """Token ids of one optimizer step: world x accum x MICRO sequences of SEQ + 1."""
+    gen = torch.Generator().manual_seed(99 + step)
+    return torch.randint(0, VOCAB, (world * accum * MICRO, SEQ + 1), generator=gen)
+
+
+def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    out = model(tokens[:, :-1], tokens[:, 1:])
+    return out.loss if hasattr(out, "loss") else out
+
+
+# ----- reference: one process, the whole global batch --------------------------------------
+def reference_run(scenario: Scenario, world: int) -> dict[str, torch.Tensor]:
+    """Train the plain model on the global batch; return its final parameters."""
+    from dmuon import default_predicate, newton_schulz
+
+    model = make_model(scenario)
+    muon_params = {
+        n: p
+        for n, p in model.named_parameters()
+        if default_predicate(n, p) and "lm_head" not in n and n.startswith("layers.")
+    }
+    others = [p for n, p in model.named_parameters() if n not in muon_params]
+    adamw = torch.optim.AdamW(others, lr=ADAMW_LR, weight_decay=0.01)
+    momentum = {n: torch.zeros_like(p) for n, p in muon_params.items()}
+    for step in range(scenario.steps):
+        tokens = global_batch(step, world, scenario.accum)
+        if scenario.bf16:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = _loss(model, tokens)
+        else:
+            loss = _loss(model, tokens)
+        loss.backward()
+        with torch.no_grad():
+            for n, p in muon_params.items():
+                buf = momentum[n]
+                buf.lerp_(p.grad, 1 - 0.95)
+                update = p.grad.lerp(buf, 0.95)
+                ortho = newton_schulz(update, 5, "polar_express", dtype=torch.float32)
+                scale = 0.2 * max(p.shape) ** 0.5
+                p.add_(ortho, alpha=-LR * scale)
+                p.grad = None
+        adamw.step()
+        adamw.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# ----- distributed worker -------------------------------------------------------------------
+def _full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor on every rank (collective)."""
+    from torch.distributed.tensor import DTensor
+
+    import dmuon
+
+    owners = {dp.fqn: dp for dp in dmuon.dedicated_parameters(model)}
+    full = {}
+    for name, param in model.named_parameters():
+        if name in owners:
+            dp = owners[name]
+            tensor = (
+                param.detach().clone() if dp.is_owned else torch.empty(dp.shape, dtype=param.dtype)
+            )
+            dist.broadcast(tensor, src=dp.owner)
+            full[name] = tensor
+        elif isinstance(param, DTensor):
+            full[name] = param.full_tensor().detach().clone()
+        else:
+            full[name] = param.detach().clone()
+    return full
+
+
+def _memory_report(model: torch.nn.Module) -> dict[str, Any]:
+    from dmuon.ownership.state import get_dedication
+
+    state = get_dedication(model)
+    assert state is not None and state.runtime is not None
+    groups = list(state.runtime.groups())
+    return {
+        "buffer_bytes": sum(g.buffer.untyped_storage().size() for g in groups),
+        "packed_bytes": sum(g.numel * g.buffer.element_size() for g in groups),
+        "placeholder_elements": sum(dp.param.numel() for dp in state.params if not dp.is_owned),
+        "master_ok": all(
+            dp.param.dtype == torch.float32 and tuple(dp.param.shape) == tuple(dp.shape)
+            for dp in state.params
+            if dp.is_owned
+        ),
+        "groups": len(groups),
+    }
+
+
+def run_scenario(scenario: Scenario, rank: int, world: int) -> dict[str, Any]:
+    """Train one scenario on this rank; return what the tests check."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import dmuon
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(scenario)
+    dmuon.dedicate_params(
+        model,
+        mesh,
+        reshard_after_forward=scenario.mode == "z3",
+        param_dtype=torch.bfloat16 if scenario.bf16 else None,
+    )
+    mp_policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if scenario.bf16
+        else MixedPrecisionPolicy()
+    )
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    optimizer = dmuon.Muon(
+        model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
+    )
+    audit = dmuon.comm_audit(model)
+    memory_after_forward: dict[str, Any] = {}
+    step_issued: list[int] = []
+    for step in range(scenario.steps):
+        tokens = global_batch(step, world, scenario.accum)
+        per_rank = tokens.chunk(world)[rank]
+        for micro, chunk in enumerate(per_rank.chunk(scenario.accum)):
+            accumulating = micro + 1 < scenario.accum
+            ctx = dmuon.no_sync(model) if accumulating and scenario.use_no_sync else nullcontext()
+            with ctx:
+                loss = _loss(model, chunk) / scenario.accum
+                if step == 0 and micro == 0:
+                    memory_after_forward = _memory_report(model)
+                loss.backward()
+        before = sum(t.count for t in audit.total.by_kind.values())
+        optimizer.step()
+        step_issued.append(sum(t.count for t in audit.total.by_kind.values()) - before)
+        optimizer.zero_grad()
+    leftover = [
+        dp.fqn
+        for dp in dmuon.dedicated_parameters(model)
+        if getattr(dp.param, "_reduced_grad", None) is not None
+        or getattr(dp.param, "_accumulated_grad", None) is not None
+    ]
+    return {
+        "params": _full_parameters(model),
+        "comm": [s.as_dict() for s in audit.steps],
+        "step_issued": step_issued,
+        "memory": memory_after_forward,
+        "leftover_grads": leftover,
+        "owners": {dp.fqn: dp.owner for dp in dmuon.dedicated_parameters(model)},
+    }
+
+
+def _error_checks(rank: int, world: int) -> dict[str, str]:
+    """User errors that need a process group: each returns its message."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    messages = {}
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(Scenario("errors"))
+    fully_shard(model, mesh=mesh)
+    try:
+        dmuon.dedicate_params(model, mesh)
+    except ValueError as exc:
+        messages["after_fully_shard"] = str(exc)
+    mesh2d = init_device_mesh("cpu", (1, world), mesh_dim_names=("a", "b"))
+    try:
+        dmuon.dedicate_params(make_model(Scenario("errors")), mesh2d)
+    except ValueError as exc:
+        messages["mesh_2d"] = str(exc)
+    return messages
+
+
+def _worker(rank: int, world: int, port: int, scenarios: list[Scenario], out_dir: str) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    results: dict[str, Any] = {}
+    try:
+        for scenario in scenarios:
+            try:
+                results[scenario.name] = run_scenario(scenario, rank, world)
+            except Exception:  # reported to the test, which fails with the traceback
+                results[scenario.name] = {"error": traceback.format_exc()}
+                raise
+        results["__errors__"] = _error_checks(rank, world)
+    finally:
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def run_distributed(world: int, scenarios: list[Scenario]) -> list[dict[str, Any]]:
+    """Spawn ``world`` gloo ranks once, run every scenario, return per-rank results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world, free_port(), scenarios, out_dir), nprocs=world)
+        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+
+
+__all__ = ["Scenario", "asdict", "reference_run", "run_distributed"]
