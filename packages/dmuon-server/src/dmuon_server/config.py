@@ -1,0 +1,91 @@
+"""Server settings: one immutable object built by the CLI (or a test) and passed down."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Environment variable naming the training module the server launches under torchrun.
+TRAIN_MODULE_ENV = "DMUON_SERVER_TRAIN_MODULE"
+#: Environment variable holding the bearer token.
+TOKEN_ENV = "DMUON_SERVER_TOKEN"
+#: Environment variable every process of a job carries, with the job id as its value. The
+#: supervisor uses it to find (and end) stray processes of a job, even ones that left the
+#: job's process group or session, e.g. torchrun workers (they run in sessions of their own).
+JOB_ENV_MARKER = "DMUON_SERVER_JOB"
+#: Environment variable every process of a job carries, with the server's data directory.
+DATA_DIR_ENV_MARKER = "DMUON_SERVER_DATA_DIR"
+
+
+def usable_cpus() -> int:
+    """Return the number of CPUs this process may run on (affinity-aware, at least 1)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - non-Linux
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the server needs to know; immutable once the app is built.
+
+    Attributes:
+        data_dir: Folder holding the SQLite database and one working folder per job.
+        token: Bearer token; when set, every endpoint but ``/healthz`` requires it.
+        max_concurrent_jobs: How many jobs run at the same time; the rest wait in a FIFO queue.
+        max_nproc_per_node: The largest ``nproc_per_node`` a job may ask for. Defaults to the
+            number of usable CPUs: the recipe runs one process per CPU core with gloo.
+        data_roots: Folders a job's ``train.data`` path must lie in (after resolving symlinks
+            and ``..``). Defaults to ``<data_dir>/datasets`` and the server's working folder.
+        train_module: The Python module torchrun runs (``-m``); ``dmuon.train`` unless
+            ``DMUON_SERVER_TRAIN_MODULE`` says otherwise.
+        python: The interpreter jobs run with (the server's own by default).
+        heartbeat_s: Seconds between SSE heartbeat comments.
+        cancel_grace_s: Seconds between SIGTERM and SIGKILL when a job is cancelled.
+        poll_interval_s: How often the supervisor looks at running jobs and their metrics.
+        log_tail_lines: How many log lines a failure report carries.
+    """
+
+    data_dir: Path = field(default_factory=lambda: Path(".dmuon"))
+    token: str | None = None
+    max_concurrent_jobs: int = 1
+    max_nproc_per_node: int = field(default_factory=usable_cpus)
+    data_roots: tuple[Path, ...] | None = None
+    train_module: str = field(
+        default_factory=lambda: os.environ.get(TRAIN_MODULE_ENV) or "dmuon.train"
+    )
+    python: str = field(default_factory=lambda: __import__("sys").executable)
+    heartbeat_s: float = 15.0
+    cancel_grace_s: float = 10.0
+    poll_interval_s: float = 0.2
+    log_tail_lines: int = 50
+
+    def __post_init__(self) -> None:
+        """Normalise paths (absolute, symlinks resolved) and check the numbers."""
+        data_dir = Path(os.path.realpath(self.data_dir))
+        object.__setattr__(self, "data_dir", data_dir)
+        roots = self.data_roots
+        if roots is None:
+            roots = (data_dir / "datasets", Path.cwd())
+        object.__setattr__(self, "data_roots", tuple(Path(os.path.realpath(r)) for r in roots))
+        if self.max_concurrent_jobs < 1:
+            raise ValueError("max_concurrent_jobs must be at least 1")
+        if self.max_nproc_per_node < 1:
+            raise ValueError("max_nproc_per_node must be at least 1")
+        if self.token is not None and not self.token:
+            object.__setattr__(self, "token", None)
+
+    @property
+    def db_path(self) -> Path:
+        """Path of the SQLite database."""
+        return self.data_dir / "dmuon-server.sqlite3"
+
+    @property
+    def jobs_dir(self) -> Path:
+        """Folder holding one working folder per job."""
+        return self.data_dir / "jobs"
+
+    def job_dir(self, job_id: str) -> Path:
+        """Working folder of one job."""
+        return self.jobs_dir / job_id

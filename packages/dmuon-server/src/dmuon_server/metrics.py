@@ -1,0 +1,214 @@
+"""Metrics ingestion (tailing a job's metrics file into SQLite) and fan-out to streams.
+
+The recipe appends one JSON object per optimizer step to its metrics file. The tailer
+reads from the byte offset stored in the database, consumes complete lines only (a
+partly written last line waits for its newline, or for the job to end), and stores the
+points together with the new offset in one transaction: a point is stored exactly once,
+also across a server restart. Streams do not receive points from the tailer: the database
+is the single source, and the :class:`Hub` only wakes the streams of a job up, so a slow
+client can never make the server drop or buffer points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dmuon_server.schemas import encode_nonfinite
+from dmuon_server.store import Store
+
+log = logging.getLogger("dmuon_server.metrics")
+
+#: Name of the offset row for a job's metrics file.
+METRICS_STREAM = "metrics"
+#: Largest chunk read from a metrics file in one go.
+_CHUNK = 4 << 20
+
+
+@dataclass
+class ParsedChunk:
+    """What :func:`parse_lines` found in a chunk of a metrics file."""
+
+    points: list[tuple[int, dict[str, Any], float | None]] = field(default_factory=list)
+    summary: dict[str, Any] | None = None
+    consumed: int = 0
+    rejected: list[str] = field(default_factory=list)
+
+
+def _finite_float(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    try:
+        f = float(value)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+#: Numeric keys of the metrics contract; a value of another type is moved aside.
+NUMERIC_KEYS = ("loss", "lr", "tokens_per_s", "grad_norm", "time", "val_loss")
+_ENCODED = ("NaN", "Infinity", "-Infinity")
+_MAX_STEP = 2**62
+
+
+def _sanitize(data: dict[str, Any]) -> None:
+    """Keep the contract's numeric keys numeric: a value of another type (say a string)
+    is stored as ``invalid_<key>`` and the key set to null, so nothing is lost and every
+    stored point matches the API schema."""
+    for key in NUMERIC_KEYS:
+        value = data.get(key)
+        ok = (
+            value is None
+            or value in _ENCODED
+            or (isinstance(value, int | float) and not isinstance(value, bool))
+        )
+        if not ok:
+            data[f"invalid_{key}"] = value
+            data[key] = None
+
+
+def parse_lines(buf: bytes, *, final: bool) -> ParsedChunk:
+    """Parse the complete lines of ``buf`` (all of it when ``final``).
+
+    A line is a metric point when it is a JSON object with an integer ``step``; an object
+    without one is the recipe's summary. Python's JSON reader accepts the ``NaN`` and
+    ``Infinity`` tokens a PyTorch recipe may write; such values are stored encoded (see
+    :func:`dmuon_server.schemas.encode_nonfinite`). Lines that are not JSON objects are
+    rejected (reported, never stored).
+    """
+    out = ParsedChunk()
+    end = len(buf) if final else buf.rfind(b"\n") + 1
+    out.consumed = end
+    for raw in buf[:end].split(b"\n"):
+        line = raw.strip()
+        if not line:
+            continue
+        try:
+            obj = json.loads(line)
+        except (ValueError, UnicodeDecodeError):
+            out.rejected.append(line[:200].decode("utf-8", "replace"))
+            continue
+        if not isinstance(obj, dict):
+            out.rejected.append(line[:200].decode("utf-8", "replace"))
+            continue
+        data = encode_nonfinite(obj)
+        step = obj.get("step")
+        if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < _MAX_STEP:
+            _sanitize(data)
+            out.points.append((step, data, _finite_float(obj.get("loss"))))
+            if isinstance(obj.get("summary"), dict):
+                out.summary = {**(out.summary or {}), **data["summary"]}
+        else:
+            inner = data.get("summary") if isinstance(data.get("summary"), dict) else data
+            out.summary = {**(out.summary or {}), **inner}
+    return out
+
+
+class Hub:
+    """Wakes up the event streams of a job when something about it changed.
+
+    Thread-safe: the supervisor thread calls :meth:`notify`; each stream owns an
+    :class:`asyncio.Event` on its own loop.
+    """
+
+    def __init__(self) -> None:
+        """Create an empty hub."""
+        self._lock = threading.Lock()
+        self._subs: dict[str, set[_Subscription]] = {}
+        self.active_streams = 0
+
+    def subscribe(self, job_id: str) -> _Subscription:
+        """Register the calling coroutine's loop for changes of ``job_id``."""
+        sub = _Subscription(job_id, asyncio.get_running_loop(), asyncio.Event())
+        with self._lock:
+            self._subs.setdefault(job_id, set()).add(sub)
+            self.active_streams += 1
+        return sub
+
+    def unsubscribe(self, sub: _Subscription) -> None:
+        """Forget a subscription."""
+        with self._lock:
+            subs = self._subs.get(sub.job_id)
+            if subs is not None and sub in subs:
+                subs.discard(sub)
+                self.active_streams -= 1
+                if not subs:
+                    del self._subs[sub.job_id]
+
+    def notify(self, job_id: str) -> None:
+        """Wake every stream of ``job_id``."""
+        with self._lock:
+            subs = list(self._subs.get(job_id, ()))
+        for sub in subs:
+            with contextlib.suppress(RuntimeError):  # a closed loop: the stream is gone
+                sub.loop.call_soon_threadsafe(sub.event.set)
+
+
+@dataclass(eq=False)
+class _Subscription:
+    job_id: str
+    loop: asyncio.AbstractEventLoop
+    event: asyncio.Event
+
+
+class MetricsTailer:
+    """Moves new lines of jobs' metrics files into the store."""
+
+    def __init__(self, store: Store, hub: Hub) -> None:
+        """Tail into ``store`` and wake streams through ``hub``."""
+        self.store = store
+        self.hub = hub
+        self.points_total = 0
+        self.rejected_total = 0
+
+    def poll(self, job_id: str, path: Path, *, final: bool = False) -> int:
+        """Ingest what was appended to ``path`` since the stored offset.
+
+        With ``final`` (the job has ended) a last line without a newline is taken too.
+        Returns the number of points stored.
+        """
+        offset = self.store.get_offset(job_id, METRICS_STREAM)
+        stored = 0
+        try:
+            f = path.open("rb")
+        except FileNotFoundError:
+            return 0
+        with f:
+            size = path.stat().st_size
+            if size < offset:
+                log.warning("metrics file of job %s shrank; re-reading it from the start", job_id)
+                offset = 0
+            while True:
+                f.seek(offset)
+                buf = f.read(_CHUNK)
+                if not buf:
+                    break
+                last_chunk = len(buf) < _CHUNK
+                chunk = parse_lines(buf, final=final and last_chunk)
+                if chunk.consumed == 0:
+                    if last_chunk:
+                        break
+                    # One line longer than a chunk: no recipe writes that; skip it.
+                    nl = buf.find(b"\n")
+                    chunk.consumed = nl + 1 if nl >= 0 else len(buf)
+                    chunk.rejected.append("<line longer than 4 MiB>")
+                for bad in chunk.rejected:
+                    log.warning("job %s: rejected metrics line: %r", job_id, bad)
+                self.rejected_total += len(chunk.rejected)
+                offset += chunk.consumed
+                stored += self.store.ingest(
+                    job_id, METRICS_STREAM, offset, chunk.points, chunk.summary
+                )
+                if last_chunk:
+                    break
+        if stored:
+            self.points_total += stored
+            self.hub.notify(job_id)
+        return stored

@@ -1,0 +1,146 @@
+"""The process the server spawns for a job: torchrun, plus an exit report.
+
+``python -m dmuon_server.runner --job-dir DIR -- <torchrun arguments>`` runs torchrun
+(``torch.distributed.run.main``, exactly what the ``torchrun`` console script runs) in this
+process and, however it ends, writes ``DIR/exit.json`` atomically::
+
+    {"returncode": 3, "signal": null, "error": null, "finished_at": 1700000000.0,
+     "first_failure": {"rank": 1, "local_rank": 1, "exitcode": 3, "signal": null,
+                       "pid": 1234, "timestamp": 1700000000, "message": "...",
+                       "log_dir": "DIR/torchrun-logs/<run>/attempt_0/1"},
+     "failures": [...]}
+
+Why a wrapper: the server must learn a job's exit status even when the job outlived the
+server (a restarted server is not the job's parent and cannot ``wait()`` for it), and
+torchrun knows which rank failed first only in memory (its ``ChildFailedError``). Running
+torchrun in-process keeps both. This module imports torch; the server itself never does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+EXIT_FILE = "exit.json"
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write ``payload`` to ``path`` so that readers see all of it or nothing."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _signal_name(signum: int) -> str | None:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return None
+
+
+def _failure_dict(rank: int, failure: Any) -> dict[str, Any]:
+    exitcode = int(failure.exitcode)
+    error_file = str(getattr(failure, "error_file", "") or "")
+    return {
+        "rank": int(rank),
+        "local_rank": int(getattr(failure, "local_rank", -1)),
+        "exitcode": exitcode,
+        "signal": _signal_name(-exitcode) if exitcode < 0 else None,
+        "pid": int(getattr(failure, "pid", -1)),
+        "timestamp": float(getattr(failure, "timestamp", 0) or 0),
+        "message": str(getattr(failure, "message", "") or ""),
+        "log_dir": os.path.dirname(error_file) if os.path.isabs(error_file) else None,
+    }
+
+
+def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Pick the rank that failed first.
+
+    torchrun ends the surviving ranks with SIGTERM once one fails, and its timestamps have
+    one-second resolution, so ranks ended by SIGTERM are only considered when no other rank
+    failed; among the rest the earliest wins, torchrun's own order breaking ties.
+    """
+    if not failures:
+        return None
+    candidates = [f for f in failures if f["exitcode"] != -signal.SIGTERM] or failures
+    order = {id(f): i for i, f in enumerate(failures)}
+    return min(candidates, key=lambda f: (f["timestamp"], order[id(f)]))
+
+
+def run(job_dir: Path, torchrun_args: list[str]) -> int:
+    """Run torchrun with ``torchrun_args``, write the exit report, return the exit code."""
+    report: dict[str, Any] = {
+        "returncode": None,
+        "signal": None,
+        "error": None,
+        "first_failure": None,
+        "failures": [],
+        "started_at": time.time(),
+    }
+    rc = 1
+    try:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+        from torch.distributed.run import main as torchrun_main
+
+        try:
+            torchrun_main(torchrun_args)
+            rc = 0
+        except ChildFailedError as e:
+            failures = [_failure_dict(r, f) for r, f in e.failures.items()]
+            first = first_failure(failures)
+            report["failures"] = failures
+            report["first_failure"] = first
+            code = first["exitcode"] if first else 1
+            rc = code if 0 < code < 256 else (128 - code if code < 0 else 1)
+        except SignalException as e:
+            signum = int(e.sigval)
+            report["signal"] = _signal_name(signum)
+            rc = 128 + signum
+    except SystemExit as e:  # torchrun's argument parser
+        rc = e.code if isinstance(e.code, int) else 2
+        report["error"] = f"torchrun exited: {e.code}"
+    except BaseException as e:
+        report["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()
+        traceback.print_exc()
+        rc = 1
+    report["returncode"] = rc
+    report["finished_at"] = time.time()
+    write_json_atomic(job_dir / EXIT_FILE, report)
+    return rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m dmuon_server.runner --job-dir DIR -- <torchrun args>``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" not in argv:
+        print(
+            "usage: python -m dmuon_server.runner --job-dir DIR -- <torchrun args>",
+            file=sys.stderr,
+        )
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m dmuon_server.runner")
+    parser.add_argument("--job-dir", type=Path, required=True)
+    args = parser.parse_args(argv[:split])
+    sys.stdout.flush()
+    return run(args.job_dir, argv[split + 1 :])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

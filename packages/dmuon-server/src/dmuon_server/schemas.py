@@ -1,0 +1,256 @@
+"""Pydantic request and response models of the REST API.
+
+Non-finite numbers: JSON has no NaN or infinity, so every non-finite float the recipe
+reports (for example a diverged ``loss``) is sent as one of the strings ``"NaN"``,
+``"Infinity"`` or ``"-Infinity"`` -- the convention of the protobuf JSON mapping. Finite
+numbers stay numbers. :func:`encode_nonfinite` does the conversion.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+JobState = Literal["queued", "starting", "running", "succeeded", "failed", "cancelled"]
+#: States a job never leaves.
+TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+#: States in which a job has (or is about to have) processes.
+ACTIVE_STATES: frozenset[str] = frozenset({"starting", "running"})
+ALL_STATES: tuple[str, ...] = ("queued", "starting", "running", "succeeded", "failed", "cancelled")
+
+NonFinite = Literal["NaN", "Infinity", "-Infinity"]
+#: A float that may be non-finite, encoded as in the module docstring.
+EncodedFloat = float | NonFinite
+
+
+def encode_nonfinite(value: Any) -> Any:
+    """Return ``value`` with every non-finite float replaced by ``"NaN"``/``"Infinity"``/...
+
+    Works on nested dicts and lists; other values are returned unchanged.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        if math.isnan(value):
+            return "NaN"
+        return "Infinity" if value > 0 else "-Infinity"
+    if isinstance(value, dict):
+        return {str(k): encode_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [encode_nonfinite(v) for v in value]
+    return value
+
+
+class _Strict(BaseModel):
+    """Base for request bodies: unknown fields and type coercion are refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+PositiveLR = Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)]
+
+
+class TrainSpec(_Strict):
+    """The recipe's settings; each maps to one ``python -m dmuon.train`` flag."""
+
+    model: Literal["tiny", "small", "base"] = Field(description="Model preset (`--model`).")
+    steps: int = Field(ge=1, le=1_000_000, description="Optimizer steps (`--steps`).")
+    micro_batch_size: int = Field(
+        ge=1, le=4096, description="Sequences per rank per micro-batch (`--micro-batch-size`)."
+    )
+    accum_steps: int = Field(
+        ge=1, le=1024, description="Micro-batches accumulated per optimizer step (`--accum-steps`)."
+    )
+    seq_len: int = Field(ge=1, le=65_536, description="Tokens per sequence (`--seq-len`).")
+    lr: PositiveLR = Field(description="Muon learning rate (`--lr`).")
+    adamw_lr: PositiveLR = Field(
+        description="AdamW learning rate for the non-matrix parameters (`--adamw-lr`)."
+    )
+    optimizer: Literal["dmuon", "adamw"] = Field(description="Optimizer (`--optimizer`).")
+    mode: Literal["z2", "z3"] = Field(description="DMuon sharding mode (`--mode`).")
+    seed: int = Field(ge=0, le=2**32 - 1, description="Random seed (`--seed`).")
+    eval_every: int | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Evaluate at step 0, every N steps and at the end; 0 = never (`--eval-every`). "
+            "The recipe's default when omitted."
+        ),
+    )
+    warmup_steps: int | None = Field(
+        default=None,
+        ge=0,
+        le=1_000_000,
+        description="Linear warm-up steps (`--warmup-steps`); the recipe's default when omitted.",
+    )
+    data: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=4096,
+        description=(
+            "Training data path (`--data`). Must lie inside one of the server's data roots "
+            "after symlinks and `..` are resolved; the recipe's built-in data when omitted."
+        ),
+    )
+
+
+class JobCreate(_Strict):
+    """Body of ``POST /v1/jobs`` and ``POST /v1/jobs:validate``."""
+
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=128,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="A label for people; need not be unique.",
+    )
+    nproc_per_node: int = Field(
+        ge=1,
+        le=1024,
+        description="Processes torchrun starts (world size); at most the server's limit.",
+    )
+    train: TrainSpec
+
+
+class Transition(BaseModel):
+    """One state change of a job."""
+
+    state: JobState
+    reason: str
+    at: datetime
+
+
+class FailureInfo(BaseModel):
+    """Why a job failed: the first failing rank and the end of its log."""
+
+    rank: int | None = Field(description="Global rank that failed first (null if unknown).")
+    exit_code: int | None = Field(description="Its exit code; negative for a signal.")
+    signal: str | None = Field(default=None, description="Signal name when killed by one.")
+    message: str | None = Field(default=None, description="Error message, when one is known.")
+    log_file: str | None = Field(default=None, description="Log file the lines come from.")
+    log_tail: list[str] = Field(default_factory=list, description="Last lines of that log.")
+
+
+class JobSummary(BaseModel):
+    """Live progress of a job, from its stored metrics."""
+
+    steps: int = Field(description="Optimizer steps the job was asked to run.")
+    points: int = Field(description="Metric points stored.")
+    last_step: int | None = None
+    last_loss: EncodedFloat | None = None
+    last_val_loss: EncodedFloat | None = None
+    first_val_loss: EncodedFloat | None = None
+    tokens_per_s: EncodedFloat | None = None
+    progress: float = Field(description="last_step / steps, between 0 and 1.")
+    elapsed_s: float | None = Field(default=None, description="Seconds since the job started.")
+    eta_s: float | None = Field(default=None, description="Estimated seconds left.")
+
+
+class Job(BaseModel):
+    """A job as the API shows it."""
+
+    id: str
+    name: str | None
+    state: JobState
+    nproc_per_node: int
+    train: TrainSpec
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    exit_code: int | None = Field(
+        default=None, description="Exit code; for a failed rank, that rank's (negative: signal)."
+    )
+    reason: str | None = Field(default=None, description="Reason of the latest transition.")
+    cancel_requested: bool = False
+    history: list[Transition] = Field(default_factory=list)
+    failure: FailureInfo | None = None
+    summary: JobSummary
+    recipe_summary: dict[str, Any] | None = Field(
+        default=None, description="The recipe's own final summary line, when it wrote one."
+    )
+
+
+class JobList(BaseModel):
+    """A page of jobs, newest first."""
+
+    items: list[Job]
+    next: str | None = Field(description="Pass as `cursor` for the next page; null at the end.")
+
+
+class MetricPoint(BaseModel):
+    """One optimizer step as the recipe reported it (unknown keys are kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    step: int
+    loss: EncodedFloat | None = None
+    lr: EncodedFloat | None = None
+    tokens_per_s: EncodedFloat | None = None
+    grad_norm: EncodedFloat | None = None
+    time: EncodedFloat | None = None
+    val_loss: EncodedFloat | None = None
+
+
+class MetricPage(BaseModel):
+    """A page of metric points in step order."""
+
+    items: list[MetricPoint]
+    next: int | None = Field(
+        description="Pass as `after_step` for the next page; null when no more points are stored."
+    )
+
+
+class LaunchPlan(BaseModel):
+    """Response of ``POST /v1/jobs:validate``: what the server would run."""
+
+    valid: bool = True
+    argv: list[str] = Field(description="The exact argv of the process the server spawns.")
+    torchrun_argv: list[str] = Field(
+        description="The equivalent torchrun command line, to reproduce the job by hand."
+    )
+    env: dict[str, str] = Field(description="Environment variables the server sets for the job.")
+    world_size: int
+    global_batch_sequences: int = Field(
+        description="Sequences per optimizer step: micro_batch_size x accum_steps x world_size."
+    )
+    global_batch_tokens: int = Field(description="Tokens per optimizer step.")
+    total_tokens: int = Field(description="Tokens over the whole run.")
+    warnings: list[str]
+
+
+class LogLines(BaseModel):
+    """The end of a job's combined log (launcher and all ranks, as torchrun tees them)."""
+
+    lines: list[str]
+    truncated: bool = Field(description="True when the log has more lines than returned.")
+
+
+class Health(BaseModel):
+    """Response of ``GET /healthz``."""
+
+    status: Literal["ok"] = "ok"
+    version: str
+
+
+class FieldError(BaseModel):
+    """One invalid field of a request."""
+
+    field: str = Field(description="Dotted path, e.g. `body.train.steps`.")
+    loc: list[str | int]
+    message: str
+    type: str
+
+
+class Problem(BaseModel):
+    """RFC 9457 problem details (``application/problem+json``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str | None = None
+    instance: str | None = None
+    errors: list[FieldError] | None = None

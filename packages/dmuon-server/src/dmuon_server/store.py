@@ -1,0 +1,392 @@
+"""SQLite persistence: jobs, state transitions with reasons, metrics and file offsets.
+
+One connection per :class:`Store`, shared by threads under a lock; WAL journal and a busy
+timeout so that readers never block the writer and a second process (a restarted server,
+a ``sqlite3`` shell) waits instead of failing. Every write that must be atomic (a job and
+its first transition; a batch of metric points and the file offset after them) is one
+``BEGIN IMMEDIATE`` transaction.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from dmuon_server.schemas import TERMINAL_STATES
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    name TEXT,
+    state TEXT NOT NULL,
+    nproc INTEGER NOT NULL,
+    spec TEXT NOT NULL,
+    spec_hash TEXT NOT NULL,
+    idempotency_key TEXT UNIQUE,
+    created_at REAL NOT NULL,
+    started_at REAL,
+    finished_at REAL,
+    exit_code INTEGER,
+    reason TEXT,
+    pid INTEGER,
+    pgid INTEGER,
+    create_time REAL,
+    cancel_requested_at REAL,
+    failure TEXT,
+    recipe_summary TEXT,
+    argv TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
+CREATE TABLE IF NOT EXISTS transitions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id, id);
+CREATE TABLE IF NOT EXISTS metrics (
+    job_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    loss REAL,
+    received_at REAL NOT NULL,
+    PRIMARY KEY (job_id, step)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS offsets (
+    job_id TEXT NOT NULL,
+    stream TEXT NOT NULL,
+    byte_offset INTEGER NOT NULL,
+    PRIMARY KEY (job_id, stream)
+) WITHOUT ROWID;
+"""
+
+
+class IdempotencyConflict(Exception):
+    """The idempotency key is already bound to a job with a different spec."""
+
+    def __init__(self, job_id: str) -> None:
+        """Remember the job the key belongs to."""
+        super().__init__(job_id)
+        self.job_id = job_id
+
+
+class Store:
+    """Thread-safe access to the server's SQLite database."""
+
+    def __init__(self, path: Path) -> None:
+        """Open (and create or migrate) the database at ``path``."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.RLock()
+        self._conn = sqlite3.connect(
+            str(path), timeout=30.0, isolation_level=None, check_same_thread=False
+        )
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA busy_timeout=30000")
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        self._conn.execute("PRAGMA foreign_keys=ON")
+        for stmt in _SCHEMA.strip().split(";"):
+            if stmt.strip():
+                self._conn.execute(stmt)
+        self._conn.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+            (str(SCHEMA_VERSION),),
+        )
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self._lock:
+            self._conn.close()
+
+    @contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """Run the body as one ``BEGIN IMMEDIATE`` transaction under the lock."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            else:
+                self._conn.execute("COMMIT")
+
+    def _query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(r) for r in self._conn.execute(sql, params).fetchall()]
+
+    # ----------------------------------------------------------------------------- jobs
+
+    def create_job(
+        self,
+        *,
+        job_id: str,
+        name: str | None,
+        nproc: int,
+        spec: str,
+        spec_hash: str,
+        idempotency_key: str | None,
+        argv: list[str],
+    ) -> tuple[dict[str, Any], bool]:
+        """Insert a queued job, or return the one bound to ``idempotency_key``.
+
+        Returns the job row and whether it was created. Raises :class:`IdempotencyConflict`
+        when the key belongs to a job with another spec.
+        """
+        now = time.time()
+        with self._tx() as c:
+            if idempotency_key is not None:
+                row = c.execute(
+                    "SELECT * FROM jobs WHERE idempotency_key = ?", (idempotency_key,)
+                ).fetchone()
+                if row is not None:
+                    if row["spec_hash"] != spec_hash:
+                        raise IdempotencyConflict(row["id"])
+                    return dict(row), False
+            c.execute(
+                "INSERT INTO jobs (id, name, state, nproc, spec, spec_hash, idempotency_key,"
+                " created_at, reason, argv) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    job_id,
+                    name,
+                    nproc,
+                    spec,
+                    spec_hash,
+                    idempotency_key,
+                    now,
+                    "submitted",
+                    json.dumps(argv),
+                ),
+            )
+            c.execute(
+                "INSERT INTO transitions (job_id, state, reason, at) VALUES (?, 'queued', ?, ?)",
+                (job_id, "submitted", now),
+            )
+            row = c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            return dict(row), True
+
+    def get_job(self, job_id: str) -> dict[str, Any] | None:
+        """Return the job row, or None."""
+        rows = self._query("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        return rows[0] if rows else None
+
+    def list_jobs(
+        self, *, states: Iterable[str] | None, before_seq: int | None, limit: int
+    ) -> list[dict[str, Any]]:
+        """Return up to ``limit`` jobs, newest first, optionally filtered by state."""
+        sql = "SELECT * FROM jobs WHERE 1=1"
+        params: list[Any] = []
+        state_list = list(states or [])
+        if state_list:
+            sql += f" AND state IN ({','.join('?' * len(state_list))})"
+            params.extend(state_list)
+        if before_seq is not None:
+            sql += " AND seq < ?"
+            params.append(before_seq)
+        sql += " ORDER BY seq DESC LIMIT ?"
+        params.append(limit)
+        return self._query(sql, params)
+
+    def jobs_in_states(self, states: Iterable[str]) -> list[dict[str, Any]]:
+        """Return all jobs in the given states, oldest first (FIFO order)."""
+        state_list = list(states)
+        return self._query(
+            f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(state_list))}) ORDER BY seq",
+            state_list,
+        )
+
+    def counts_by_state(self) -> dict[str, int]:
+        """Return the number of jobs in each state that has any."""
+        rows = self._query("SELECT state, COUNT(*) AS n FROM jobs GROUP BY state")
+        return {r["state"]: int(r["n"]) for r in rows}
+
+    def transition(
+        self,
+        job_id: str,
+        state: str,
+        reason: str,
+        *,
+        from_states: Iterable[str] | None = None,
+        **fields: Any,
+    ) -> bool:
+        """Move a job to ``state`` with a reason, setting extra columns in the same step.
+
+        Terminal states are final: nothing happens (False) when the job is in one, or when
+        ``from_states`` is given and the job is in none of them.
+        """
+        now = time.time()
+        with self._tx() as c:
+            row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None or row["state"] in TERMINAL_STATES:
+                return False
+            if from_states is not None and row["state"] not in set(from_states):
+                return False
+            cols = {"state": state, "reason": reason, **fields}
+            if state in TERMINAL_STATES:
+                cols.setdefault("finished_at", now)
+            if state == "starting":
+                cols.setdefault("started_at", now)
+            assignments = ", ".join(f"{k} = ?" for k in cols)
+            c.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*cols.values(), job_id))
+            c.execute(
+                "INSERT INTO transitions (job_id, state, reason, at) VALUES (?, ?, ?, ?)",
+                (job_id, state, reason, now),
+            )
+            return True
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        """Set columns of a job without a state change."""
+        if not fields:
+            return
+        assignments = ", ".join(f"{k} = ?" for k in fields)
+        with self._tx() as c:
+            c.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*fields.values(), job_id))
+
+    def request_cancel(self, job_id: str) -> dict[str, Any] | None:
+        """Mark a job as cancel-requested (first request wins) and return its row."""
+        with self._tx() as c:
+            c.execute(
+                "UPDATE jobs SET cancel_requested_at = ? WHERE id = ?"
+                " AND cancel_requested_at IS NULL",
+                (time.time(), job_id),
+            )
+            row = c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            return dict(row) if row else None
+
+    def delete_job(self, job_id: str) -> bool:
+        """Delete a finished job and everything stored about it; False if not finished."""
+        with self._tx() as c:
+            row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None or row["state"] not in TERMINAL_STATES:
+                return False
+            for table in ("metrics", "offsets", "transitions"):
+                c.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
+            c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
+            return True
+
+    def history(self, job_id: str) -> list[dict[str, Any]]:
+        """Return a job's transitions, oldest first (with their ``id``)."""
+        return self._query(
+            "SELECT id, state, reason, at FROM transitions WHERE job_id = ? ORDER BY id", (job_id,)
+        )
+
+    def transitions_after(self, job_id: str, after_id: int) -> list[dict[str, Any]]:
+        """Return a job's transitions with ``id > after_id``."""
+        return self._query(
+            "SELECT id, state, reason, at FROM transitions WHERE job_id = ? AND id > ? ORDER BY id",
+            (job_id, after_id),
+        )
+
+    # -------------------------------------------------------------------------- metrics
+
+    def get_offset(self, job_id: str, stream: str) -> int:
+        """Return how many bytes of a job's file were consumed (0 at first)."""
+        rows = self._query(
+            "SELECT byte_offset FROM offsets WHERE job_id = ? AND stream = ?", (job_id, stream)
+        )
+        return int(rows[0]["byte_offset"]) if rows else 0
+
+    def ingest(
+        self,
+        job_id: str,
+        stream: str,
+        new_offset: int,
+        points: Sequence[tuple[int, dict[str, Any], float | None]],
+        recipe_summary: dict[str, Any] | None = None,
+    ) -> int:
+        """Store metric points and the file offset after them in one transaction.
+
+        ``points`` are ``(step, data, loss)``; ``data`` must already be strict JSON
+        (non-finite floats encoded). A step seen before is merged key by key (a recipe may
+        report the eval of a step on its own line), so re-reading never duplicates.
+        Returns the number of points written.
+        """
+        now = time.time()
+        written = 0
+        with self._tx() as c:
+            for step, data, loss in points:
+                old = c.execute(
+                    "SELECT data FROM metrics WHERE job_id = ? AND step = ?", (job_id, step)
+                ).fetchone()
+                if old is None:
+                    c.execute(
+                        "INSERT INTO metrics (job_id, step, data, loss, received_at)"
+                        " VALUES (?, ?, ?, ?, ?)",
+                        (job_id, step, json.dumps(data, allow_nan=False), loss, now),
+                    )
+                    written += 1
+                else:
+                    merged = {**json.loads(old["data"]), **data}
+                    if loss is None and isinstance(merged.get("loss"), int | float):
+                        loss = float(merged["loss"])
+                    c.execute(
+                        "UPDATE metrics SET data = ?, loss = ? WHERE job_id = ? AND step = ?",
+                        (json.dumps(merged, allow_nan=False), loss, job_id, step),
+                    )
+                    written += 1
+            c.execute(
+                "INSERT INTO offsets (job_id, stream, byte_offset) VALUES (?, ?, ?)"
+                " ON CONFLICT (job_id, stream) DO UPDATE SET byte_offset = excluded.byte_offset",
+                (job_id, stream, new_offset),
+            )
+            if recipe_summary is not None:
+                c.execute(
+                    "UPDATE jobs SET recipe_summary = ? WHERE id = ?",
+                    (json.dumps(recipe_summary, allow_nan=False), job_id),
+                )
+        return written
+
+    def metrics_after(self, job_id: str, after_step: int, limit: int) -> list[dict[str, Any]]:
+        """Return up to ``limit`` points with ``step > after_step`` in step order."""
+        rows = self._query(
+            "SELECT step, data, received_at FROM metrics WHERE job_id = ? AND step > ?"
+            " ORDER BY step LIMIT ?",
+            (job_id, after_step, limit),
+        )
+        return rows
+
+    def metric_stats(self, job_id: str) -> dict[str, Any]:
+        """Return what a job summary needs: counts, first/last points, val losses."""
+        with self._lock:
+            c = self._conn
+            n = c.execute("SELECT COUNT(*) FROM metrics WHERE job_id = ?", (job_id,)).fetchone()[0]
+            first = c.execute(
+                "SELECT step, data, received_at FROM metrics WHERE job_id = ?"
+                " ORDER BY step LIMIT 1",
+                (job_id,),
+            ).fetchone()
+            last = c.execute(
+                "SELECT step, data, received_at FROM metrics WHERE job_id = ?"
+                " ORDER BY step DESC LIMIT 1",
+                (job_id,),
+            ).fetchone()
+            last_loss = c.execute(
+                "SELECT data FROM metrics WHERE job_id = ?"
+                " AND json_extract(data, '$.loss') IS NOT NULL ORDER BY step DESC LIMIT 1",
+                (job_id,),
+            ).fetchone()
+            vals = c.execute(
+                "SELECT json_extract(data, '$.val_loss') AS v FROM metrics WHERE job_id = ?"
+                " AND json_extract(data, '$.val_loss') IS NOT NULL ORDER BY step",
+                (job_id,),
+            ).fetchall()
+        return {
+            "count": int(n),
+            "first": dict(first) if first else None,
+            "last": dict(last) if last else None,
+            "last_loss": json.loads(last_loss["data"]) if last_loss else None,
+            "first_val_loss": vals[0]["v"] if vals else None,
+            "last_val_loss": vals[-1]["v"] if vals else None,
+        }

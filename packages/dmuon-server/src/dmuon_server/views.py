@@ -1,0 +1,117 @@
+"""Turning stored rows into API models (jobs, summaries, metric points)."""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from dmuon_server.schemas import (
+    TERMINAL_STATES,
+    FailureInfo,
+    Job,
+    JobCreate,
+    JobSummary,
+    MetricPoint,
+    Transition,
+)
+from dmuon_server.store import Store
+
+
+def ts(value: float | None) -> datetime | None:
+    """A stored unix time as an aware UTC datetime."""
+    return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
+
+
+def _num(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _enc(value: Any) -> Any:
+    """A stored metric value as the API shows it (number, encoded non-finite, or None)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float) or value in ("NaN", "Infinity", "-Infinity"):
+        return value
+    return None
+
+
+def summarize(store: Store, row: dict[str, Any], steps: int) -> JobSummary:
+    """Progress of a job: last step and loss, tokens/s, elapsed time and ETA.
+
+    The ETA uses the recipe's ``time`` (seconds since training started) between the first
+    and last stored points when it increases, else the times the points arrived.
+    """
+    stats = store.metric_stats(row["id"])
+    last = json.loads(stats["last"]["data"]) if stats["last"] else None
+    first = json.loads(stats["first"]["data"]) if stats["first"] else None
+    last_step = last["step"] if last else None
+    now = time.time()
+    elapsed = None
+    if row["started_at"] is not None:
+        elapsed = max(0.0, (row["finished_at"] or now) - row["started_at"])
+    eta = None
+    if row["state"] == "succeeded":
+        eta = 0.0
+    elif row["state"] not in TERMINAL_STATES and last and first and last_step is not None:
+        d_step = last_step - first["step"]
+        sec_per_step = None
+        t0, t1 = _num(first.get("time")), _num(last.get("time"))
+        if d_step > 0 and t0 is not None and t1 is not None and t1 > t0:
+            sec_per_step = (t1 - t0) / d_step
+        elif d_step > 0:
+            dt = stats["last"]["received_at"] - stats["first"]["received_at"]
+            sec_per_step = dt / d_step if dt > 0 else None
+        elif elapsed and last_step > 0:
+            sec_per_step = elapsed / last_step
+        if sec_per_step is not None:
+            eta = max(0.0, (steps - last_step) * sec_per_step)
+    last_loss = stats["last_loss"]
+    return JobSummary(
+        steps=steps,
+        points=stats["count"],
+        last_step=last_step,
+        last_loss=_enc(last_loss.get("loss")) if last_loss else None,
+        last_val_loss=_enc(stats["last_val_loss"]),
+        first_val_loss=_enc(stats["first_val_loss"]),
+        tokens_per_s=_enc(last.get("tokens_per_s")) if last else None,
+        progress=min(1.0, max(0.0, (last_step or 0) / steps)) if steps else 0.0,
+        elapsed_s=elapsed,
+        eta_s=eta,
+    )
+
+
+def job_view(store: Store, row: dict[str, Any]) -> Job:
+    """The API model of a stored job, with its history and live summary."""
+    spec = JobCreate.model_validate_json(row["spec"])
+    history = [
+        Transition(state=h["state"], reason=h["reason"], at=ts(h["at"]))  # type: ignore[arg-type]
+        for h in store.history(row["id"])
+    ]
+    failure = FailureInfo(**json.loads(row["failure"])) if row["failure"] else None
+    recipe_summary = json.loads(row["recipe_summary"]) if row["recipe_summary"] else None
+    return Job(
+        id=row["id"],
+        name=row["name"],
+        state=row["state"],
+        nproc_per_node=row["nproc"],
+        train=spec.train,
+        created_at=ts(row["created_at"]),  # type: ignore[arg-type]
+        started_at=ts(row["started_at"]),
+        finished_at=ts(row["finished_at"]),
+        exit_code=row["exit_code"],
+        reason=row["reason"],
+        cancel_requested=row["cancel_requested_at"] is not None,
+        history=history,
+        failure=failure,
+        summary=summarize(store, row, spec.train.steps),
+        recipe_summary=recipe_summary,
+    )
+
+
+def metric_point(data_json: str) -> MetricPoint:
+    """A stored metric row's JSON as a :class:`MetricPoint`."""
+    return MetricPoint.model_validate(json.loads(data_json))
