@@ -1,0 +1,205 @@
+"""Helpers shared by the dmuon-server tests (not fixtures)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import psutil
+
+from dmuon_server.config import DATA_DIR_ENV_MARKER, Settings
+
+SERVER_TESTS = Path(__file__).resolve().parent
+T = TypeVar("T")
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
+    """Test settings: fake trainer, fast polling, short grace, data root under tmp."""
+    kw: dict[str, Any] = {
+        "data_dir": tmp_path / "data",
+        "train_module": "fake_train",
+        "poll_interval_s": 0.05,
+        "cancel_grace_s": 3.0,
+        "heartbeat_s": 15.0,
+        "max_nproc_per_node": 4,
+        "data_roots": (tmp_path / "datasets",),
+    }
+    kw.update(overrides)
+    return Settings(**kw)
+
+
+def job_spec(nproc: int = 2, name: str | None = None, **train: Any) -> dict[str, Any]:
+    """A valid job body; ``train`` overrides recipe settings."""
+    t: dict[str, Any] = {
+        "model": "tiny",
+        "steps": 20,
+        "micro_batch_size": 2,
+        "accum_steps": 2,
+        "seq_len": 32,
+        "lr": 0.02,
+        "adamw_lr": 0.003,
+        "optimizer": "dmuon",
+        "mode": "z2",
+        "seed": 0,
+    }
+    t.update(train)
+    body: dict[str, Any] = {"nproc_per_node": nproc, "train": t}
+    if name is not None:
+        body["name"] = name
+    return body
+
+
+def wait_until(fn: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll ``fn`` until it returns something truthy; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+
+
+def job_processes(data_dir: Path) -> list[psutil.Process]:
+    """Live processes of any job started under ``data_dir`` (by their environment marker)."""
+    marker = str(Path(os.path.realpath(data_dir)))
+    found = []
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+            if env.get(DATA_DIR_ENV_MARKER) == marker and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def kill_job_processes(data_dir: Path) -> None:
+    """Safety net for teardown: SIGKILL whatever a test left running."""
+    procs = job_processes(data_dir)
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGKILL)
+    psutil.wait_procs(procs, timeout=10)
+
+
+@dataclass
+class SSEEvent:
+    """One parsed Server-Sent Event (or a comment when ``event == ':'``)."""
+
+    event: str
+    data: str
+    id: str | None
+
+    def json(self) -> Any:
+        """The data as JSON."""
+        return json.loads(self.data)
+
+
+def iter_sse(response: httpx.Response) -> Iterator[SSEEvent]:
+    """Parse an event stream; comments come out as events named ``':'``."""
+    event, data, eid = "message", [], None
+    for line in response.iter_lines():
+        if line == "":
+            if data:
+                yield SSEEvent(event, "\n".join(data), eid)
+            event, data, eid = "message", [], None
+            continue
+        if line.startswith(":"):
+            yield SSEEvent(":", line[1:].strip(), None)
+            continue
+        field, _, value = line.partition(":")
+        value = value[1:] if value.startswith(" ") else value
+        if field == "event":
+            event = value
+        elif field == "data":
+            data.append(value)
+        elif field == "id":
+            eid = value
+
+
+class LiveServer:
+    """``dmuon-server`` as a real process on a free loopback port."""
+
+    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        """Remember how to start it; :meth:`start` does."""
+        self.data_dir = data_dir
+        self.extra = list(extra)
+        self.env = {**os.environ, **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.url = ""
+        self.log_path = data_dir.parent / f"server-{data_dir.name}.log"
+
+    def start(self, timeout: float = 30.0) -> LiveServer:
+        """Start the server and wait until /healthz answers."""
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        info_path = self.data_dir / "server.json"
+        info_path.unlink(missing_ok=True)
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "dmuon_server.cli",
+                    "--port",
+                    "0",
+                    "--data-dir",
+                    str(self.data_dir),
+                    *self.extra,
+                ],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+        def ready() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited: {self.log_path.read_text()[-3000:]}")
+            try:
+                info = json.loads(info_path.read_text())
+            except (FileNotFoundError, ValueError):
+                return False
+            if info.get("pid") != self.proc.pid:
+                return False
+            self.url = info["url"]
+            try:
+                return httpx.get(self.url + "/healthz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(ready, timeout, "the server to answer /healthz", interval=0.1)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL the server (its jobs must survive)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        """SIGTERM the server and wait for it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def client(self, **kw: Any) -> httpx.Client:
+        """An httpx client for this server."""
+        return httpx.Client(base_url=self.url, timeout=30, **kw)
