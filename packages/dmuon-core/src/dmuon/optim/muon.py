@@ -1,0 +1,492 @@
+"""The DMuon optimizer: Muon on dedicated (owned) matrices, AdamW on everything else.
+
+`Muon` is a `torch.optim.Optimizer` with two real param groups, so every
+`torch.optim.lr_scheduler` and the usual ``state_dict`` machinery work unchanged:
+
+* ``param_groups[0]`` (``"algorithm": "muon"``) holds every dedicated parameter of the model,
+  owned or not, so parameter indices are the same on every rank. Only owned parameters with
+  a reduced gradient are stepped: momentum, Newton-Schulz, decoupled weight decay, update.
+* ``param_groups[1]`` (``"algorithm": "adamw"``) holds every other trainable parameter (FSDP2
+  DTensor shards included) and is stepped by ``torch.optim.adamw.adamw``, the functional
+  form of ``torch.optim.AdamW``, with its defaults.
+
+``step()`` issues no collective: the ownership runtime has already reduced each dedicated
+gradient to its owner (``param._reduced_grad``), and AdamW works on local shards.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.optim.adamw import adamw
+
+from ..ownership.state import DedicatedParam, get_dedication
+from .newton_schulz import (
+    Coefficients,
+    _check_dtype,
+    _newton_schulz_unchecked,
+    resolve_coefficients,
+)
+
+__all__ = ["ADJUST_LR_FNS", "Muon", "adjust_lr_ratio"]
+
+ADJUST_LR_FNS: tuple[str | None, ...] = ("original", "match_rms_adamw", None)
+"""Accepted values of ``adjust_lr_fn``."""
+
+_GRAD_ATTRS = ("_reduced_grad", "_accumulated_grad")
+
+
+def adjust_lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """Factor the learning rate is multiplied by for a ``rows x cols`` matrix.
+
+    * ``"original"`` (Keller Jordan): ``sqrt(max(1, rows / cols))``.
+    * ``"match_rms_adamw"`` (Moonlight, arXiv 2502.16982): ``0.2 * sqrt(max(rows, cols))``,
+      which gives the update an RMS of about 0.2, like AdamW's, so AdamW learning rates and
+      weight decay carry over.
+    * ``None``: 1 (no adjustment). Note that ``torch.optim.Muon`` treats ``None`` as
+      ``"original"``.
+
+    Raises:
+        ValueError: an unknown ``adjust_lr_fn``.
+    """
+    if adjust_lr_fn == "original":
+        return math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if adjust_lr_fn is None:
+        return 1.0
+    raise ValueError(
+        f"adjust_lr_fn must be one of 'original', 'match_rms_adamw' or None, got {adjust_lr_fn!r}"
+    )
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_nonneg(name: str, value: object, hint: str) -> None:
+    if not _is_real(value) or not (0.0 <= float(value) < math.inf):
+        raise ValueError(f"{name} must be a finite number >= 0 ({hint}), got {value!r}")
+
+
+def _check_unit(name: str, value: object, hint: str) -> None:
+    if not _is_real(value) or not (0.0 <= float(value) < 1.0):
+        raise ValueError(f"{name} must be in [0, 1) ({hint}), got {value!r}")
+
+
+def _validate_muon_group(group: dict[str, Any]) -> None:
+    _check_nonneg("lr", group["lr"], "e.g. 0.02")
+    _check_unit("momentum", group["momentum"], "e.g. 0.95")
+    _check_nonneg("weight_decay", group["weight_decay"], "0 disables it")
+    if not isinstance(group["nesterov"], bool):
+        raise ValueError(f"nesterov must be True or False, got {group['nesterov']!r}")
+    steps = group["ns_steps"]
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"ns_steps must be an integer >= 1 (5 is usual), got {steps!r}")
+    try:
+        resolve_coefficients(group["ns_coefficients"], steps)
+    except ValueError as e:
+        raise ValueError(f"ns_coefficients: {e}") from None
+    if group["ns_dtype"] is not None:
+        try:
+            _check_dtype(group["ns_dtype"])
+        except ValueError as e:
+            raise ValueError(f"ns_{e}") from None
+    eps = group["eps"]
+    if not _is_real(eps) or not (0.0 < float(eps) < math.inf):
+        raise ValueError(f"eps must be a finite number > 0 (default 1e-7), got {eps!r}")
+    if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise ValueError(
+            f"adjust_lr_fn must be one of 'original', 'match_rms_adamw' or None, "
+            f"got {group['adjust_lr_fn']!r}"
+        )
+
+
+def _validate_adamw_group(group: dict[str, Any]) -> None:
+    _check_nonneg("adamw_lr", group["lr"], "e.g. 1e-3")
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(
+            f"adamw_betas must be a pair (beta1, beta2), e.g. (0.9, 0.999), got {betas!r}"
+        )
+    _check_unit("adamw_betas[0]", betas[0], "e.g. 0.9")
+    _check_unit("adamw_betas[1]", betas[1], "e.g. 0.999")
+    _check_nonneg("adamw_eps", group["eps"], "e.g. 1e-8")
+    _check_nonneg("adamw_weight_decay", group["weight_decay"], "e.g. 0.01")
+
+
+def _scalar_dtype() -> torch.dtype:
+    # Same choice as torch.optim's `_get_scalar_dtype()` for the AdamW step counter.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+class Muon(torch.optim.Optimizer):
+    """Distributed Muon for a model prepared with ``dmuon.dedicate_params``.
+
+    Dedicated matrices are updated with Muon on their owner, exactly as ``torch.optim.Muon``
+    does for a full matrix ``W`` (``rows x cols``) with gradient ``G``::
+
+        buf = lerp(buf, G, 1 - momentum)
+        U = lerp(G, buf, momentum) if nesterov else buf
+        O = newton_schulz(U, ns_steps, ns_coefficients, ns_dtype, eps)
+        W *= 1 - lr * weight_decay
+        W -= lr * adjust_lr_ratio(adjust_lr_fn, rows, cols) * O
+
+    Owned matrices of the same shape are orthogonalized together in one batched call.
+    Every other trainable parameter is updated with AdamW (``torch.optim.AdamW``'s own
+    functional implementation, so results are bit-identical to it, DTensor shards included).
+
+    Create the optimizer after ``dedicate_params`` and after ``fully_shard`` (FSDP2 replaces
+    parameters with DTensors). On every rank, ``param_groups[0]`` is the Muon group and
+    ``param_groups[1]`` the AdamW group (its ``lr`` is ``adamw_lr``); schedulers change both.
+
+    ``step()`` issues no collective. Optimizer state is per rank (each owner holds the
+    momentum of its matrices, each rank the AdamW state of its shards): save and load one
+    ``state_dict()`` per rank.
+
+    Args:
+        model: the module passed to ``dmuon.dedicate_params``.
+        lr: Muon learning rate (>= 0).
+        momentum: momentum factor in [0, 1).
+        nesterov: use Nesterov momentum.
+        weight_decay: decoupled weight decay of dedicated matrices (>= 0), applied as
+            ``W *= 1 - lr * weight_decay``.
+        ns_steps: Newton-Schulz steps (>= 1).
+        ns_coefficients: ``"polar_express"``, ``"keller"``, one ``(a, b, c)`` triple or a
+            per-step list of triples (see ``dmuon.optim.resolve_coefficients``).
+        ns_dtype: Newton-Schulz dtype; ``None`` means bfloat16 on CUDA, float32 on CPU.
+        eps: Newton-Schulz norm clamp (> 0).
+        adjust_lr_fn: ``"match_rms_adamw"``, ``"original"`` or ``None`` (see
+            `adjust_lr_ratio`).
+        adamw_lr: learning rate of the AdamW group (>= 0).
+        adamw_betas: AdamW ``(beta1, beta2)``, each in [0, 1).
+        adamw_eps: AdamW epsilon (>= 0).
+        adamw_weight_decay: AdamW decoupled weight decay (>= 0).
+
+    Raises:
+        ValueError: ``model`` has no dedication state, a dedicated parameter is not a
+            matrix, or a hyperparameter is out of range.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: Coefficients = "polar_express",
+        ns_dtype: torch.dtype | None = None,
+        eps: float = 1e-7,
+        adjust_lr_fn: str | None = "match_rms_adamw",
+        adamw_lr: float = 1e-3,
+        adamw_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.01,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise ValueError(
+                f"Muon takes the model (an nn.Module prepared with dmuon.dedicate_params), "
+                f"not {type(model).__name__}"
+            )
+        state = get_dedication(model)
+        if state is None:
+            raise ValueError(
+                "this model has no dedicated parameters: call dmuon.dedicate_params(model, ...) "
+                "(after fully_shard when using FSDP2) before creating dmuon.Muon(model, ...)"
+            )
+        self._group_defaults: dict[str, dict[str, Any]] = {
+            "muon": {
+                "lr": lr,
+                "momentum": momentum,
+                "nesterov": nesterov,
+                "weight_decay": weight_decay,
+                "ns_steps": ns_steps,
+                "ns_coefficients": ns_coefficients,
+                "ns_dtype": ns_dtype,
+                "eps": eps,
+                "adjust_lr_fn": adjust_lr_fn,
+            },
+            "adamw": {
+                "lr": adamw_lr,
+                "betas": tuple(adamw_betas)
+                if isinstance(adamw_betas, (tuple, list))
+                else adamw_betas,
+                "eps": adamw_eps,
+                "weight_decay": adamw_weight_decay,
+            },
+        }
+        # Validate everything up front, so the first error names the argument.
+        _validate_muon_group(dict(self._group_defaults["muon"]))
+        _validate_adamw_group(dict(self._group_defaults["adamw"]))
+
+        for dp in state.params:
+            if len(dp.shape) != 2:
+                raise ValueError(
+                    f"dedicated parameter {dp.fqn!r} has shape {tuple(dp.shape)}; Muon updates "
+                    "matrices only: dedicate 2-D weights and leave other parameters to AdamW"
+                )
+        self._model = model
+        dedicated = [dp.param for dp in state.params]
+        dedicated_ids = {id(p) for p in dedicated}
+        others: list[nn.Parameter] = []
+        seen: set[int] = set()
+        for p in model.parameters():
+            if not p.requires_grad or id(p) in dedicated_ids or id(p) in seen:
+                continue
+            seen.add(id(p))
+            others.append(p)
+        groups = [
+            {"params": dedicated, "algorithm": "muon"},
+            {"params": others, "algorithm": "adamw"},
+        ]
+        super().__init__(groups, dict(self._group_defaults["muon"], algorithm="muon"))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a param group; ``param_group["algorithm"]`` must be ``"muon"`` or ``"adamw"``.
+
+        Missing hyperparameters are taken from the constructor arguments of that algorithm
+        (for ``"adamw"``: ``lr=adamw_lr``, ``betas``, ``eps``, ``weight_decay``). A Muon group
+        may only hold parameters dedicated by ``dmuon.dedicate_params``.
+        """
+        algorithm = param_group.get("algorithm")
+        if algorithm not in self._group_defaults:
+            raise ValueError(
+                f'param group "algorithm" must be "muon" or "adamw", got {algorithm!r}'
+            )
+        for key, value in self._group_defaults[algorithm].items():
+            param_group.setdefault(key, value)
+        if algorithm == "muon":
+            _validate_muon_group(param_group)
+        else:
+            _validate_adamw_group(param_group)
+        super().add_param_group(param_group)
+
+    def _dedicated_by_id(self) -> dict[int, DedicatedParam]:
+        state = get_dedication(self._model)
+        if state is None:
+            raise ValueError(
+                "the model lost its dedication state; do not undo dmuon.dedicate_params while "
+                "its optimizer is in use"
+            )
+        return {id(dp.param): dp for dp in state.params}
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        """Perform one optimization step (no collective is issued).
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss.
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        dedicated = self._dedicated_by_id()
+        for group in self.param_groups:
+            if group["algorithm"] == "muon":
+                self._muon_step(group, dedicated)
+            else:
+                self._adamw_step(group)
+        state = get_dedication(self._model)
+        if state is not None:
+            state.mark_parameters_updated()
+        return loss
+
+    def _muon_step(self, group: dict[str, Any], dedicated: dict[int, DedicatedParam]) -> None:
+        lr = group["lr"]
+        momentum = group["momentum"]
+        triples = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+        params: list[Tensor] = []
+        updates: list[Tensor] = []
+        for p in group["params"]:
+            dp = dedicated.get(id(p))
+            if dp is None:
+                raise ValueError(
+                    "a parameter in the Muon group is not dedicated; only parameters "
+                    "dedicated by dmuon.dedicate_params can be stepped with Muon"
+                )
+            if not dp.is_owned:
+                continue
+            grad = getattr(p, "_reduced_grad", None)
+            if grad is None:
+                continue
+            if grad.shape != p.shape or grad.dim() != 2:
+                raise ValueError(
+                    f"the reduced gradient of {dp.fqn!r} has shape {tuple(grad.shape)}, "
+                    f"expected the full matrix {tuple(p.shape)}"
+                )
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(
+                    grad, memory_format=torch.preserve_format
+                )
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+            params.append(p)
+            updates.append(update)
+
+        # Orthogonalize same-shape matrices together (one batched call per bucket).
+        buckets: dict[tuple[Any, ...], list[int]] = {}
+        for i, u in enumerate(updates):
+            buckets.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
+        for (_, _, device), idx in buckets.items():
+            ns_dtype = group["ns_dtype"]
+            if ns_dtype is None:
+                ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            if len(idx) == 1:
+                ortho = [_newton_schulz_unchecked(updates[idx[0]], triples, ns_dtype, group["eps"])]
+            else:
+                stacked = torch.stack([updates[i] for i in idx])
+                ortho = list(_newton_schulz_unchecked(stacked, triples, ns_dtype, group["eps"]))
+            for i, o in zip(idx, ortho, strict=True):
+                p = params[i]
+                rows, cols = p.shape
+                adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(o, alpha=-adjusted_lr)
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        params: list[Tensor] = []
+        grads: list[Tensor] = []
+        exp_avgs: list[Tensor] = []
+        exp_avg_sqs: list[Tensor] = []
+        steps: list[Tensor] = []
+        has_complex = False
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError("AdamW does not support sparse gradients; use dense ones")
+            has_complex |= torch.is_complex(p)
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adamw(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            [],
+            steps,
+            foreach=None,
+            capturable=False,
+            differentiable=False,
+            fused=None,
+            grad_scale=None,
+            found_inf=None,
+            has_complex=has_complex,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients: ``.grad`` of every parameter, and ``_reduced_grad`` and
+        ``_accumulated_grad`` of every dedicated parameter.
+
+        Args:
+            set_to_none: set them to ``None`` (default) instead of filling them with zeros.
+        """
+        super().zero_grad(set_to_none=set_to_none)
+        state = get_dedication(self._model)
+        if state is None:
+            return
+        for dp in state.params:
+            for attr in _GRAD_ATTRS:
+                g = getattr(dp.param, attr, None)
+                if g is None:
+                    continue
+                if set_to_none:
+                    setattr(dp.param, attr, None)
+                else:
+                    g.zero_()
+
+    @torch.no_grad()
+    def grad_norm(self) -> float:
+        """Global L2 norm of the gradients this optimizer will step with.
+
+        Call it after backward and before ``step()``. It covers every owned dedicated
+        parameter's ``_reduced_grad`` and every AdamW parameter's ``.grad`` (a DTensor
+        contributes its local shard; a replicated DTensor or plain tensor is counted once
+        across its replicas), so the result is the norm of the full model gradient. When
+        ``torch.distributed`` is initialized with more than one rank, the squared sums are
+        added across ranks with one ``all_reduce``: every rank must call it, and all get the
+        same value. This is the ``grad_norm`` the training recipe logs.
+
+        Returns:
+            The norm as a Python float.
+        """
+        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        world = dist.get_world_size() if distributed else 1
+        parts: list[Tensor] = []
+        dedicated = self._dedicated_by_id()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if group["algorithm"] == "muon":
+                    dp = dedicated.get(id(p))
+                    g = getattr(p, "_reduced_grad", None)
+                    if dp is None or not dp.is_owned or g is None:
+                        continue
+                    parts.append(g.detach().double().square().sum())
+                    continue
+                g = p.grad
+                if g is None:
+                    continue
+                parts.append(_local_sq_sum(g.detach(), world))
+        device = torch.device("cpu")
+        if distributed and "nccl" in str(dist.get_backend()).lower():
+            device = torch.device("cuda", torch.cuda.current_device())
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for t in parts:
+            total += t.to(device)
+        if distributed:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return math.sqrt(total.item())
+
+
+def _local_sq_sum(g: Tensor, world: int) -> Tensor:
+    """Squared L2 norm of this rank's part of ``g``, divided by its replication count."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        DTensor = ()  # type: ignore[assignment,misc]
+    if isinstance(g, DTensor):
+        if any(pl.is_partial() for pl in g.placements):
+            replicas = g.device_mesh.size()
+            g = g.full_tensor()
+        else:
+            mesh = g.device_mesh
+            replicas = 1
+            for dim, pl in enumerate(g.placements):
+                if pl.is_replicate():
+                    replicas *= mesh.size(dim)
+            g = g.to_local()
+        return g.double().square().sum() / replicas
+    return g.double().square().sum() / world

@@ -1,0 +1,556 @@
+"""dmuon.Muon against independent oracles: torch.optim.Muon, torch.optim.AdamW, and the
+Muon algorithm written out here in float32.
+
+The dedication state is built by hand (one process, rank 0 owns everything) and the
+"reduced" gradient is set from ``.grad`` after backward, so these tests do not depend on the
+ownership hooks.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dmuon.optim import Muon
+from dmuon.ownership.state import STATE_ATTR, DedicatedParam, DedicationState, get_dedication
+
+KELLER = (3.4445, -4.7750, 2.0315)
+PE_SAFE = [
+    (a / 1.05, b / 1.05**3, c / 1.05**5)
+    for a, b, c in [
+        (8.28721201814563, -23.595886519098837, 17.300387312530933),
+        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    ]
+]
+DEDICATED = ["l1.weight", "l2.weight", "l3.weight", "up.weight", "down.weight"]
+
+
+class Net(nn.Module):
+    """Three same-shape matrices (batched path), a tall and a wide one, plus AdamW params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.l1 = nn.Linear(32, 32)
+        self.l2 = nn.Linear(32, 32)
+        self.l3 = nn.Linear(32, 32)
+        self.up = nn.Linear(32, 48)  # weight 48 x 32 (tall)
+        self.down = nn.Linear(48, 32)  # weight 32 x 48 (wide)
+        self.norm = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 64)
+        self.frozen = nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in (self.l1, self.l2, self.l3):
+            h = h + torch.tanh(layer(h))
+        h = h + self.down(torch.tanh(self.up(h)))
+        return self.head(self.norm(h))
+
+
+def make_model(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def dedicate_by_hand(model: nn.Module, names: list[str] = DEDICATED) -> DedicationState:
+    params = dict(model.named_parameters())
+    dps = []
+    for fqn in names:
+        mod_name, attr = fqn.rsplit(".", 1)
+        p = params[fqn]
+        dps.append(
+            DedicatedParam(
+                fqn=fqn,
+                module=model.get_submodule(mod_name),
+                attr=attr,
+                owner=0,
+                shape=p.shape,
+                param=p,
+                boundary=mod_name,
+                is_owned=True,
+            )
+        )
+    state = DedicationState(rank=0, world_size=1, params=dps)
+    setattr(model, STATE_ATTR, state)
+    return state
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, 64, (16, 16), generator=g)
+    y = torch.randint(0, 64, (16, 16), generator=g)
+    return x, y
+
+
+def backward(model: nn.Module, step: int, reduce: bool = True) -> None:
+    x, y = batch(step)
+    loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    state = get_dedication(model)
+    if reduce and state is not None:
+        # What the ownership runtime does: the owner gets the averaged gradient.
+        for dp in state.owned():
+            dp.param._reduced_grad = dp.param.grad.clone()
+            dp.param.grad = None
+
+
+def run_dmuon(model: nn.Module, opt: Muon, steps: range) -> None:
+    for s in steps:
+        opt.zero_grad()
+        backward(model, s)
+        opt.step()
+
+
+def max_diff(a: nn.Module, b: nn.Module, names: list[str] | None = None) -> float:
+    pa, pb = dict(a.named_parameters()), dict(b.named_parameters())
+    names = names if names is not None else list(pa)
+    return max((pa[n] - pb[n]).abs().max().item() for n in names)
+
+
+def others(names: list[str] = DEDICATED) -> list[str]:
+    return [n for n, p in make_model().named_parameters() if n not in names and p.requires_grad]
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def test_param_groups_layout() -> None:
+    model = make_model()
+    dedicate_by_hand(model)
+    opt = Muon(model, lr=0.03, adamw_lr=4e-4, adamw_betas=(0.8, 0.9))
+    muon, adam = opt.param_groups
+    assert muon["algorithm"] == "muon" and adam["algorithm"] == "adamw"
+    named = {id(p): n for n, p in model.named_parameters()}
+    assert [named[id(p)] for p in muon["params"]] == DEDICATED
+    assert sorted(named[id(p)] for p in adam["params"]) == sorted(others())
+    assert muon["lr"] == 0.03 and adam["lr"] == 4e-4 and adam["betas"] == (0.8, 0.9)
+    assert muon["ns_coefficients"] == "polar_express"
+    assert muon["adjust_lr_fn"] == "match_rms_adamw"
+
+
+def test_tied_parameter_appears_once() -> None:
+    model = make_model()
+    model.head.weight = model.emb.weight  # 64 x 32 both
+    dedicate_by_hand(model)
+    opt = Muon(model)
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids))
+
+
+# --------------------------------------------------------------- torch.optim oracles
+
+
+@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
+def test_matches_torch_muon_keller_bf16(adjust: str) -> None:
+    hp = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1}
+    ours = make_model()
+    dedicate_by_hand(ours)
+    opt = Muon(
+        ours,
+        **hp,
+        ns_steps=5,
+        ns_coefficients="keller",
+        ns_dtype=torch.bfloat16,
+        adjust_lr_fn=adjust,
+        adamw_lr=1e-3,
+    )
+    run_dmuon(ours, opt, range(5))
+
+    ref = make_model()
+    pr = dict(ref.named_parameters())
+    muon = torch.optim.Muon(
+        [pr[n] for n in DEDICATED], **hp, ns_coefficients=KELLER, adjust_lr_fn=adjust
+    )
+    adamw = torch.optim.AdamW([pr[n] for n in others()], lr=1e-3)
+    for s in range(5):
+        muon.zero_grad()
+        adamw.zero_grad()
+        backward(ref, s, reduce=False)
+        muon.step()
+        adamw.step()
+    # torch casts to bf16 before normalizing, we normalize in fp32 and then cast: the two
+    # bf16 iterations start one rounding apart, so each orthogonalized entry (magnitude
+    # <= 0.5 here) differs by a few bf16 ulps (2^-8 relative). Measured per step: <= 0.021 x
+    # the adjusted lr after 1 step, <= 0.041 x after 5 (both adjust_lr_fn), every matrix.
+    # Bound: 0.02 per step x 5 steps = 0.1 x adjusted lr; a full update moves entries by up
+    # to ~0.5 x adjusted lr per step, so the bound is 4 % of 5 steps' travel.
+    # (The model's gradients are full rank on purpose: in a rank-deficient gradient bf16
+    # noise in the null space is amplified ~3.4445^5 = 485x by the Keller polynomial, and
+    # ANY two bf16 implementations then differ by ~0.1 per entry.)
+    po, pr = dict(ours.named_parameters()), dict(ref.named_parameters())
+    for n in DEDICATED:
+        rows, cols = pr[n].shape
+        ratio = (
+            math.sqrt(max(1, rows / cols))
+            if adjust == "original"
+            else 0.2 * math.sqrt(max(rows, cols))
+        )
+        assert (po[n] - pr[n]).abs().max() <= 0.1 * hp["lr"] * ratio, n
+    # AdamW params only see the matrices' differences through the loss: measured 1.7e-5.
+    assert max_diff(ours, ref, others()) <= 1e-4
+
+
+def _newton_schulz_oracle(G: torch.Tensor, triples: list) -> torch.Tensor:
+    X = G.float()
+    tall = X.shape[0] > X.shape[1]
+    if tall:
+        X = X.T
+    X = X / X.norm().clamp(min=1e-7)
+    for a, b, c in triples:
+        A = X @ X.T
+        X = a * X + (b * A + c * (A @ A)) @ X
+    return X.T if tall else X
+
+
+def test_matches_float32_algorithm_written_out() -> None:
+    lr, mom, wd, alr = 0.02, 0.9, 0.05, 2e-3
+    ours = make_model()
+    dedicate_by_hand(ours)
+    opt = Muon(
+        ours,
+        lr=lr,
+        momentum=mom,
+        weight_decay=wd,
+        ns_dtype=torch.float32,
+        adjust_lr_fn="match_rms_adamw",
+        adamw_lr=alr,
+        adamw_weight_decay=0.02,
+    )
+    run_dmuon(ours, opt, range(5))
+
+    ref = make_model()
+    pr = dict(ref.named_parameters())
+    bufs = {n: torch.zeros_like(pr[n]) for n in DEDICATED}
+    adamw = torch.optim.AdamW([pr[n] for n in others()], lr=alr, weight_decay=0.02)
+    for s in range(5):
+        adamw.zero_grad()
+        for n in DEDICATED:
+            pr[n].grad = None
+        backward(ref, s, reduce=False)
+        with torch.no_grad():
+            for n in DEDICATED:
+                g = pr[n].grad
+                bufs[n] = mom * bufs[n] + (1 - mom) * g
+                u = g + mom * (bufs[n] - g)  # Nesterov
+                o = _newton_schulz_oracle(u, PE_SAFE)
+                rows, cols = pr[n].shape
+                pr[n].mul_(1 - lr * wd)
+                pr[n].sub_(lr * 0.2 * math.sqrt(max(rows, cols)) * o)
+        adamw.step()
+    # Measured 1.2e-7 (float32 rounding of two orderings of the same arithmetic).
+    assert max_diff(ours, ref) <= 1e-6
+
+
+def test_adamw_group_bit_identical_to_torch_adamw() -> None:
+    # Muon lr = 0 keeps the matrices fixed, so the AdamW params see identical gradients.
+    ours = make_model()
+    dedicate_by_hand(ours)
+    kw = {"betas": (0.85, 0.99), "eps": 1e-6, "weight_decay": 0.05}
+    opt = Muon(
+        ours,
+        lr=0.0,
+        adamw_lr=3e-3,
+        adamw_betas=kw["betas"],
+        adamw_eps=kw["eps"],
+        adamw_weight_decay=kw["weight_decay"],
+    )
+    run_dmuon(ours, opt, range(5))
+    ref = make_model()
+    pr = dict(ref.named_parameters())
+    adamw = torch.optim.AdamW([pr[n] for n in others()], lr=3e-3, **kw)
+    for s in range(5):
+        adamw.zero_grad()
+        backward(ref, s, reduce=False)
+        adamw.step()
+    assert max_diff(ours, ref) == 0.0  # tolerance 0: same functional implementation
+    st_ours = opt.state[dict(ours.named_parameters())["head.weight"]]
+    st_ref = adamw.state[pr["head.weight"]]
+    assert torch.equal(st_ours["exp_avg_sq"], st_ref["exp_avg_sq"])
+    assert st_ours["step"] == st_ref["step"] == 5
+
+
+# ----------------------------------------------------------------- schedulers & state
+
+
+def test_lr_scheduler_drives_both_groups() -> None:
+    model = make_model()
+    dedicate_by_hand(model)
+    opt = Muon(model, lr=0.02, adamw_lr=1e-3)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=4)
+    for s in range(2):
+        run_dmuon(model, opt, range(s, s + 1))
+        sched.step()
+    factor = (1 + math.cos(math.pi * 2 / 4)) / 2  # oracle: the cosine formula, 0.5
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.02 * factor, rel=1e-12)
+    assert opt.param_groups[1]["lr"] == pytest.approx(1e-3 * factor, rel=1e-12)
+
+    # A scheduler that sets lr to 0 makes step() a no-op on every parameter.
+    torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 0.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    run_dmuon(model, opt, range(5, 6))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_state_dict_resume_is_identical() -> None:
+    kw = {"lr": 0.02, "weight_decay": 0.01, "ns_coefficients": "keller", "adamw_lr": 2e-3}
+    full = make_model()
+    dedicate_by_hand(full)
+    opt = Muon(full, **kw)
+    run_dmuon(full, opt, range(6))
+
+    first = make_model()
+    dedicate_by_hand(first)
+    opt1 = Muon(first, **kw)
+    run_dmuon(first, opt1, range(3))
+    buf = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optim": opt1.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+
+    resumed = make_model(seed=123)  # different init: everything must come from the checkpoint
+    resumed.load_state_dict(ckpt["model"])
+    dedicate_by_hand(resumed)
+    opt2 = Muon(resumed, lr=0.5, adamw_lr=0.5)  # hyperparameters come from the checkpoint
+    opt2.load_state_dict(ckpt["optim"])
+    assert opt2.param_groups[0]["lr"] == 0.02 and opt2.param_groups[1]["lr"] == 2e-3
+    assert opt2.param_groups[0]["ns_coefficients"] == "keller"
+    run_dmuon(resumed, opt2, range(3, 6))
+    assert max_diff(full, resumed) == 0.0  # tolerance 0: same arithmetic in the same order
+
+
+def test_zero_grad_clears_dedicated_attributes() -> None:
+    model = make_model()
+    state = dedicate_by_hand(model)
+    opt = Muon(model)
+    backward(model, 0)
+    for dp in state.params:
+        dp.param._accumulated_grad = torch.ones_like(dp.param)
+    opt.zero_grad(set_to_none=False)
+    for dp in state.params:
+        assert torch.count_nonzero(dp.param._reduced_grad) == 0
+        assert torch.count_nonzero(dp.param._accumulated_grad) == 0
+    assert torch.count_nonzero(model.head.weight.grad) == 0
+    opt.zero_grad()
+    for dp in state.params:
+        assert dp.param._reduced_grad is None and dp.param._accumulated_grad is None
+    assert model.head.weight.grad is None and model.emb.weight.grad is None
+
+
+# ----------------------------------------------------------- ownership-specific behaviour
+
+
+def test_non_owned_and_gradless_params_are_skipped() -> None:
+    model = make_model()
+    state = dedicate_by_hand(model, DEDICATED[:2])
+    placeholder = nn.Parameter(torch.empty(0))
+    state.params.append(
+        DedicatedParam(
+            fqn="remote.weight",
+            module=model,
+            attr="remote",
+            owner=1,
+            shape=torch.Size([32, 32]),
+            param=placeholder,
+            boundary="",
+            is_owned=False,
+        )
+    )
+    state.world_size = 2
+    opt = Muon(model)
+    assert opt.param_groups[0]["params"][-1] is placeholder  # same indices on every rank
+    backward(model, 0)
+    model.l2.weight._reduced_grad = None  # e.g. unused in this forward
+    l1, l2 = model.l1.weight.detach().clone(), model.l2.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(model.l1.weight, l1)
+    assert torch.equal(model.l2.weight, l2)
+    assert placeholder.numel() == 0 and placeholder not in opt.state
+    assert model.l2.weight not in opt.state
+
+
+def test_step_marks_parameters_updated_and_issues_no_collective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = make_model()
+    state = dedicate_by_hand(model)
+    opt = Muon(model)
+    calls: list[int] = []
+    monkeypatch.setattr(state, "mark_parameters_updated", lambda: calls.append(1))
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("step() issued a collective")
+
+    for name in (
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "send",
+        "recv",
+        "barrier",
+    ):
+        monkeypatch.setattr(dist, name, forbidden)
+    backward(model, 0)
+    opt.step()
+    assert calls == [1]
+
+
+def test_closure_returns_loss() -> None:
+    model = make_model()
+    dedicate_by_hand(model)
+    opt = Muon(model)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        x, y = batch(0)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        for dp in get_dedication(model).params:
+            dp.param._reduced_grad = dp.param.grad.clone()
+        return loss
+
+    assert torch.isfinite(opt.step(closure))
+
+
+def test_grad_norm_single_process() -> None:
+    model = make_model()
+    dedicate_by_hand(model)
+    opt = Muon(model)
+    backward(model, 0, reduce=False)
+    # Oracle: the plain gradient norm over every trainable parameter, before "reduction".
+    expected = torch.linalg.vector_norm(
+        torch.cat([p.grad.double().flatten() for p in model.parameters() if p.requires_grad])
+    ).item()
+    for dp in get_dedication(model).params:
+        dp.param._reduced_grad = dp.param.grad.clone()
+        dp.param.grad = None
+    assert opt.grad_norm() == pytest.approx(expected, rel=1e-12)
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+def test_requires_dedication() -> None:
+    with pytest.raises(ValueError, match=r"dmuon\.dedicate_params\(model"):
+        Muon(make_model())
+    with pytest.raises(ValueError, match=r"nn\.Module"):
+        Muon(list(make_model().parameters()))  # type: ignore[arg-type]
+
+
+def test_rejects_non_matrix_dedicated_param() -> None:
+    model = make_model()
+    dedicate_by_hand(model, ["l1.weight", "l1.bias"])
+    with pytest.raises(ValueError, match=r"'l1\.bias'.*matrices only"):
+        Muon(model)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"lr": -1.0}, r"lr must be a finite number >= 0"),
+        ({"momentum": 1.0}, r"momentum must be in \[0, 1\)"),
+        ({"momentum": -0.1}, r"momentum must be in \[0, 1\)"),
+        ({"weight_decay": -0.1}, r"weight_decay must be a finite number >= 0"),
+        ({"nesterov": "yes"}, r"nesterov must be True or False"),
+        ({"ns_steps": 0}, r"ns_steps must be an integer >= 1"),
+        ({"ns_coefficients": "polar"}, r"ns_coefficients: unknown .*'keller'"),
+        ({"ns_coefficients": [(1.0, 2.0)]}, r"ns_coefficients: .*triple"),
+        ({"ns_dtype": torch.int8}, r"ns_dtype must be None or a floating"),
+        ({"eps": 0.0}, r"eps must be a finite number > 0"),
+        ({"adjust_lr_fn": "rms"}, r"adjust_lr_fn must be one of"),
+        ({"adamw_lr": -1e-3}, r"adamw_lr must be a finite number >= 0"),
+        ({"adamw_betas": (0.9, 1.0)}, r"adamw_betas\[1\] must be in \[0, 1\)"),
+        ({"adamw_betas": (-0.1, 0.9)}, r"adamw_betas\[0\] must be in \[0, 1\)"),
+        ({"adamw_betas": (0.9,)}, r"adamw_betas must be a pair"),
+        ({"adamw_eps": -1e-8}, r"adamw_eps must be a finite number >= 0"),
+        ({"adamw_weight_decay": -0.01}, r"adamw_weight_decay must be a finite number >= 0"),
+    ],
+)
+def test_invalid_hyperparameters(kwargs: dict, match: str) -> None:
+    model = make_model()
+    dedicate_by_hand(model)
+    with pytest.raises(ValueError, match=match):
+        Muon(model, **kwargs)
+
+
+def test_add_param_group_requires_algorithm() -> None:
+    model = make_model()
+    dedicate_by_hand(model)
+    opt = Muon(model)
+    with pytest.raises(ValueError, match='"algorithm" must be "muon" or "adamw"'):
+        opt.add_param_group({"params": [model.frozen]})
+    extra = nn.Parameter(torch.zeros(4))
+    opt.add_param_group({"params": [extra], "algorithm": "adamw"})
+    assert opt.param_groups[-1]["betas"] == (0.9, 0.999) and opt.param_groups[-1]["lr"] == 1e-3
+
+
+# ---------------------------------------------------------------- grad_norm on 2 ranks
+
+
+def _grad_norm_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        model = make_model()
+        state = dedicate_by_hand(model)
+        state.rank, state.world_size = rank, world
+        for i, dp in enumerate(state.params):
+            dp.owner = i % world
+            dp.is_owned = dp.owner == rank
+        # AdamW params: a Shard(0) DTensor, a Replicate DTensor, and plain (replicated) tensors.
+        for mod, attr, placement in (
+            (model.emb, "weight", Shard(0)),
+            (model.head, "bias", Replicate()),
+        ):
+            full = getattr(mod, attr).detach()
+            setattr(mod, attr, nn.Parameter(distribute_tensor(full, mesh, [placement])))
+        opt = Muon(model)
+        g = torch.Generator().manual_seed(7)
+        expected = 0.0
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                continue
+            full = torch.randn(tuple(p.shape), generator=g, dtype=torch.float64)
+            expected += full.square().sum().item()
+            full = full.float()
+            if name in DEDICATED:
+                dp = next(d for d in state.params if d.fqn == name)
+                p._reduced_grad = full if dp.is_owned else None
+            elif isinstance(p.data, torch.distributed.tensor.DTensor):
+                p.grad = distribute_tensor(full, mesh, p.placements)
+            else:
+                p.grad = full
+        torch.save(
+            {"got": opt.grad_norm(), "expected": math.sqrt(expected)}, f"{out_dir}/rank{rank}.pt"
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_grad_norm_two_ranks(tmp_path: object) -> None:
+    import torch.multiprocessing as mp
+
+    # Oracle: the L2 norm of the full (unsharded) gradients, identical on both ranks.
+    out = str(tmp_path)
+    # fork: the children reuse this process's imports (CPU only, no CUDA state to inherit).
+    mp.start_processes(
+        _grad_norm_worker, args=(2, f"{out}/init", out), nprocs=2, start_method="fork"
+    )
+    for rank in range(2):
+        r = torch.load(f"{out}/rank{rank}.pt")
+        assert r["got"] == pytest.approx(r["expected"], rel=1e-6)  # float32 grads, float64 sums
