@@ -15,13 +15,14 @@ import math
 
 import pytest
 import torch
+from torch.optim._muon import _zeropower_via_newtonschulz
+
 from dmuon.optim import (
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     newton_schulz,
     resolve_coefficients,
 )
-from torch.optim._muon import _zeropower_via_newtonschulz
 
 # Published numbers (facts.md), retyped here so the oracle does not share the code's constants.
 KELLER = (3.4445, -4.7750, 2.0315)
