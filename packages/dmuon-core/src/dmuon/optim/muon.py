@@ -142,8 +142,9 @@ class Muon(torch.optim.Optimizer):
     Every other trainable parameter is updated with AdamW (``torch.optim.AdamW``'s own
     functional implementation, so results are bit-identical to it, DTensor shards included).
 
-    Create the optimizer after ``dedicate_params`` and after ``fully_shard`` (FSDP2 replaces
-    parameters with DTensors). On every rank, ``param_groups[0]`` is the Muon group and
+    Call ``dedicate_params`` first (before ``fully_shard``), and create the optimizer last,
+    after ``fully_shard`` (FSDP2 replaces parameters with DTensors, and the AdamW group must
+    hold those). On every rank, ``param_groups[0]`` is the Muon group and
     ``param_groups[1]`` the AdamW group (its ``lr`` is ``adamw_lr``); schedulers change both.
 
     ``step()`` issues no collective. Optimizer state is per rank (each owner holds the
@@ -200,8 +201,9 @@ class Muon(torch.optim.Optimizer):
         state = get_dedication(model)
         if state is None:
             raise ValueError(
-                "this model has no dedicated parameters: call dmuon.dedicate_params(model, ...) "
-                "(after fully_shard when using FSDP2) before creating dmuon.Muon(model, ...)"
+                "this model has no dedication state: call dmuon.dedicate_params(model, ...) "
+                "first (before fully_shard with FSDP2), then create dmuon.Muon(model, ...) "
+                "(after fully_shard)"
             )
         self._group_defaults: dict[str, dict[str, Any]] = {
             "muon": {
