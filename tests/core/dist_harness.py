@@ -41,6 +41,7 @@ class Scenario:
     checkpoint: bool = False
     dataclass_output: bool = False
     bf16: bool = False
+    naive: bool = False
     model_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -114,9 +115,8 @@ def _full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor on every rank (collective)."""
     from torch.distributed.tensor import DTensor
 
-    import dmuon
 
-    owners = {dp.fqn: dp for dp in dmuon.dedicated_parameters(model)}
+    owners = {dp.fqn: dp for dp in _dedicated(model)}
     full = {}
     for name, param in model.named_parameters():
         if name in owners:
@@ -131,6 +131,13 @@ def _full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         else:
             full[name] = param.detach().clone()
     return full
+
+
+def _dedicated(model: torch.nn.Module) -> list[Any]:
+    from dmuon.ownership.state import get_dedication
+
+    state = get_dedication(model)
+    return state.params if state is not None else []
 
 
 def _memory_report(model: torch.nn.Module) -> dict[str, Any]:
@@ -161,12 +168,13 @@ def run_scenario(scenario: Scenario, rank: int, world: int) -> dict[str, Any]:
 
     mesh = init_device_mesh("cpu", (world,))
     model = make_model(scenario)
-    dmuon.dedicate_params(
-        model,
-        mesh,
-        reshard_after_forward=scenario.mode == "z3",
-        param_dtype=torch.bfloat16 if scenario.bf16 else None,
-    )
+    if not scenario.naive:
+        dmuon.dedicate_params(
+            model,
+            mesh,
+            reshard_after_forward=scenario.mode == "z3",
+            param_dtype=torch.bfloat16 if scenario.bf16 else None,
+        )
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if scenario.bf16
@@ -175,10 +183,11 @@ def run_scenario(scenario: Scenario, rank: int, world: int) -> dict[str, Any]:
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    optimizer = dmuon.Muon(
+    make_optimizer = dmuon.NaiveMuon if scenario.naive else dmuon.Muon
+    optimizer = make_optimizer(
         model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
     )
-    audit = dmuon.comm_audit(model)
+    audit = optimizer.audit if scenario.naive else dmuon.comm_audit(model)
     memory_after_forward: dict[str, Any] = {}
     step_issued: list[int] = []
     for step in range(scenario.steps):
@@ -189,7 +198,7 @@ def run_scenario(scenario: Scenario, rank: int, world: int) -> dict[str, Any]:
             ctx = dmuon.no_sync(model) if accumulating and scenario.use_no_sync else nullcontext()
             with ctx:
                 loss = _loss(model, chunk) / scenario.accum
-                if step == 0 and micro == 0:
+                if step == 0 and micro == 0 and not scenario.naive:
                     memory_after_forward = _memory_report(model)
                 loss.backward()
         before = sum(t.count for t in audit.total.by_kind.values())
@@ -198,7 +207,7 @@ def run_scenario(scenario: Scenario, rank: int, world: int) -> dict[str, Any]:
         optimizer.zero_grad()
     leftover = [
         dp.fqn
-        for dp in dmuon.dedicated_parameters(model)
+        for dp in _dedicated(model)
         if getattr(dp.param, "_reduced_grad", None) is not None
         or getattr(dp.param, "_accumulated_grad", None) is not None
     ]
@@ -208,7 +217,7 @@ def run_scenario(scenario: Scenario, rank: int, world: int) -> dict[str, Any]:
         "step_issued": step_issued,
         "memory": memory_after_forward,
         "leftover_grads": leftover,
-        "owners": {dp.fqn: dp.owner for dp in dmuon.dedicated_parameters(model)},
+        "owners": {dp.fqn: dp.owner for dp in _dedicated(model)},
     }
 
 
@@ -232,6 +241,32 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
         dmuon.dedicate_params(make_model(Scenario("errors")), mesh2d)
     except ValueError as exc:
         messages["mesh_2d"] = str(exc)
+    # no_sync restores FSDP2's flags and DMuon's sync flag, also when the block raises.
+    model = make_model(Scenario("no_sync"))
+    dmuon.dedicate_params(model, mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.layers[0].set_requires_gradient_sync(False, recurse=False)
+    runtime = dmuon.ownership.state.get_dedication(model).runtime
+
+    def flags() -> list[bool]:
+        return [
+            group.reduce_grads
+            for module in model.modules()
+            if hasattr(module, "_get_fsdp_state")
+            for group in module._get_fsdp_state()._fsdp_param_groups
+        ] + [runtime.sync_grads]
+
+    before = flags()
+    inside: list[bool] = []
+    try:
+        with dmuon.no_sync(model):
+            inside = flags()
+            raise RuntimeError("boom")
+    except RuntimeError:
+        pass
+    messages["no_sync_flags"] = repr((before, inside, flags()))
     return messages
 
 

@@ -55,6 +55,13 @@ class DedicationState:
     audit: CommAudit | None = None
     runtime: DedicationRuntime | None = None
 
+    def __deepcopy__(self, memo: dict[int, object]) -> DedicationState:
+        raise ValueError(
+            "a model passed to dmuon.dedicate_params cannot be deep-copied: its dedicated "
+            "parameters live on their owners and in freed broadcast buffers. Copy the model "
+            "before calling dedicate_params, or save and load a state dict."
+        )
+
     def owned(self) -> list[DedicatedParam]:
         """The dedicated parameters this rank owns (and steps)."""
         return [p for p in self.params if p.is_owned]
