@@ -1,0 +1,284 @@
+"""A small decoder-only transformer with Llama naming, used by the reference recipe.
+
+Parameter names follow Llama (Hugging Face style), because ``dmuon.dedicate_params``'
+default predicate and hook boundaries rely on them::
+
+    embed.weight                               nn.Embedding  (AdamW)
+    layers.N.attn_norm.weight                  RMSNorm       (AdamW)
+    layers.N.attn.{q,k,v,o}_proj.weight        nn.Linear     (Muon, dedicated)
+    layers.N.mlp_norm.weight                   RMSNorm       (AdamW)
+    layers.N.mlp.{gate,up,down}_proj.weight    nn.Linear     (Muon, dedicated)
+    norm.weight                                RMSNorm       (AdamW)
+    lm_head.weight                             nn.Linear     (AdamW, untied from embed)
+
+Blocks are pre-norm with rotary position embeddings (RoPE) on queries and keys, causal
+scaled-dot-product attention, a SwiGLU MLP, no biases and no dropout. The vocabulary is
+256 (raw bytes).
+
+Presets (``PRESETS``; parameter counts for vocabulary 256, all parameters included):
+
+========  ======  ====  =====  ====  ===========
+preset    layers  dim   heads  ffn   parameters
+========  ======  ====  =====  ====  ===========
+tiny      2       64    4      192   0.14 M  (139,584)
+small     4       256   4      768   3.54 M  (3,541,248)
+base      8       512   8      1536  27.5 M  (27,533,824)
+========  ======  ====  =====  ====  ===========
+
+(``tests/core/test_model.py`` checks the table against ``ModelConfig.num_params``.)
+
+Initialization is a pure function of the seed: the model is built on the meta device and
+then filled from a private ``torch.Generator``, so every rank that builds it with the same
+seed holds bit-identical weights before sharding, and the global RNG is left untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "MLP",
+    "PRESETS",
+    "Attention",
+    "Block",
+    "ModelConfig",
+    "Transformer",
+    "build_model",
+    "lm_loss",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Shape of a :class:`Transformer`.
+
+    Attributes:
+        n_layers: number of transformer blocks (``layers.0`` .. ``layers.{n-1}``).
+        dim: residual stream width.
+        n_heads: attention heads; ``dim`` must be divisible by it and the head dimension
+            must be even (rotary embeddings rotate pairs).
+        ffn_dim: hidden width of the SwiGLU MLP.
+        vocab_size: 256 for raw bytes.
+        max_seq_len: longest sequence the rotary tables cover.
+        rope_theta: rotary base frequency.
+        norm_eps: RMSNorm epsilon.
+    """
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    ffn_dim: int
+    vocab_size: int = 256
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "dim", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.dim % self.n_heads != 0:
+            raise ValueError(
+                f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(
+                f"head dimension dim/n_heads = {self.head_dim} must be even for rotary "
+                "embeddings; choose another n_heads"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    @property
+    def num_params(self) -> int:
+        """Total parameter count (embedding, blocks, final norm, untied head)."""
+        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        return 2 * self.vocab_size * self.dim + self.n_layers * per_layer + self.dim
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(n_layers=2, dim=64, n_heads=4, ffn_dim=192),
+    "small": ModelConfig(n_layers=4, dim=256, n_heads=4, ffn_dim=768),
+    "base": ModelConfig(n_layers=8, dim=512, n_heads=8, ffn_dim=1536),
+}
+"""Named model sizes for ``--model``; see the module docstring for the table."""
+
+
+def _rope_tables(config: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Cosine and sine tables of shape ``(max_seq_len, head_dim // 2)``."""
+    half = config.head_dim // 2
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(half, dtype=torch.float64, device=device) / half)
+    )
+    pos = torch.arange(config.max_seq_len, dtype=torch.float64, device=device)
+    angles = torch.outer(pos, inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def _apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate pairs ``(x[..., :h], x[..., h:])`` of ``x`` (B, H, T, D) by position."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with rotary embeddings (``q/k/v/o_proj``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Create the four projections, without bias."""
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.k_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.v_proj = nn.Linear(config.dim, config.dim, bias=False)
+        self.o_proj = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Attend causally over ``x`` of shape (batch, seq, dim)."""
+        b, t, d = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Create the three projections, without bias."""
+        super().__init__()
+        self.gate_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the gated MLP to ``x`` of shape (..., dim)."""
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(attn_norm(x))``, then ``+ mlp(mlp_norm(.))``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Create the two norms, the attention and the MLP."""
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Run one block on ``x`` of shape (batch, seq, dim)."""
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """Decoder-only byte-level language model; ``forward`` maps tokens to logits.
+
+    Build it with :func:`build_model`, which also initializes the weights. Constructing
+    the class directly leaves weights as ``nn.Linear``'s default initialization would
+    (or uninitialized on the meta device); call :meth:`init_weights` afterwards.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Create the embedding, ``config.n_layers`` blocks, final norm and head."""
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        cos, sin = _rope_tables(config, torch.device("cpu"))
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Fill every parameter and buffer deterministically from ``seed``.
+
+        Linear and embedding weights are normal with std 0.02; the residual output
+        projections (``o_proj``, ``down_proj``) use ``0.02 / sqrt(2 * n_layers)``;
+        norm weights are one. Uses a private generator on the CPU (then copies), so the
+        result does not depend on the device or on the global RNG state.
+        """
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
+        for name, param in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                values = torch.randn(param.shape, generator=gen) * out_std
+            elif name.endswith("norm.weight"):
+                values = torch.ones(param.shape)
+            else:
+                values = torch.randn(param.shape, generator=gen) * 0.02
+            param.copy_(values.to(dtype=param.dtype))
+        cos, sin = _rope_tables(self.config, torch.device("cpu"))
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Return logits of shape (batch, seq, vocab) for ``tokens`` of shape (batch, seq)."""
+        seq_len = tokens.shape[1]
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds the model's max_seq_len "
+                f"{self.config.max_seq_len}; build the model with a larger max_seq_len"
+            )
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def lm_loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
+    """Next-token cross-entropy between ``logits`` (B, T, V) and ``targets`` (B, T)."""
+    return F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction=reduction
+    )
+
+
+def build_model(
+    preset: str | ModelConfig = "small",
+    *,
+    seed: int = 0,
+    max_seq_len: int | None = None,
+    device: torch.device | str = "cpu",
+) -> Transformer:
+    """Build and deterministically initialize a :class:`Transformer`.
+
+    Args:
+        preset: a name in :data:`PRESETS` (``tiny``, ``small``, ``base``) or a config.
+        seed: initialization seed; equal seeds give bit-identical weights on any rank.
+        max_seq_len: override the preset's rotary table length (must cover ``--seq-len``).
+        device: where the parameters live.
+
+    Raises:
+        ValueError: for an unknown preset name.
+    """
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
+        config = PRESETS[preset]
+    else:
+        config = preset
+    if max_seq_len is not None:
+        config = replace(config, max_seq_len=max_seq_len)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model
