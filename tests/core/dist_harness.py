@@ -115,21 +115,22 @@ def _full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor on every rank (collective)."""
     from torch.distributed.tensor import DTensor
 
-
     owners = {dp.fqn: dp for dp in _dedicated(model)}
     full = {}
     for name, param in model.named_parameters():
         if name in owners:
             dp = owners[name]
             tensor = (
-                param.detach().clone() if dp.is_owned else torch.empty(dp.shape, dtype=param.dtype)
+                param.detach().clone()
+                if dp.is_owned
+                else torch.empty(dp.shape, dtype=param.dtype, device=param.device)
             )
             dist.broadcast(tensor, src=dp.owner)
-            full[name] = tensor
+            full[name] = tensor.cpu()
         elif isinstance(param, DTensor):
-            full[name] = param.full_tensor().detach().clone()
+            full[name] = param.full_tensor().detach().cpu()
         else:
-            full[name] = param.detach().clone()
+            full[name] = param.detach().cpu()
     return full
 
 
@@ -159,15 +160,17 @@ def _memory_report(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def run_scenario(scenario: Scenario, rank: int, world: int) -> dict[str, Any]:
+def run_scenario(
+    scenario: Scenario, rank: int, world: int, device_type: str = "cpu"
+) -> dict[str, Any]:
     """Train one scenario on this rank; return what the tests check."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dmuon
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = make_model(scenario)
+    mesh = init_device_mesh(device_type, (world,))
+    model = make_model(scenario).to(device_type)
     if not scenario.naive:
         dmuon.dedicate_params(
             model,
@@ -192,7 +195,7 @@ def run_scenario(scenario: Scenario, rank: int, world: int) -> dict[str, Any]:
     step_issued: list[int] = []
     for step in range(scenario.steps):
         tokens = global_batch(step, world, scenario.accum)
-        per_rank = tokens.chunk(world)[rank]
+        per_rank = tokens.chunk(world)[rank].to(device_type)
         for micro, chunk in enumerate(per_rank.chunk(scenario.accum)):
             accumulating = micro + 1 < scenario.accum
             ctx = dmuon.no_sync(model) if accumulating and scenario.use_no_sync else nullcontext()
@@ -270,30 +273,40 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
     return messages
 
 
-def _worker(rank: int, world: int, port: int, scenarios: list[Scenario], out_dir: str) -> None:
+def _worker(
+    rank: int, world: int, port: int, scenarios: list[Scenario], out_dir: str, device_type: str
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        "nccl" if device_type == "cuda" else "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
     )
     results: dict[str, Any] = {}
     try:
         for scenario in scenarios:
             try:
-                results[scenario.name] = run_scenario(scenario, rank, world)
+                results[scenario.name] = run_scenario(scenario, rank, world, device_type)
             except Exception:  # reported to the test, which fails with the traceback
                 results[scenario.name] = {"error": traceback.format_exc()}
                 raise
-        results["__errors__"] = _error_checks(rank, world)
+        if device_type == "cpu":
+            results["__errors__"] = _error_checks(rank, world)
     finally:
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
 
 
-def run_distributed(world: int, scenarios: list[Scenario]) -> list[dict[str, Any]]:
-    """Spawn ``world`` gloo ranks once, run every scenario, return per-rank results."""
+def run_distributed(
+    world: int, scenarios: list[Scenario], device_type: str = "cpu"
+) -> list[dict[str, Any]]:
+    """Spawn ``world`` ranks once (gloo on CPU, NCCL on CUDA), run every scenario."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, free_port(), scenarios, out_dir), nprocs=world)
+        mp.spawn(_worker, args=(world, free_port(), scenarios, out_dir, device_type), nprocs=world)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
 
 
