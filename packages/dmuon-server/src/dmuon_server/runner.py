@@ -143,4 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The exit report is on disk and torchrun has shut its workers down; skip the
+    # interpreter teardown (torch's atexit hooks and threads take up to a second or two).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
