@@ -48,7 +48,7 @@ docs-serve: setup
 	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
 bench: setup
-	$(BIN)/python benchmarks/run_all.py
+	$(BIN)/python benchmarks/step_time.py
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache
