@@ -245,9 +245,14 @@ class Transformer(nn.Module):
 
 
 def lm_loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
-    """Next-token cross-entropy between ``logits`` (B, T, V) and ``targets`` (B, T)."""
+    """Next-token cross-entropy between ``logits`` (B, T, V) and ``targets`` (B, T).
+
+    Half-precision logits are upcast to float32 first; float32/float64 are kept.
+    """
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1), reduction=reduction
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction=reduction
     )
 
 
@@ -257,6 +262,7 @@ def build_model(
     seed: int = 0,
     max_seq_len: int | None = None,
     device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> Transformer:
     """Build and deterministically initialize a :class:`Transformer`.
 
@@ -265,6 +271,8 @@ def build_model(
         seed: initialization seed; equal seeds give bit-identical weights on any rank.
         max_seq_len: override the preset's rotary table length (must cover ``--seq-len``).
         device: where the parameters live.
+        dtype: parameter dtype; the initial values are drawn in float32 either way, so
+            a float64 model starts from exactly the float32 model's weights.
 
     Raises:
         ValueError: for an unknown preset name.
@@ -281,4 +289,4 @@ def build_model(
         model = Transformer(config)
     model.to_empty(device=device)
     model.init_weights(seed)
-    return model
+    return model.to(dtype=dtype)

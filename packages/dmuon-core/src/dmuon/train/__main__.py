@@ -1,0 +1,24 @@
+"""Entry point of ``python -m dmuon.train`` and the ``dmuon-train`` console script."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from .cli import parse_args
+from .loop import run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse flags, train, and return the exit status (argparse exits 2 on bad flags)."""
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        run(config)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"dmuon-train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

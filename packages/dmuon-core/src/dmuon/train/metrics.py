@@ -1,0 +1,142 @@
+"""Metrics file and console progress of the recipe (rank 0 only).
+
+Metrics file format (``--metrics-file``, the only channel the job server reads): one JSON
+object per line, appended and flushed line by line.
+
+* One line per optimizer step ``s >= 1`` with the keys ``step`` (int), ``loss`` (mean
+  training loss over the global batch), ``lr`` (learning rate of ``--lr`` used for this
+  step), ``tokens_per_s`` (global tokens of the step / its wall time), ``grad_norm``
+  (global L2 norm of the gradient before the update), ``time`` (seconds since training
+  started), and on evaluation steps also ``val_loss``.
+* When evaluation is on (``--eval-every`` > 0), one extra line **before** the first step:
+  ``{"step": 0, "loss": null, "lr": null, "tokens_per_s": null, "grad_norm": null,
+  "time": ..., "val_loss": ...}`` carrying the validation loss of the initial weights.
+  Every line therefore has all the keys; only the step-0 line has nulls.
+
+Non-finite floats (a diverged run) are written as ``null`` so every line stays valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+__all__ = ["REQUIRED_KEYS", "MetricsWriter", "ProgressReporter", "format_summary"]
+
+REQUIRED_KEYS = ("step", "loss", "lr", "tokens_per_s", "grad_norm", "time")
+"""Keys present on every line of the metrics file."""
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsWriter:
+    """Append one JSON object per call to a file, flushing each line.
+
+    A writer created with ``path=None`` (non-zero ranks, or no ``--metrics-file``) does
+    nothing.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None) -> None:
+        """Open ``path`` for appending (creating parent folders), or do nothing if None."""
+        self.path = Path(path) if path is not None else None
+        self._handle: IO[str] | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = self.path.open("a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Write ``record`` as one line; missing required keys are filled with null."""
+        if self._handle is None:
+            return
+        line = {key: None for key in REQUIRED_KEYS}
+        line.update({key: _clean(value) for key, value in record.items()})
+        self._handle.write(json.dumps(line, allow_nan=False) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        """Close the file (idempotent)."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+class ProgressReporter:
+    """A tqdm bar on a terminal, plain lines otherwise; silent when disabled.
+
+    Args:
+        total_steps: optimizer steps of the run.
+        enabled: False on non-zero ranks.
+        use_bar: force the bar on or off; by default on iff stderr is a terminal.
+        log_every: in plain mode, print every ``log_every`` steps (and the last one).
+    """
+
+    def __init__(
+        self,
+        total_steps: int,
+        *,
+        enabled: bool = True,
+        use_bar: bool | None = None,
+        log_every: int = 1,
+    ) -> None:
+        """Create the bar (if any) for ``total_steps`` steps."""
+        self.total_steps = total_steps
+        self.enabled = enabled
+        self.log_every = max(1, log_every)
+        self._bar: Any = None
+        if enabled and (sys.stderr.isatty() if use_bar is None else use_bar):
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+
+    def message(self, text: str) -> None:
+        """Print a line without breaking the bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            print(text, flush=True)
+
+    def step(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
+        """Report a finished optimizer step."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            self._bar.update(1)
+        elif step % self.log_every == 0 or step == self.total_steps:
+            print(
+                f"step {step}/{self.total_steps} loss {loss:.4f} lr {lr:.3g} "
+                f"tokens/s {tokens_per_s:,.0f}",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        """Close the bar (idempotent)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """Human-readable final summary of :func:`dmuon.train.run`'s result."""
+    lines = [
+        f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s "
+        f"({summary['tokens_per_s']:,.0f} tokens/s, {summary['world_size']} process(es), "
+        f"optimizer {summary['optimizer']}, model {summary['model']} "
+        f"{summary['params'] / 1e6:.2f} M params)",
+        f"final train loss {summary['final_loss']:.4f}",
+    ]
+    start, end = summary.get("start_val_loss"), summary.get("end_val_loss")
+    if start is not None and end is not None:
+        drop = (start - end) / start * 100 if start else float("nan")
+        lines.append(f"validation loss: start {start:.4f} -> end {end:.4f} ({drop:.1f}% lower)")
+    return "\n".join(lines)
