@@ -202,4 +202,4 @@ class LiveServer:
 
     def client(self, **kw: Any) -> httpx.Client:
         """An httpx client for this server."""
-        return httpx.Client(base_url=self.url, timeout=30, **kw)
+        return httpx.Client(base_url=self.url, **{"timeout": 30, **kw})

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dmuon_server import __version__
@@ -298,12 +299,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         title = _ERROR_TEXT.get(exc.status_code, "HTTP error")
         detail = exc.detail if isinstance(exc.detail, str) else None
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            # Starlette names only the methods of the first route on the path.
+            methods: set[str] = set()
+            for route in app.router.routes:
+                match, _ = route.matches(request.scope)
+                if match != Match.NONE:
+                    methods |= set(getattr(route, "methods", None) or ())
+            if methods:
+                headers["Allow"] = ", ".join(sorted(methods))
         return problem_response(
-            exc.status_code,
-            title,
-            detail,
-            instance=request.url.path,
-            headers=dict(exc.headers or {}),
+            exc.status_code, title, detail, instance=request.url.path, headers=headers
         )
 
     @app.exception_handler(Exception)
@@ -649,6 +656,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         for path, ops in schema.get("paths", {}).items():
             for op in ops.values():
                 responses = op.get("responses", {})
+                if "requestBody" in op:  # a body that is not UTF-8 JSON at all
+                    responses.setdefault("400", {"description": _ERROR_TEXT[400]})
                 for code, resp in responses.items():
                     if code.startswith(("4", "5")):
                         resp["content"] = _problem_ref()
