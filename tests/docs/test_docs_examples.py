@@ -1,0 +1,164 @@
+"""Every Python code block of the docs runs on CPU, or says visibly why it cannot.
+
+Blocks are read from the English pages (the Chinese pages carry the same code, checked by
+the parity test). See ``docs_md`` for the markers.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import docs_env
+from docs_md import (
+    DOCS,
+    PYTHON_LANGS,
+    REPO,
+    SHELL_LANGS,
+    CodeBlock,
+    code_blocks,
+    en_pages,
+    rel,
+    zh_pages,
+)
+
+TIMEOUT_S = 240
+ERROR_PREFIXES = ("ValueError: ", "RuntimeError: ", "TypeError: ")
+
+
+@dataclass
+class Example:
+    """One script run by the tests: a block, plus the blocks that continue it."""
+
+    blocks: list[CodeBlock] = field(default_factory=list)
+    launcher: str = "python"  # "python", "torchrun N" or "bash"
+
+    @property
+    def id(self) -> str:
+        return self.blocks[0].where
+
+    @property
+    def script(self) -> str:
+        return "\n".join(b.code for b in self.blocks)
+
+
+def collect() -> tuple[list[Example], list[CodeBlock], list[str]]:
+    """Runnable examples, blocks marked norun, and marker errors."""
+    examples: list[Example] = []
+    skipped: list[CodeBlock] = []
+    errors: list[str] = []
+    for page in en_pages():
+        # What "run: continue" extends: the latest single-process Python example, or the
+        # latest shell example, of the page.
+        last: dict[str, Example] = {}
+        for block in code_blocks(page):
+            kind, arg = block.marker_kind, block.marker_arg
+            is_python = block.lang in PYTHON_LANGS
+            if kind == "norun":
+                skipped.append(block)
+                continue
+            if kind == "run" and arg == "continue":
+                family = "bash" if block.lang in SHELL_LANGS else "python"
+                if family not in last:
+                    errors.append(f"{block.where}: 'run: continue' with nothing to continue")
+                else:
+                    last[family].blocks.append(block)
+                continue
+            if kind == "run" and arg == "bash":
+                if block.lang not in SHELL_LANGS:
+                    errors.append(f"{block.where}: 'run: bash' on a {block.lang} block")
+                last["bash"] = Example([block], "bash")
+                examples.append(last["bash"])
+                continue
+            if kind == "run" and arg.startswith("torchrun"):
+                if not is_python:
+                    errors.append(f"{block.where}: 'run: {arg}' on a {block.lang} block")
+                examples.append(Example([block], arg))
+                continue
+            if kind == "run":
+                errors.append(f"{block.where}: unknown marker 'run: {arg}'")
+                continue
+            if is_python:
+                last["python"] = Example([block], "python")
+                examples.append(last["python"])
+    return examples, skipped, errors
+
+
+EXAMPLES, SKIPPED, MARKER_ERRORS = collect()
+
+
+def test_markers_are_valid() -> None:
+    assert not MARKER_ERRORS, "\n".join(MARKER_ERRORS)
+
+
+def test_norun_blocks_show_their_reason() -> None:
+    """A block that is not run must tell readers why, in the admonition right above it."""
+    problems: list[str] = []
+    for page in [*en_pages(), *zh_pages()]:
+        for block in code_blocks(page):
+            if block.marker_kind != "norun":
+                continue
+            where = ("zh/" if page in zh_pages() else "") + block.where
+            if not block.marker_arg:
+                problems.append(f"{where}: norun without a reason")
+            elif block.marker_arg not in block.text_above:
+                problems.append(
+                    f"{where}: reason {block.marker_arg!r} is not in an admonition directly "
+                    f"above the block (found {block.text_above!r})"
+                )
+    assert not problems, "\n".join(problems)
+
+
+def test_docs_have_examples() -> None:
+    assert len(EXAMPLES) >= 10, [e.id for e in EXAMPLES]
+    assert any(e.launcher.startswith("torchrun") for e in EXAMPLES)
+    pages = {rel(p) for p in en_pages()}
+    assert "gradient-accumulation.md" in pages
+
+
+def _command(example: Example, script: Path) -> list[str]:
+    if example.launcher == "python":
+        return [sys.executable, str(script)]
+    if example.launcher == "bash":
+        return ["bash", "-euo", "pipefail", str(script)]
+    nproc = example.launcher.split()[1] if len(example.launcher.split()) > 1 else "2"
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+    ]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])
+def test_example_runs(example: Example, tmp_path: Path) -> None:
+    suffix = ".sh" if example.launcher == "bash" else ".py"
+    script = tmp_path / f"example{suffix}"
+    script.write_text(example.script, encoding="utf-8")
+    env = docs_env()
+    env["DMUON_DOCS_REPO"] = str(REPO)
+    proc = subprocess.run(
+        _command(example, script),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    if proc.returncode != 0:
+        pytest.fail(
+            f"docs example {example.id} ({example.launcher}) exited {proc.returncode}\n"
+            f"--- script ---\n{textwrap.indent(example.script, '    ')}\n"
+            f"--- output (tail) ---\n{(proc.stdout + proc.stderr)[-4000:]}"
+        )
+    # An example that prints error messages shows real ones: each must be on its page.
+    page = (DOCS / example.blocks[0].page).read_text(encoding="utf-8")
+    printed = [line for line in proc.stdout.splitlines() if line.startswith(ERROR_PREFIXES)]
+    missing = [line for line in printed if line not in page]
+    assert not missing, f"{example.id}: messages not shown on the page:\n" + "\n".join(missing)

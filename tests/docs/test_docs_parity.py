@@ -1,0 +1,62 @@
+"""Every English page has a Chinese page at the same path with the same structure and code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from docs_md import (
+    DOCS,
+    ZH,
+    built_page,
+    code_blocks,
+    en_pages,
+    parse_html,
+    rel,
+    strip_comments,
+    zh_pages,
+)
+
+PAGES = [rel(p) for p in en_pages()]
+
+
+def test_same_set_of_pages() -> None:
+    en = {rel(p) for p in en_pages()}
+    zh = {rel(p) for p in zh_pages()}
+    assert en - zh == set(), f"English pages without a Chinese page: {sorted(en - zh)}"
+    assert zh - en == set(), f"Chinese pages without an English page: {sorted(zh - en)}"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_same_code_blocks(page: str) -> None:
+    """Same code in the same order; only comments may differ (and norun reasons)."""
+    zh_path = ZH / page
+    if not zh_path.exists():
+        pytest.fail(f"missing docs/zh/{page}")
+    en_blocks = code_blocks(DOCS / page)
+    zh_blocks = code_blocks(zh_path)
+    assert len(en_blocks) == len(zh_blocks), (
+        f"{page}: {len(en_blocks)} code blocks in English, {len(zh_blocks)} in Chinese"
+    )
+    for en, zh in zip(en_blocks, zh_blocks, strict=True):
+        assert en.lang == zh.lang, f"{en.where} vs zh {zh.where}: language differs"
+        assert strip_comments(en) == strip_comments(zh), (
+            f"{en.where} vs zh {zh.where}: code differs beyond comments"
+        )
+        assert en.marker_kind == zh.marker_kind, f"{en.where}: run marker differs in zh"
+        if en.marker_kind == "run":
+            assert en.marker_arg == zh.marker_arg, f"{en.where}: run marker differs in zh"
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_same_sections(page: str, site: Path) -> None:
+    """Same headings (levels and anchors) in the same order on the built pages."""
+    en = parse_html(built_page(site, page, "en")).headings
+    zh = parse_html(built_page(site, page, "zh")).headings
+    assert [lvl for lvl, _ in en] == [lvl for lvl, _ in zh], (
+        f"{page}: heading levels differ\nen: {en}\nzh: {zh}"
+    )
+    # Section anchors are shared, so links and the language switcher keep their target.
+    en_ids = [hid for lvl, hid in en if lvl > 1]
+    zh_ids = [hid for lvl, hid in zh if lvl > 1]
+    assert en_ids == zh_ids, f"{page}: section anchors differ\nen: {en_ids}\nzh: {zh_ids}"
