@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import SERVER_TESTS, kill_job_processes, make_settings
+from server_helpers import SERVER_TESTS, finish_all_jobs, kill_job_processes, make_settings
 
 from dmuon_server.app import create_app
 
@@ -38,3 +38,4 @@ def client(tmp_path: Path, data_dir: Path, fake_env: None) -> Iterator[TestClien
     app = create_app(make_settings(tmp_path, data_dir=data_dir))
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
+        finish_all_jobs(c)

@@ -88,12 +88,32 @@ def job_processes(data_dir: Path) -> list[psutil.Process]:
 
 
 def kill_job_processes(data_dir: Path) -> None:
-    """Safety net for teardown: SIGKILL whatever a test left running."""
+    """Safety net for teardown: SIGKILL whatever a test left running, and reap the
+    children of this test process that ended after their in-process server stopped
+    watching them (a real server process would have exited, leaving them to init)."""
     procs = job_processes(data_dir)
     for p in procs:
         with contextlib.suppress(psutil.Error):
             p.send_signal(signal.SIGKILL)
     psutil.wait_procs(procs, timeout=10)
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error, ChildProcessError):
+            if child.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(child.pid, os.WNOHANG)
+
+
+def finish_all_jobs(client: Any, timeout: float = 60.0) -> None:
+    """Cancel every unfinished job of an in-process app and wait until all are final,
+    so that the app's supervisor reaps its children before it stops."""
+    active = ["queued", "starting", "running"]
+    for job in client.get("/v1/jobs", params={"state": active, "limit": 200}).json()["items"]:
+        client.post(f"/v1/jobs/{job['id']}/cancel")
+    wait_until(
+        lambda: not client.get("/v1/jobs", params={"state": active}).json()["items"],
+        timeout,
+        "every job to finish",
+        interval=0.05,
+    )
 
 
 @dataclass

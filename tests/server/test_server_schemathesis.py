@@ -20,7 +20,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import positive_data_acceptance
-from server_helpers import SERVER_TESTS, kill_job_processes, make_settings
+from server_helpers import SERVER_TESTS, kill_job_processes, make_settings, wait_until
 
 from dmuon_server.app import create_app
 
@@ -43,6 +43,11 @@ def _supervised() -> Iterator[None]:
         finally:
             for job in APP.state.store.jobs_in_states(["queued", "starting", "running"]):
                 sup.cancel(job["id"])
+            wait_until(
+                lambda: not APP.state.store.jobs_in_states(["starting", "running"]),
+                60,
+                "the fuzzed jobs to end",
+            )
             sup.stop()
             kill_job_processes(_TMP / "data")
 

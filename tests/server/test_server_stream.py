@@ -170,3 +170,23 @@ def test_second_server_on_the_same_data_dir_is_refused(server_factory, data_dir:
     other = LiveServer(data_dir, env=_env())
     with pytest.raises(AssertionError, match="another dmuon-server"):
         other.start(timeout=30)
+
+
+def test_client_disconnect_frees_the_stream(server_factory) -> None:
+    server = server_factory(FAKE_STEP_SECONDS="30")
+    with server.client() as c:
+        job = c.post("/v1/jobs", json=job_spec(steps=5)).json()
+        for _ in range(3):
+            with (
+                httpx.Client(base_url=server.url, timeout=30) as other,
+                other.stream("GET", f"/v1/jobs/{job['id']}/events") as r,
+            ):
+                events = iter_sse(r)  # keep a reference: dropping it closes the response
+                assert next(events).event == "state"
+                assert "dmuon_active_streams 1" in c.get("/metrics").text
+            wait_until(
+                lambda: "dmuon_active_streams 0" in c.get("/metrics").text,
+                10,
+                "the server to notice the disconnect",
+            )
+        c.post(f"/v1/jobs/{job['id']}/cancel")

@@ -77,11 +77,12 @@ def test_cancel_cycles_leave_no_process_alive(
             left = job_processes(data_dir)
             assert not left, [p.cmdline() for p in left]
             # The server reaped its child: no zombie either.
-            assert not [
-                p
+            zombies = [
+                (p.pid, p.ppid(), p.name(), job["id"])
                 for p in psutil.Process().children(recursive=True)
                 if p.status() == psutil.STATUS_ZOMBIE
             ]
+            assert not zombies, (i, zombies, os.getpid(), done)
     print(f"cancel -> cancelled: max {max(durations):.2f} s, mean {sum(durations) / 20:.2f} s")
 
 

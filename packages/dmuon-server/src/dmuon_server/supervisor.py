@@ -354,6 +354,14 @@ class Supervisor:
                         job_id, pid=p.pid, pgid=os.getpgid(p.pid), create_time=p.create_time()
                     )
                     log.info("job %s: adopted runner pid %d", job_id, p.pid)
+                else:
+                    _signal_all(find_job_processes(job_id), signal.SIGKILL)
+                    self.store.transition(
+                        job_id,
+                        "failed",
+                        "the server stopped while launching the job; submit it again",
+                        from_states=ACTIVE_STATES,
+                    )
                 continue
             proc = _verified_process(job["pid"], job["create_time"])
             if proc is not None:
