@@ -190,3 +190,15 @@ def test_deepcopy_of_a_dedicated_model_says_what_to_do() -> None:
     dmuon.dedicate_params(model)
     with pytest.raises(ValueError, match="Copy the model before calling dedicate_params"):
         copy.deepcopy(model)
+
+
+def test_owner_plan_of_a_dedicated_model_matches_plan_owners() -> None:
+    model = TinyLlama(n_layers=2)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    owners = dmuon.dedicate_params(model)
+    plan = dmuon.owner_plan(model)
+    assert plan.owners == owners
+    boundaries = {f: ".".join(f.split(".")[:2]) for f in owners}
+    assert plan == dmuon.plan_owners({f: shapes[f] for f in owners}, 1, boundaries)
+    with pytest.raises(ValueError, match="call dmuon.dedicate_params"):
+        dmuon.owner_plan(TinyLlama(n_layers=1))

@@ -12,7 +12,7 @@ from dmuon.comm import CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, newton_schulz
 from dmuon.optim.naive import NaiveMuon, naive_muon
 from dmuon.ownership.dedicate import dedicate_params
-from dmuon.ownership.inspect import comm_audit, dedicated_parameters
+from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
 from dmuon.ownership.planner import OwnerPlan, default_predicate, plan_owners
 
 __all__ = [
@@ -29,5 +29,6 @@ __all__ = [
     "naive_muon",
     "newton_schulz",
     "no_sync",
+    "owner_plan",
     "plan_owners",
 ]

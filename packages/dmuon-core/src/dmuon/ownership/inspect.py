@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from dmuon.comm import CommAudit
+from dmuon.ownership.planner import OwnerPlan
 from dmuon.ownership.state import DedicatedParam, DedicationState, get_dedication
 
 
@@ -40,3 +41,14 @@ def dedicated_parameters(model: nn.Module) -> list[DedicatedParam]:
         ValueError: If ``model`` was never passed to `dmuon.dedicate_params`.
     """
     return list(_require_state(model).params)
+
+
+def owner_plan(model: nn.Module) -> OwnerPlan:
+    """The owner plan `dmuon.dedicate_params` used: owners, per-rank loads, imbalance.
+
+    Raises:
+        ValueError: If ``model`` was never passed to `dmuon.dedicate_params`.
+    """
+    plan = _require_state(model).plan
+    assert plan is not None
+    return plan
