@@ -200,5 +200,5 @@ def test_owner_plan_of_a_dedicated_model_matches_plan_owners() -> None:
     assert plan.owners == owners
     boundaries = {f: ".".join(f.split(".")[:2]) for f in owners}
     assert plan == dmuon.plan_owners({f: shapes[f] for f in owners}, 1, boundaries)
-    with pytest.raises(ValueError, match="call dmuon.dedicate_params"):
+    with pytest.raises(ValueError, match=r"call dmuon\.dedicate_params"):
         dmuon.owner_plan(TinyLlama(n_layers=1))
