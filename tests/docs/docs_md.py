@@ -45,7 +45,7 @@ ADMONITION = re.compile(
 
 PYTHON_LANGS = {"python", "py", "python3"}
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
-HASH_COMMENT_LANGS = SHELL_LANGS | {"yaml", "yml", "toml"}
+HASH_COMMENT_LANGS = SHELL_LANGS | {"yaml", "yml", "toml", "text"}
 
 
 @dataclass

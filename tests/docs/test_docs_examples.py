@@ -6,6 +6,7 @@ the parity test). See ``docs_md`` for the markers.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -17,7 +18,6 @@ from conftest import docs_env
 from docs_md import (
     DOCS,
     PYTHON_LANGS,
-    REPO,
     SHELL_LANGS,
     CodeBlock,
     code_blocks,
@@ -136,29 +136,79 @@ def _command(example: Example, script: Path) -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])
-def test_example_runs(example: Example, tmp_path: Path) -> None:
+@dataclass
+class Outcome:
+    ok: bool
+    stdout: str
+    stderr: str
+    how: str
+
+
+@pytest.fixture(scope="session")
+def single_process_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Outcome]:
+    """Run every single-process Python example in one interpreter (see example_runner)."""
+    root = tmp_path_factory.mktemp("examples")
+    jobs = []
+    for i, example in enumerate(e for e in EXAMPLES if e.launcher == "python"):
+        workdir = root / f"ex{i}"
+        workdir.mkdir()
+        jobs.append({"id": example.id, "script": example.script, "dir": str(workdir)})
+    jobs_file = root / "jobs.json"
+    jobs_file.write_text(json.dumps(jobs), encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("example_runner.py")), str(jobs_file)],
+        cwd=root,
+        env=docs_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S * 2,
+    )
+    out_file = Path(str(jobs_file) + ".out")
+    results = json.loads(out_file.read_text(encoding="utf-8")) if out_file.exists() else {}
+    outcomes = {}
+    for job in jobs:
+        r = results.get(job["id"])
+        if r is None:  # the runner itself died before reaching this example
+            outcomes[job["id"]] = Outcome(False, proc.stdout, proc.stderr, "example runner")
+        else:
+            outcomes[job["id"]] = Outcome(r["ok"], r["stdout"], r["stderr"], "python")
+    return outcomes
+
+
+def _run_alone(example: Example, tmp_path: Path) -> Outcome:
     suffix = ".sh" if example.launcher == "bash" else ".py"
     script = tmp_path / f"example{suffix}"
     script.write_text(example.script, encoding="utf-8")
-    env = docs_env()
-    env["DMUON_DOCS_REPO"] = str(REPO)
     proc = subprocess.run(
         _command(example, script),
         cwd=tmp_path,
-        env=env,
+        env=docs_env(),
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
     )
-    if proc.returncode != 0:
+    how = f"{example.launcher}, exit code {proc.returncode}"
+    return Outcome(proc.returncode == 0, proc.stdout, proc.stderr, how)
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])
+def test_example_runs(example: Example, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if example.launcher == "python":
+        outcome = request.getfixturevalue("single_process_outcomes")[example.id]
+    else:
+        outcome = _run_alone(example, tmp_path)
+    if not outcome.ok:
+        output = outcome.stdout + outcome.stderr
+        # torchrun ends with its own summary; the ranks' errors come earlier in the output.
+        errors = [line for line in output.splitlines() if "Error" in line][:20]
         pytest.fail(
-            f"docs example {example.id} ({example.launcher}) exited {proc.returncode}\n"
+            f"docs example {example.id} failed ({outcome.how})\n"
             f"--- script ---\n{textwrap.indent(example.script, '    ')}\n"
-            f"--- output (tail) ---\n{(proc.stdout + proc.stderr)[-4000:]}"
+            f"--- error lines ---\n" + "\n".join(errors) + "\n"
+            f"--- output (tail) ---\n{output[-4000:]}"
         )
     # An example that prints error messages shows real ones: each must be on its page.
     page = (DOCS / example.blocks[0].page).read_text(encoding="utf-8")
-    printed = [line for line in proc.stdout.splitlines() if line.startswith(ERROR_PREFIXES)]
+    printed = [line for line in outcome.stdout.splitlines() if line.startswith(ERROR_PREFIXES)]
     missing = [line for line in printed if line not in page]
     assert not missing, f"{example.id}: messages not shown on the page:\n" + "\n".join(missing)
