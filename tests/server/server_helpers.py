@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import httpx
 import psutil
 
-from dmuon_server.config import DATA_DIR_ENV_MARKER, Settings
+from dmuon_server.config import DATA_DIR_ENV_MARKER, JOB_ENV_MARKER, Settings
 
 SERVER_TESTS = Path(__file__).resolve().parent
 T = TypeVar("T")
@@ -81,6 +81,18 @@ def job_processes(data_dir: Path) -> list[psutil.Process]:
         try:
             env = p.environ()
             if env.get(DATA_DIR_ENV_MARKER) == marker and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def processes_of_job(job_id: str) -> list[psutil.Process]:
+    """Live processes carrying one job's environment marker."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(JOB_ENV_MARKER) == job_id and p.status() != psutil.STATUS_ZOMBIE:
                 found.append(p)
         except (psutil.Error, OSError):
             continue

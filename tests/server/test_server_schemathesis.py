@@ -36,11 +36,13 @@ def _supervised() -> Iterator[None]:
         mp.setenv("PYTHONPATH", str(SERVER_TESTS) + (os.pathsep + pp if pp else ""))
         mp.setenv("FAKE_MAX_STEPS", "3")
         mp.setenv("FAKE_STEP_SECONDS", "0.01")
+        # Schemathesis runs the app's lifespan (and with it the supervisor) during the
+        # test and ends it when the test ends; restart the supervisor to clean up.
         sup = APP.state.supervisor
-        sup.start()
         try:
             yield
         finally:
+            sup.start()
             for job in APP.state.store.jobs_in_states(["queued", "starting", "running"]):
                 sup.cancel(job["id"])
             wait_until(
@@ -56,6 +58,7 @@ def _supervised() -> Iterator[None]:
 @settings(
     max_examples=60,
     deadline=None,
+    database=None,
     suppress_health_check=list(HealthCheck),
 )
 def test_no_server_errors(case: schemathesis.Case) -> None:

@@ -8,12 +8,20 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import TERMINAL, job_processes, job_spec, make_settings, wait_until
+from server_helpers import (
+    TERMINAL,
+    job_processes,
+    job_spec,
+    make_settings,
+    processes_of_job,
+    wait_until,
+)
 
 from dmuon_server.app import create_app
 from dmuon_server.metrics import parse_lines
@@ -57,16 +65,24 @@ def test_crashing_rank_gives_failed_with_rank_exit_code_and_log(
 def test_cancel_cycles_leave_no_process_alive(
     tmp_path: Path, data_dir: Path, fake_env: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """20 cycles: submit, wait for ``running``, cancel, wait for ``cancelled``; after each
-    cycle no process of any job may be alive (checked with psutil by environment marker,
-    which also finds torchrun workers in their own sessions)."""
+    """20 cycles of: submit, wait for ``running``, cancel, wait for ``cancelled``, in two
+    lanes of 10 that run side by side (so a cancel must also leave the other job alone).
+
+    After each cycle no process of the cancelled job may be alive, and at the end none of
+    any job: checked with psutil by environment marker, which also finds the torchrun
+    workers that live in sessions of their own. The server must have reaped its children.
+    """
     monkeypatch.setenv("FAKE_STEP_SECONDS", "0.05")
-    app = create_app(make_settings(tmp_path, data_dir=data_dir, poll_interval_s=0.02))
-    durations = []
-    with TestClient(app) as c:
-        for i in range(20):
-            job = c.post("/v1/jobs", json=job_spec(steps=100_000, name=f"cycle-{i}")).json()
-            _wait_state(c, job["id"], {"running"})
+    app = create_app(
+        make_settings(tmp_path, data_dir=data_dir, poll_interval_s=0.02, max_concurrent_jobs=2)
+    )
+    durations: list[float] = []
+
+    def lane(c: TestClient, lane_no: int) -> None:
+        for i in range(10):
+            job = c.post("/v1/jobs", json=job_spec(steps=100_000, name=f"{lane_no}-{i}")).json()
+            _wait_state(c, job["id"], {"running"}, timeout=90)
+            assert len(processes_of_job(job["id"])) >= 3  # torchrun + 2 ranks
             t0 = time.monotonic()
             r = c.post(f"/v1/jobs/{job['id']}/cancel")
             assert r.status_code == 202 and r.json()["cancel_requested"] is True
@@ -74,15 +90,23 @@ def test_cancel_cycles_leave_no_process_alive(
             durations.append(time.monotonic() - t0)
             assert done["state"] == "cancelled", done
             assert [h["state"] for h in done["history"]][-1] == "cancelled"
-            left = job_processes(data_dir)
+            left = processes_of_job(job["id"])
             assert not left, [p.cmdline() for p in left]
-            # The server reaped its child: no zombie either.
-            zombies = [
-                (p.pid, p.ppid(), p.name(), job["id"])
-                for p in psutil.Process().children(recursive=True)
-                if p.status() == psutil.STATUS_ZOMBIE
-            ]
-            assert not zombies, (i, zombies, os.getpid(), done)
+
+    with TestClient(app) as c, ThreadPoolExecutor(2) as pool:
+        for f in [pool.submit(lane, c, n) for n in range(2)]:
+            f.result()
+        assert [j["state"] for j in c.get("/v1/jobs", params={"limit": 50}).json()["items"]] == [
+            "cancelled"
+        ] * 20
+        left = job_processes(data_dir)
+        assert not left, [p.cmdline() for p in left]
+        zombies = [
+            (p.pid, p.name())
+            for p in psutil.Process().children(recursive=True)
+            if p.status() == psutil.STATUS_ZOMBIE
+        ]
+        assert not zombies
     print(f"cancel -> cancelled: max {max(durations):.2f} s, mean {sum(durations) / 20:.2f} s")
 
 

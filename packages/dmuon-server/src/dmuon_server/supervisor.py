@@ -300,7 +300,12 @@ class Supervisor:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Re-attach to jobs of a previous server and start the supervisor thread."""
+        """Re-attach to jobs of a previous server and start the supervisor thread.
+
+        Does nothing when the thread is already running.
+        """
+        if self._thread is not None and self._thread.is_alive():
+            return
         self.settings.jobs_dir.mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._recover()
