@@ -15,6 +15,7 @@ import dmuon
 from dmuon.train import (
     DEMO_ARGS,
     REQUIRED_KEYS,
+    MetricsWriter,
     TrainConfig,
     Trainer,
     build_model,
@@ -205,3 +206,19 @@ def test_flags_map_to_config_and_demo_args_parse() -> None:
     assert parse_args(["--optimizer", "adamw"]).effective_lr == TrainConfig().adamw_lr
     demo = parse_args(list(DEMO_ARGS))
     assert demo.model == "small" and demo.accum_steps == 4 and demo.eval_every > 0
+
+
+def test_metrics_writer_flushes_each_line_and_nulls_non_finite(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "m.jsonl"
+    writer = MetricsWriter(path)
+    try:
+        writer.write({"step": 1, "loss": float("nan"), "grad_norm": float("inf"), "time": 0.5})
+        # Readable before close: the line was flushed.
+        record = json.loads(path.read_text())
+    finally:
+        writer.close()
+    assert record == {
+        "step": 1, "loss": None, "lr": None, "tokens_per_s": None, "grad_norm": None,
+        "time": 0.5,
+    }  # fmt: skip
+    MetricsWriter(None).write({"step": 1})  # rank != 0: a no-op

@@ -15,6 +15,9 @@ from .model import PRESETS
 
 __all__ = [
     "DEMO_ARGS",
+    "DEMO_MAX_SECONDS",
+    "DEMO_MEASURED",
+    "DEMO_MIN_VAL_DROP",
     "DEMO_NPROC",
     "TrainConfig",
     "build_parser",
@@ -35,7 +38,7 @@ class TrainConfig:
     data: str | None = None
     cache_dir: str | None = None
     val_fraction: float = 0.05
-    steps: int = 120
+    steps: int = 60
     micro_batch_size: int = 4
     accum_steps: int = 1
     seq_len: int = 128
@@ -46,7 +49,7 @@ class TrainConfig:
     seed: int = 0
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
-    eval_every: int = 40
+    eval_every: int = 20
     eval_sequences: int = 64
     metrics_file: str | None = None
     log_every: int = 1
@@ -68,21 +71,38 @@ DEMO_NPROC = 2
 DEMO_ARGS: tuple[str, ...] = (
     "--model", "small",
     "--optimizer", "dmuon",
-    "--mode", "z3",
-    "--steps", "120",
+    "--mode", "z2",
+    "--steps", "60",
     "--accum-steps", "4",
     "--micro-batch-size", "4",
     "--seq-len", "128",
     "--warmup-steps", "10",
-    "--eval-every", "40",
+    "--eval-every", "20",
     "--seed", "0",
 )  # fmt: skip
-"""Flags of the demo (``make demo``): ``small`` with accumulation 4; add ``--metrics-file``.
+"""Flags of the demo (``make demo``); the launcher adds ``--metrics-file``.
 
-Measured on 2 CPU cores: see the package README / issue report for wall times and the
-start/end validation loss; the bar is "under 5 minutes and end validation loss at least
-35% below start" for both 1 and ``DEMO_NPROC`` processes.
+The ``small`` preset (3.54 M parameters) with accumulation 4 x micro-batch 4 x 128 bytes:
+a global batch of ``DEMO_NPROC * 16`` sequences, 60 steps, validation at steps 0, 20, 40,
+60. DMuon in Z2 mode, which keeps the packed buffers resident across the accumulated
+micro-batches. The bar: under ``DEMO_MAX_SECONDS`` on 2 CPU cores and an end validation
+loss at least ``DEMO_MIN_VAL_DROP`` below the start, on ``DEMO_NPROC`` processes and on
+one. See ``DEMO_MEASURED`` for measurements.
 """
+
+DEMO_MAX_SECONDS = 300.0
+"""Wall-time bar of the demo on 2 CPU cores."""
+
+DEMO_MIN_VAL_DROP = 0.35
+"""The demo's end validation loss must be at least this fraction below the start."""
+
+DEMO_MEASURED = (
+    "2 CPU cores shared with other jobs (load average 4-5), torch 2.13 CPU, gloo: "
+    "2 processes: 136 s wall (process start to exit), validation loss 5.611 -> 2.306 "
+    "(58.9% lower); 1 process (2 threads): 179 s wall, 5.611 -> 2.421 (56.8% lower). "
+    "On an idle machine 1 process trains at about 3,900 tokens/s (about 31 s for 60 steps)."
+)
+"""Measured wall time and validation losses of the demo on the development machine."""
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:

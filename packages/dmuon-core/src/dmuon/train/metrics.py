@@ -129,10 +129,11 @@ class ProgressReporter:
 def format_summary(summary: dict[str, Any]) -> str:
     """Human-readable final summary of :func:`dmuon.train.run`'s result."""
     lines = [
-        f"done: {summary['steps']} steps in {summary['train_time_s']:.1f} s "
-        f"({summary['tokens_per_s']:,.0f} tokens/s, {summary['world_size']} process(es), "
+        f"done: {summary['steps']} steps, {summary['train_time_s']:.1f} s training "
+        f"({summary['wall_time_s']:.1f} s with evaluation), "
+        f"{summary['tokens_per_s']:,.0f} tokens/s, {summary['world_size']} process(es), "
         f"optimizer {summary['optimizer']}, model {summary['model']} "
-        f"{summary['params'] / 1e6:.2f} M params)",
+        f"({summary['params'] / 1e6:.2f} M params)",
         f"final train loss {summary['final_loss']:.4f}",
     ]
     start, end = summary.get("start_val_loss"), summary.get("end_val_loss")
