@@ -142,6 +142,9 @@ def load_openapi() -> dict[str, Any]:
         settings = config.Settings(data_dir=Path(data_dir), token="docs", max_nproc_per_node=1)
         app = module.create_app(settings)
         spec = dict(app.openapi())
+    # The maximum of nproc_per_node is the running server's --max-nproc, not a constant.
+    job_create = spec.get("components", {}).get("schemas", {}).get("JobCreate", {})
+    job_create.get("properties", {}).get("nproc_per_node", {}).pop("maximum", None)
     return spec
 
 
@@ -161,7 +164,7 @@ def _type_of(schema: Mapping[str, Any]) -> str:
     if "const" in schema:
         return f"`{json.dumps(schema['const'])}`"
     if "enum" in schema:
-        return " \\| ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
+        return " | ".join(f"`{json.dumps(v)}`" for v in schema["enum"])
     for key in ("anyOf", "oneOf"):
         if key in schema:
             return " or ".join(_type_of(s) for s in schema[key])
@@ -178,6 +181,32 @@ def _type_of(schema: Mapping[str, Any]) -> str:
         return "any"
     fmt = schema.get("format")
     return f"{kind} ({fmt})" if fmt else str(kind)
+
+
+def _num(x: object) -> str:
+    if isinstance(x, float) and x.is_integer():
+        return str(int(x))
+    return str(x)
+
+
+def _constraints(schema: Mapping[str, Any]) -> str:
+    """Bounds of a JSON schema (or of the non-null branch of an ``anyOf``), for people."""
+    for key in ("anyOf", "oneOf"):
+        if key in schema:
+            parts = [_constraints(s) for s in schema[key] if s.get("type") != "null"]
+            return "; ".join(p for p in parts if p)
+    parts = []
+    if "minimum" in schema:
+        parts.append(f"≥ {_num(schema['minimum'])}")
+    if "exclusiveMinimum" in schema:
+        parts.append(f"> {_num(schema['exclusiveMinimum'])}")
+    if "maximum" in schema:
+        parts.append(f"≤ {_num(schema['maximum'])}")
+    if "exclusiveMaximum" in schema:
+        parts.append(f"< {_num(schema['exclusiveMaximum'])}")
+    if "minLength" in schema or "maxLength" in schema:
+        parts.append(f"length {schema.get('minLength', 0)}–{schema.get('maxLength', '∞')}")
+    return ", ".join(parts)
 
 
 def _op_anchor(method: str, path: str) -> str:
@@ -233,9 +262,11 @@ def render_openapi(spec: Mapping[str, Any], labels: Mapping[str, str]) -> str:
                 out.append("|---|---|---|---|---|")
                 for p in params:
                     req = labels["yes"] if p.get("required") else labels["no"]
+                    pschema = p.get("schema", {})
+                    bounds = _constraints(pschema)
+                    shown_type = _type_of(pschema) + (f" ({bounds})" if bounds else "")
                     out.append(
-                        f"| `{p.get('name')}` | {p.get('in')} | "
-                        f"{_cell(_type_of(p.get('schema', {})))} | {req} | "
+                        f"| `{p.get('name')}` | {p.get('in')} | {_cell(shown_type)} | {req} | "
                         f"{_cell(p.get('description', ''))} |"
                     )
                 out.append("")
@@ -276,8 +307,10 @@ def render_openapi(spec: Mapping[str, Any], labels: Mapping[str, str]) -> str:
                 for field, fschema in props.items():
                     req = labels["yes"] if field in required else labels["no"]
                     default = f"`{json.dumps(fschema['default'])}`" if "default" in fschema else ""
+                    bounds = _constraints(fschema)
+                    shown_type = _type_of(fschema) + (f" ({bounds})" if bounds else "")
                     out.append(
-                        f"| `{field}` | {_cell(_type_of(fschema))} | {req} | {_cell(default)} | "
+                        f"| `{field}` | {_cell(shown_type)} | {req} | {_cell(default)} | "
                         f"{_cell(fschema.get('description', ''))} |"
                     )
                 out.append("")

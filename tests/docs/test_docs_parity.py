@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,18 @@ def test_same_sections(page: str, site: Path) -> None:
     en_ids = [hid for lvl, hid in en if lvl > 1]
     zh_ids = [hid for lvl, hid in zh if lvl > 1]
     assert en_ids == zh_ids, f"{page}: section anchors differ\nen: {en_ids}\nzh: {zh_ids}"
+
+
+CJK = "\u3000-\u303f\u4e00-\u9fff\uff00-\uffef"
+
+
+def test_chinese_prose_has_no_hard_breaks_between_characters() -> None:
+    """A line break between two Chinese characters shows as a stray space in the page."""
+    pattern = re.compile(rf"[{CJK}]\n[ \t]*[{CJK}]")
+    problems = []
+    for path in zh_pages():
+        text = path.read_text(encoding="utf-8")
+        prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+        for match in pattern.finditer(prose):
+            problems.append(f"zh/{rel(path)}: {match.group(0)!r}")
+    assert not problems, "\n".join(problems[:20])
