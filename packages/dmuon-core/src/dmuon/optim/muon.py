@@ -205,6 +205,61 @@ class Muon(torch.optim.Optimizer):
                 "first (before fully_shard with FSDP2), then create dmuon.Muon(model, ...) "
                 "(after fully_shard)"
             )
+        for dp in state.params:
+            if len(dp.shape) != 2:
+                raise ValueError(
+                    f"dedicated parameter {dp.fqn!r} has shape {tuple(dp.shape)}; Muon updates "
+                    "matrices only: dedicate 2-D weights and leave other parameters to AdamW"
+                )
+        dedicated = [dp.param for dp in state.params]
+        dedicated_ids = {id(p) for p in dedicated}
+        others: list[nn.Parameter] = []
+        seen: set[int] = set()
+        for p in model.parameters():
+            if not p.requires_grad or id(p) in dedicated_ids or id(p) in seen:
+                continue
+            seen.add(id(p))
+            others.append(p)
+        self._init_groups(
+            model,
+            dedicated,
+            others,
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            ns_dtype=ns_dtype,
+            eps=eps,
+            adjust_lr_fn=adjust_lr_fn,
+            adamw_lr=adamw_lr,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            adamw_weight_decay=adamw_weight_decay,
+        )
+
+    def _init_groups(
+        self,
+        model: nn.Module,
+        muon_params: list[nn.Parameter],
+        adamw_params: list[nn.Parameter],
+        *,
+        lr: float,
+        momentum: float,
+        nesterov: bool,
+        weight_decay: float,
+        ns_steps: int,
+        ns_coefficients: Coefficients,
+        ns_dtype: torch.dtype | None,
+        eps: float,
+        adjust_lr_fn: str | None,
+        adamw_lr: float,
+        adamw_betas: tuple[float, float],
+        adamw_eps: float,
+        adamw_weight_decay: float,
+    ) -> None:
+        """Validate the hyperparameters and create the Muon and AdamW param groups."""
         self._group_defaults: dict[str, dict[str, Any]] = {
             "muon": {
                 "lr": lr,
@@ -229,26 +284,10 @@ class Muon(torch.optim.Optimizer):
         # Validate everything up front, so the first error names the argument.
         _validate_muon_group(dict(self._group_defaults["muon"]))
         _validate_adamw_group(dict(self._group_defaults["adamw"]))
-
-        for dp in state.params:
-            if len(dp.shape) != 2:
-                raise ValueError(
-                    f"dedicated parameter {dp.fqn!r} has shape {tuple(dp.shape)}; Muon updates "
-                    "matrices only: dedicate 2-D weights and leave other parameters to AdamW"
-                )
         self._model = model
-        dedicated = [dp.param for dp in state.params]
-        dedicated_ids = {id(p) for p in dedicated}
-        others: list[nn.Parameter] = []
-        seen: set[int] = set()
-        for p in model.parameters():
-            if not p.requires_grad or id(p) in dedicated_ids or id(p) in seen:
-                continue
-            seen.add(id(p))
-            others.append(p)
         groups = [
-            {"params": dedicated, "algorithm": "muon"},
-            {"params": others, "algorithm": "adamw"},
+            {"params": muon_params, "algorithm": "muon"},
+            {"params": adamw_params, "algorithm": "adamw"},
         ]
         super().__init__(groups, dict(self._group_defaults["muon"], algorithm="muon"))
 

@@ -10,6 +10,7 @@ and N times the Newton-Schulz work of dedicated ownership.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -18,7 +19,6 @@ from torch import Tensor, nn
 from dmuon.comm import CommAudit
 from dmuon.optim.muon import Muon, adjust_lr_ratio
 from dmuon.optim.newton_schulz import (
-    Coefficients,
     _newton_schulz_unchecked,
     default_ns_dtype,
     resolve_coefficients,
@@ -51,9 +51,10 @@ def _local_slice(full: Tensor, like: Tensor) -> Tensor:
 class NaiveMuon(Muon):
     """Muon on an FSDP2 model without dedicated ownership (a benchmark baseline).
 
-    Same hyperparameters and math as `dmuon.Muon`; Muon matrices are chosen with
-    ``predicate`` (default: `dmuon.default_predicate` on ``nn.Linear`` weights, output
-    heads excluded). ``audit`` records the all-gathers issued in ``step()``.
+    Takes the keyword hyperparameters of `dmuon.Muon` (same defaults) and applies the same
+    math; Muon matrices are chosen with ``predicate`` (default: `dmuon.default_predicate`
+    on ``nn.Linear`` weights, output heads excluded). ``audit`` records the all-gathers
+    issued in ``step()``.
     """
 
     def __init__(
@@ -61,19 +62,7 @@ class NaiveMuon(Muon):
         model: nn.Module,
         *,
         predicate: ParamPredicate | None = None,
-        lr: float = 0.02,
-        momentum: float = 0.95,
-        nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int = 5,
-        ns_coefficients: Coefficients = "polar_express",
-        ns_dtype: torch.dtype | None = None,
-        eps: float = 1e-7,
-        adjust_lr_fn: str | None = "match_rms_adamw",
-        adamw_lr: float = 1e-3,
-        adamw_betas: tuple[float, float] = (0.9, 0.999),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.01,
+        **hyperparameters: Any,
     ) -> None:
         linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
         muon: list[nn.Parameter] = []
@@ -86,32 +75,20 @@ class NaiveMuon(Muon):
             else:
                 chosen = id(param) in linear_weights and default_predicate(name, param)
             (muon if chosen else others).append(param)
-        self._group_defaults = {
-            "muon": {
-                "lr": lr,
-                "momentum": momentum,
-                "nesterov": nesterov,
-                "weight_decay": weight_decay,
-                "ns_steps": ns_steps,
-                "ns_coefficients": ns_coefficients,
-                "ns_dtype": ns_dtype,
-                "eps": eps,
-                "adjust_lr_fn": adjust_lr_fn,
-            },
-            "adamw": {
-                "lr": adamw_lr,
-                "betas": tuple(adamw_betas),
-                "eps": adamw_eps,
-                "weight_decay": adamw_weight_decay,
-            },
-        }
-        self._model = model
         self.audit = CommAudit(sum(p.numel() for p in muon))
-        torch.optim.Optimizer.__init__(
-            self,
-            [{"params": muon, "algorithm": "muon"}, {"params": others, "algorithm": "adamw"}],
-            dict(self._group_defaults["muon"], algorithm="muon"),
+        defaults = inspect.signature(Muon.__init__).parameters
+        self._init_groups(
+            model,
+            muon,
+            others,
+            **{
+                name: hyperparameters.pop(name, parameter.default)
+                for name, parameter in defaults.items()
+                if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+            },
         )
+        if hyperparameters:
+            raise TypeError(f"NaiveMuon got unexpected arguments {sorted(hyperparameters)}")
 
     def _dedicated_by_id(self) -> dict[int, DedicatedParam]:
         return {}
