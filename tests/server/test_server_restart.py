@@ -112,7 +112,8 @@ def test_jobs_that_vanished_or_finished_while_down(data_dir: Path) -> None:
             # A job that finishes while the server is down is recorded from its exit report.
             quick = c.post("/v1/jobs", json=job_spec(steps=30)).json()["id"]
             wait_until(lambda: _state(c, quick) == "running", 60, "running")
-        server.kill()
+        server.stop()  # a graceful stop (SIGTERM) leaves the job running too
+        assert job_processes(data_dir)
         wait_until(lambda: not job_processes(data_dir), 60, "the job to end without server")
         server = LiveServer(data_dir, env=env).start()
         with server.client() as c:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -190,3 +191,23 @@ def test_client_disconnect_frees_the_stream(server_factory) -> None:
                 "the server to notice the disconnect",
             )
         c.post(f"/v1/jobs/{job['id']}/cancel")
+
+
+def test_concurrent_submissions_over_http_create_one_job(server_factory) -> None:
+    server = server_factory()
+    body = job_spec(steps=2)
+
+    def submit(_: int) -> tuple[int, str]:
+        with server.client() as c:
+            r = c.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k-20"})
+            return r.status_code, r.json()["id"]
+
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(submit, range(20)))
+    assert sorted(code for code, _ in results) == [200] * 19 + [201]
+    assert len({job_id for _, job_id in results}) == 1
+    with server.client() as c:
+        assert len(c.get("/v1/jobs").json()["items"]) == 1
+        wait_until(
+            lambda: c.get(f"/v1/jobs/{results[0][1]}").json()["state"] == "succeeded", 60, "done"
+        )
