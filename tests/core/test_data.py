@@ -15,7 +15,10 @@ from dmuon.train.data import list_source_files, split_files, stdlib_root
 
 @pytest.fixture(scope="module")
 def stdlib_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("corpus-cache")
+    # Shared by the recipe test modules of this session: the stdlib corpus is built once.
+    path = tmp_path_factory.getbasetemp() / "dmuon-train-corpus-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def _write_tree(root: Path) -> dict[str, bytes]:

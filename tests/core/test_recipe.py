@@ -28,7 +28,10 @@ from dmuon.train.loop import lr_lambda
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return str(tmp_path_factory.mktemp("corpus-cache"))
+    # Shared by the recipe test modules of this session: the stdlib corpus is built once.
+    path = tmp_path_factory.getbasetemp() / "dmuon-train-corpus-cache"
+    path.mkdir(exist_ok=True)
+    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,7 @@ def base(cache_dir: str) -> TrainConfig:
         progress="plain",
         log_every=10,
         cache_dir=cache_dir,
+        threads=1,  # tiny matrices: a second thread only adds synchronization
     )
 
 
@@ -222,3 +226,15 @@ def test_metrics_writer_flushes_each_line_and_nulls_non_finite(tmp_path: Path) -
         "time": 0.5,
     }  # fmt: skip
     MetricsWriter(None).write({"step": 1})  # rank != 0: a no-op
+
+
+def test_trainer_restores_the_thread_count(base: TrainConfig) -> None:
+    before = torch.get_num_threads()
+    trainer = Trainer(replace(base, threads=before + 1))
+    assert torch.get_num_threads() == before + 1 == trainer.threads
+    trainer.close()
+    assert torch.get_num_threads() == before
+    # Also when setup fails.
+    with pytest.raises(FileNotFoundError):
+        Trainer(replace(base, threads=before + 1, data="/nonexistent/dmuon/data"))
+    assert torch.get_num_threads() == before

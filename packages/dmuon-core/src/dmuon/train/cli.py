@@ -55,6 +55,7 @@ class TrainConfig:
     log_every: int = 1
     device: str = "auto"
     dtype: str = "float32"
+    threads: int | None = None
     progress: str = "auto"
 
     @property
@@ -207,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("auto", "cpu", "cuda"),
         default=d.device,
         help="auto = cuda if available, else cpu",
+    )
+    loop.add_argument(
+        "--threads",
+        type=_int_at_least(1),
+        default=d.threads,
+        help="intra-op CPU threads per process; default: OMP_NUM_THREADS if set, else "
+        "the available cores divided by the local process count",
     )
     loop.add_argument(
         "--dtype",

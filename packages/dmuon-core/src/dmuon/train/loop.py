@@ -45,13 +45,16 @@ from .model import build_model, lm_loss
 __all__ = ["Trainer", "configure_threads", "lr_lambda", "run"]
 
 
-def configure_threads(local_world_size: int) -> int:
-    """Split the CPU cores among local processes unless ``OMP_NUM_THREADS`` is set.
+def configure_threads(local_world_size: int, threads: int | None = None) -> int:
+    """Set the intra-op thread count of this process and return it.
 
-    Returns the intra-op thread count in effect. (``torchrun`` sets
-    ``OMP_NUM_THREADS=1`` itself when it starts several processes.)
+    ``threads`` wins when given. Otherwise, unless ``OMP_NUM_THREADS`` is set, the CPU
+    cores available to the process are split evenly among the local processes.
+    (``torchrun`` sets ``OMP_NUM_THREADS=1`` itself when it starts several processes.)
     """
-    if "OMP_NUM_THREADS" not in os.environ:
+    if threads is not None:
+        torch.set_num_threads(threads)
+    elif "OMP_NUM_THREADS" not in os.environ:
         try:
             cores = len(os.sched_getaffinity(0))
         except AttributeError:  # not available on macOS
@@ -104,10 +107,22 @@ class Trainer:
     """
 
     def __init__(self, config: TrainConfig) -> None:
-        """Set up everything; initializes the process group when ``WORLD_SIZE`` > 1."""
+        """Set up everything; initializes the process group when ``WORLD_SIZE`` > 1.
+
+        If setup fails, what was changed (threads, process group) is undone first.
+        """
         self.config = config
-        world_env = int(os.environ.get("WORLD_SIZE", "1"))
         self._owns_process_group = False
+        self._threads_before = torch.get_num_threads()
+        try:
+            self._setup()
+        except BaseException:
+            self.close()
+            raise
+
+    def _setup(self) -> None:
+        config = self.config
+        world_env = int(os.environ.get("WORLD_SIZE", "1"))
         if world_env > 1 and not dist.is_initialized():
             backend = "nccl" if self._want_cuda() else "gloo"
             dist.init_process_group(backend)
@@ -115,7 +130,9 @@ class Trainer:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.distributed = self.world_size > 1
-        self.threads = configure_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        self.threads = configure_threads(
+            int(os.environ.get("LOCAL_WORLD_SIZE", "1")), config.threads
+        )
 
         if self._want_cuda():
             local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -339,7 +356,8 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        """Destroy the process group if this trainer created it."""
+        """Restore the thread count; destroy the process group if this trainer created it."""
+        torch.set_num_threads(self._threads_before)
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
             self._owns_process_group = False
