@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import SERVER_TESTS, job_spec, make_settings, wait_until
+from server_helpers import SERVER_TESTS, job_spec, make_settings, processes_of_job, wait_until
 
 from dmuon_server.app import create_app
 from dmuon_server.schemas import JobCreate
@@ -100,3 +100,29 @@ def test_demo_client_end_to_end_with_the_fake_recipe(tmp_path: Path) -> None:
     assert "train: 100%" in r.stderr  # the tqdm bar reached the end
     info = json.loads((data / "server.json").read_text())
     assert not psutil.pid_exists(info["pid"]) or psutil.Process(info["pid"]).status() == "zombie"
+
+
+def test_pending_cancel_survives_a_restart(
+    tmp_path: Path, data_dir: Path, fake_env: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cancel a job whose ranks ignore SIGTERM, stop the server inside the grace period;
+    the next server re-attaches, sees the pending cancel and finishes it with SIGKILL."""
+    monkeypatch.setenv("FAKE_IGNORE_SIGTERM", "1")
+    first = create_app(make_settings(tmp_path, data_dir=data_dir, cancel_grace_s=60))
+    with TestClient(first) as c:
+        job_id = c.post("/v1/jobs", json=job_spec(steps=100_000)).json()["id"]
+        wait_until(lambda: c.get(f"/v1/jobs/{job_id}").json()["state"] == "running", 60, "running")
+        assert c.post(f"/v1/jobs/{job_id}/cancel").status_code == 202
+    # The first server is gone; the job still runs (its ranks ignored the SIGTERM).
+    assert processes_of_job(job_id)
+    second = create_app(make_settings(tmp_path, data_dir=data_dir, cancel_grace_s=0.5))
+    with TestClient(second) as c:
+        job = wait_until(
+            lambda: (lambda j: j if j["state"] == "cancelled" else None)(
+                c.get(f"/v1/jobs/{job_id}").json()
+            ),
+            30,
+            "the cancel to complete after the restart",
+        )
+        assert job["cancel_requested"] is True
+    assert not processes_of_job(job_id)

@@ -259,6 +259,18 @@ def _signal_all(procs: list[psutil.Process], sig: int) -> None:
             p.send_signal(sig)
 
 
+def _signal_job(job: dict[str, Any], root: psutil.Process | None, sig: int) -> int:
+    """Signal the job's process group (only while its leader, the runner, is verified to
+    be the recorded process, so a reused pgid is never hit) and every process of the job.
+    Returns how many processes were signalled individually."""
+    if root is not None and job["pgid"] is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(job["pgid"]), sig)
+    procs = find_job_processes(job["id"], root)
+    _signal_all(procs, sig)
+    return len(procs)
+
+
 def tail_lines(path: Path, n: int, max_bytes: int = 1 << 20) -> tuple[list[str], bool]:
     """Return the last ``n`` lines of a text file (reading at most ``max_bytes``).
 
@@ -375,7 +387,7 @@ class Supervisor:
                     self._cancel_deadline[job_id] = (
                         job["cancel_requested_at"] + self.settings.cancel_grace_s
                     )
-                    _signal_all(find_job_processes(job_id, proc), signal.SIGTERM)
+                    _signal_job(job, proc, signal.SIGTERM)
             # Jobs whose processes vanished are finalised by the first tick.
 
     # ------------------------------------------------------------------- dispatch
@@ -453,11 +465,8 @@ class Supervisor:
             deadline = self._cancel_deadline.get(job_id)
             if deadline is not None and time.time() >= deadline:
                 root = _verified_process(job["pid"], job["create_time"])
-                procs = find_job_processes(job_id, root)
-                log.warning(
-                    "job %s: grace period over, SIGKILL to %d process(es)", job_id, len(procs)
-                )
-                _signal_all(procs, signal.SIGKILL)
+                n = _signal_job(job, root, signal.SIGKILL)
+                log.warning("job %s: grace period over, SIGKILL to %d process(es)", job_id, n)
                 self._cancel_deadline[job_id] = float("inf")
             return
         self._finalize(job)
@@ -577,9 +586,8 @@ class Supervisor:
             elif job_id not in self._cancel_deadline:
                 self._cancel_deadline[job_id] = time.time() + self.settings.cancel_grace_s
                 root = _verified_process(job["pid"], job["create_time"])
-                procs = find_job_processes(job_id, root)
-                log.info("job %s: SIGTERM to %d process(es)", job_id, len(procs))
-                _signal_all(procs, signal.SIGTERM)
+                n = _signal_job(job, root, signal.SIGTERM)
+                log.info("job %s: SIGTERM to %d process(es)", job_id, n)
             self.hub.notify(job_id)
         self.wake()
         return self.store.get_job(job_id)
