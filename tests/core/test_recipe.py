@@ -42,7 +42,7 @@ def base(cache_dir: str) -> TrainConfig:
         micro_batch_size=4,
         steps=30,
         optimizer="adamw",
-        lr=3e-3,
+        adamw_lr=3e-3,
         warmup_steps=3,
         eval_every=10,
         eval_sequences=8,
@@ -136,7 +136,7 @@ def _params_after_first_step(cfg: TrainConfig) -> dict[str, torch.Tensor]:
 
 
 def _assert_same_first_update(base: TrainConfig, optimizer: str) -> None:
-    cfg = replace(base, optimizer=optimizer, lr=None, seq_len=32, warmup_steps=0)
+    cfg = replace(base, optimizer=optimizer, seq_len=32, warmup_steps=0)
     model = build_model(cfg.model, seed=cfg.seed, dtype=getattr(torch, cfg.dtype))
     init = dict(model.named_parameters())
     accumulated = _params_after_first_step(replace(cfg, accum_steps=4, micro_batch_size=2))

@@ -29,9 +29,9 @@ __all__ = [
 class TrainConfig:
     """All settings of a run; field names are the flag names with ``_`` for ``-``.
 
-    ``lr=None`` means "the optimizer's default": 0.02 (the Muon rate) for
-    ``optimizer="dmuon"``, and ``adamw_lr`` for ``optimizer="adamw"``. See
-    :func:`build_parser` for every field's meaning.
+    ``lr`` is the Muon rate (used by ``optimizer="dmuon"`` only); ``adamw_lr`` is the
+    AdamW rate: of the embedding, norms and ``lm_head`` under ``dmuon``, and of every
+    parameter under the ``adamw`` baseline. See :func:`build_parser` for every field.
     """
 
     model: str = "small"
@@ -42,7 +42,7 @@ class TrainConfig:
     micro_batch_size: int = 4
     accum_steps: int = 1
     seq_len: int = 128
-    lr: float | None = None
+    lr: float = 0.02
     adamw_lr: float = 3e-3
     optimizer: str = "dmuon"
     mode: str = "z3"
@@ -60,10 +60,8 @@ class TrainConfig:
 
     @property
     def effective_lr(self) -> float:
-        """The learning rate of the main parameter group (``--lr`` or its default)."""
-        if self.lr is not None:
-            return self.lr
-        return 0.02 if self.optimizer == "dmuon" else self.adamw_lr
+        """The peak rate logged as ``lr``: ``lr`` (Muon) for dmuon, ``adamw_lr`` for adamw."""
+        return self.lr if self.optimizer == "dmuon" else self.adamw_lr
 
 
 DEMO_NPROC = 2
@@ -242,14 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=_positive_float,
         default=d.lr,
-        help="peak learning rate of the main group: the Muon rate for dmuon "
-        "(default 0.02), the AdamW rate for adamw (default --adamw-lr)",
+        help="peak Muon learning rate of the dedicated matrices (dmuon only)",
     )
     opt.add_argument(
         "--adamw-lr",
         type=_positive_float,
         default=d.adamw_lr,
-        help="peak AdamW rate (dmuon: for embeddings, norms and lm_head)",
+        help="peak AdamW rate: embeddings, norms and lm_head under dmuon; every "
+        "parameter under the adamw baseline",
     )
     opt.add_argument(
         "--warmup-steps",

@@ -187,15 +187,19 @@ class Trainer:
             fully_shard(model, mesh=self.mesh)
         self.model = model
 
-        self.lr = config.effective_lr
+        self.lr = config.effective_lr  # the rate logged as ``lr``
         self.optimizer: torch.optim.Optimizer
         if config.optimizer == "dmuon":
-            self.optimizer = dmuon.Muon(model, lr=self.lr, adamw_lr=config.adamw_lr)
+            self.optimizer = dmuon.Muon(model, lr=config.lr, adamw_lr=config.adamw_lr)
         else:
             # The baseline: AdamW on everything, with the hyperparameters DMuon's
             # AdamW groups use by default.
             self.optimizer = torch.optim.AdamW(
-                model.parameters(), lr=self.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
+                model.parameters(),
+                lr=config.adamw_lr,
+                betas=(0.9, 0.999),
+                eps=1e-8,
+                weight_decay=0.01,
             )
         self._lr_factor = lr_lambda(config.warmup_steps, config.steps, config.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)

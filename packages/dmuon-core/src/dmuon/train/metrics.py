@@ -4,10 +4,11 @@ Metrics file format (``--metrics-file``, the only channel the job server reads):
 object per line, appended and flushed line by line.
 
 * One line per optimizer step ``s >= 1`` with the keys ``step`` (int), ``loss`` (mean
-  training loss over the global batch), ``lr`` (learning rate of ``--lr`` used for this
-  step), ``tokens_per_s`` (global tokens of the step / its wall time), ``grad_norm``
-  (global L2 norm of the gradient before the update), ``time`` (seconds since training
-  started), and on evaluation steps also ``val_loss``.
+  training loss over the global batch), ``lr`` (the scheduled rate used for this step:
+  the Muon rate ``--lr`` under dmuon, ``--adamw-lr`` under the adamw baseline),
+  ``tokens_per_s`` (global tokens of the step / its wall time), ``grad_norm`` (global L2
+  norm of the gradient before the update), ``time`` (seconds since training started,
+  after setup), and on evaluation steps also ``val_loss``.
 * When evaluation is on (``--eval-every`` > 0), one extra line **before** the first step:
   ``{"step": 0, "loss": null, "lr": null, "tokens_per_s": null, "grad_norm": null,
   "time": ..., "val_loss": ...}`` carrying the validation loss of the initial weights.
