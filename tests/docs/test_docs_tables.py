@@ -1,7 +1,8 @@
-"""Flag tables list exactly the flags of the programs they document.
+"""Tables that restate the code list exactly what the code has, in both languages.
 
-The training guide documents ``dmuon-train`` and the job service page ``dmuon-server``; a
-flag added to or removed from either parser fails here until both languages follow.
+Flags of ``dmuon-train`` (training guide) and ``dmuon-server`` (job service page), the job
+states, and the keys of the metrics file: a change in the code fails here until both
+languages follow.
 """
 
 from __future__ import annotations
@@ -57,3 +58,26 @@ def test_flag_table_matches_the_parser(program: str, lang: str) -> None:
     assert documented - actual == set(), (
         f"{page} lists flags {program} lacks: {documented - actual}"
     )
+
+
+def table_first_column(text: str, anchor: str) -> set[str]:
+    section = text.split(anchor, 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `([a-z_]+)`", section, flags=re.MULTILINE))
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_job_states_table(lang: str) -> None:
+    from dmuon_server.schemas import ALL_STATES
+
+    root = ZH if lang == "zh" else DOCS
+    text = (root / "job-service.md").read_text(encoding="utf-8")
+    assert table_first_column(text, "{#states}") == set(ALL_STATES)
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_metrics_file_keys_table(lang: str) -> None:
+    from dmuon.train.metrics import REQUIRED_KEYS
+
+    root = ZH if lang == "zh" else DOCS
+    text = (root / "training.md").read_text(encoding="utf-8")
+    assert table_first_column(text, "{#metrics-file}") == {*REQUIRED_KEYS, "val_loss"}
