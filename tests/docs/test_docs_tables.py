@@ -81,3 +81,50 @@ def test_metrics_file_keys_table(lang: str) -> None:
     root = ZH if lang == "zh" else DOCS
     text = (root / "training.md").read_text(encoding="utf-8")
     assert table_first_column(text, "{#metrics-file}") == {*REQUIRED_KEYS, "val_loss"}
+
+
+def _code_strings() -> str:
+    """Every string literal of the packages, f-string holes shown as NUL, one per line."""
+    import ast
+
+    roots = [DOCS.parent / "packages" / name / "src" for name in ("dmuon-core", "dmuon-server")]
+    out: list[str] = []
+    for root in roots:
+        for path in root.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    out.append(node.value)
+                elif isinstance(node, ast.JoinedStr):
+                    out.append(
+                        "".join(
+                            v.value if isinstance(v, ast.Constant) else "\0" for v in node.values
+                        )
+                    )
+    return "\n".join(out)
+
+
+PLACEHOLDERS_AND_PUNCTUATION = r"\.\.\.|\bN\b|\bM\b|0\.0\.0\.0|DMUON_SERVER_TOKEN|; |, |\(|\)|'"
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_troubleshooting_table_messages_exist_in_the_code(lang: str) -> None:
+    """Messages quoted in the recipe and job-service tables are the code's own words.
+
+    Placeholders (``...``, ``N``, ``M``, an address) stand for the values of one occurrence, so each
+    message is cut at placeholders and punctuation, and its longest piece (when at least 20
+    characters long) must appear in a string literal of the code.
+    """
+    root = ZH if lang == "zh" else DOCS
+    text = (root / "troubleshooting.md").read_text(encoding="utf-8")
+    code = _code_strings()
+    problems = []
+    for anchor in ("{#recipe}", "{#job-service}"):
+        section = text.split(anchor, 1)[1].split("\n## ", 1)[0]
+        for row in re.findall(r"^\| (?:`\d{3}`[:：] ?)?`([^`]+)`", section, flags=re.MULTILINE):
+            # argparse's own prefix, and the values of this one occurrence, are not the code's.
+            message = re.sub(r"^dmuon-(?:train|server): error: (argument --[a-z-]+: )?", "", row)
+            pieces = re.split(PLACEHOLDERS_AND_PUNCTUATION, message)
+            longest = max((piece.strip() for piece in pieces), key=len)
+            if len(longest) >= 20 and longest not in code:
+                problems.append(f"{row!r}: {longest!r} is not in the code")
+    assert not problems, "\n".join(problems)
