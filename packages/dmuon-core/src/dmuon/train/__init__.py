@@ -10,12 +10,22 @@ importable:
   source by default), split by file, cached; batches defined on the global batch
   (:mod:`dmuon.train.data`, which documents the equivalence rule).
 * :func:`run` / :class:`Trainer` - the loop (:mod:`dmuon.train.loop`).
-* :func:`parse_args` / :class:`TrainConfig` / :data:`DEMO_ARGS` - flags
+* :func:`parse_args` / :class:`TrainConfig` / :data:`DEMO_ARGS` (and the other ``DEMO_*``
+  constants) - flags and the demo settings
   (:mod:`dmuon.train.cli`).
 * :class:`MetricsWriter` - the metrics file format (:mod:`dmuon.train.metrics`).
 """
 
-from .cli import DEMO_ARGS, DEMO_NPROC, TrainConfig, build_parser, parse_args
+from .cli import (
+    DEMO_ARGS,
+    DEMO_MAX_SECONDS,
+    DEMO_MEASURED,
+    DEMO_MIN_VAL_DROP,
+    DEMO_NPROC,
+    TrainConfig,
+    build_parser,
+    parse_args,
+)
 from .data import Corpus, GlobalBatchSampler, load_corpus, validation_windows
 from .loop import Trainer, run
 from .metrics import REQUIRED_KEYS, MetricsWriter
@@ -23,6 +33,9 @@ from .model import PRESETS, ModelConfig, Transformer, build_model, lm_loss
 
 __all__ = [
     "DEMO_ARGS",
+    "DEMO_MAX_SECONDS",
+    "DEMO_MEASURED",
+    "DEMO_MIN_VAL_DROP",
     "DEMO_NPROC",
     "PRESETS",
     "REQUIRED_KEYS",
