@@ -245,7 +245,7 @@ class Trainer:
     def train_step(self, step: int) -> dict[str, float]:
         """Run optimizer step ``step`` (1-based): accumulate, step, schedule.
 
-        Returns ``loss`` (global-batch mean), ``lr`` (of ``--lr`` for this step),
+        Returns ``loss`` (global-batch mean), ``lr`` (the logged rate for this step),
         ``grad_norm`` and ``seconds`` (wall time of the step).
         """
         accum_steps = self.config.accum_steps
