@@ -55,6 +55,7 @@ LABELS: dict[str, dict[str, str]] = {
         "no": "no",
         "auth": "Requires the bearer token.",
         "version": "OpenAPI document",
+        "sep": ", ",
     },
     "zh": {
         "set": "系数集",
@@ -79,6 +80,7 @@ LABELS: dict[str, dict[str, str]] = {
         "no": "否",
         "auth": "需要 bearer token。",
         "version": "OpenAPI 文档",
+        "sep": "，",
     },
 }
 
@@ -116,7 +118,10 @@ def render_ns_coefficients(labels: Mapping[str, str]) -> str:
     published = getattr(ns, "POLAR_EXPRESS_PUBLISHED_COEFFICIENTS", None)
     safety = getattr(ns, "POLAR_EXPRESS_SAFETY_FACTOR", None)
     if published is not None and safety is not None:
-        out.append(f'**{labels["published"]}, `"polar_express"`, {labels["safety"]} s = {safety}**')
+        sep = labels["sep"]
+        out.append(
+            f'**{labels["published"]}{sep}`"polar_express"`{sep}{labels["safety"]} s = {safety}**'
+        )
         out.append("")
         out.append(f"| {labels['step']} | a | b | c |")
         out.append("|---:|---:|---:|---:|")
