@@ -36,7 +36,7 @@ def _wait_state(c: TestClient, job_id: str, states: set[str], timeout: float = 6
         lambda: (lambda j: j if j["state"] in states else None)(_job(c, job_id)),
         timeout,
         f"job {job_id} to reach {states}",
-        interval=0.02,
+        interval=0.1,
     )
 
 
@@ -158,7 +158,7 @@ def test_fifo_queue_with_max_concurrent_jobs(
         seen_running: set[str] = set()
 
         def all_done() -> bool:
-            jobs = [_job(c, i) for i in ids]
+            jobs = c.get("/v1/jobs").json()["items"]  # one consistent snapshot
             active = [j["id"] for j in jobs if j["state"] in ("starting", "running")]
             assert len(active) <= 1, jobs
             seen_running.update(active)
@@ -167,6 +167,7 @@ def test_fifo_queue_with_max_concurrent_jobs(
         wait_until(all_done, 120, "three queued jobs to succeed", interval=0.02)
         starts = [_job(c, i)["started_at"] for i in ids]
         assert starts == sorted(starts)  # FIFO
+        assert seen_running == set(ids)
 
 
 def test_killed_launcher_gives_failed_and_no_orphans(client: TestClient, data_dir: Path) -> None:

@@ -260,14 +260,21 @@ def _signal_all(procs: list[psutil.Process], sig: int) -> None:
 
 
 def _signal_job(job: dict[str, Any], root: psutil.Process | None, sig: int) -> int:
-    """Signal the job's process group (only while its leader, the runner, is verified to
-    be the recorded process, so a reused pgid is never hit) and every process of the job.
-    Returns how many processes were signalled individually."""
+    """Signal every process of the job, then its process group.
+
+    The ranks go first and torchrun (the runner, the group leader) last: a torchrun that
+    is signalled while its ranks still live shuts them down itself, which takes it seconds;
+    with the ranks already gone it exits in a fraction of one. The group is signalled
+    only while its leader is verified to be the recorded process (pid and create time),
+    so a reused pgid is never hit. Returns how many processes were signalled.
+    """
+    procs = find_job_processes(job["id"], root)
+    leader = [p for p in procs if root is not None and p.pid == root.pid]
+    _signal_all([p for p in procs if p not in leader], sig)
+    _signal_all(leader, sig)
     if root is not None and job["pgid"] is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(int(job["pgid"]), sig)
-    procs = find_job_processes(job["id"], root)
-    _signal_all(procs, sig)
     return len(procs)
 
 
