@@ -6,7 +6,10 @@ the parity test). See ``docs_md`` for the markers.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -179,16 +182,33 @@ def _run_alone(example: Example, tmp_path: Path) -> Outcome:
     suffix = ".sh" if example.launcher == "bash" else ".py"
     script = tmp_path / f"example{suffix}"
     script.write_text(example.script, encoding="utf-8")
-    proc = subprocess.run(
+    # A session of its own, so that a timeout ends everything the example started (a
+    # background server, torchrun and its workers), not only the shell or launcher.
+    proc = subprocess.Popen(
         _command(example, script),
         cwd=tmp_path,
         env=docs_env(),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=TIMEOUT_S,
+        start_new_session=True,
     )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                stdout, stderr = proc.communicate(timeout=grace)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            stdout, stderr = "", ""
+        return Outcome(False, stdout, stderr, f"{example.launcher}, timed out after {TIMEOUT_S} s")
     how = f"{example.launcher}, exit code {proc.returncode}"
-    return Outcome(proc.returncode == 0, proc.stdout, proc.stderr, how)
+    return Outcome(proc.returncode == 0, stdout, stderr, how)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])
