@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 from collections import defaultdict
 
 import torch
@@ -23,6 +25,17 @@ from dmuon.ownership.runtime import Boundary, DedicationRuntime
 from dmuon.ownership.state import STATE_ATTR, DedicatedParam, DedicationState
 
 ROOT_BOUNDARY = ""
+
+
+def _collect_before_teardown() -> None:
+    """Free process groups held by reference cycles before the interpreter tears down.
+
+    Dedicated models and FSDP2 keep their process group alive through reference cycles.
+    If those are only collected during interpreter teardown, a gloo worker thread that
+    drops its last tensor then aborts the process ("terminate called without an active
+    exception"). Collecting them at exit, while the interpreter is whole, avoids that.
+    """
+    gc.collect()
 
 
 def _resolve_group(
@@ -208,6 +221,8 @@ def dedicate_params(
         runtime_boundaries.append(Boundary(name, model.get_submodule(name), groups))
     runtime = DedicationRuntime(runtime_boundaries, comm, reshard_after_forward, param_dtype)
     install_fsdp_filter()
+    atexit.unregister(_collect_before_teardown)  # registered once however many models
+    atexit.register(_collect_before_teardown)
     setattr(
         model,
         STATE_ATTR,

@@ -23,6 +23,7 @@ same global batch see the same sequences whatever the process count.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import time
@@ -381,3 +382,8 @@ def run(args: Sequence[str] | TrainConfig | None = None) -> dict[str, Any]:
         return trainer.fit()
     finally:
         trainer.close()
+        # The model, FSDP2 and DMuon keep the process group alive through reference
+        # cycles. Collect them now, while the interpreter is whole: a gloo worker thread
+        # that drops its last tensor during interpreter teardown aborts the process.
+        del trainer
+        gc.collect()
