@@ -1,10 +1,12 @@
 """DMuon: distributed Muon for PyTorch FSDP2 with dedicated parameter ownership.
 
-Three lines turn an FSDP2 script into a Muon one::
+Three lines turn an FSDP2 script into a Muon one:
 
-    dmuon.dedicate_params(model, mesh)          # before fully_shard
-    optimizer = dmuon.Muon(model, lr=0.02)      # Muon for dedicated, AdamW for the rest
-    with dmuon.no_sync(model): ...              # around accumulating micro-batches
+```python
+dmuon.dedicate_params(model, mesh)      # before fully_shard
+optimizer = dmuon.Muon(model, lr=0.02)  # Muon for dedicated, AdamW for the rest
+with dmuon.no_sync(model): ...          # around accumulating micro-batches
+```
 """
 
 from dmuon.accumulation import no_sync

@@ -130,13 +130,15 @@ class Muon(torch.optim.Optimizer):
     """Distributed Muon for a model prepared with ``dmuon.dedicate_params``.
 
     Dedicated matrices are updated with Muon on their owner, exactly as ``torch.optim.Muon``
-    does for a full matrix ``W`` (``rows x cols``) with gradient ``G``::
+    does for a full matrix ``W`` (``rows x cols``) with gradient ``G``:
 
-        buf = lerp(buf, G, 1 - momentum)
-        U = lerp(G, buf, momentum) if nesterov else buf
-        O = newton_schulz(U, ns_steps, ns_coefficients, ns_dtype, eps)
-        W *= 1 - lr * weight_decay
-        W -= lr * adjust_lr_ratio(adjust_lr_fn, rows, cols) * O
+    ```text
+    buf = lerp(buf, G, 1 - momentum)
+    U = lerp(G, buf, momentum) if nesterov else buf
+    O = newton_schulz(U, ns_steps, ns_coefficients, ns_dtype, eps)
+    W *= 1 - lr * weight_decay
+    W -= lr * adjust_lr_ratio(adjust_lr_fn, rows, cols) * O
+    ```
 
     Owned matrices of the same shape are orthogonalized together in one batched call.
     Every other trainable parameter is updated with AdamW (``torch.optim.AdamW``'s own

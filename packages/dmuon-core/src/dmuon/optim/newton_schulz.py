@@ -2,11 +2,13 @@
 
 Muon replaces a gradient (momentum) matrix ``G = U S Vᵀ`` by an approximation of its
 orthogonal polar factor ``U Vᵀ``. The approximation is a fixed number of quintic
-Newton-Schulz steps on the Frobenius-normalized matrix::
+Newton-Schulz steps on the Frobenius-normalized matrix:
 
-    A = X Xᵀ
-    B = b·A + c·A·A
-    X ← a·X + B·X
+```text
+A = X Xᵀ
+B = b·A + c·A·A
+X ← a·X + B·X
+```
 
 Two coefficient sets are built in:
 
