@@ -5,7 +5,9 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PIP_INSTALL := $(BIN)/python -m pip install --quiet --constraint constraints.txt
+# Machines that keep wheels on local disk (torch among them) expose them in /opt/wheels.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+PIP_INSTALL := $(BIN)/python -m pip install --quiet --constraint constraints.txt $(FIND_LINKS)
 
 .PHONY: setup demo test test-core test-server test-docs lint format docs docs-serve bench clean
 
