@@ -117,11 +117,6 @@ class Pending:
             self._work.wait()
             self._work = None
 
-    @property
-    def done(self) -> bool:
-        """Whether ``wait()`` has already been called (or nothing was sent)."""
-        return self._work is None
-
 
 class Communicator:
     """Collectives over one process group, device aware, audited.
@@ -175,15 +170,4 @@ class Communicator:
             lambda: dist.reduce(
                 tensor, self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True
             ),
-        )
-
-    def all_gather(self, output: torch.Tensor, tensor: torch.Tensor) -> Pending:
-        """Gather every rank's ``tensor`` into ``output`` (rank-major), on every rank."""
-        if self.world_size == 1:
-            output.copy_(tensor)
-            return Pending()
-        return self._issue(
-            "all_gather",
-            output,
-            lambda: dist.all_gather_into_tensor(output, tensor, group=self.group, async_op=True),
         )

@@ -130,17 +130,14 @@ def find_hook_boundary(
     ``hook_boundary_predicate(module)`` is true.
     """
     parts = fqn.split(".")[:-1]
-    chain: list[tuple[str, nn.Module, nn.Module | None, str]] = []
-    module: nn.Module = model
-    parent: nn.Module | None = None
-    for depth, part in enumerate(parts):
-        parent, module = module, module.get_submodule(part)
-        chain.append((".".join(parts[: depth + 1]), module, parent, part))
-    for name, candidate, parent_module, _ in reversed(chain):
-        if hook_boundary_predicate is not None and hook_boundary_predicate(candidate):
+    modules = [model]  # modules[d] is the ancestor at depth d; modules[0] is the model
+    for part in parts:
+        modules.append(modules[-1].get_submodule(part))
+    for depth in range(len(parts), 0, -1):
+        name = ".".join(parts[:depth])
+        if hook_boundary_predicate is not None and hook_boundary_predicate(modules[depth]):
             return name
-        if isinstance(parent_module, nn.ModuleList):
-            container = name.rsplit(".", 2)[-2] if name.count(".") >= 1 else ""
-            if container in BOUNDARY_CONTAINER_NAMES:
-                return name
+        in_list = isinstance(modules[depth - 1], nn.ModuleList)
+        if in_list and depth >= 2 and parts[depth - 2] in BOUNDARY_CONTAINER_NAMES:
+            return name
     return None

@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from dmuon.comm import Communicator
 from dmuon.ownership.packed_group import PackedGroup
@@ -103,33 +102,19 @@ class DedicationRuntime:
         self.param_dtype = param_dtype
         self.sync_grads = True
         self._callback_queued = False
-        self._handles: list[RemovableHandle] = []
         for index, boundary in enumerate(boundaries):
             self._install(index, boundary)
 
     # ----- installation ------------------------------------------------------------------
     def _install(self, index: int, boundary: Boundary) -> None:
         module = boundary.module
-        self._handles.append(
-            module.register_forward_pre_hook(
-                lambda _m, args, kwargs: self._pre_forward(index, args, kwargs),
-                with_kwargs=True,
-            )
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: self._pre_forward(index, args, kwargs), with_kwargs=True
         )
-        self._handles.append(
-            module.register_forward_hook(lambda _m, _args, out: self._post_forward(index, out))
-        )
+        module.register_forward_hook(lambda _m, _args, out: self._post_forward(index, out))
         for _, leaf in boundary.pairs():
             if leaf.requires_grad:
-                self._handles.append(
-                    leaf.register_post_accumulate_grad_hook(lambda _t: self._grad_arrived(index))
-                )
-
-    def remove_hooks(self) -> None:
-        """Detach every hook this runtime installed."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+                leaf.register_post_accumulate_grad_hook(lambda _t: self._grad_arrived(index))
 
     # ----- forward -------------------------------------------------------------------------
     def _unshard(self, index: int, prefetch: int | None) -> None:
