@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dmuon.optim.naive import NaiveMuon
+
 VARIANTS = ("adamw", "dmuon-z2", "dmuon-z3", "naive-z3")
 
 
@@ -52,7 +54,7 @@ def _build(variant: str, args: argparse.Namespace, device: str) -> tuple[Any, An
     elif variant.startswith("dmuon"):
         optimizer = dmuon.Muon(model)
     else:
-        optimizer = dmuon.NaiveMuon(model)
+        optimizer = NaiveMuon(model)
     return model, optimizer
 
 

@@ -25,6 +25,8 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).parent))
 from tiny_llama import TinyLlama
 
+from dmuon.optim.naive import NaiveMuon
+
 VOCAB, SEQ, MICRO = 64, 12, 2
 LR, ADAMW_LR = 0.02, 3e-3
 
@@ -186,7 +188,7 @@ def run_scenario(
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
-    make_optimizer = dmuon.NaiveMuon if scenario.naive else dmuon.Muon
+    make_optimizer = NaiveMuon if scenario.naive else dmuon.Muon
     optimizer = make_optimizer(
         model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
     )

@@ -12,7 +12,6 @@ with dmuon.no_sync(model): ...          # around accumulating micro-batches
 from dmuon.accumulation import no_sync
 from dmuon.comm import CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, newton_schulz
-from dmuon.optim.naive import NaiveMuon, naive_muon
 from dmuon.ownership.dedicate import dedicate_params
 from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
 from dmuon.ownership.planner import OwnerPlan, default_predicate, plan_owners
@@ -21,14 +20,12 @@ __all__ = [
     "CollectiveTally",
     "CommAudit",
     "Muon",
-    "NaiveMuon",
     "OwnerPlan",
     "StepComm",
     "comm_audit",
     "dedicate_params",
     "dedicated_parameters",
     "default_predicate",
-    "naive_muon",
     "newton_schulz",
     "no_sync",
     "owner_plan",

@@ -1,7 +1,7 @@
 """Muon with dedicated ownership: the Newton-Schulz iteration and the optimizer."""
 
 from .muon import ADJUST_LR_FNS, Muon, adjust_lr_ratio
-from .newton_schulz import (
+from .orthogonalize import (
     COEFFICIENT_SETS,
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.optim.adamw import adamw
 
 from ..ownership.state import DedicatedParam, get_dedication
-from .newton_schulz import (
+from .orthogonalize import (
     Coefficients,
     _check_dtype,
     _newton_schulz_unchecked,

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from dmuon.comm import CommAudit
 from dmuon.optim.muon import Muon, adjust_lr_ratio
-from dmuon.optim.newton_schulz import (
+from dmuon.optim.orthogonalize import (
     _newton_schulz_unchecked,
     default_ns_dtype,
     resolve_coefficients,
