@@ -16,8 +16,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dmuon.comm import CommAudit, Communicator
 from dmuon.optim import Muon
-from dmuon.ownership.state import STATE_ATTR, DedicatedParam, DedicationState, get_dedication
+from dmuon.ownership.param import DedicatedParam
+from dmuon.ownership.runtime import DedicationRuntime
+from dmuon.ownership.state import STATE_ATTR, DedicationState, get_dedication
 
 KELLER = (3.4445, -4.7750, 2.0315)
 PE_SAFE = [
@@ -79,7 +82,10 @@ def dedicate_by_hand(model: nn.Module, names: list[str] = DEDICATED) -> Dedicati
                 is_owned=True,
             )
         )
-    state = DedicationState(rank=0, world_size=1, params=dps)
+    # A runtime without hook boundaries: the tests play the runtime's part by hand.
+    comm = Communicator(None, torch.device("cpu"), CommAudit(sum(dp.numel for dp in dps)))
+    runtime = DedicationRuntime(model, dps, [], comm, reshard_after_forward=True, param_dtype=None)
+    state = DedicationState(rank=0, world_size=1, runtime=runtime, params=dps)
     setattr(model, STATE_ATTR, state)
     return state
 
@@ -353,6 +359,7 @@ def test_non_owned_and_gradless_params_are_skipped() -> None:
     model = make_model()
     state = dedicate_by_hand(model, DEDICATED[:2])
     placeholder = nn.Parameter(torch.empty(0))
+    model.remote = placeholder  # registered on its module, as dedicate_params leaves it
     state.params.append(
         DedicatedParam(
             fqn="remote.weight",
@@ -385,7 +392,7 @@ def test_step_marks_parameters_updated_and_issues_no_collective(
     state = dedicate_by_hand(model)
     opt = Muon(model)
     calls: list[int] = []
-    monkeypatch.setattr(state, "mark_parameters_updated", lambda: calls.append(1))
+    monkeypatch.setattr(state.runtime, "parameters_updated", lambda: calls.append(1))
 
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("step() issued a collective")

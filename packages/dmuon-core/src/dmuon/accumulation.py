@@ -3,12 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from dmuon.ownership.fsdp_integration import is_fsdp_module
 from dmuon.ownership.state import get_dedication
+
+
+def _requires_gradient_sync(module: FSDPModule) -> bool:
+    # FSDP2 has a public setter but no getter; read the flag its setter writes so the
+    # user's own setting is restored (through the setter) on exit.
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return all(getattr(group, "reduce_grads", True) for group in groups)
+
+
+@contextmanager
+def _fsdp_no_sync(modules: list[FSDPModule]) -> Iterator[None]:
+    previous = [_requires_gradient_sync(m) for m in modules]
+    try:
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        yield
+    finally:
+        for module, sync in zip(modules, previous, strict=True):
+            module.set_requires_gradient_sync(sync, recurse=False)
 
 
 @contextmanager
@@ -29,21 +49,9 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         model: The model passed to `dmuon.dedicate_params` and/or ``fully_shard``.
     """
     state = get_dedication(model)
-    runtime = state.runtime if state is not None else None
     fsdp_modules = [m for m in model.modules() if is_fsdp_module(m)]
-    # FSDP2 has a setter but no getter; read the flags it sets to restore them exactly.
-    fsdp_groups = [g for m in fsdp_modules for g in m._get_fsdp_state()._fsdp_param_groups]
-    previous_fsdp = [(g.reduce_grads, g.all_reduce_grads) for g in fsdp_groups]
-    previous_sync = runtime.sync_grads if runtime is not None else True
-    try:
-        for module in fsdp_modules:
-            module.set_requires_gradient_sync(False, recurse=False)
-        if runtime is not None:
-            runtime.sync_grads = False
+    with ExitStack() as stack:
+        stack.enter_context(_fsdp_no_sync(fsdp_modules))
+        if state is not None:
+            stack.enter_context(state.runtime.no_sync())
         yield
-    finally:
-        for group, (reduce_grads, all_reduce_grads) in zip(fsdp_groups, previous_fsdp, strict=True):
-            group.reduce_grads = reduce_grads
-            group.all_reduce_grads = all_reduce_grads
-        if runtime is not None:
-            runtime.sync_grads = previous_sync

@@ -10,6 +10,12 @@ One code path, two transports. Every collective is issued asynchronously and ret
 
 Averages are SUM followed by a division on the receiving side: gloo's AVG is not reliable
 across versions.
+
+With ``check_collectives`` (``dedicate_params(..., check_collectives=True)`` or the
+environment variable ``DMUON_CHECK_COLLECTIVES=1``) every collective is preceded by a small
+all-gather of its signature (sequence number, kind, size, root), and every rank raises the
+same error at the first collective on which the ranks disagree, instead of mixing data or
+hanging. It costs one extra synchronous collective each, so it is for debugging.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+_KIND_CODES = {"broadcast": 1, "reduce": 2, "all_gather": 3, "reduce_scatter": 4, "all_reduce": 5}
 
 #: How many "units" one collective of E elements costs, in units of (N-1)/N x E.
 _UNITS_PER_ELEMENT = {
@@ -126,11 +134,17 @@ class Communicator:
     """
 
     def __init__(
-        self, group: dist.ProcessGroup | None, device: torch.device, audit: CommAudit
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        audit: CommAudit,
+        check_collectives: bool = False,
     ) -> None:
         self.group = group
         self.device = device
         self.audit = audit
+        self.check_collectives = check_collectives
+        self._sequence = 0
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -139,7 +153,32 @@ class Communicator:
         assert self.group is not None
         return dist.get_global_rank(self.group, group_rank)
 
-    def _issue(self, kind: str, tensor: torch.Tensor, call) -> Pending:
+    def _check_same_everywhere(self, kind: str, tensor: torch.Tensor, root: int) -> None:
+        """All-gather this collective's signature; raise on every rank if ranks disagree."""
+        self._sequence += 1
+        mine = torch.tensor(
+            [self._sequence, _KIND_CODES[kind], tensor.numel(), root],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        every = torch.empty(self.world_size * 4, dtype=torch.int64, device=self.device)
+        dist.all_gather_into_tensor(every, mine, group=self.group)
+        rows = every.view(self.world_size, 4).tolist()
+        if any(row != rows[0] for row in rows):
+            names = {code: name for name, code in _KIND_CODES.items()}
+            lines = "; ".join(
+                f"rank {r}: #{seq} {names.get(code, code)} of {numel} elements, root {root}"
+                for r, (seq, code, numel, root) in enumerate(rows)
+            )
+            raise RuntimeError(
+                "DMuon's ranks are about to issue different collectives (" + lines + "). "
+                "Something rank-local changed the schedule: make every rank run the same "
+                "forwards and backwards (same hook boundaries, same no_sync blocks)."
+            )
+
+    def _issue(self, kind: str, tensor: torch.Tensor, root: int, call) -> Pending:
+        if self.check_collectives:
+            self._check_same_everywhere(kind, tensor, root)
         self.audit.record(kind, tensor)
         if self._stream is None:
             return Pending(call())
@@ -157,6 +196,7 @@ class Communicator:
         return self._issue(
             "broadcast",
             tensor,
+            src,
             lambda: dist.broadcast(tensor, self._global(src), group=self.group, async_op=True),
         )
 
@@ -167,6 +207,7 @@ class Communicator:
         return self._issue(
             "reduce",
             tensor,
+            dst,
             lambda: dist.reduce(
                 tensor, self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True
             ),

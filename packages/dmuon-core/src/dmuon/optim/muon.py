@@ -12,6 +12,11 @@
 
 ``step()`` issues no collective: the ownership runtime has already reduced each dedicated
 gradient to its owner (``param._reduced_grad``), and AdamW works on local shards.
+
+A non-finite Muon gradient is caught before it touches momentum or weights: with
+``nonfinite="raise"`` (the default) ``step()`` raises `NonFiniteGradientError` naming the
+matrices, with ``"skip"`` those matrices keep their weights and momentum for this step (and
+``skipped_updates`` counts them).
 """
 
 from __future__ import annotations
@@ -26,20 +31,41 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adamw import adamw
 
-from ..ownership.state import DedicatedParam, get_dedication
-from .orthogonalize import (
+from dmuon.optim.orthogonalize import (
     Coefficients,
     _check_dtype,
+    _is_real,
     _newton_schulz_unchecked,
+    default_ns_dtype,
     resolve_coefficients,
 )
+from dmuon.ownership.fsdp_integration import verify_not_sharded
+from dmuon.ownership.param import DedicatedParam
+from dmuon.ownership.state import DedicationState, get_dedication
 
-__all__ = ["ADJUST_LR_FNS", "Muon", "adjust_lr_ratio"]
+__all__ = [
+    "ADJUST_LR_FNS",
+    "NONFINITE_POLICIES",
+    "Muon",
+    "NonFiniteGradientError",
+    "adjust_lr_ratio",
+]
 
 ADJUST_LR_FNS: tuple[str | None, ...] = ("original", "match_rms_adamw", None)
 """Accepted values of ``adjust_lr_fn``."""
 
-_GRAD_ATTRS = ("_reduced_grad", "_accumulated_grad")
+NONFINITE_POLICIES: tuple[str, ...] = ("raise", "skip")
+"""Accepted values of ``nonfinite``."""
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A Muon gradient holds NaN or infinity, so the step would corrupt the weights."""
+
+
+def _unknown_adjust_lr_fn(value: object) -> ValueError:
+    return ValueError(
+        f"adjust_lr_fn must be one of 'original', 'match_rms_adamw' or None, got {value!r}"
+    )
 
 
 def adjust_lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -61,13 +87,7 @@ def adjust_lr_ratio(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
         return 0.2 * math.sqrt(max(rows, cols))
     if adjust_lr_fn is None:
         return 1.0
-    raise ValueError(
-        f"adjust_lr_fn must be one of 'original', 'match_rms_adamw' or None, got {adjust_lr_fn!r}"
-    )
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    raise _unknown_adjust_lr_fn(adjust_lr_fn)
 
 
 def _check_nonneg(name: str, value: object, hint: str) -> None:
@@ -102,9 +122,11 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
     if not _is_real(eps) or not (0.0 < float(eps) < math.inf):
         raise ValueError(f"eps must be a finite number > 0 (default 1e-7), got {eps!r}")
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+        raise _unknown_adjust_lr_fn(group["adjust_lr_fn"])
+    if group["nonfinite"] not in NONFINITE_POLICIES:
         raise ValueError(
-            f"adjust_lr_fn must be one of 'original', 'match_rms_adamw' or None, "
-            f"got {group['adjust_lr_fn']!r}"
+            f"nonfinite must be 'raise' or 'skip' (what to do with a NaN or infinite Muon "
+            f"gradient), got {group['nonfinite']!r}"
         )
 
 
@@ -163,7 +185,8 @@ class Muon(torch.optim.Optimizer):
         ns_steps: Newton-Schulz steps (>= 1).
         ns_coefficients: ``"polar_express"``, ``"keller"``, one ``(a, b, c)`` triple or a
             per-step list of triples (see ``dmuon.optim.resolve_coefficients``).
-        ns_dtype: Newton-Schulz dtype; ``None`` means bfloat16 on CUDA, float32 on CPU.
+        ns_dtype: Newton-Schulz dtype; ``None`` picks ``dmuon.optim.default_ns_dtype`` of
+            the matrix's device.
         eps: Newton-Schulz norm clamp (> 0).
         adjust_lr_fn: ``"match_rms_adamw"``, ``"original"`` or ``None`` (see
             `adjust_lr_ratio`).
@@ -171,10 +194,15 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: AdamW ``(beta1, beta2)``, each in [0, 1).
         adamw_eps: AdamW epsilon (>= 0).
         adamw_weight_decay: AdamW decoupled weight decay (>= 0).
+        nonfinite: ``"raise"`` (default): ``step()`` raises `NonFiniteGradientError`, before
+            changing anything, when an owned matrix's gradient holds NaN or infinity;
+            ``"skip"``: such matrices keep their weights and momentum for this step and
+            ``skipped_updates`` counts them. The check is one fused reduction per step.
 
     Raises:
         ValueError: ``model`` has no dedication state, a dedicated parameter is not a
-            matrix, or a hyperparameter is out of range.
+            matrix, FSDP2 sharded a dedicated parameter, or a hyperparameter is out of
+            range.
     """
 
     def __init__(
@@ -194,6 +222,7 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float] = (0.9, 0.999),
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
+        nonfinite: str = "raise",
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -213,6 +242,7 @@ class Muon(torch.optim.Optimizer):
                     f"dedicated parameter {dp.fqn!r} has shape {tuple(dp.shape)}; Muon updates "
                     "matrices only: dedicate 2-D weights and leave other parameters to AdamW"
                 )
+        verify_not_sharded(state)
         dedicated = [dp.param for dp in state.params]
         dedicated_ids = {id(p) for p in dedicated}
         others: list[nn.Parameter] = []
@@ -239,6 +269,7 @@ class Muon(torch.optim.Optimizer):
             adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
+            nonfinite=nonfinite,
         )
 
     def _init_groups(
@@ -260,6 +291,7 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float],
         adamw_eps: float,
         adamw_weight_decay: float,
+        nonfinite: str = "raise",
     ) -> None:
         """Validate the hyperparameters and create the Muon and AdamW param groups."""
         self._group_defaults: dict[str, dict[str, Any]] = {
@@ -273,6 +305,7 @@ class Muon(torch.optim.Optimizer):
                 "ns_dtype": ns_dtype,
                 "eps": eps,
                 "adjust_lr_fn": adjust_lr_fn,
+                "nonfinite": nonfinite,
             },
             "adamw": {
                 "lr": adamw_lr,
@@ -287,6 +320,7 @@ class Muon(torch.optim.Optimizer):
         _validate_muon_group(dict(self._group_defaults["muon"]))
         _validate_adamw_group(dict(self._group_defaults["adamw"]))
         self._model = model
+        self.skipped_updates = 0
         groups = [
             {"params": muon_params, "algorithm": "muon"},
             {"params": adamw_params, "algorithm": "adamw"},
@@ -313,14 +347,17 @@ class Muon(torch.optim.Optimizer):
             _validate_adamw_group(param_group)
         super().add_param_group(param_group)
 
-    def _dedicated_by_id(self) -> dict[int, DedicatedParam]:
+    def _dedication(self) -> DedicationState:
         state = get_dedication(self._model)
         if state is None:
             raise ValueError(
                 "the model lost its dedication state; do not undo dmuon.dedicate_params while "
                 "its optimizer is in use"
             )
-        return {id(dp.param): dp for dp in state.params}
+        return state
+
+    def _dedicated_by_id(self) -> dict[int, DedicatedParam]:
+        return {id(dp.param): dp for dp in self._dedication().params}
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -342,17 +379,40 @@ class Muon(torch.optim.Optimizer):
                 self._muon_step(group, dedicated)
             else:
                 self._adamw_step(group)
-        state = get_dedication(self._model)
-        if state is not None:
-            state.mark_parameters_updated()
+        self._parameters_updated()
         return loss
+
+    def _parameters_updated(self) -> None:
+        """Tell the ownership runtime that the owners' masters changed."""
+        self._dedication().runtime.parameters_updated()
+
+    def _finite_only(
+        self, group: dict[str, Any], pairs: list[tuple[DedicatedParam, Tensor]]
+    ) -> list[tuple[DedicatedParam, Tensor]]:
+        """Apply the group's ``nonfinite`` policy to (matrix, gradient) pairs."""
+        if not pairs:
+            return pairs
+        norms = torch._foreach_norm([grad for _, grad in pairs])
+        finite = torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms])).tolist()
+        if all(finite):
+            return pairs
+        bad = [dp.fqn for (dp, _), ok in zip(pairs, finite, strict=True) if not ok]
+        if group["nonfinite"] == "raise":
+            raise NonFiniteGradientError(
+                f"the gradients of {bad[:5]} ({len(bad)} matrices) hold NaN or infinity, so this "
+                "step would turn their weights into NaN; nothing was changed. Lower the "
+                "learning rate, clip gradients, or create dmuon.Muon(..., nonfinite='skip') to "
+                "skip such updates."
+            )
+        self.skipped_updates += len(bad)
+        return [pair for pair, ok in zip(pairs, finite, strict=True) if ok]
 
     def _muon_step(self, group: dict[str, Any], dedicated: dict[int, DedicatedParam]) -> None:
         lr = group["lr"]
         momentum = group["momentum"]
         triples = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-        params: list[Tensor] = []
-        updates: list[Tensor] = []
+        runtime = self._dedication().runtime
+        pairs: list[tuple[DedicatedParam, Tensor]] = []
         for p in group["params"]:
             dp = dedicated.get(id(p))
             if dp is None:
@@ -362,7 +422,7 @@ class Muon(torch.optim.Optimizer):
                 )
             if not dp.is_owned:
                 continue
-            grad = getattr(p, "_reduced_grad", None)
+            grad = runtime.reduced_grad(dp)
             if grad is None:
                 continue
             if grad.shape != p.shape or grad.dim() != 2:
@@ -370,6 +430,12 @@ class Muon(torch.optim.Optimizer):
                     f"the reduced gradient of {dp.fqn!r} has shape {tuple(grad.shape)}, "
                     f"expected the full matrix {tuple(p.shape)}"
                 )
+            pairs.append((dp, grad))
+        params: list[Tensor] = []
+        shapes: list[tuple[int, int]] = []
+        updates: list[Tensor] = []
+        for dp, grad in self._finite_only(group, pairs):
+            p = dp.param
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(
@@ -379,6 +445,7 @@ class Muon(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - momentum)
             update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             params.append(p)
+            shapes.append(dp.out_in_shape)
             updates.append(update)
 
         # Orthogonalize same-shape matrices together (one batched call per bucket).
@@ -386,9 +453,7 @@ class Muon(torch.optim.Optimizer):
         for i, u in enumerate(updates):
             buckets.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
         for (_, _, device), idx in buckets.items():
-            ns_dtype = group["ns_dtype"]
-            if ns_dtype is None:
-                ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+            ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
             if len(idx) == 1:
                 ortho = [_newton_schulz_unchecked(updates[idx[0]], triples, ns_dtype, group["eps"])]
             else:
@@ -396,7 +461,7 @@ class Muon(torch.optim.Optimizer):
                 ortho = list(_newton_schulz_unchecked(stacked, triples, ns_dtype, group["eps"]))
             for i, o in zip(idx, ortho, strict=True):
                 p = params[i]
-                rows, cols = p.shape
+                rows, cols = shapes[i]
                 adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
                 p.mul_(1 - lr * group["weight_decay"])
                 p.add_(o, alpha=-adjusted_lr)
@@ -458,18 +523,10 @@ class Muon(torch.optim.Optimizer):
             set_to_none: set them to ``None`` (default) instead of filling them with zeros.
         """
         super().zero_grad(set_to_none=set_to_none)
-        state = get_dedication(self._model)
-        if state is None:
-            return
-        for dp in state.params:
-            for attr in _GRAD_ATTRS:
-                g = getattr(dp.param, attr, None)
-                if g is None:
-                    continue
-                if set_to_none:
-                    setattr(dp.param, attr, None)
-                else:
-                    g.zero_()
+        self._clear_dedicated_gradients(set_to_none)
+
+    def _clear_dedicated_gradients(self, set_to_none: bool) -> None:
+        self._dedication().runtime.clear_gradients(set_to_none)
 
     @torch.no_grad()
     def grad_norm(self) -> float:
@@ -490,11 +547,12 @@ class Muon(torch.optim.Optimizer):
         world = dist.get_world_size() if distributed else 1
         parts: list[Tensor] = []
         dedicated = self._dedicated_by_id()
+        runtime = self._dedication().runtime
         for group in self.param_groups:
             for p in group["params"]:
                 if group["algorithm"] == "muon":
                     dp = dedicated.get(id(p))
-                    g = getattr(p, "_reduced_grad", None)
+                    g = runtime.reduced_grad(dp) if dp is not None else None
                     if dp is None or not dp.is_owned or g is None:
                         continue
                     parts.append(g.detach().double().square().sum())

@@ -23,8 +23,8 @@ from dmuon.optim.orthogonalize import (
     default_ns_dtype,
     resolve_coefficients,
 )
+from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.planner import ParamPredicate, default_predicate
-from dmuon.ownership.state import DedicatedParam
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -93,11 +93,11 @@ class NaiveMuon(Muon):
     def _dedicated_by_id(self) -> dict[int, DedicatedParam]:
         return {}
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
-        """One optimizer step: gather, orthogonalize everywhere, keep the local slice."""
-        loss = super().step(closure)
+    def _parameters_updated(self) -> None:
         self.audit.close_step()
-        return loss
+
+    def _clear_dedicated_gradients(self, set_to_none: bool) -> None:
+        return  # nothing is dedicated
 
     def _muon_step(self, group: dict[str, Any], dedicated: dict[int, DedicatedParam]) -> None:
         triples = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import os
 from collections import defaultdict
 
 import torch
@@ -14,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dmuon.comm import CommAudit, Communicator
 from dmuon.ownership.fsdp_integration import install_fsdp_filter, is_fsdp_module, mark_dedicated
 from dmuon.ownership.packed_group import PackedGroup
+from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.planner import (
     ModulePredicate,
     ParamPredicate,
@@ -22,7 +24,7 @@ from dmuon.ownership.planner import (
     plan_owners,
 )
 from dmuon.ownership.runtime import Boundary, DedicationRuntime
-from dmuon.ownership.state import STATE_ATTR, DedicatedParam, DedicationState
+from dmuon.ownership.state import STATE_ATTR, DedicationState
 
 ROOT_BOUNDARY = ""
 
@@ -62,13 +64,39 @@ def _resolve_group(
     return None, (first.device if first is not None else torch.device("cpu"))
 
 
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2 and relatives): a linear layer stored as (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _shared_modules(model: nn.Module) -> dict[str, list[str]]:
+    """``{first name: [other names]}`` of module objects that appear under several names."""
+    names_of: dict[int, list[str]] = defaultdict(list)
+    for name, module in model.named_modules(remove_duplicate=False):
+        names_of[id(module)].append(name)
+    return {names[0]: names[1:] for names in names_of.values() if len(names) > 1}
+
+
+def _tie_reason(model: nn.Module, names: list[str]) -> str:
+    """Why these parameter names share one tensor: a shared block, or tied weights."""
+    for block, aliases in _shared_modules(model).items():
+        if block and names[0].startswith(block + "."):
+            return (
+                f"the block object {block!r} is listed again as {aliases[0]!r}, so its weights "
+                "are shared by both positions"
+            )
+    others = ", ".join(repr(n) for n in names[1:])
+    return f"{names[0]!r} is tied to {others}"
+
+
 def _select(
     model: nn.Module, predicate: ParamPredicate | None
-) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+) -> list[tuple[str, nn.Module, str, nn.Parameter, bool]]:
     names_of: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of[id(param)].append(name)
     selected = []
+    skipped_tied: list[list[str]] = []
     for module_name, module in model.named_modules():
         for attr, param in module._parameters.items():
             if param is None or not param.requires_grad:
@@ -77,18 +105,22 @@ def _select(
             if names_of[id(param)][0] != fqn:
                 continue  # a later alias of a tied parameter; the first name decides
             tied = len(names_of[id(param)]) > 1
+            transposed = _is_conv1d(module) and attr == "weight"
             if predicate is None:
-                chosen = (
-                    isinstance(module, nn.Linear) and not tied and default_predicate(fqn, param)
-                )
+                linear = isinstance(module, nn.Linear) or transposed
+                chosen = linear and default_predicate(fqn, param)
+                if chosen and tied:
+                    skipped_tied.append(names_of[id(param)])
+                    chosen = False
             else:
                 chosen = bool(predicate(fqn, param))
                 if chosen and tied:
-                    others = ", ".join(repr(n) for n in names_of[id(param)][1:])
                     raise ValueError(
-                        f"the predicate selected {fqn!r}, which is tied to {others}; a tied "
-                        "parameter cannot be dedicated (its owner could not serve both uses). "
-                        "Exclude it from the predicate so it stays with FSDP2 and AdamW."
+                        f"the predicate selected {fqn!r}, but "
+                        f"{_tie_reason(model, names_of[id(param)])}; a tied parameter cannot be "
+                        "dedicated (its owner could not serve both uses). Exclude it from the "
+                        "predicate so it stays with FSDP2 and AdamW, or give each position its "
+                        "own block."
                     )
             if chosen and param.ndim != 2:
                 raise ValueError(
@@ -96,13 +128,20 @@ def _select(
                     "2-D matrices. Select only 2-D weights."
                 )
             if chosen:
-                selected.append((fqn, module, attr, param))
+                selected.append((fqn, module, attr, param, transposed))
     if not selected:
         candidates = [n for n, p in model.named_parameters() if p.ndim == 2][:5]
+        reason = ""
+        if skipped_tied:
+            reason = (
+                f" {len(skipped_tied)} hidden weights were skipped because they are tied: "
+                f"{_tie_reason(model, skipped_tied[0])}."
+            )
         raise ValueError(
-            "the predicate matched no parameter, so nothing would be trained with Muon. "
-            f"2-D parameters of this model include: {candidates}. Pass a predicate such as "
-            "`lambda name, p: 'proj' in name and p.ndim == 2`."
+            f"the predicate matched no parameter, so nothing would be trained with Muon.{reason} "
+            f"2-D parameters of this model include: {candidates}. The default predicate takes "
+            "the weights of nn.Linear and transformers' Conv1D modules; pass a predicate such "
+            "as `lambda name, p: 'proj' in name and p.ndim == 2`."
         )
     return selected
 
@@ -116,6 +155,7 @@ def dedicate_params(
     hook_boundary_predicate: ModulePredicate | None = None,
     hook_boundary_strict: bool = True,
     param_dtype: torch.dtype | None = None,
+    check_collectives: bool | None = None,
 ) -> dict[str, int]:
     """Give every Muon-target matrix of ``model`` to exactly one owner rank.
 
@@ -140,7 +180,13 @@ def dedicate_params(
             raises ``ValueError``; with ``False`` it joins a boundary on ``model`` itself.
         param_dtype: Forward/broadcast dtype of dedicated parameters (e.g.
             ``torch.bfloat16``); masters and gradient reduction stay float32. Floating-point
-            inputs of each boundary are cast to it, as FSDP2's mixed precision does.
+            inputs of each boundary are cast to it, as FSDP2's mixed precision does. Every
+            boundary must then be wrapped by ``fully_shard`` with
+            ``MixedPrecisionPolicy(param_dtype=...)`` (checked at the first forward).
+        check_collectives: Before every collective, all-gather its signature and raise on
+            every rank if the ranks disagree (a debugging aid that costs one small
+            collective each). ``None`` reads the environment variable
+            ``DMUON_CHECK_COLLECTIVES`` (``1`` turns it on).
 
     Returns:
         ``{fqn: owner_rank}`` for every dedicated parameter.
@@ -149,6 +195,10 @@ def dedicate_params(
         ValueError: Called twice, after ``fully_shard``, with a mesh that is not 1-D, a
             predicate that matches nothing or selects a tied or non-2-D parameter, or a
             parameter without a hook boundary in strict mode.
+
+    The default predicate selects the weights of ``nn.Linear`` modules and of
+    transformers' ``Conv1D`` modules (GPT-2 style, stored as ``(in, out)``; the learning-rate
+    adjustment uses ``(out, in)``).
     """
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("dedicate_params was already called on this model; call it once")
@@ -162,7 +212,7 @@ def dedicate_params(
     group, device = _resolve_group(model, mesh)
     selected = _select(model, predicate)
     boundaries: dict[str, str] = {}
-    for fqn, _module, _attr, _param in selected:
+    for fqn, *_ in selected:
         boundary = find_hook_boundary(model, fqn, hook_boundary_predicate)
         if boundary is None:
             if hook_boundary_strict:
@@ -176,10 +226,10 @@ def dedicate_params(
         boundaries[fqn] = boundary
     comm_rank = dist.get_rank(group) if group is not None else 0
     world_size = dist.get_world_size(group) if group is not None else 1
-    plan = plan_owners({fqn: p.shape for fqn, _, _, p in selected}, world_size, boundaries)
+    plan = plan_owners({fqn: p.shape for fqn, _, _, p, _ in selected}, world_size, boundaries)
 
     dedicated: list[DedicatedParam] = []
-    for fqn, module, attr, param in selected:
+    for fqn, module, attr, param, transposed in selected:
         owner = plan.owners[fqn]
         is_owned = owner == comm_rank
         shape = param.shape
@@ -199,11 +249,14 @@ def dedicate_params(
                 param=param,
                 boundary=boundaries[fqn],
                 is_owned=is_owned,
+                transposed=transposed,
             )
         )
 
     audit = CommAudit(sum(dp.numel for dp in dedicated))
-    comm = Communicator(group, device, audit)
+    if check_collectives is None:
+        check_collectives = os.environ.get("DMUON_CHECK_COLLECTIVES", "0") not in ("", "0")
+    comm = Communicator(group, device, audit, check_collectives=check_collectives)
     buffer_dtype = param_dtype or torch.float32
     by_boundary: dict[str, list[DedicatedParam]] = defaultdict(list)
     for dp in dedicated:
@@ -219,7 +272,9 @@ def dedicate_params(
             for owner in sorted(by_owner)
         ]
         runtime_boundaries.append(Boundary(name, model.get_submodule(name), groups))
-    runtime = DedicationRuntime(runtime_boundaries, comm, reshard_after_forward, param_dtype)
+    runtime = DedicationRuntime(
+        model, dedicated, runtime_boundaries, comm, reshard_after_forward, param_dtype
+    )
     install_fsdp_filter()
     atexit.unregister(_collect_before_teardown)  # registered once however many models
     atexit.register(_collect_before_teardown)
@@ -227,12 +282,7 @@ def dedicate_params(
         model,
         STATE_ATTR,
         DedicationState(
-            rank=comm_rank,
-            world_size=world_size,
-            params=dedicated,
-            plan=plan,
-            audit=audit,
-            runtime=runtime,
+            rank=comm_rank, world_size=world_size, runtime=runtime, params=dedicated, plan=plan
         ),
     )
     return dict(plan.owners)

@@ -5,15 +5,26 @@ its initialisation module. DMuon wraps that helper (once, idempotently) so that 
 marked as dedicated are skipped. The helper is looked up through its module at call time,
 so the filter works whether ``fully_shard`` was imported before or after ``dmuon``, and
 users call ``fully_shard`` with no extra arguments.
+
+That helper is private to torch. `verify_not_sharded` checks the outcome through public
+behaviour only (FSDP2 replaces the parameters it manages with DTensors), so a torch
+release that moves the helper gives a clear error instead of silently sharded matrices;
+the public alternative, ``fully_shard(..., ignored_params=dmuon.dedicated_parameters(model))``,
+works in every case.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_init
+from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from dmuon.ownership.state import DedicationState
 
 DEDICATED_FLAG = "_dmuon_dedicated"
 _FILTER_FLAG = "_dmuon_skips_dedicated"
@@ -46,3 +57,24 @@ def install_fsdp_filter() -> None:
 
     setattr(skip_dedicated, _FILTER_FLAG, True)
     _fsdp_init._get_managed_states = skip_dedicated
+
+
+def verify_not_sharded(state: DedicationState) -> None:
+    """Raise if ``fully_shard`` took a dedicated parameter (checked through public behaviour).
+
+    Raises:
+        ValueError: A dedicated parameter is registered as a DTensor or was replaced.
+    """
+    taken = []
+    for dp in state.params:
+        registered = dp.module._parameters.get(dp.attr)
+        if isinstance(registered, DTensor) or registered is not dp.param:
+            taken.append(dp.fqn)
+    if taken:
+        raise ValueError(
+            f"fully_shard sharded the dedicated parameters {taken[:3]} ({len(taken)} in all): "
+            f"DMuon's filter of FSDP2's parameter collection did not apply with torch "
+            f"{torch.__version__}. Pass the dedicated parameters to every fully_shard call "
+            "yourself: fully_shard(module, mesh=mesh, "
+            "ignored_params=dmuon.dedicated_parameters(model))."
+        )

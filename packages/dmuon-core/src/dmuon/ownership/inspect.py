@@ -5,18 +5,25 @@ from __future__ import annotations
 from torch import nn
 
 from dmuon.comm import CommAudit
+from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.planner import OwnerPlan
-from dmuon.ownership.state import DedicatedParam, DedicationState, get_dedication
+from dmuon.ownership.state import require_dedication as _require_state
 
 
-def _require_state(model: nn.Module) -> DedicationState:
-    state = get_dedication(model)
-    if state is None:
-        raise ValueError(
-            "this model has no dedicated parameters; call dmuon.dedicate_params(model, mesh) "
-            "before fully_shard and before creating the optimizer"
-        )
-    return state
+class DedicatedParameters(tuple[DedicatedParam, ...]):
+    """The dedicated parameters of a model, in order; also usable as FSDP2's ``ignored_params``.
+
+    Iterating yields `DedicatedParam` records (name, owner, shape, boundary). ``x in it``
+    is true for a record and for the ``nn.Parameter`` it describes, which is what
+    ``fully_shard(..., ignored_params=...)`` asks.
+    """
+
+    def __contains__(self, item: object) -> bool:
+        return any(item is dp or item is dp.param for dp in self)
+
+    def parameters(self) -> set[nn.Parameter]:
+        """The registered ``nn.Parameter`` objects (masters on owners, placeholders elsewhere)."""
+        return {dp.param for dp in self}
 
 
 def comm_audit(model: nn.Module) -> CommAudit:
@@ -29,18 +36,19 @@ def comm_audit(model: nn.Module) -> CommAudit:
     Raises:
         ValueError: If ``model`` was never passed to `dmuon.dedicate_params`.
     """
-    audit = _require_state(model).audit
-    assert audit is not None
-    return audit
+    return _require_state(model).audit
 
 
-def dedicated_parameters(model: nn.Module) -> list[DedicatedParam]:
+def dedicated_parameters(model: nn.Module) -> DedicatedParameters:
     """Every dedicated parameter of ``model`` with its name, owner and shape.
+
+    The result can be passed to ``fully_shard(..., ignored_params=...)`` for users who
+    prefer to keep FSDP2 away from the dedicated parameters explicitly.
 
     Raises:
         ValueError: If ``model`` was never passed to `dmuon.dedicate_params`.
     """
-    return list(_require_state(model).params)
+    return DedicatedParameters(_require_state(model).params)
 
 
 def owner_plan(model: nn.Module) -> OwnerPlan:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from dmuon.comm import Communicator, Pending
-from dmuon.ownership.state import DedicatedParam
+from dmuon.ownership.param import DedicatedParam
 
 
 class PackedGroup:
@@ -105,7 +105,11 @@ class PackedGroup:
                 acc.add_(grad)
 
     def reduce_async(self) -> None:
-        """Merge local and accumulated gradients and SUM-reduce them to the owner."""
+        """Merge local and accumulated gradients and SUM-reduce them to the owner.
+
+        A matrix without a local gradient (for example an expert that saw no token on this
+        rank) contributes zeros: the collective is the same on every rank.
+        """
         flat = torch.zeros(self.numel, dtype=torch.float32, device=self.buffer.device)
         for dp, offset, grad in zip(
             self.params, self.offsets, self._take_local_grads(), strict=True

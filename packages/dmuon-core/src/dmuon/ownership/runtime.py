@@ -1,30 +1,46 @@
-"""Hooks that move dedicated parameters through forward and backward.
+"""The ownership runtime: the one owner of everything that changes while training.
 
 Per hook boundary (usually one transformer layer):
 
 - forward pre-hook: broadcast each owner's packed buffer (prefetching the next boundary's),
-  register the full-matrix views on their modules;
-- forward post-hook: put the registered parameters back; Z3 frees the buffers, Z2 keeps
-  them until ``optimizer.step()`` changes the owners' values;
+  register the full-matrix views on their modules, and route the boundary's inputs
+  through an identity autograd function whose backward marks "this boundary's backward is
+  done";
+- forward post-hook (``always_call``, so an exception leaves the model as it was): put
+  the registered parameters back; Z3 frees the buffers, Z2 keeps them until the owners'
+  values change;
 - pre-backward (a hook on the boundary's outputs): Z3 broadcasts again; the views are
   registered again so activation-checkpoint recomputation sees full matrices;
-- post-backward (once every view of the boundary has its gradient, or at the end of
-  backward): SUM-reduce the gradients to their owners, or, under `no_sync`, add them to
-  ``_accumulated_grad`` locally.
+- post-backward: when the gradients of the boundary's inputs are computed, or at the end
+  of backward for a boundary whose inputs need no gradient, SUM-reduce the gradients to
+  their owners (a matrix without a local gradient contributes zeros) or, under `no_sync`,
+  add them to ``_accumulated_grad`` locally.
+
+Every trigger above is an event every rank sees in the same order (the model's structure,
+not its data), so every rank issues the same collectives in the same order even when
+routing leaves a matrix without a gradient on some ranks.
+
+The rest of the library changes this state only through the methods in the last section:
+`no_sync`, `reduced_grad`, `parameters_updated` and `clear_gradients`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dmuon.comm import Communicator
+from dmuon.ownership.fsdp_integration import is_fsdp_module
 from dmuon.ownership.packed_group import PackedGroup
-from dmuon.ownership.state import DedicatedParam
+from dmuon.ownership.param import DedicatedParam
+
+_GRAD_ATTRS = ("_reduced_grad", "_accumulated_grad")
 
 
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -58,6 +74,21 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _BoundaryInputsGrad(torch.autograd.Function):
+    """Identity on a boundary's inputs; its backward runs once their gradients are done."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: DedicationRuntime, index: int, *inputs: torch.Tensor) -> Any:
+        ctx.runtime = runtime
+        ctx.index = index
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.runtime._inputs_grad_done(ctx.index)
+        return (None, None, *grads)
+
+
 class Boundary:
     """One hook boundary: its module, its packed groups and its backward bookkeeping."""
 
@@ -65,9 +96,11 @@ class Boundary:
         self.name = name
         self.module = module
         self.groups = groups
-        self.expected_grads = sum(leaf.requires_grad for g in groups for leaf in g.leaves)
-        self.arrived_grads = 0
-        self.awaiting_backward = False
+        self.needs_grads = any(leaf.requires_grad for g in groups for leaf in g.leaves)
+        # Forward passes of this backward whose gradients are not reduced yet; forwards
+        # whose inputs carry no gradient are reduced at the end of backward instead.
+        self.pending_by_inputs = 0
+        self.pending_at_end = 0
         self.pre_backward_done = False
 
     def pairs(self) -> Iterator[tuple[DedicatedParam, nn.Parameter]]:
@@ -85,23 +118,40 @@ class Boundary:
         for dp, _ in self.pairs():
             dp.module._parameters[dp.attr] = dp.param
 
+    def covered_by_fsdp(self, root: nn.Module) -> bool:
+        """Whether ``fully_shard`` wraps this boundary's module or one of its ancestors."""
+        module: nn.Module = root
+        if is_fsdp_module(module):
+            return True
+        for part in self.name.split(".") if self.name else []:
+            module = module.get_submodule(part)
+            if is_fsdp_module(module):
+                return True
+        return False
+
 
 class DedicationRuntime:
-    """All boundaries of one model and the hooks that drive them."""
+    """All boundaries of one model, the hooks that drive them, and their gradient state."""
 
     def __init__(
         self,
+        model: nn.Module,
+        params: list[DedicatedParam],
         boundaries: list[Boundary],
         comm: Communicator,
         reshard_after_forward: bool,
         param_dtype: torch.dtype | None,
     ) -> None:
+        self.params = params
         self.boundaries = boundaries
         self.comm = comm
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.sync_grads = True
         self._callback_queued = False
+        self._late_grads: list[str] = []
+        self._checked_param_dtype = param_dtype is None
+        self._root = model
         for index, boundary in enumerate(boundaries):
             self._install(index, boundary)
 
@@ -111,10 +161,14 @@ class DedicationRuntime:
         module.register_forward_pre_hook(
             lambda _m, args, kwargs: self._pre_forward(index, args, kwargs), with_kwargs=True
         )
-        module.register_forward_hook(lambda _m, _args, out: self._post_forward(index, out))
-        for _, leaf in boundary.pairs():
+        module.register_forward_hook(
+            lambda _m, _args, out: self._post_forward(index, out), always_call=True
+        )
+        for dp, leaf in boundary.pairs():
             if leaf.requires_grad:
-                leaf.register_post_accumulate_grad_hook(lambda _t: self._grad_arrived(index))
+                leaf.register_post_accumulate_grad_hook(
+                    lambda _t, fqn=dp.fqn: self._grad_arrived(index, fqn)
+                )
 
     # ----- forward -------------------------------------------------------------------------
     def _unshard(self, index: int, prefetch: int | None) -> None:
@@ -127,30 +181,60 @@ class DedicationRuntime:
         for group in boundary.groups:
             group.wait_unshard()
 
+    def _check_param_dtype(self) -> None:
+        # Without FSDP2's mixed precision, the boundary's other parameters stay float32 and
+        # meet bfloat16 activations and weights inside the same layer.
+        self._checked_param_dtype = True
+        uncovered = [
+            b.name or "<root>" for b in self.boundaries if not b.covered_by_fsdp(self._root)
+        ]
+        if uncovered:
+            raise ValueError(
+                f"dedicate_params(param_dtype={self.param_dtype}) casts the dedicated weights "
+                f"and the inputs of each hook boundary, but {uncovered[:3]} are not wrapped by "
+                "fully_shard, so their other parameters stay float32 and the forward would mix "
+                "dtypes. Either wrap them with fully_shard(..., mp_policy=MixedPrecisionPolicy("
+                f"param_dtype={self.param_dtype})), or drop param_dtype and run the forward "
+                "under torch.autocast."
+            )
+
     def _pre_forward(
         self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if not self._checked_param_dtype:
+            self._check_param_dtype()
         self._unshard(index, prefetch=index + 1)
         self.boundaries[index].register_views()
         if self.param_dtype is not None:
-            return _cast_floating(args, self.param_dtype), _cast_floating(kwargs, self.param_dtype)
-        return None
+            args, kwargs = (
+                _cast_floating(args, self.param_dtype),
+                _cast_floating(kwargs, self.param_dtype),
+            )
+        boundary = self.boundaries[index]
+        if not boundary.needs_grads or not torch.is_grad_enabled() or _in_backward():
+            return args, kwargs
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [
+            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        if not positions:
+            boundary.pending_at_end += 1
+            return args, kwargs
+        boundary.pending_by_inputs += 1
+        routed = _BoundaryInputsGrad.apply(self, index, *(flat[i] for i in positions))
+        for i, tensor in zip(positions, routed, strict=True):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, index: int, output: Any) -> None:
         boundary = self.boundaries[index]
         boundary.register_params()
         if _in_backward():
             return  # recomputation of a checkpointed boundary: backward still needs buffers
-        if torch.is_grad_enabled() and boundary.expected_grads:
-            hooked = False
+        if torch.is_grad_enabled() and boundary.needs_grads:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad: self._pre_backward(index, grad))
-                    hooked = True
-            if hooked:
-                boundary.awaiting_backward = True
-                boundary.arrived_grads = 0
-                boundary.pre_backward_done = False
         if self.reshard_after_forward:
             for group in boundary.groups:
                 group.free()
@@ -167,24 +251,31 @@ class DedicationRuntime:
         if not boundary.pre_backward_done:
             boundary.pre_backward_done = True
             previous = index - 1
-            prefetch = (
-                previous if previous >= 0 and self.boundaries[previous].awaiting_backward else None
-            )
-            self._unshard(index, prefetch=prefetch)
+            waiting = previous >= 0 and self._awaits_backward(self.boundaries[previous])
+            self._unshard(index, prefetch=previous if waiting else None)
             boundary.register_views()
         return grad
 
-    def _grad_arrived(self, index: int) -> None:
+    @staticmethod
+    def _awaits_backward(boundary: Boundary) -> bool:
+        return boundary.pending_by_inputs + boundary.pending_at_end > 0
+
+    def _grad_arrived(self, index: int, fqn: str) -> None:
+        # Only a guard: a gradient that arrives when its boundary expects none (already
+        # reduced in this backward, or a forward the hooks did not see, such as a reentrant
+        # activation checkpoint) cannot be reduced without breaking the other ranks' schedule.
+        if not self._awaits_backward(self.boundaries[index]):
+            self._late_grads.append(fqn)
+
+    def _inputs_grad_done(self, index: int) -> None:
         self._queue_final_callback()
         boundary = self.boundaries[index]
-        boundary.arrived_grads += 1
-        if boundary.awaiting_backward and boundary.arrived_grads == boundary.expected_grads:
+        if boundary.pending_by_inputs > 0:
+            boundary.pending_by_inputs -= 1
             self._post_backward(boundary)
 
     def _post_backward(self, boundary: Boundary) -> None:
-        boundary.awaiting_backward = False
         boundary.pre_backward_done = False
-        boundary.arrived_grads = 0
         boundary.register_params()
         for group in boundary.groups:
             if self.sync_grads:
@@ -197,19 +288,59 @@ class DedicationRuntime:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         for boundary in self.boundaries:
-            if boundary.awaiting_backward:
+            if self._awaits_backward(boundary):
+                boundary.pending_by_inputs = 0
+                boundary.pending_at_end = 0
                 self._post_backward(boundary)
         for boundary in self.boundaries:
+            boundary.pre_backward_done = False
             for group in boundary.groups:
                 group.finish_reduce()
+        late, self._late_grads = self._late_grads, []
+        if late:
+            raise RuntimeError(
+                f"the gradients of {sorted(set(late))[:5]} arrived when their hook boundary "
+                "expected none (after it had reduced its gradients, or for a forward its hooks "
+                "did not see), so they would be lost. This happens when a dedicated weight is "
+                "used outside the module that holds it, or when a whole boundary runs inside a "
+                "reentrant activation checkpoint. Give the weight a boundary that contains "
+                "every use (dedicate_params(..., hook_boundary_predicate=...)), use "
+                "checkpoint(..., use_reentrant=False), or exclude the weight from the predicate."
+            )
 
-    # ----- optimizer -----------------------------------------------------------------------
+    # ----- the operations the rest of the library calls ----------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate dedicated gradients locally inside the block; restore on exit."""
+        previous = self.sync_grads
+        self.sync_grads = False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+
+    @staticmethod
+    def reduced_grad(dp: DedicatedParam) -> torch.Tensor | None:
+        """The owner's averaged gradient of ``dp`` (``None`` if nothing was reduced)."""
+        return getattr(dp.param, "_reduced_grad", None)
+
     def parameters_updated(self) -> None:
         """Owners changed their masters: invalidate buffers and close the audit step."""
-        for boundary in self.boundaries:
-            for group in boundary.groups:
-                group.invalidate()
+        for group in self.groups():
+            group.invalidate()
         self.comm.audit.close_step()
+
+    def clear_gradients(self, set_to_none: bool = True) -> None:
+        """Clear ``_reduced_grad`` and ``_accumulated_grad`` of every dedicated parameter."""
+        for dp in self.params:
+            for attr in _GRAD_ATTRS:
+                grad = getattr(dp.param, attr, None)
+                if grad is None:
+                    continue
+                if set_to_none:
+                    setattr(dp.param, attr, None)
+                else:
+                    grad.zero_()
 
     def groups(self) -> Iterator[PackedGroup]:
         """Every packed group, boundary by boundary."""
