@@ -1,4 +1,10 @@
-"""Run DMuon scenarios on N gloo ranks (spawned once) and on one process as the oracle.
+"""The one multi-process harness of the core tests, and the DMuon scenarios run on it.
+
+`spawn_ranks(world, fn, *args)` starts ``world`` fresh processes (``torch.multiprocessing``
+spawn), joins them in a gloo (or NCCL) process group through a file store (no TCP port to
+race for), runs ``fn(rank, world, *args)`` on each and returns the per-rank results. An
+exception on a rank comes back as ``{"error": traceback}`` for that rank, so one failing
+check fails its own test instead of the whole module.
 
 A scenario trains `TinyLlama` for a few optimizer steps on a fixed global batch. The
 distributed run uses the three-line integration (dedicate_params, fully_shard, Muon,
@@ -8,24 +14,24 @@ written out here (float32 Newton-Schulz) and torch.optim.AdamW for everything el
 
 from __future__ import annotations
 
+import datetime
 import os
-import socket
-import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).parent))
 from tiny_llama import TinyLlama
 
 from dmuon.optim.naive import NaiveMuon
+
+#: How long a collective may wait before the ranks give up (a hang becomes an error).
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 VOCAB, SEQ, MICRO = 64, 12, 2
 LR, ADAMW_LR = 0.02, 3e-3
@@ -45,13 +51,6 @@ class Scenario:
     bf16: bool = False
     naive: bool = False
     model_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_model(scenario: Scenario) -> TinyLlama:
@@ -77,29 +76,33 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 # ----- reference: one process, the whole global batch --------------------------------------
-def reference_run(scenario: Scenario, world: int) -> dict[str, torch.Tensor]:
-    """Train the plain model on the global batch; return its final parameters."""
-    from dmuon import default_predicate, newton_schulz
+def reference_train(
+    model: torch.nn.Module,
+    muon_names: set[str],
+    step_batches: list[torch.Tensor],
+    bf16: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Train ``model`` one step per global batch: Muon written out here, AdamW for the rest.
 
-    model = make_model(scenario)
-    muon_params = {
-        n: p
-        for n, p in model.named_parameters()
-        if default_predicate(n, p) and "lm_head" not in n and n.startswith("layers.")
-    }
-    others = [p for n, p in model.named_parameters() if n not in muon_params]
+    Muon (float32 Newton-Schulz, Nesterov momentum 0.95, ``match_rms_adamw`` scaling) on
+    the parameters named in ``muon_names``; ``torch.optim.AdamW`` on every other one.
+    Returns the final parameters.
+    """
+    from dmuon import newton_schulz
+
+    params = dict(model.named_parameters())
+    muon_params = {n: params[n] for n in muon_names}
+    others = [p for n, p in params.items() if n not in muon_names]
     adamw = torch.optim.AdamW(others, lr=ADAMW_LR, weight_decay=0.01)
     momentum = {n: torch.zeros_like(p) for n, p in muon_params.items()}
-    for step in range(scenario.steps):
-        tokens = global_batch(step, world, scenario.accum)
-        if scenario.bf16:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = _loss(model, tokens)
-        else:
+    for tokens in step_batches:
+        with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
             loss = _loss(model, tokens)
         loss.backward()
         with torch.no_grad():
             for n, p in muon_params.items():
+                if p.grad is None:
+                    continue  # unused in this step (an idle expert): torch.optim skips it
                 buf = momentum[n]
                 buf.lerp_(p.grad, 1 - 0.95)
                 update = p.grad.lerp(buf, 0.95)
@@ -112,8 +115,22 @@ def reference_run(scenario: Scenario, world: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def reference_run(scenario: Scenario, world: int) -> dict[str, torch.Tensor]:
+    """Train the plain model on the global batch; return its final parameters."""
+    from dmuon import default_predicate
+
+    model = make_model(scenario)
+    muon_names = {
+        n
+        for n, p in model.named_parameters()
+        if default_predicate(n, p) and "lm_head" not in n and n.startswith("layers.")
+    }
+    batches = [global_batch(step, world, scenario.accum) for step in range(scenario.steps)]
+    return reference_train(model, muon_names, batches, bf16=scenario.bf16)
+
+
 # ----- distributed worker -------------------------------------------------------------------
-def _full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor on every rank (collective)."""
     from torch.distributed.tensor import DTensor
 
@@ -217,7 +234,7 @@ def run_scenario(
         or getattr(dp.param, "_accumulated_grad", None) is not None
     ]
     return {
-        "params": _full_parameters(model),
+        "params": full_parameters(model),
         "comm": [s.as_dict() for s in audit.steps],
         "step_issued": step_issued,
         "memory": memory_after_forward,
@@ -275,8 +292,14 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
     return messages
 
 
-def _worker(
-    rank: int, world: int, port: int, scenarios: list[Scenario], out_dir: str, device_type: str
+def _rank_main(
+    rank: int,
+    world: int,
+    store_file: str,
+    out_dir: str,
+    device_type: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
 ) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -284,32 +307,73 @@ def _worker(
         torch.cuda.set_device(rank)
     dist.init_process_group(
         "nccl" if device_type == "cuda" else "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
+        init_method=f"file://{store_file}",
         rank=rank,
         world_size=world,
+        timeout=COLLECTIVE_TIMEOUT,
     )
-    results: dict[str, Any] = {}
     try:
-        for scenario in scenarios:
-            try:
-                results[scenario.name] = run_scenario(scenario, rank, world, device_type)
-            except Exception:  # reported to the test, which fails with the traceback
-                results[scenario.name] = {"error": traceback.format_exc()}
-                raise
-        if device_type == "cpu":
-            results["__errors__"] = _error_checks(rank, world)
+        result: Any = fn(rank, world, *args)
+    except Exception:
+        result = {"error": traceback.format_exc()}
     finally:
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
         dist.destroy_process_group()
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def spawn_ranks(
+    world: int, fn: Callable[..., Any], *args: Any, device_type: str = "cpu"
+) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return their results."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        store_file = os.path.join(out_dir, "store")
+        mp.spawn(
+            _rank_main,
+            args=(world, store_file, out_dir, device_type, fn, args),
+            nprocs=world,
+        )
+        return [
+            torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(world)
+        ]
+
+
+def _run_scenarios(
+    rank: int, world: int, scenarios: list[Scenario], device_type: str
+) -> dict[str, Any]:
+    results: dict[str, Any] = {}
+    failed: str | None = None
+    for scenario in scenarios:
+        if failed is not None:
+            results[scenario.name] = {"error": f"not run: scenario {failed!r} failed before it"}
+            continue
+        try:
+            results[scenario.name] = run_scenario(scenario, rank, world, device_type)
+        except Exception:
+            # The ranks may now disagree on the collective schedule: stop here.
+            results[scenario.name] = {"error": f"{scenario.name}:\n{traceback.format_exc()}"}
+            failed = scenario.name
+    if device_type == "cpu" and failed is None:
+        try:
+            results["__errors__"] = _error_checks(rank, world)
+        except Exception:
+            results["__errors__"] = {"error": traceback.format_exc()}
+    return results
 
 
 def run_distributed(
     world: int, scenarios: list[Scenario], device_type: str = "cpu"
 ) -> list[dict[str, Any]]:
-    """Spawn ``world`` ranks once (gloo on CPU, NCCL on CUDA), run every scenario."""
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, free_port(), scenarios, out_dir, device_type), nprocs=world)
-        return [torch.load(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world)]
+    """Run every scenario on ``world`` ranks spawned once (gloo on CPU, NCCL on CUDA)."""
+    return spawn_ranks(world, _run_scenarios, scenarios, device_type, device_type=device_type)
 
 
-__all__ = ["Scenario", "asdict", "reference_run", "run_distributed"]
+__all__ = [
+    "Scenario",
+    "asdict",
+    "full_parameters",
+    "reference_run",
+    "reference_train",
+    "run_distributed",
+    "spawn_ranks",
+]

@@ -58,6 +58,7 @@ def spawned() -> Callable[[int], list[dict[str, Any]]]:
 def _scenario_results(spawned, world: int, name: str) -> list[dict[str, Any]]:
     results = spawned(world)
     for rank, result in enumerate(results):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
         assert "error" not in result[name], f"rank {rank}:\n{result[name]['error']}"
     return [r[name] for r in results]
 

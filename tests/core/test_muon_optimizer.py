@@ -14,6 +14,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from dist_harness import spawn_ranks
 from torch import nn
 
 from dmuon.comm import CommAudit, Communicator
@@ -506,58 +507,45 @@ def test_add_param_group_requires_algorithm() -> None:
 # ---------------------------------------------------------------- grad_norm on 2 ranks
 
 
-def _grad_norm_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
+def _grad_norm_worker(rank: int, world: int) -> dict[str, float]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,))
-        model = make_model()
-        state = dedicate_by_hand(model)
-        state.rank, state.world_size = rank, world
-        for i, dp in enumerate(state.params):
-            dp.owner = i % world
-            dp.is_owned = dp.owner == rank
-        # AdamW params: a Shard(0) DTensor, a Replicate DTensor, and plain (replicated) tensors.
-        for mod, attr, placement in (
-            (model.emb, "weight", Shard(0)),
-            (model.head, "bias", Replicate()),
-        ):
-            full = getattr(mod, attr).detach()
-            setattr(mod, attr, nn.Parameter(distribute_tensor(full, mesh, [placement])))
-        opt = Muon(model)
-        g = torch.Generator().manual_seed(7)
-        expected = 0.0
-        for name, p in model.named_parameters():
-            if not p.requires_grad:
-                continue
-            full = torch.randn(tuple(p.shape), generator=g, dtype=torch.float64)
-            expected += full.square().sum().item()
-            full = full.float()
-            if name in DEDICATED:
-                dp = next(d for d in state.params if d.fqn == name)
-                p._reduced_grad = full if dp.is_owned else None
-            elif isinstance(p.data, torch.distributed.tensor.DTensor):
-                p.grad = distribute_tensor(full, mesh, p.placements)
-            else:
-                p.grad = full
-        torch.save(
-            {"got": opt.grad_norm(), "expected": math.sqrt(expected)}, f"{out_dir}/rank{rank}.pt"
-        )
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model()
+    state = dedicate_by_hand(model)
+    state.rank, state.world_size = rank, world
+    for i, dp in enumerate(state.params):
+        dp.owner = i % world
+        dp.is_owned = dp.owner == rank
+    # AdamW params: a Shard(0) DTensor, a Replicate DTensor, and plain (replicated) tensors.
+    for mod, attr, placement in (
+        (model.emb, "weight", Shard(0)),
+        (model.head, "bias", Replicate()),
+    ):
+        full = getattr(mod, attr).detach()
+        setattr(mod, attr, nn.Parameter(distribute_tensor(full, mesh, [placement])))
+    opt = Muon(model)
+    g = torch.Generator().manual_seed(7)
+    expected = 0.0
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        full = torch.randn(tuple(p.shape), generator=g, dtype=torch.float64)
+        expected += full.square().sum().item()
+        full = full.float()
+        if name in DEDICATED:
+            dp = next(d for d in state.params if d.fqn == name)
+            p._reduced_grad = full if dp.is_owned else None
+        elif isinstance(p.data, torch.distributed.tensor.DTensor):
+            p.grad = distribute_tensor(full, mesh, p.placements)
+        else:
+            p.grad = full
+    return {"got": opt.grad_norm(), "expected": math.sqrt(expected)}
 
 
-def test_grad_norm_two_ranks(tmp_path: object) -> None:
-    import torch.multiprocessing as mp
-
+def test_grad_norm_two_ranks() -> None:
     # Oracle: the L2 norm of the full (unsharded) gradients, identical on both ranks.
-    out = str(tmp_path)
-    # fork: the children reuse this process's imports (CPU only, no CUDA state to inherit).
-    mp.start_processes(
-        _grad_norm_worker, args=(2, f"{out}/init", out), nprocs=2, start_method="fork"
-    )
-    for rank in range(2):
-        r = torch.load(f"{out}/rank{rank}.pt")
+    for r in spawn_ranks(2, _grad_norm_worker):
+        assert "error" not in r, r.get("error")
         assert r["got"] == pytest.approx(r["expected"], rel=1e-6)  # float32 grads, float64 sums

@@ -162,7 +162,7 @@ class Communicator:
             device=self.device,
         )
         every = torch.empty(self.world_size * 4, dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(every, mine, group=self.group)
+        dist.all_gather_single(every, mine, group=self.group)
         rows = every.view(self.world_size, 4).tolist()
         if any(row != rows[0] for row in rows):
             names = {code: name for name, code in _KIND_CODES.items()}

@@ -13,7 +13,10 @@
 ``step()`` issues no collective: the ownership runtime has already reduced each dedicated
 gradient to its owner (``param._reduced_grad``), and AdamW works on local shards.
 
-A non-finite Muon gradient is caught before it touches momentum or weights: with
+A matrix whose averaged gradient is exactly zero (no rank had a gradient for it, such as an
+expert no token was routed to) is left alone, as torch's optimizers leave a parameter whose
+``.grad`` is ``None``. A non-finite Muon gradient is caught before it touches momentum or
+weights: with
 ``nonfinite="raise"`` (the default) ``step()`` raises `NonFiniteGradientError` naming the
 matrices, with ``"skip"`` those matrices keep their weights and momentum for this step (and
 ``skipped_updates`` counts them).
@@ -392,8 +395,13 @@ class Muon(torch.optim.Optimizer):
         """Apply the group's ``nonfinite`` policy to (matrix, gradient) pairs."""
         if not pairs:
             return pairs
-        norms = torch._foreach_norm([grad for _, grad in pairs])
-        finite = torch.isfinite(torch.stack([n.to(norms[0].device) for n in norms])).tolist()
+        norms = torch.stack(torch._foreach_norm([grad for _, grad in pairs])).tolist()
+        # An averaged gradient of exactly zero means no rank had a gradient for the matrix
+        # (an expert no token was routed to): leave it alone, as torch's optimizers leave
+        # a parameter whose .grad is None.
+        pairs = [pair for pair, norm in zip(pairs, norms, strict=True) if norm != 0.0]
+        norms = [norm for norm in norms if norm != 0.0]
+        finite = [math.isfinite(norm) for norm in norms]
         if all(finite):
             return pairs
         bad = [dp.fqn for (dp, _), ok in zip(pairs, finite, strict=True) if not ok]
