@@ -238,3 +238,21 @@ def test_trainer_restores_the_thread_count(base: TrainConfig) -> None:
     with pytest.raises(FileNotFoundError):
         Trainer(replace(base, threads=before + 1, data="/nonexistent/dmuon/data"))
     assert torch.get_num_threads() == before
+
+
+def test_divergence_stops_with_the_step_and_exit_code_3(
+    cache_dir: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A learning rate of 1e4 blows the loss up within a few steps; the oracle is the
+    # metrics file: the run stops at the first step whose loss or grad norm is not finite.
+    metrics = tmp_path / "metrics.jsonl"
+    argv = ["--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--steps", "30"]
+    argv += ["--lr", "1e4", "--adamw-lr", "1e4", "--warmup-steps", "0", "--eval-every", "0"]
+    argv += ["--threads", "1", "--progress", "plain", "--cache-dir", cache_dir]
+    assert main([*argv, "--metrics-file", str(metrics)]) == 3
+    err = capsys.readouterr().err
+    written = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert all(math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"]) for r in written)
+    diverged = len(written) + 1
+    assert diverged < 30
+    assert f"training diverged at step {diverged}:" in err, err

@@ -11,7 +11,7 @@ with dmuon.no_sync(model): ...          # around accumulating micro-batches
 
 from dmuon.accumulation import no_sync
 from dmuon.comm import CollectiveTally, CommAudit, StepComm
-from dmuon.optim import Muon, newton_schulz
+from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
 from dmuon.ownership.dedicate import dedicate_params
 from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
 from dmuon.ownership.planner import OwnerPlan, default_predicate, plan_owners
@@ -20,6 +20,7 @@ __all__ = [
     "CollectiveTally",
     "CommAudit",
     "Muon",
+    "NonFiniteGradientError",
     "OwnerPlan",
     "StepComm",
     "comm_audit",

@@ -56,6 +56,7 @@ def install_fsdp_filter() -> None:
         return [p for p in params if not is_dedicated(p)], buffers
 
     setattr(skip_dedicated, _FILTER_FLAG, True)
+    skip_dedicated.__wrapped_original__ = original  # type: ignore[attr-defined]
     _fsdp_init._get_managed_states = skip_dedicated
 
 

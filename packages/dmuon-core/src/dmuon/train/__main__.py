@@ -6,17 +6,24 @@ import sys
 from collections.abc import Sequence
 
 from .cli import parse_args
-from .loop import run
+from .loop import TrainingDiverged, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse flags, train, and return the exit status (argparse exits 2 on bad flags)."""
+    """Parse flags, train, and return the exit status.
+
+    0: trained; 2: bad flags or inputs (argparse also exits 2); 3: training diverged (a
+    NaN or infinite loss or gradient norm; the message names the step).
+    """
     config = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(config)
     except (FileNotFoundError, ValueError) as exc:
         print(f"dmuon-train: error: {exc}", file=sys.stderr)
         return 2
+    except TrainingDiverged as exc:
+        print(f"dmuon-train: error: {exc}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -236,8 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         choices=("z2", "z3"),
         default=d.mode,
-        help="DMuon mode: z3 reshards dedicated params after forward, z2 keeps "
-        "them resident (ignored by --optimizer adamw)",
+        help="sharding mode of DMuon and FSDP2: z3 reshards parameters after forward, "
+        "z2 keeps them resident until the optimizer step",
     )
     opt.add_argument(
         "--lr",

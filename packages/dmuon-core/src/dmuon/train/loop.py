@@ -3,10 +3,11 @@
 One code path serves one process (no process group, ``dedicate_params(model, None)``) and
 ``torchrun`` (gloo on CPU, NCCL on CUDA)::
 
-    dmuon.dedicate_params(model, mesh, reshard_after_forward=(mode == "z3"))  # dmuon only
-    for layer in model.layers:                                # when world_size > 1
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    z3 = mode == "z3"
+    dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)  # dmuon only
+    for layer in model.layers:                                    # when world_size > 1
+        fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
+    fully_shard(model, mesh=mesh, reshard_after_forward=z3)
     optimizer = dmuon.Muon(model, lr=..., adamw_lr=...)
 
 Gradient accumulation follows the gradient-accumulation guide: the loss of each
@@ -43,7 +44,18 @@ from .data import GlobalBatchSampler, load_corpus, validation_windows
 from .metrics import MetricsWriter, ProgressReporter, format_summary
 from .model import build_model, lm_loss
 
-__all__ = ["Trainer", "configure_threads", "lr_lambda", "run"]
+__all__ = ["Trainer", "TrainingDiverged", "configure_threads", "lr_lambda", "run"]
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite; training stopped."""
+
+    def __init__(self, step: int, what: str, value: float) -> None:
+        super().__init__(
+            f"training diverged at step {step}: the {what} is {value}. Lower --lr / "
+            "--adamw-lr, raise --warmup-steps, or resume from an earlier checkpoint."
+        )
+        self.step = step
 
 
 def configure_threads(local_world_size: int, threads: int | None = None) -> int:
@@ -176,16 +188,17 @@ class Trainer:
 
             self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.dedicated: dict[str, int] = {}
+        z3 = config.mode == "z3"
         if config.optimizer == "dmuon":
-            self.dedicated = dmuon.dedicate_params(
-                model, self.mesh, reshard_after_forward=(config.mode == "z3")
-            )
+            self.dedicated = dmuon.dedicate_params(model, self.mesh, reshard_after_forward=z3)
         if self.distributed:
             from torch.distributed.fsdp import fully_shard
 
+            # The same mode for FSDP2's parameters, or Z2 would still all-gather them
+            # before every backward.
             for layer in model.layers:
-                fully_shard(layer, mesh=self.mesh)
-            fully_shard(model, mesh=self.mesh)
+                fully_shard(layer, mesh=self.mesh, reshard_after_forward=z3)
+            fully_shard(model, mesh=self.mesh, reshard_after_forward=z3)
         self.model = model
 
         self.lr = config.effective_lr  # the rate logged as ``lr``
@@ -266,10 +279,14 @@ class Trainer:
             loss_sum += loss.detach()
             if not is_accumulating:
                 grad_norm = self.grad_norm()
+                if not math.isfinite(grad_norm):  # the same all-reduced value on every rank
+                    raise TrainingDiverged(step, "gradient norm", grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad()
                 self.scheduler.step()
         mean_loss = float(self._all_reduce_sum(loss_sum) / self.world_size)
+        if not math.isfinite(mean_loss):
+            raise TrainingDiverged(step, "loss", mean_loss)
         return {
             "loss": mean_loss,
             "lr": lr,
