@@ -18,8 +18,8 @@ import datetime
 import os
 import tempfile
 import traceback
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -70,6 +70,10 @@ def global_batch(step: int, world: int, accum: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (world * accum * MICRO, SEQ + 1), generator=gen)
 
 
+#: A batch no training step sees: the forward after the last step is checked on it.
+EVAL_TOKENS = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(7))
+
+
 def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     out = model(tokens[:, :-1], tokens[:, 1:])
     return out.loss if hasattr(out, "loss") else out
@@ -113,6 +117,14 @@ def reference_train(
         adamw.step()
         adamw.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_eval_loss(scenario: Scenario, params: dict[str, torch.Tensor]) -> float:
+    """Loss of the evaluation batch for the scenario's model holding ``params``."""
+    model = make_model(scenario)
+    model.load_state_dict(params)
+    with torch.no_grad():
+        return _loss(model, EVAL_TOKENS).item()
 
 
 def reference_run(scenario: Scenario, world: int) -> dict[str, torch.Tensor]:
@@ -179,6 +191,75 @@ def _memory_report(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+_PYTHON_COLLECTIVES = (
+    "broadcast",
+    "reduce",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_single",
+    "reduce_scatter_tensor",
+)
+
+
+#: Functional-collective ops that move data (``wait_tensor`` and wrappers do not).
+_FUNCTIONAL_OPS = frozenset(
+    {
+        "all_gather_into_tensor",
+        "all_gather_into_tensor_coalesced",
+        "reduce_scatter_tensor",
+        "reduce_scatter_tensor_coalesced",
+        "all_reduce",
+        "all_reduce_coalesced",
+        "broadcast",
+        "all_to_all_single",
+    }
+)
+
+
+@contextmanager
+def count_collectives() -> Iterator[list[tuple[str, int]]]:
+    """Record every collective issued inside the block as ``(name, elements)``.
+
+    Both doors are watched: the ``torch.distributed`` functions (what DMuon's `comm`
+    uses) and the functional-collective ops that DTensor and FSDP2 dispatch. This is an
+    independent count: it does not read any audit.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[tuple[str, int]] = []
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            name = str(func.overloadpacket.__name__)
+            if func.namespace in ("_c10d_functional", "c10d") and name in _FUNCTIONAL_OPS:
+                first = args[0] if args else None
+                if isinstance(first, (list, tuple)):
+                    first = first[0] if first else None
+                numel = first.numel() if isinstance(first, torch.Tensor) else 0
+                seen.append((name, numel))
+            return func(*args, **(kwargs or {}))
+
+    originals = {name: getattr(dist, name) for name in _PYTHON_COLLECTIVES}
+
+    def counting(name: str) -> Callable[..., Any]:
+        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            target = args[0] if name in ("all_gather_into_tensor", "all_gather_single") else tensor
+            seen.append((name, target.numel() if isinstance(target, torch.Tensor) else 0))
+            return originals[name](tensor, *args, **kwargs)
+
+        return call
+
+    for name in _PYTHON_COLLECTIVES:
+        setattr(dist, name, counting(name))
+    try:
+        with _Ops():
+            yield seen
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 def run_scenario(
     scenario: Scenario, rank: int, world: int, device_type: str = "cpu"
 ) -> dict[str, Any]:
@@ -223,9 +304,9 @@ def run_scenario(
                 if step == 0 and micro == 0 and not scenario.naive:
                     memory_after_forward = _memory_report(model)
                 loss.backward()
-        before = sum(t.count for t in audit.total.by_kind.values())
-        optimizer.step()
-        step_issued.append(sum(t.count for t in audit.total.by_kind.values()) - before)
+        with count_collectives() as issued:
+            optimizer.step()
+        step_issued.append(issued)
         optimizer.zero_grad()
     leftover = [
         dp.fqn
@@ -233,8 +314,12 @@ def run_scenario(
         if getattr(dp.param, "_reduced_grad", None) is not None
         or getattr(dp.param, "_accumulated_grad", None) is not None
     ]
+    params = full_parameters(model)  # before the eval forward: FSDP2 keeps the root unsharded
+    with torch.no_grad():
+        eval_loss = _loss(model, EVAL_TOKENS.to(device_type)).item()
     return {
-        "params": full_parameters(model),
+        "params": params,
+        "eval_loss": eval_loss,
         "comm": [s.as_dict() for s in audit.steps],
         "step_issued": step_issued,
         "memory": memory_after_forward,
@@ -371,7 +456,9 @@ def run_distributed(
 __all__ = [
     "Scenario",
     "asdict",
+    "count_collectives",
     "full_parameters",
+    "reference_eval_loss",
     "reference_run",
     "reference_train",
     "run_distributed",

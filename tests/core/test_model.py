@@ -29,6 +29,19 @@ def test_preset_sizes_match_documentation(name: str) -> None:
     assert cfg.num_params == by_formula == params
 
 
+def test_docstring_table_is_the_documented_one() -> None:
+    import dmuon.train.model as module
+
+    rows = {}
+    for line in (module.__doc__ or "").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[0] in DOCUMENTED:
+            layers, dim, heads, ffn = (int(c) for c in cells[1:5])
+            count = int(cells[5].split("(")[1].rstrip(")").replace(",", ""))
+            rows[cells[0]] = (layers, dim, heads, ffn, count)
+    assert rows == DOCUMENTED
+
+
 @pytest.mark.parametrize("name", ["tiny", "small"])
 def test_built_model_has_documented_parameter_count(name: str) -> None:
     model = build_model(name)

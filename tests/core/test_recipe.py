@@ -13,7 +13,6 @@ import torch
 
 import dmuon
 from dmuon.train import (
-    DEMO_ARGS,
     REQUIRED_KEYS,
     MetricsWriter,
     TrainConfig,
@@ -23,6 +22,7 @@ from dmuon.train import (
     run,
 )
 from dmuon.train.__main__ import main
+from dmuon.train.demo import DEMO_ARGS
 from dmuon.train.loop import lr_lambda
 
 

@@ -62,7 +62,8 @@ def test_reused_pid_is_not_mistaken_for_the_job(tmp_path: Path, data_dir: Path) 
 def test_demo_settings_match_the_recipe() -> None:
     """``dmuon_server.demo`` mirrors ``dmuon.train.DEMO_ARGS`` without importing dmuon."""
     pytest.importorskip("dmuon.train", reason="dmuon.train (the real recipe) is not installed")
-    from dmuon.train import DEMO_ARGS, DEMO_NPROC, TrainConfig, parse_args
+    from dmuon.train import TrainConfig, parse_args
+    from dmuon.train.demo import DEMO_ARGS, DEMO_NPROC
     from dmuon_server.demo import DEMO_NPROC as SERVER_NPROC
     from dmuon_server.demo import DEMO_TRAIN
 

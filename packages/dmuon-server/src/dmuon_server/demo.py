@@ -5,7 +5,7 @@ a 2-process ``small`` job with gradient accumulation 4, prints the live loss fro
 event stream with a progress bar, prints the final summary (start and end validation
 loss), and stops the server. Exits 1 if the job did not succeed.
 
-The job settings mirror ``dmuon.train.DEMO_ARGS`` (the recipe's tuned demo: under five
+The job settings mirror ``dmuon.train.demo.DEMO_ARGS`` (the recipe's tuned demo: under five
 minutes on two CPU cores, end validation loss at least 35% below the start); this module
 does not import ``dmuon`` (no torch in the client either), and a test keeps the two equal.
 """
@@ -28,9 +28,9 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-#: Processes of the demo job (``dmuon.train.DEMO_NPROC``).
+#: Processes of the demo job (``dmuon.train.demo.DEMO_NPROC``).
 DEMO_NPROC = 2
-#: The demo job's recipe settings (``dmuon.train.DEMO_ARGS``, plus the default rates).
+#: The demo job's recipe settings (``dmuon.train.demo.DEMO_ARGS``, plus the default rates).
 DEMO_TRAIN: dict[str, Any] = {
     "model": "small",
     "optimizer": "dmuon",
@@ -46,7 +46,7 @@ DEMO_TRAIN: dict[str, Any] = {
     "adamw_lr": 0.003,
 }
 #: The bar the demo is held to: end validation loss this much below the start
-#: (``dmuon.train.DEMO_MIN_VAL_DROP``).
+#: (``dmuon.train.demo.DEMO_MIN_VAL_DROP``).
 TARGET_DROP = 0.35
 
 

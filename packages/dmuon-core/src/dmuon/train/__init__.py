@@ -4,39 +4,24 @@ Launch it as ``python -m dmuon.train`` (console script ``dmuon-train``) for one 
 ``torchrun --standalone --nproc_per_node N -m dmuon.train`` for N. The same pieces are
 importable:
 
-* :func:`build_model` / :data:`PRESETS` - a byte-level Llama-style transformer
-  (:mod:`dmuon.train.model`).
-* :func:`load_corpus` / :class:`GlobalBatchSampler` - offline text (the standard library
+* `build_model` / `PRESETS` - a byte-level Llama-style transformer
+  (`dmuon.train.model`).
+* `load_corpus` / `GlobalBatchSampler` - offline text (the standard library
   source by default), split by file, cached; batches defined on the global batch
-  (:mod:`dmuon.train.data`, which documents the equivalence rule).
-* :func:`run` / :class:`Trainer` - the loop (:mod:`dmuon.train.loop`).
-* :func:`parse_args` / :class:`TrainConfig` / :data:`DEMO_ARGS` (and the other ``DEMO_*``
-  constants) - flags and the demo settings
-  (:mod:`dmuon.train.cli`).
-* :class:`MetricsWriter` - the metrics file format (:mod:`dmuon.train.metrics`).
+  (`dmuon.train.data`, which documents the equivalence rule).
+* `run` / `Trainer` - the loop (`dmuon.train.loop`).
+* `parse_args` / `TrainConfig` - flags (`dmuon.train.cli`); the demo's settings are in
+  `dmuon.train.demo`.
+* `MetricsWriter` - the metrics file format (`dmuon.train.metrics`).
 """
 
-from .cli import (
-    DEMO_ARGS,
-    DEMO_MAX_SECONDS,
-    DEMO_MEASURED,
-    DEMO_MIN_VAL_DROP,
-    DEMO_NPROC,
-    TrainConfig,
-    build_parser,
-    parse_args,
-)
-from .data import Corpus, GlobalBatchSampler, load_corpus, validation_windows
-from .loop import Trainer, run
-from .metrics import REQUIRED_KEYS, MetricsWriter
-from .model import PRESETS, ModelConfig, Transformer, build_model, lm_loss
+from dmuon.train.cli import TrainConfig, build_parser, parse_args
+from dmuon.train.data import Corpus, GlobalBatchSampler, load_corpus, validation_windows
+from dmuon.train.loop import Trainer, run
+from dmuon.train.metrics import REQUIRED_KEYS, MetricsWriter
+from dmuon.train.model import PRESETS, ModelConfig, Transformer, build_model, lm_loss
 
 __all__ = [
-    "DEMO_ARGS",
-    "DEMO_MAX_SECONDS",
-    "DEMO_MEASURED",
-    "DEMO_MIN_VAL_DROP",
-    "DEMO_NPROC",
     "PRESETS",
     "REQUIRED_KEYS",
     "Corpus",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from .cli import parse_args
-from .loop import TrainingDiverged, run
+from dmuon.train.cli import parse_args
+from dmuon.train.loop import TrainingDiverged, run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

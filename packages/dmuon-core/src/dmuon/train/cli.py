@@ -1,8 +1,7 @@
-"""Command line of the recipe: flags (kebab-case), validation, and the demo settings.
+"""Command line of the recipe: flags (kebab-case) and their validation.
 
-``parse_args(argv)`` turns a list of flags into a :class:`TrainConfig`; invalid values
-exit with an argparse error that names the flag and what is allowed. ``DEMO_ARGS`` is the
-argv of ``make demo`` (the job server's demo job appends ``--metrics-file``).
+``parse_args(argv)`` turns a list of flags into a `TrainConfig`; invalid values
+exit with an argparse error that names the flag and what is allowed.
 """
 
 from __future__ import annotations
@@ -11,14 +10,9 @@ import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
-from .model import PRESETS
+from dmuon.train.model import PRESETS
 
 __all__ = [
-    "DEMO_ARGS",
-    "DEMO_MAX_SECONDS",
-    "DEMO_MEASURED",
-    "DEMO_MIN_VAL_DROP",
-    "DEMO_NPROC",
     "TrainConfig",
     "build_parser",
     "parse_args",
@@ -31,7 +25,7 @@ class TrainConfig:
 
     ``lr`` is the Muon rate (used by ``optimizer="dmuon"`` only); ``adamw_lr`` is the
     AdamW rate: of the embedding, norms and ``lm_head`` under ``dmuon``, and of every
-    parameter under the ``adamw`` baseline. See :func:`build_parser` for every field.
+    parameter under the ``adamw`` baseline. See `build_parser` for every field.
     """
 
     model: str = "small"
@@ -62,49 +56,6 @@ class TrainConfig:
     def effective_lr(self) -> float:
         """The peak rate logged as ``lr``: ``lr`` (Muon) for dmuon, ``adamw_lr`` for adamw."""
         return self.lr if self.optimizer == "dmuon" else self.adamw_lr
-
-
-DEMO_NPROC = 2
-"""Processes of the demo job (``torchrun --nproc_per_node``); it also meets its bar on 1."""
-
-DEMO_ARGS: tuple[str, ...] = (
-    "--model", "small",
-    "--optimizer", "dmuon",
-    "--mode", "z2",
-    "--steps", "60",
-    "--accum-steps", "4",
-    "--micro-batch-size", "4",
-    "--seq-len", "128",
-    "--warmup-steps", "10",
-    "--eval-every", "20",
-    "--seed", "0",
-)  # fmt: skip
-"""Flags of the demo (``make demo``); the launcher adds ``--metrics-file``.
-
-The ``small`` preset (3.54 M parameters) with accumulation 4 x micro-batch 4 x 128 bytes:
-a global batch of ``DEMO_NPROC * 16`` sequences, 60 steps, validation at steps 0, 20, 40,
-60. DMuon in Z2 mode, which keeps the packed buffers resident across the accumulated
-micro-batches. The bar: under ``DEMO_MAX_SECONDS`` on 2 CPU cores and an end validation
-loss at least ``DEMO_MIN_VAL_DROP`` below the start, on ``DEMO_NPROC`` processes and on
-one. See ``DEMO_MEASURED`` for measurements.
-"""
-
-DEMO_MAX_SECONDS = 300.0
-"""Wall-time bar of the demo on 2 CPU cores."""
-
-DEMO_MIN_VAL_DROP = 0.35
-"""The demo's end validation loss must be at least this fraction below the start."""
-
-DEMO_MEASURED = (
-    "2 CPU cores shared with other jobs (load average 4-6), torch 2.13 CPU, gloo, wall "
-    "time from launch to exit: 2 processes (torchrun) 136 s, validation loss 5.611 -> "
-    "2.306 (58.9% lower); the same through the job server (python -m dmuon_server.demo) "
-    "187 s, 5.611 -> 2.306; 1 process (2 threads) 179 s, 5.611 -> 2.421 (56.8% lower). "
-    "The AdamW baseline with the same flags (--optimizer adamw, 2 processes): 196 s, "
-    "5.611 -> 2.942 (47.6% lower). On an idle machine 1 process trains at about 3,900 "
-    "tokens/s (about 31 s for the 60 steps)."
-)
-"""Measured wall time and validation losses of the demo on the development machine."""
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -300,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
-    """Parse flags into a :class:`TrainConfig` (exits with status 2 on a bad value)."""
+    """Parse flags into a `TrainConfig` (exits with status 2 on a bad value)."""
     namespace = build_parser().parse_args(None if argv is None else list(argv))
     names = {f.name for f in fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(namespace).items() if k in names})

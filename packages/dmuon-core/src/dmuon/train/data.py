@@ -239,7 +239,7 @@ def load_corpus(
     Args:
         path: a text file, a folder of text files, or ``None`` for the standard library.
         val_fraction: share of files (or of bytes, for a single file) held out.
-        cache_dir: where the tokenized cache lives; see :func:`default_cache_dir`.
+        cache_dir: where the tokenized cache lives; see `default_cache_dir`.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.

@@ -1,14 +1,16 @@
 """The training loop: process group, the three-line DMuon integration, accumulation, eval.
 
 One code path serves one process (no process group, ``dedicate_params(model, None)``) and
-``torchrun`` (gloo on CPU, NCCL on CUDA)::
+``torchrun`` (gloo on CPU, NCCL on CUDA):
 
-    z3 = mode == "z3"
-    dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)  # dmuon only
-    for layer in model.layers:                                    # when world_size > 1
-        fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=mesh, reshard_after_forward=z3)
-    optimizer = dmuon.Muon(model, lr=..., adamw_lr=...)
+```python
+z3 = mode == "z3"
+dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)  # dmuon only
+for layer in model.layers:                                    # when world_size > 1
+    fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
+fully_shard(model, mesh=mesh, reshard_after_forward=z3)
+optimizer = dmuon.Muon(model, lr=..., adamw_lr=...)
+```
 
 Gradient accumulation follows the gradient-accumulation guide: the loss of each
 micro-batch is divided by ``accum_steps`` and every micro-batch but the last runs under
@@ -18,7 +20,7 @@ last one. (The AdamW baseline, which has no dedicated parameters, uses FSDP2's o
 
 The logged loss is the mean over the global batch: each rank's accumulated
 ``sum(loss / accum_steps)`` is all-reduced with SUM and divided by the world size. Data
-order is defined on the global batch (see :mod:`dmuon.train.data`), so runs with the
+order is defined on the global batch (see `dmuon.train.data`), so runs with the
 same global batch see the same sequences whatever the process count.
 """
 
@@ -38,11 +40,10 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
-
-from .cli import TrainConfig, parse_args
-from .data import GlobalBatchSampler, load_corpus, validation_windows
-from .metrics import MetricsWriter, ProgressReporter, format_summary
-from .model import build_model, lm_loss
+from dmuon.train.cli import TrainConfig, parse_args
+from dmuon.train.data import GlobalBatchSampler, load_corpus, validation_windows
+from dmuon.train.metrics import MetricsWriter, ProgressReporter, format_summary
+from dmuon.train.model import build_model, lm_loss
 
 __all__ = ["Trainer", "TrainingDiverged", "configure_threads", "lr_lambda", "run"]
 
@@ -107,8 +108,8 @@ def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
 class Trainer:
     """A prepared run: process group, model, optimizer, schedule, data, metrics.
 
-    Create it, call :meth:`train_step` for steps ``1..steps`` and :meth:`evaluate`
-    as needed, then :meth:`close`; or call :meth:`fit` (what :func:`run` does).
+    Create it, call `train_step` for steps ``1..steps`` and `evaluate`
+    as needed, then `close`; or call `fit` (what `run` does).
 
     Attributes:
         config: the settings.

@@ -128,7 +128,7 @@ class ProgressReporter:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    """Human-readable final summary of :func:`dmuon.train.run`'s result."""
+    """Human-readable final summary of `dmuon.train.run`'s result."""
     lines = [
         f"done: {summary['steps']} steps, {summary['train_time_s']:.1f} s training "
         f"({summary['wall_time_s']:.1f} s with evaluation), "

@@ -1,15 +1,17 @@
 """A small decoder-only transformer with Llama naming, used by the reference recipe.
 
 Parameter names follow Llama (Hugging Face style), because ``dmuon.dedicate_params``'
-default predicate and hook boundaries rely on them::
+default predicate and hook boundaries rely on them:
 
-    embed.weight                               nn.Embedding  (AdamW)
-    layers.N.attn_norm.weight                  RMSNorm       (AdamW)
-    layers.N.attn.{q,k,v,o}_proj.weight        nn.Linear     (Muon, dedicated)
-    layers.N.mlp_norm.weight                   RMSNorm       (AdamW)
-    layers.N.mlp.{gate,up,down}_proj.weight    nn.Linear     (Muon, dedicated)
-    norm.weight                                RMSNorm       (AdamW)
-    lm_head.weight                             nn.Linear     (AdamW, untied from embed)
+```text
+embed.weight                               nn.Embedding  (AdamW)
+layers.N.attn_norm.weight                  RMSNorm       (AdamW)
+layers.N.attn.{q,k,v,o}_proj.weight        nn.Linear     (Muon, dedicated)
+layers.N.mlp_norm.weight                   RMSNorm       (AdamW)
+layers.N.mlp.{gate,up,down}_proj.weight    nn.Linear     (Muon, dedicated)
+norm.weight                                RMSNorm       (AdamW)
+lm_head.weight                             nn.Linear     (AdamW, untied from embed)
+```
 
 Blocks are pre-norm with rotary position embeddings (RoPE) on queries and keys, causal
 scaled-dot-product attention, a SwiGLU MLP, no biases and no dropout. The vocabulary is
@@ -17,13 +19,11 @@ scaled-dot-product attention, a SwiGLU MLP, no biases and no dropout. The vocabu
 
 Presets (``PRESETS``; parameter counts for vocabulary 256, all parameters included):
 
-========  ======  ====  =====  ====  ===========
-preset    layers  dim   heads  ffn   parameters
-========  ======  ====  =====  ====  ===========
-tiny      2       64    4      192   0.14 M  (139,584)
-small     4       256   4      768   3.54 M  (3,541,248)
-base      8       512   8      1536  27.5 M  (27,533,824)
-========  ======  ====  =====  ====  ===========
+| preset | layers | dim | heads | ffn  | parameters              |
+|--------|--------|-----|-------|------|-------------------------|
+| tiny   | 2      | 64  | 4     | 192  | 0.14 M  (139,584)       |
+| small  | 4      | 256 | 4     | 768  | 3.54 M  (3,541,248)     |
+| base   | 8      | 512 | 8     | 1536 | 27.5 M  (27,533,824)    |
 
 (``tests/core/test_model.py`` checks the table against ``ModelConfig.num_params``.)
 
@@ -55,7 +55,7 @@ __all__ = [
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a :class:`Transformer`.
+    """Shape of a `Transformer`.
 
     Attributes:
         n_layers: number of transformer blocks (``layers.0`` .. ``layers.{n-1}``).
@@ -189,9 +189,9 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     """Decoder-only byte-level language model; ``forward`` maps tokens to logits.
 
-    Build it with :func:`build_model`, which also initializes the weights. Constructing
+    Build it with `build_model`, which also initializes the weights. Constructing
     the class directly leaves weights as ``nn.Linear``'s default initialization would
-    (or uninitialized on the meta device); call :meth:`init_weights` afterwards.
+    (or uninitialized on the meta device); call `init_weights` afterwards.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -264,10 +264,10 @@ def build_model(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> Transformer:
-    """Build and deterministically initialize a :class:`Transformer`.
+    """Build and deterministically initialize a `Transformer`.
 
     Args:
-        preset: a name in :data:`PRESETS` (``tiny``, ``small``, ``base``) or a config.
+        preset: a name in `PRESETS` (``tiny``, ``small``, ``base``) or a config.
         seed: initialization seed; equal seeds give bit-identical weights on any rank.
         max_seq_len: override the preset's rotary table length (must cover ``--seq-len``).
         device: where the parameters live.
