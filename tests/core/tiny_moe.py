@@ -14,20 +14,20 @@ from torch.nn import functional as F
 
 
 class Expert(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, bias: bool = False) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=bias)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.up_proj(x)))
 
 
 class MoELayer(nn.Module):
-    def __init__(self, dim: int, hidden: int, n_experts: int) -> None:
+    def __init__(self, dim: int, hidden: int, n_experts: int, bias: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(dim)
-        self.experts = nn.ModuleList(Expert(dim, hidden) for _ in range(n_experts))
+        self.experts = nn.ModuleList(Expert(dim, hidden, bias) for _ in range(n_experts))
 
     def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         h = self.norm(x)
@@ -40,13 +40,21 @@ class MoELayer(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    """Embedding, MoE layers (one hidden size per layer), norm, output head."""
+    """Embedding, MoE layers (one hidden size per layer), norm, output head.
 
-    def __init__(self, vocab: int, dim: int, hiddens: list[int], n_experts: int) -> None:
+    With ``expert_bias`` the experts have biases, which stay with FSDP2 and AdamW: FSDP2
+    then needs ``set_reduce_scatter_unused_params(True)`` for experts idle on some ranks.
+    """
+
+    def __init__(
+        self, vocab: int, dim: int, hiddens: list[int], n_experts: int, expert_bias: bool = False
+    ) -> None:
         super().__init__()
         self.n_experts = n_experts
         self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList(MoELayer(dim, hidden, n_experts) for hidden in hiddens)
+        self.layers = nn.ModuleList(
+            MoELayer(dim, hidden, n_experts, expert_bias) for hidden in hiddens
+        )
         self.norm = nn.LayerNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 
