@@ -406,8 +406,9 @@ class Muon(torch.optim.Optimizer):
             return pairs
         bad = [dp.fqn for (dp, _), ok in zip(pairs, finite, strict=True) if not ok]
         if group["nonfinite"] == "raise":
+            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
             raise NonFiniteGradientError(
-                f"the gradients of {bad[:5]} ({len(bad)} matrices) hold NaN or infinity, so this "
+                f"the gradients of {bad[:5]}{more} hold NaN or infinity, so this "
                 "step would turn their weights into NaN; nothing was changed. Lower the "
                 "learning rate, clip gradients, or create dmuon.Muon(..., nonfinite='skip') to "
                 "skip such updates."

@@ -134,8 +134,8 @@ def _select(
         reason = ""
         if skipped_tied:
             reason = (
-                f" {len(skipped_tied)} hidden weights were skipped because they are tied: "
-                f"{_tie_reason(model, skipped_tied[0])}."
+                f" Tied weights are never dedicated by default; {len(skipped_tied)} skipped, "
+                f"for example: {_tie_reason(model, skipped_tied[0])}."
             )
         raise ValueError(
             f"the predicate matched no parameter, so nothing would be trained with Muon.{reason} "
