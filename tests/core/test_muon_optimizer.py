@@ -515,6 +515,7 @@ def _grad_norm_worker(rank: int, world: int) -> dict[str, float]:
     model = make_model()
     state = dedicate_by_hand(model)
     state.rank, state.world_size = rank, world
+    state.runtime.comm = Communicator(dist.group.WORLD, torch.device("cpu"), state.audit)
     for i, dp in enumerate(state.params):
         dp.owner = i % world
         dp.is_owned = dp.owner == rank

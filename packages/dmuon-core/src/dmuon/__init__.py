@@ -10,11 +10,13 @@ with dmuon.no_sync(model): ...          # around accumulating micro-batches
 """
 
 from dmuon.accumulation import no_sync
+from dmuon.clip import clip_grad_norm_
 from dmuon.comm import CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
 from dmuon.ownership.dedicate import dedicate_params
 from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
 from dmuon.ownership.planner import OwnerPlan, default_predicate, plan_owners
+from dmuon.updates import parameters_updated
 
 __all__ = [
     "CollectiveTally",
@@ -23,6 +25,7 @@ __all__ = [
     "NonFiniteGradientError",
     "OwnerPlan",
     "StepComm",
+    "clip_grad_norm_",
     "comm_audit",
     "dedicate_params",
     "dedicated_parameters",
@@ -30,5 +33,6 @@ __all__ = [
     "newton_schulz",
     "no_sync",
     "owner_plan",
+    "parameters_updated",
     "plan_owners",
 ]

@@ -30,10 +30,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim.adamw import adamw
 
+from dmuon.clip import total_grad_norm
 from dmuon.optim.orthogonalize import (
     Coefficients,
     _check_dtype,
@@ -537,66 +537,15 @@ class Muon(torch.optim.Optimizer):
     def _clear_dedicated_gradients(self, set_to_none: bool) -> None:
         self._dedication().runtime.clear_gradients(set_to_none)
 
-    @torch.no_grad()
     def grad_norm(self) -> float:
-        """Global L2 norm of the gradients this optimizer will step with.
+        """Global L2 norm of the model's gradients, the same on every rank.
 
-        Call it after backward and before ``step()``. It covers every owned dedicated
-        parameter's ``_reduced_grad`` and every AdamW parameter's ``.grad`` (a DTensor
-        contributes its local shard; a replicated DTensor or plain tensor is counted once
-        across its replicas), so the result is the norm of the full model gradient. When
-        ``torch.distributed`` is initialized with more than one rank, the squared sums are
-        added across ranks with one ``all_reduce``: every rank must call it, and all get the
-        same value. This is the ``grad_norm`` the training recipe logs.
+        Call it after backward and before ``step()``, on every rank (one scalar
+        all-reduce). It is `dmuon.clip_grad_norm_`'s norm without the clipping: dedicated
+        gradients on their owners, FSDP2 shards and other gradients, each element counted
+        once. This is the ``grad_norm`` the training recipe logs.
 
         Returns:
             The norm as a Python float.
         """
-        distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-        world = dist.get_world_size() if distributed else 1
-        parts: list[Tensor] = []
-        dedicated = self._dedicated_by_id()
-        runtime = self._dedication().runtime
-        for group in self.param_groups:
-            for p in group["params"]:
-                if group["algorithm"] == "muon":
-                    dp = dedicated.get(id(p))
-                    g = runtime.reduced_grad(dp) if dp is not None else None
-                    if dp is None or not dp.is_owned or g is None:
-                        continue
-                    parts.append(g.detach().double().square().sum())
-                    continue
-                g = p.grad
-                if g is None:
-                    continue
-                parts.append(_local_sq_sum(g.detach(), world))
-        device = torch.device("cpu")
-        if distributed and "nccl" in str(dist.get_backend()).lower():
-            device = torch.device("cuda", torch.cuda.current_device())
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        for t in parts:
-            total += t.to(device)
-        if distributed:
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        return math.sqrt(total.item())
-
-
-def _local_sq_sum(g: Tensor, world: int) -> Tensor:
-    """Squared L2 norm of this rank's part of ``g``, divided by its replication count."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        DTensor = ()  # type: ignore[assignment,misc]
-    if isinstance(g, DTensor):
-        if any(pl.is_partial() for pl in g.placements):
-            replicas = g.device_mesh.size()
-            g = g.full_tensor()
-        else:
-            mesh = g.device_mesh
-            replicas = 1
-            for dim, pl in enumerate(g.placements):
-                if pl.is_replicate():
-                    replicas *= mesh.size(dim)
-            g = g.to_local()
-        return g.double().square().sum() / replicas
-    return g.double().square().sum() / world
+        return float(total_grad_norm(self._model, 2.0))

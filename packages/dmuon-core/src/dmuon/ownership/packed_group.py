@@ -45,6 +45,7 @@ class PackedGroup:
         self._broadcast: Pending | None = None
         self._reduce: Pending | None = None
         self._reduce_flat: torch.Tensor | None = None
+        self._broadcast_versions: list[int] = []
 
     # ----- forward / backward parameters -------------------------------------------------
     @property
@@ -64,6 +65,7 @@ class PackedGroup:
             if self.is_owner:
                 for dp, offset in zip(self.params, self.offsets, strict=True):
                     self.buffer[offset : offset + dp.numel].copy_(dp.param.reshape(-1))
+                self._broadcast_versions = [dp.param._version for dp in self.params]
             self._broadcast = self.comm.broadcast(self.buffer, self.owner)
 
     def wait_unshard(self) -> None:
@@ -78,6 +80,16 @@ class PackedGroup:
         self.wait_unshard()
         self.buffer.untyped_storage().resize_(0)
         self.valid = False
+
+    def changed_since_broadcast(self) -> list[str]:
+        """Owned matrices edited in place while their broadcast values are still in use."""
+        if not (self.is_owner and self.valid):
+            return []
+        return [
+            dp.fqn
+            for dp, version in zip(self.params, self._broadcast_versions, strict=True)
+            if dp.param._version != version
+        ]
 
     def invalidate(self) -> None:
         """The owner's values changed: the next use must broadcast again."""

@@ -154,6 +154,7 @@ class DedicationRuntime:
         self._root = model
         for index, boundary in enumerate(boundaries):
             self._install(index, boundary)
+        self._install_state_dict_hooks(model)
 
     # ----- installation ------------------------------------------------------------------
     def _install(self, index: int, boundary: Boundary) -> None:
@@ -169,6 +170,32 @@ class DedicationRuntime:
                 leaf.register_post_accumulate_grad_hook(
                     lambda _t, fqn=dp.fqn: self._grad_arrived(index, fqn)
                 )
+
+    def _install_state_dict_hooks(self, model: nn.Module) -> None:
+        """``model.load_state_dict`` works on every rank and refreshes the buffers.
+
+        Non-owners hold 0-element placeholders: a full tensor for one of them is replaced by
+        an empty one before loading (the owner loads the value and broadcasts it).
+        """
+        by_module: dict[int, list[DedicatedParam]] = {}
+        for dp in self.params:
+            by_module.setdefault(id(dp.module), []).append(dp)
+        for dps in by_module.values():
+
+            def keep_owned_only(
+                _module: nn.Module,
+                state_dict: dict[str, Any],
+                prefix: str,
+                *_: Any,
+                dps: list[DedicatedParam] = dps,
+            ) -> None:
+                for dp in dps:
+                    key = prefix + dp.attr
+                    if not dp.is_owned and key in state_dict:
+                        state_dict[key] = dp.param.detach().new_empty(0)
+
+            dps[0].module.register_load_state_dict_pre_hook(keep_owned_only)
+        model.register_load_state_dict_post_hook(lambda _module, _keys: self.invalidate_buffers())
 
     # ----- forward -------------------------------------------------------------------------
     def _unshard(self, index: int, prefetch: int | None) -> None:
@@ -198,11 +225,29 @@ class DedicationRuntime:
                 "under torch.autocast."
             )
 
+    def _check_not_stale(self, index: int) -> None:
+        # Resident (Z2) buffers hold the values of the last broadcast; an owner's master
+        # edited in place since then would silently not reach the other ranks. The first
+        # boundary checks every owned matrix, so a stale one stops the forward before any
+        # collective; the others check their own (edits between boundaries).
+        groups = self.groups() if index == 0 else iter(self.boundaries[index].groups)
+        stale = [fqn for group in groups for fqn in group.changed_since_broadcast()]
+        if stale:
+            raise RuntimeError(
+                f"the dedicated parameters {stale[:5]} were changed in place after their last "
+                "broadcast, and the resident (Z2) buffers still hold the old values. After "
+                "changing dedicated weights outside optimizer.step() (manual edits, an EMA "
+                "swap), call dmuon.parameters_updated(model) on every rank before the next "
+                "forward."
+            )
+
     def _pre_forward(
         self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if not self._checked_param_dtype:
             self._check_param_dtype()
+        if not self.reshard_after_forward:
+            self._check_not_stale(index)
         self._unshard(index, prefetch=index + 1)
         self.boundaries[index].register_views()
         if self.param_dtype is not None:
@@ -324,10 +369,14 @@ class DedicationRuntime:
         """The owner's averaged gradient of ``dp`` (``None`` if nothing was reduced)."""
         return getattr(dp.param, "_reduced_grad", None)
 
-    def parameters_updated(self) -> None:
-        """Owners changed their masters: invalidate buffers and close the audit step."""
+    def invalidate_buffers(self) -> None:
+        """Owners changed their masters: the next forward broadcasts them again."""
         for group in self.groups():
             group.invalidate()
+
+    def parameters_updated(self) -> None:
+        """An optimizer step changed the masters: invalidate buffers, close the audit step."""
+        self.invalidate_buffers()
         self.comm.audit.close_step()
 
     def clear_gradients(self, set_to_none: bool = True) -> None:
