@@ -256,3 +256,21 @@ def test_divergence_stops_with_the_step_and_exit_code_3(
     diverged = len(written) + 1
     assert diverged < 30
     assert f"training diverged at step {diverged}:" in err, err
+
+
+def test_clip_grad_clips_and_logs_the_norm_before_clipping(base: TrainConfig) -> None:
+    # Oracle: the same run without clipping. Step 1's logged grad_norm (pre-clip) is the
+    # same; when it exceeds the threshold the clipped run's step-2 loss differs.
+    config = replace(base, optimizer="dmuon", steps=2, eval_every=0, warmup_steps=0)
+    free = Trainer(replace(config, clip_grad=0.0))
+    clipped = Trainer(replace(config, clip_grad=1e-3))
+    try:
+        first_free, first_clipped = free.train_step(1), clipped.train_step(1)
+        assert first_clipped["grad_norm"] == pytest.approx(first_free["grad_norm"], rel=1e-6)
+        assert first_free["grad_norm"] > 1e-3
+        assert free.train_step(2)["loss"] != pytest.approx(clipped.train_step(2)["loss"], rel=1e-6)
+    finally:
+        free.close()
+        clipped.close()
+    assert parse_args(["--clip-grad", "0"]).clip_grad == 0.0
+    assert TrainConfig().clip_grad == 1.0

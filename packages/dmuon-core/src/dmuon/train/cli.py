@@ -43,6 +43,7 @@ class TrainConfig:
     seed: int = 0
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
+    clip_grad: float = 1.0
     eval_every: int = 20
     eval_sequences: int = 64
     metrics_file: str | None = None
@@ -79,6 +80,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not value > 0 or value != value or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -214,6 +225,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_fraction,
         default=d.min_lr_ratio,
         help="final learning rate as a fraction of the peak",
+    )
+    opt.add_argument(
+        "--clip-grad",
+        type=_non_negative_float,
+        default=d.clip_grad,
+        help="clip the global gradient norm to this value (0 disables); the logged "
+        "grad_norm is the norm before clipping",
     )
 
     out = p.add_argument_group("evaluation and output")

@@ -240,22 +240,14 @@ class Trainer:
         return tensor
 
     def grad_norm(self) -> float:
-        """Global L2 norm of the current gradients (collective: call on every rank).
+        """Global L2 norm of the current gradients, clipped to ``--clip-grad`` if set.
 
-        Uses ``optimizer.grad_norm()`` when the optimizer has it (DMuon); otherwise sums
-        the squares of each rank's local gradient shards and all-reduces them.
+        A collective: call it on every rank. Returns the norm before clipping.
+        `dmuon.clip_grad_norm_` serves both optimizers: it counts dedicated gradients on
+        their owners and FSDP2 shards once each (the AdamW baseline has only the latter).
         """
-        if hasattr(self.optimizer, "grad_norm"):
-            return float(self.optimizer.grad_norm())
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for param in self.model.parameters():
-            grad = param.grad
-            if grad is None:
-                continue
-            if hasattr(grad, "to_local"):
-                grad = grad.to_local()
-            total += grad.detach().double().pow(2).sum()
-        return float(self._all_reduce_sum(total).sqrt())
+        max_norm = self.config.clip_grad if self.config.clip_grad > 0 else math.inf
+        return float(dmuon.clip_grad_norm_(self.model, max_norm))
 
     def train_step(self, step: int) -> dict[str, float]:
         """Run optimizer step ``step`` (1-based): accumulate, step, schedule.
