@@ -223,7 +223,7 @@ def test_submit_through_form_and_watch_it_run(page: Page, service: Service) -> N
     expect(page.locator("#field-train-steps")).to_be_visible()
     # Bounds come from the server's OpenAPI schema (--max-nproc 2), not from the page.
     assert page.get_attribute("#field-nproc_per_node", "max") == "2"
-    spec = tiny_spec("form-tiny", steps=60)
+    spec = tiny_spec("form-tiny", steps=60, eval_every=20)
     fill_form(page, spec)
     t = spec["train"]
     tokens_per_step = t["micro_batch_size"] * t["accum_steps"] * t["seq_len"] * 1
@@ -237,7 +237,7 @@ def test_submit_through_form_and_watch_it_run(page: Page, service: Service) -> N
     # The curve gains points while the job runs.
     wait_drawn(page, 1, timeout=JOB_TIMEOUT_MS)
     first = len(drawn_steps(page))
-    assert first < 60, "the job finished before the page saw it run; use more steps"
+    assert first < 61, "the job finished before the page saw it run; use more steps"
     wait_drawn(page, first + 1)
 
     # It is in the table, and ends as succeeded there and on its page.
@@ -247,8 +247,9 @@ def test_submit_through_form_and_watch_it_run(page: Page, service: Service) -> N
     expect(row).to_have_attribute("data-state", "succeeded", timeout=JOB_TIMEOUT_MS)
     row.get_by_role("link", name="form-tiny").click()
     expect(page.locator("#job-state .state")).to_have_attribute("data-state", "succeeded")
-    wait_drawn(page, 60)
-    assert drawn_steps(page) == service.steps(job_id) == list(range(1, 61))
+    wait_drawn(page, 61)
+    # Step 0 is the first evaluation (val loss only), then one point per optimizer step.
+    assert drawn_steps(page) == service.steps(job_id) == list(range(0, 61))
     job = service.job(job_id)
     expect(page.locator("#tile-step dd")).to_have_text(f"{job['summary']['last_step']} / 60")
     expect(page.locator("#job-history")).to_contain_text("succeeded")
@@ -366,10 +367,11 @@ def test_screenshots_and_no_request_leaves_the_origin(
         jobs = c.get("/v1/jobs", params={"state": "succeeded"}).json()["items"]
     pair = [j["id"] for j in jobs if j["name"] and j["name"].startswith("pair ")]
     single = next(j["id"] for j in jobs if j["name"] == "form-tiny")
+    # Each page, and a sign that it has finished loading.
     pages = {
-        "jobs": ("#/jobs", "#jobs-table"),
-        "job": (f"#/job/{single}", "#job-history"),
-        "compare": (f"#/compare?ids={','.join(pair)}", "#compare-table"),
+        "jobs": ("#/jobs", "#jobs-table tbody tr"),
+        "job": (f"#/job/{single}", "#stream-status[data-status=ended]"),
+        "compare": (f"#/compare?ids={','.join(pair)}", "#compare-table tbody tr"),
         "submit": ("#/submit", "#dry-run-ok"),
     }
     for theme in ("light", "dark"):
@@ -379,7 +381,12 @@ def test_screenshots_and_no_request_leaves_the_origin(
             for name, (route, ready) in pages.items():
                 open_hash(page, service, route)
                 page.reload()
-                expect(page.locator(ready)).to_be_visible()
+                expect(page.locator(ready).first).to_be_attached()
+                if name == "job":
+                    wait_drawn(page, 61)
+                    expect(page.locator("#job-logs")).not_to_be_empty()
+                if name == "compare":
+                    wait_drawn(page, 12, "#chart-cmp-tokens")
                 assert page.evaluate("document.documentElement.dataset.theme") == theme
                 # Nothing is wider than a 390 px screen but the scrollable tables.
                 if width == 390:

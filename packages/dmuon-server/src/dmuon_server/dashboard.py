@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastapi import FastAPI
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -71,7 +73,20 @@ class DashboardFiles:
                 message = {**message, "headers": [*message.get("headers", []), *_HEADERS]}
             await send(message)
 
-        await self.files({**scope, "path": file, "root_path": ""}, receive, send_with_headers)
+        try:
+            await self.files({**scope, "path": file, "root_path": ""}, receive, send_with_headers)
+        except HTTPException as exc:  # raised before anything was sent
+            response = JSONResponse(
+                {
+                    "type": "about:blank",
+                    "title": "Not found" if exc.status_code == 404 else "HTTP error",
+                    "status": exc.status_code,
+                    "detail": f"the dashboard has no file {scope.get('path')!r}; open / instead",
+                },
+                status_code=exc.status_code,
+                media_type="application/problem+json",
+            )
+            await response(scope, receive, send)
 
 
 def mount_dashboard(app: FastAPI) -> None:

@@ -158,7 +158,10 @@ export function renderJobs(main, params) {
           rows.delete(id);
         }
       }
-      body.replaceChildren(...page.items.map((job) => upsert(job).tr));
+      const trs = page.items.map((job) => upsert(job).tr);
+      // Re-insert rows only when the order changed: moving a row would drop the focus.
+      const same = trs.length === body.children.length && trs.every((tr, i) => body.children[i] === tr);
+      if (!same) body.replaceChildren(...trs);
       empty.hidden = page.items.length > 0;
       for (const job of page.items) {
         if (job.state === "running" || job.state === "starting") stream(job);
