@@ -32,6 +32,13 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 IN_CI = os.environ.get("CI", "").lower() == "true"
 TOKEN = "dashboard-test-token"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "dashboard"
+#: Screenshots for the documentation (the top of the page only): (page, theme, width).
+DOCS_SHOTS = {
+    ("jobs", "light", 1280),
+    ("job", "dark", 1280),
+    ("compare", "light", 1280),
+    ("submit", "light", 390),
+}
 #: Generous: a loaded 2-core machine starts torchrun and torch in tens of seconds.
 JOB_TIMEOUT_MS = 240_000
 
@@ -356,7 +363,7 @@ def test_restart_mid_stream_then_cancel(page: Page, service: Service) -> None:
 
 
 def _shoot(page: Page, name: str) -> None:
-    page.wait_for_timeout(300)  # one animation frame for the charts
+    page.wait_for_timeout(200)  # a few animation frames for the charts
     page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
 
 
@@ -367,26 +374,36 @@ def test_screenshots_and_no_request_leaves_the_origin(
         jobs = c.get("/v1/jobs", params={"state": "succeeded"}).json()["items"]
     pair = [j["id"] for j in jobs if j["name"] and j["name"].startswith("pair ")]
     single = next(j["id"] for j in jobs if j["name"] == "form-tiny")
-    # Each page, and a sign that it has finished loading.
-    pages = {
-        "jobs": ("#/jobs", "#jobs-table tbody tr"),
-        "job": (f"#/job/{single}", "#stream-status[data-status=ended]"),
-        "compare": (f"#/compare?ids={','.join(pair)}", "#compare-table tbody tr"),
-        "submit": ("#/submit", "#dry-run-ok"),
+    routes = {
+        "jobs": "#/jobs",
+        "job": f"#/job/{single}",
+        "compare": f"#/compare?ids={','.join(pair)}",
+        "submit": "#/submit",
     }
+
+    def show(name: str) -> None:
+        """Open a page and wait until its data is on it."""
+        open_hash(page, service, routes[name])
+        if name == "jobs":
+            expect(page.locator("#jobs-table tbody tr").first).to_be_attached()
+        elif name == "job":
+            expect(page.locator("#stream-status[data-status=ended]")).to_be_attached()
+            wait_drawn(page, 61)
+            expect(page.locator("#job-logs")).not_to_be_empty()
+        elif name == "compare":
+            wait_drawn(page, 12, "#chart-cmp-tokens")
+        else:
+            expect(page.locator("#dry-run-ok")).to_be_attached()
+
+    page.evaluate("localStorage.setItem('dmuon.theme', 'light')")
+    page.reload()
     for theme in ("light", "dark"):
-        page.evaluate(f"localStorage.setItem('dmuon.theme', '{theme}')")
+        if theme == "dark":
+            page.click("#theme-switch")  # the page's own switch, remembered in local storage
         for width, suffix in ((1280, ""), (390, "-390")):
             page.set_viewport_size({"width": width, "height": 900})
-            for name, (route, ready) in pages.items():
-                open_hash(page, service, route)
-                page.reload()
-                expect(page.locator(ready).first).to_be_attached()
-                if name == "job":
-                    wait_drawn(page, 61)
-                    expect(page.locator("#job-logs")).not_to_be_empty()
-                if name == "compare":
-                    wait_drawn(page, 12, "#chart-cmp-tokens")
+            for name in routes:
+                show(name)
                 assert page.evaluate("document.documentElement.dataset.theme") == theme
                 # Nothing is wider than a 390 px screen but the scrollable tables.
                 if width == 390:
@@ -395,15 +412,24 @@ def test_screenshots_and_no_request_leaves_the_origin(
                     )
                     assert overflow <= 0, f"{name} is {overflow} px too wide at 390 px"
                 _shoot(page, f"{name}-{theme}{suffix}")
-    # Chinese UI text.
-    page.set_viewport_size({"width": 1280, "height": 900})
-    page.evaluate("localStorage.setItem('dmuon.theme', 'light')")
-    open_hash(page, service, f"#/job/{single}")
-    page.click("#lang-switch")
-    expect(page.locator("a[data-nav=jobs]")).to_have_text("作业")
-    assert page.evaluate("document.documentElement.lang") == "zh-CN"
-    expect(page.locator("#job-state .state")).to_have_text("已成功")
-    _shoot(page, "job-zh")
+    assert page.evaluate("localStorage.getItem('dmuon.theme')") == "dark"
+
+    # The top of some pages for the documentation, in English and (after the switch) Chinese.
+    for lang in ("en", "zh"):
+        if lang == "zh":
+            page.click("#lang-switch")
+            expect(page.locator("a[data-nav=jobs]")).to_have_text("作业")
+            assert page.evaluate("document.documentElement.lang") == "zh-CN"
+        for name, theme, width in sorted(DOCS_SHOTS):
+            page.set_viewport_size({"width": width, "height": 760})
+            page.evaluate(f"localStorage.setItem('dmuon.theme', '{theme}')")
+            page.reload()
+            show(name)
+            page.evaluate("window.scrollTo(0, 0)")
+            page.wait_for_timeout(200)
+            page.screenshot(path=str(ARTIFACTS / f"docs-{lang}-{name}-{theme}-{width}.png"))
+    show("jobs")
+    expect(page.locator("#jobs-table")).to_contain_text("已成功")  # the state, in Chinese
     page.click("#lang-switch")
     expect(page.locator("a[data-nav=jobs]")).to_have_text("Jobs")
 

@@ -44,6 +44,11 @@ function leaves(doc, schema, prefix = []) {
   return out;
 }
 
+/** Text with `code` spans (as in the schema's descriptions) as <code> elements. */
+function withCode(text) {
+  return (text || "").split("`").map((part, i) => (i % 2 ? h("code", {}, part) : part));
+}
+
 function flatten(items) {
   return items.flatMap((item) => (item.fields ? flatten(item.fields) : [item]));
 }
@@ -206,7 +211,8 @@ export function renderSubmit(main, params) {
     return [
       h("label", { for: f.id }, f.path[f.path.length - 1]),
       h("div", { class: "field" }, input,
-        h("p", { class: "hint", id: hintId }, [f.description, bits.join(" · ")].filter(Boolean).join(" — ")), error),
+        h("p", { class: "hint", id: hintId }, withCode(f.description), f.description && bits.length ? " — " : "", bits.join(" · ")),
+        error),
     ];
   }
 
