@@ -24,7 +24,7 @@ import pytest
 from server_helpers import LiveServer, kill_job_processes, wait_until
 
 try:
-    from playwright.sync_api import Page, expect, sync_playwright
+    from playwright.sync_api import Page, Request, expect, sync_playwright
 except ImportError:  # pragma: no cover - depends on the environment
     sync_playwright = None  # type: ignore[assignment]
 
@@ -334,21 +334,42 @@ def test_dmuon_vs_adamw_pair_and_compare(page: Page, service: Service) -> None:
 def test_restart_mid_stream_then_cancel(page: Page, service: Service) -> None:
     with service.client() as c:
         job_id = c.post("/v1/jobs", json=tiny_spec("long", steps=100_000)).json()["id"]
+    stream_requests: list[Request] = []
+
+    def on_request(request: Request) -> None:
+        if request.url.split("?")[0].endswith(f"/v1/jobs/{job_id}/events"):
+            stream_requests.append(request)
+
+    page.on("request", on_request)
     open_hash(page, service, f"#/job/{job_id}")
     wait_drawn(page, 3, timeout=JOB_TIMEOUT_MS)
     expect(page.locator("#stream-status")).to_have_attribute("data-status", "open")
 
+    drawn_before = len(drawn_steps(page))
     service.restart()  # SIGKILL + start on the same port; the job keeps running
     shown = len(drawn_steps(page))
     expect(page.locator("#stream-status")).to_have_attribute("data-status", "open", timeout=60_000)
     wait_drawn(page, shown + 3, timeout=90_000)
     steps = drawn_steps(page)
     assert steps == list(range(1, len(steps) + 1)), "gap or duplicate after the reconnect"
+    # The page reconnected, resuming after the last step it had received.
+    resumed = [r for r in stream_requests if "last-event-id" in r.headers]
+    assert resumed, [r.headers for r in stream_requests]
+    assert drawn_before <= int(resumed[0].headers["last-event-id"]) <= shown
+    assert resumed[0].all_headers()["authorization"] == f"Bearer {TOKEN}"
+    page.remove_listener("request", on_request)
 
-    # Cancel it from its page, through the confirmation dialog.
-    page.click("#cancel-job")
+    # Cancel it from its page with the keyboard; Escape keeps the job, confirming cancels.
+    page.focus("#cancel-job")
+    page.keyboard.press("Enter")
     expect(page.locator("#confirm-dialog")).to_be_visible()
-    page.click("#confirm-ok")
+    page.keyboard.press("Escape")
+    expect(page.locator("#confirm-dialog")).to_be_hidden()
+    assert service.job(job_id)["state"] == "running"
+    page.focus("#cancel-job")
+    page.keyboard.press("Enter")
+    page.locator("#confirm-ok").focus()
+    page.keyboard.press("Enter")
     expect(page.locator("#job-state .state")).to_have_attribute(
         "data-state", "cancelled", timeout=60_000
     )
@@ -397,6 +418,12 @@ def test_screenshots_and_no_request_leaves_the_origin(
 
     page.evaluate("localStorage.setItem('dmuon.theme', 'light')")
     page.reload()
+    # From the keyboard: the first Tab reaches the skip link, which moves to the content.
+    expect(page.locator("#main h1")).to_be_visible()
+    page.keyboard.press("Tab")
+    assert page.evaluate("document.activeElement.className") == "skip"
+    page.keyboard.press("Enter")
+    assert page.evaluate("document.activeElement.id") == "main"
     for theme in ("light", "dark"):
         if theme == "dark":
             page.click("#theme-switch")  # the page's own switch, remembered in local storage
