@@ -260,6 +260,12 @@ def test_submit_through_form_and_watch_it_run(page: Page, service: Service) -> N
     job = service.job(job_id)
     expect(page.locator("#tile-step dd")).to_have_text(f"{job['summary']['last_step']} / 60")
     expect(page.locator("#job-history")).to_contain_text("succeeded")
+    # This server's API has no checkpoints or resume: the page shows neither.
+    with service.client() as c:
+        paths = c.get("/openapi.json").json()["paths"]
+    assert not [p for p in paths if p.endswith(("/checkpoints", "/resume"))]
+    expect(page.locator("#job-checkpoints")).to_be_hidden()
+    expect(page.locator("#resume-job")).to_be_hidden()
 
 
 def api_errors(service: Service, body: dict[str, Any]) -> dict[str, str]:
@@ -415,6 +421,16 @@ def test_screenshots_and_no_request_leaves_the_origin(
             wait_drawn(page, 12, "#chart-cmp-tokens")
         else:
             expect(page.locator("#dry-run-ok")).to_be_attached()
+
+    # The state filter shows what the API lists for that state, newest first.
+    show("jobs")
+    page.select_option("#state-filter", "succeeded")
+    page.wait_for_url("**/#/jobs?state=succeeded")
+    rows = page.locator("#jobs-table tbody tr")
+    expect(rows).to_have_count(len(jobs))
+    assert [rows.nth(i).get_attribute("data-job-id") for i in range(len(jobs))] == [
+        j["id"] for j in jobs
+    ]
 
     page.evaluate("localStorage.setItem('dmuon.theme', 'light')")
     page.reload()
