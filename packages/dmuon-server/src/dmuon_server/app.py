@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dmuon_server import __version__
 from dmuon_server.config import Settings
+from dmuon_server.dashboard import mount_dashboard
 from dmuon_server.events import SSE_HEADERS, job_events
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.schemas import (
@@ -269,6 +270,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.tailer = tailer
     if settings.token:
         app.add_middleware(BearerAuthMiddleware, token=settings.token)
+    mount_dashboard(app)
 
     # ---------------------------------------------------------------- error handlers
 

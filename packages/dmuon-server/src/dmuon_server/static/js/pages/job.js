@@ -1,0 +1,346 @@
+// Job page: live loss curves from the event stream, lr / grad norm / tokens/s panels,
+// state history, spec, last log lines, cancel (with confirmation), and the sections the
+// server has (checkpoints, resume, attempts) when its API offers them.
+import { api, hasRoute } from "../api.js";
+import { lineChart, palette, smooth } from "../charts.js";
+import { t } from "../i18n.js";
+import { followEvents } from "../sse.js";
+import { confirmDialog, navigate } from "../ui.js";
+import {
+  TERMINAL,
+  errorText,
+  fmt,
+  fmtDuration,
+  fmtTime,
+  h,
+  jobLabel,
+  notify,
+  num,
+  stateBadge,
+} from "../util.js";
+
+const LOG_LINES = 40;
+const LOG_REFRESH_MS = 4000;
+const DATA_ROWS = 50;
+
+export function renderJob(main, jobId) {
+  const path = `/v1/jobs/${encodeURIComponent(jobId)}`;
+  let job = null;
+  let stream = null;
+  let logTimer = 0;
+  let closed = false;
+  const charts = [];
+  // One entry per step, in step order: the arrays the charts draw.
+  const series = { step: [], loss: [], val: [], lr: [], grad: [], tps: [] };
+
+  const title = h("h1", {}, jobId.slice(0, 8));
+  const badge = h("span", { id: "job-state" });
+  const streamStatus = h("span", { class: "stream-status muted", id: "stream-status", role: "status" });
+  const error = h("p", { class: "error", role: "alert", hidden: true });
+  const cancel = h("button", { type: "button", class: "danger", id: "cancel-job", hidden: true }, t("job.cancel"));
+  const resume = h("button", { type: "button", id: "resume-job", hidden: true }, t("job.resume"));
+  const copy = h("button", { type: "button", id: "copy-job" }, t("job.copy"));
+  const tiles = h("dl", { class: "tiles", id: "job-tiles" });
+  const meta = h("p", { class: "muted", id: "job-meta" });
+  const logScale = h("input", { type: "checkbox", id: "log-scale" });
+  const smoothing = h("input", { type: "range", id: "smoothing", min: "0", max: "0.99", step: "0.01", value: "0" });
+  const smoothingOut = h("output", { for: "smoothing", id: "smoothing-value" }, "0");
+  const lossEl = h("div", { class: "chart", id: "chart-loss", "aria-describedby": "chart-loss-data" });
+  const lrEl = h("div", { class: "chart", id: "chart-lr" });
+  const gradEl = h("div", { class: "chart", id: "chart-grad" });
+  const tpsEl = h("div", { class: "chart", id: "chart-tps" });
+  const dataTable = h("tbody");
+  const dataSummary = h("summary", {}, t("job.data", { n: DATA_ROWS }));
+  const failure = h("section", { id: "job-failure", hidden: true });
+  const history = h("tbody");
+  const checkpoints = h("section", { id: "job-checkpoints", hidden: true });
+  const attempts = h("section", { id: "job-attempts", hidden: true });
+  const recipe = h("section", { id: "job-recipe", hidden: true });
+  const logs = h("pre", { id: "job-logs", tabindex: "0" });
+  const spec = h("pre", { id: "job-spec", tabindex: "0" });
+
+  main.append(
+    h("div", { class: "toolbar" }, title, badge, streamStatus),
+    error,
+    meta,
+    h("div", { class: "toolbar" }, cancel, resume, copy),
+    tiles,
+    failure,
+    h("h2", {}, t("job.loss")),
+    h(
+      "div",
+      { class: "toolbar" },
+      h("label", {}, logScale, " ", t("job.log")),
+      h("label", { for: "smoothing" }, t("job.smooth")),
+      smoothing,
+      smoothingOut,
+    ),
+    lossEl,
+    h(
+      "details",
+      { id: "chart-loss-data" },
+      dataSummary,
+      h("div", { class: "table-wrap" }, h("table", {},
+        h("thead", {}, h("tr", {}, h("th", { class: "num" }, t("job.step")), h("th", { class: "num" }, t("job.train")),
+          h("th", { class: "num" }, t("job.val")))),
+        dataTable)),
+    ),
+    h(
+      "div",
+      { class: "charts-3" },
+      h("section", {}, h("h3", {}, t("job.lr")), lrEl),
+      h("section", {}, h("h3", {}, t("job.grad")), gradEl),
+      h("section", {}, h("h3", {}, t("job.tps")), tpsEl),
+    ),
+    checkpoints,
+    attempts,
+    h("h2", {}, t("job.history")),
+    h(
+      "div",
+      { class: "table-wrap" },
+      h("table", { id: "job-history" },
+        h("thead", {}, h("tr", {}, ["col.state", "col.reason", "col.at", "col.exit"].map((k) => h("th", { scope: "col" }, t(k))))),
+        history),
+    ),
+    recipe,
+    h("h2", {}, t("job.logs")),
+    logs,
+    h("h2", {}, t("job.spec")),
+    spec,
+  );
+
+  const colors = palette();
+  const lossChart = lineChart(lossEl, {
+    xLabel: t("job.step"),
+    series: [
+      { label: t("job.train"), color: colors[0] },
+      { label: t("job.val"), color: colors[1], points: true, spanGaps: true, width: 2 },
+    ],
+  });
+  const small = (el, label, color) => lineChart(el, { xLabel: t("job.step"), height: 170, series: [{ label, color }] });
+  const lrChart = small(lrEl, t("job.lr"), colors[2]);
+  const gradChart = small(gradEl, t("job.grad"), colors[3]);
+  const tpsChart = small(tpsEl, t("job.tps"), colors[4]);
+  charts.push(lossChart, lrChart, gradChart, tpsChart);
+
+  function drawLoss() {
+    const w = Number(smoothing.value);
+    if (w > 0) {
+      lossChart.setData([series.step, smooth(series.loss, w), series.val]);
+    } else {
+      lossChart.setData([series.step, series.loss, series.val]);
+    }
+  }
+
+  function draw() {
+    drawLoss();
+    lrChart.setData([series.step, series.lr]);
+    gradChart.setData([series.step, series.grad]);
+    tpsChart.setData([series.step, series.tps]);
+  }
+
+  let frame = 0;
+  function scheduleDraw() {
+    if (frame) return;
+    frame = requestAnimationFrame(() => {
+      frame = 0;
+      draw();
+      show();
+    });
+  }
+
+  function addPoint(p) {
+    const last = series.step.length ? series.step[series.step.length - 1] : -Infinity;
+    if (typeof p.step !== "number" || p.step <= last) return; // already drawn
+    series.step.push(p.step);
+    series.loss.push(num(p.loss));
+    series.val.push(num(p.val_loss));
+    series.lr.push(num(p.lr));
+    series.grad.push(num(p.grad_norm));
+    series.tps.push(num(p.tokens_per_s));
+    const row = h("tr", {}, h("td", { class: "num" }, p.step), h("td", { class: "num" }, fmt(p.loss)),
+      h("td", { class: "num" }, fmt(p.val_loss)));
+    dataTable.prepend(row);
+    while (dataTable.children.length > DATA_ROWS) dataTable.lastChild.remove();
+    if (job) {
+      job.summary.last_step = p.step;
+      if (p.loss !== undefined) job.summary.last_loss = p.loss;
+      if (p.val_loss !== undefined) job.summary.last_val_loss = p.val_loss;
+      if (p.tokens_per_s !== undefined) job.summary.tokens_per_s = p.tokens_per_s;
+    }
+  }
+
+  logScale.addEventListener("change", () => {
+    lossChart.rebuild({ log: logScale.checked });
+    drawLoss();
+  });
+  smoothing.addEventListener("input", () => {
+    smoothingOut.textContent = smoothing.value;
+    drawLoss();
+  });
+  copy.addEventListener("click", () => navigate(`#/submit?from=${encodeURIComponent(jobId)}`));
+  cancel.addEventListener("click", async () => {
+    const ok = await confirmDialog(t("job.cancel_q"), t("job.cancel_text"), t("job.cancel_ok"));
+    if (!ok) return;
+    try {
+      job = await api("POST", `${path}/cancel`);
+      notify(t("job.cancelled"));
+      show();
+    } catch (err) {
+      notify(errorText(err));
+    }
+  });
+  resume.addEventListener("click", async () => {
+    try {
+      await api("POST", `${path}/resume`);
+      notify(t("job.resumed"));
+      await refresh();
+      startStream();
+    } catch (err) {
+      notify(errorText(err));
+    }
+  });
+
+  function tile(label, value, id) {
+    return [h("div", { class: "tile", id }, h("dt", {}, label), h("dd", {}, value))];
+  }
+
+  function show() {
+    if (!job) return;
+    const s = job.summary;
+    title.textContent = jobLabel(job);
+    document.title = `${jobLabel(job)} · DMuon`;
+    badge.replaceChildren(stateBadge(job.state));
+    cancel.hidden = TERMINAL.has(job.state);
+    cancel.disabled = Boolean(job.cancel_requested);
+    meta.textContent = [
+      `id ${job.id}`,
+      `${t("job.nproc")} ${job.nproc_per_node}`,
+      `${t("job.created")} ${fmtTime(job.created_at)}`,
+      job.started_at ? `${t("job.started")} ${fmtTime(job.started_at)}` : "",
+      job.finished_at ? `${t("job.finished")} ${fmtTime(job.finished_at)}` : "",
+    ].filter(Boolean).join(" · ");
+    tiles.replaceChildren(
+      ...tile(t("col.step"), `${s.last_step ?? 0} / ${s.steps}`, "tile-step"),
+      ...tile(t("col.loss"), fmt(s.last_loss), "tile-loss"),
+      ...tile(t("col.val"), fmt(s.last_val_loss), "tile-val"),
+      ...tile(t("col.tps"), fmt(s.tokens_per_s, 3), "tile-tps"),
+      ...tile(t("col.elapsed"), fmtDuration(s.elapsed_s), "tile-elapsed"),
+      ...tile(t("col.eta"), fmtDuration(s.eta_s), "tile-eta"),
+    );
+    history.replaceChildren(
+      ...job.history.map((tr, i) =>
+        h("tr", {}, h("td", {}, stateBadge(tr.state)), h("td", { class: "wrap" }, tr.reason),
+          h("td", {}, fmtTime(tr.at)),
+          h("td", { class: "num" }, i === job.history.length - 1 && TERMINAL.has(tr.state) ? fmt(job.exit_code) : "")),
+      ),
+    );
+    if (job.failure) {
+      const f = job.failure;
+      failure.hidden = false;
+      failure.replaceChildren(
+        h("h2", {}, t("job.failure")),
+        h("p", { class: "error" }, [f.message, f.rank !== null ? `rank ${f.rank}` : "", f.signal || "",
+          f.exit_code !== null ? `exit ${f.exit_code}` : ""].filter(Boolean).join(" · ")),
+        f.log_tail && f.log_tail.length ? h("pre", { tabindex: "0" }, f.log_tail.join("\n")) : "",
+      );
+    } else {
+      failure.hidden = true;
+    }
+    if (Array.isArray(job.attempts) && job.attempts.length) {
+      attempts.hidden = false;
+      attempts.replaceChildren(h("h2", {}, t("job.attempts")), genericTable(job.attempts));
+    }
+    if (job.recipe_summary) {
+      const r = job.recipe_summary;
+      recipe.hidden = false;
+      recipe.replaceChildren(
+        h("h2", {}, t("job.summary")),
+        h("dl", { class: "tiles" }, ...Object.entries(r).filter(([, v]) => typeof v !== "object" || v === null)
+          .flatMap(([k, v]) => tile(k, typeof v === "number" ? fmt(v, 6) : String(v), null))),
+      );
+    }
+    const { name, nproc_per_node, train } = job;
+    spec.textContent = JSON.stringify({ name, nproc_per_node, train }, null, 2);
+  }
+
+  function genericTable(items) {
+    const keys = [...new Set(items.flatMap((item) => Object.keys(item)))];
+    const cell = (v) => (v !== null && typeof v === "object" ? JSON.stringify(v) : fmt(v, 6));
+    return h("div", { class: "table-wrap" }, h("table", {},
+      h("thead", {}, h("tr", {}, keys.map((k) => h("th", { scope: "col" }, k)))),
+      h("tbody", {}, items.map((item) => h("tr", {}, keys.map((k) => h("td", {}, cell(item[k]))))))));
+  }
+
+  async function refresh() {
+    job = await api("GET", path);
+    if (!closed) show();
+  }
+
+  async function loadLogs() {
+    try {
+      const out = await api("GET", `${path}/logs?tail=${LOG_LINES}`);
+      if (!closed) logs.textContent = out.lines.join("\n");
+    } catch (err) {
+      if (!closed) logs.textContent = errorText(err);
+    }
+    if (!closed && job && !TERMINAL.has(job.state)) logTimer = setTimeout(loadLogs, LOG_REFRESH_MS);
+  }
+
+  async function loadOptional() {
+    if (await hasRoute("/v1/jobs/{job_id}/checkpoints")) {
+      try {
+        const out = await api("GET", `${path}/checkpoints`);
+        const items = Array.isArray(out) ? out : out.items || [];
+        checkpoints.hidden = false;
+        checkpoints.replaceChildren(h("h2", {}, t("job.checkpoints")),
+          items.length ? genericTable(items) : h("p", { class: "muted" }, t("none")));
+      } catch {
+        checkpoints.hidden = true;
+      }
+    }
+    resume.hidden = !(await hasRoute("/v1/jobs/{job_id}/resume", "post")) || !job || !["failed", "cancelled"].includes(job.state);
+  }
+
+  function startStream() {
+    if (stream) stream.close();
+    const after = series.step.length ? series.step[series.step.length - 1] : -1;
+    stream = followEvents(`${path}/events?after_step=${after}`, {
+      onEvent(type, data) {
+        if (type === "metric") {
+          addPoint(data);
+          scheduleDraw();
+        } else if (type === "state" && job && data.state && data.state !== job.state) {
+          refresh().catch(() => {});
+        } else if (type === "end") {
+          refresh().then(loadLogs).then(loadOptional).catch(() => {});
+        }
+      },
+      onStatus(s, detail) {
+        streamStatus.textContent = s === "failed" ? t("stream.failed", { detail }) : t(`stream.${s}`);
+        streamStatus.dataset.status = s;
+      },
+    });
+  }
+
+  (async () => {
+    try {
+      await refresh();
+    } catch (err) {
+      error.textContent = errorText(err);
+      error.hidden = false;
+      return;
+    }
+    startStream();
+    loadLogs();
+    loadOptional().catch(() => {});
+  })();
+
+  return () => {
+    closed = true;
+    clearTimeout(logTimer);
+    cancelAnimationFrame(frame);
+    if (stream) stream.close();
+    for (const chart of charts) chart.destroy();
+  };
+}
