@@ -212,6 +212,7 @@ def test_data_paths_must_resolve_inside_the_roots(client: TestClient, tmp_path: 
         str(root / "escape"),  # a symlink out of the root
         str(root / "missing.txt"),
         "/etc/passwd",
+        "0" * 4000,  # a name longer than the file system allows
     ):
         problem = _problem(client.post("/v1/jobs", json=job_spec(data=bad)), 422)
         assert _fields(problem) == {"body.train.data"}, problem

@@ -50,8 +50,11 @@ def resolve_data_path(settings: Settings, data: str) -> Path:
             "them (relative paths are taken from the roots)"
         )
     for c in inside:
-        if c.exists():
-            return c
+        try:
+            if c.exists():
+                return c
+        except OSError as e:  # a name too long, a loop of symlinks...
+            raise DataPathError(f"{data!r} cannot be read: {e.strerror or e}") from None
     raise DataPathError(f"{data!r} does not exist in the data roots ({labels})")
 
 
