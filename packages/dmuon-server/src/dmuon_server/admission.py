@@ -194,8 +194,8 @@ def assess(
         refusals.append(
             Refusal(
                 ("body", "train", "seq_len"),
-                f"{t} is longer than the {train.model} model's maximum sequence length "
-                f"({m.max_seq_len}); use seq_len <= {m.max_seq_len}",
+                f"{t} is longer than the maximum sequence length of the {train.model} "
+                f"model ({m.max_seq_len}); use seq_len <= {m.max_seq_len}",
             )
         )
     if data_path is None:
