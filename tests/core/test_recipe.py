@@ -212,7 +212,7 @@ def test_flags_map_to_config_and_demo_args_parse() -> None:
     assert demo.model == "small" and demo.accum_steps == 4 and demo.eval_every > 0
 
 
-def test_metrics_writer_flushes_each_line_and_nulls_non_finite(tmp_path: Path) -> None:
+def test_metrics_writer_flushes_each_line_and_encodes_non_finite(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "m.jsonl"
     writer = MetricsWriter(path)
     try:
@@ -222,7 +222,7 @@ def test_metrics_writer_flushes_each_line_and_nulls_non_finite(tmp_path: Path) -
     finally:
         writer.close()
     assert record == {
-        "step": 1, "loss": None, "lr": None, "tokens_per_s": None, "grad_norm": None,
+        "step": 1, "loss": "NaN", "lr": None, "tokens_per_s": None, "grad_norm": "Infinity",
         "time": 0.5,
     }  # fmt: skip
     MetricsWriter(None).write({"step": 1})  # rank != 0: a no-op

@@ -7,7 +7,8 @@ optimizer step, flushed per line; ``val_loss`` on eval steps and a step-0 eval l
 * ``FAKE_STEP_SECONDS`` (default 0.02): sleep per step.
 * ``FAKE_MAX_STEPS``: cap on the steps actually run (for fuzzing with huge ``--steps``).
 * ``FAKE_CRASH_RANK`` / ``FAKE_CRASH_STEP`` / ``FAKE_CRASH_CODE``: that rank raises at that
-  step (prints a traceback with ``FAKE_CRASH_MESSAGE``) and exits with the code.
+  step (prints a traceback with ``FAKE_CRASH_MESSAGE``, records the exception in torchrun's
+  error file as the recipe's ``@record`` entry point does) and exits with the code.
 * ``FAKE_NAN_STEP``: the loss of that step is NaN (written as the JSON token ``NaN``).
 * ``FAKE_IGNORE_SIGTERM=1``: ignore SIGTERM (the supervisor must escalate to SIGKILL).
 * ``FAKE_PARTIAL_TAIL=1``: end the file with a line without newline (a summary).
@@ -43,6 +44,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _record(exc: BaseException, stack: str) -> None:
+    """Write torchrun's error file in the format of its ``ErrorHandler.record_exception``."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    message = {
+        "message": f"{type(exc).__name__}: {exc}",
+        "extraInfo": {"py_callstack": stack, "timestamp": str(int(time.time()))},
+    }
+    with open(path, "w") as f:
+        json.dump({"message": message}, f)
+
+
 def main() -> int:
     """Run the fake training loop."""
     args = _parser().parse_args()
@@ -74,10 +88,11 @@ def main() -> int:
             print(f"rank {rank} about to crash at step {step}", flush=True)
             try:
                 raise RuntimeError(msg)
-            except RuntimeError:
+            except RuntimeError as exc:
                 import traceback
 
                 traceback.print_exc()
+                _record(exc, traceback.format_exc())
             sys.stderr.flush()
             return int(os.environ.get("FAKE_CRASH_CODE", "3"))
         loss = 5.0 * math.exp(-step / 20) + 0.1

@@ -181,31 +181,38 @@ def test_bad_specs_are_422_naming_the_field(client: TestClient, mutate, field: s
     assert client.get("/v1/jobs").json()["items"] == []
 
 
-def test_non_json_and_empty_bodies_are_422(client: TestClient) -> None:
-    _problem(
-        client.post("/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}),
-        422,
+def test_malformed_json_is_400_missing_or_wrong_bodies_422(client: TestClient) -> None:
+    bad = client.post(
+        "/v1/jobs", content=b"{not json", headers={"content-type": "application/json"}
     )
+    assert _problem(bad, 400)["title"] == "Malformed request body"
     _problem(client.post("/v1/jobs"), 422)
     _problem(client.post("/v1/jobs", json=[1, 2]), 422)
+    # A method a path does not have: 405 with its own title and the Allow header.
+    r = client.put("/v1/jobs")
+    assert _problem(r, 405)["title"] == "Method not allowed"
+    assert set(r.headers["allow"].split(", ")) == {"GET", "POST"}
 
 
 def test_data_paths_must_resolve_inside_the_roots(client: TestClient, tmp_path: Path) -> None:
     root = tmp_path / "datasets"
     (root / "corpus").mkdir(parents=True)
-    (root / "corpus" / "a.txt").write_text("hello")
+    for name in "abc":
+        (root / "corpus" / f"{name}.txt").write_text("hello world\n" * 100)
     outside = tmp_path / "secret.txt"
     outside.write_text("no")
     (root / "escape").symlink_to(outside)
-    ok = client.post("/v1/jobs:validate", json=job_spec(data=str(root / "corpus")))
-    assert ok.status_code == 200, ok.text
-    assert ok.json()["torchrun_argv"][-1] == str(root / "corpus")
+    for given in (str(root / "corpus"), "corpus"):  # absolute, or relative to the root
+        ok = client.post("/v1/jobs:validate", json=job_spec(data=given))
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["torchrun_argv"][-2:] == ["--data", "<data-root>/corpus"]
     for bad in (
         str(outside),
         str(root / ".." / "secret.txt"),
         str(root / "escape"),  # a symlink out of the root
         str(root / "missing.txt"),
         "/etc/passwd",
+        "0" * 4000,  # a name longer than the file system allows
     ):
         problem = _problem(client.post("/v1/jobs", json=job_spec(data=bad)), 422)
         assert _fields(problem) == {"body.train.data"}, problem

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -146,9 +150,6 @@ def test_non_finite_loss_in_the_stream(server_factory) -> None:
 
 
 def test_cli_refuses_public_address_without_token(tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "DMUON_SERVER_TOKEN"}
     r = subprocess.run(
         [sys.executable, "-m", "dmuon_server.cli", "--host", "0.0.0.0", "--port", "0",
@@ -158,19 +159,123 @@ def test_cli_refuses_public_address_without_token(tmp_path: Path) -> None:
     assert r.returncode == 2 and "without a token" in r.stderr
 
 
-def test_live_server_with_token(server_factory) -> None:
-    server = server_factory("--token", "tok-123")
+def test_live_server_with_token(server_factory, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text("tok-123\n")  # as `echo tok-123 > token` writes it
+    server = server_factory("--token-file", str(token_file))
     assert httpx.get(server.url + "/healthz").status_code == 200
     assert httpx.get(server.url + "/v1/jobs").status_code == 401
     ok = httpx.get(server.url + "/v1/jobs", headers={"Authorization": "Bearer tok-123"})
     assert ok.status_code == 200
 
 
+def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "dmuon_server.cli", "--port", "0", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
 def test_second_server_on_the_same_data_dir_is_refused(server_factory, data_dir: Path) -> None:
-    server_factory()
-    other = LiveServer(data_dir, env=_env())
-    with pytest.raises(AssertionError, match="another dmuon-server"):
-        other.start(timeout=30)
+    first = server_factory()
+    info = (data_dir / "server.json").read_text()
+    r = _cli("--data-dir", str(data_dir))
+    assert r.returncode == 2, r
+    assert "listening" not in r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert f"another dmuon-server (pid {first.proc.pid})" in lines[0]
+    assert (data_dir / "server.json").read_text() == info  # the running server's file
+    assert httpx.get(first.url + "/healthz").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--token", "   "], {}, "only whitespace"),
+        ([], {"DMUON_SERVER_TOKEN": "abc\n"}, "'\\n'"),
+        (["--token", "two words"], {}, "' '"),
+    ],
+)
+def test_tokens_no_client_could_send_are_refused(
+    tmp_path: Path, args: list[str], env: dict[str, str], message: str
+) -> None:
+    r = _cli("--data-dir", str(tmp_path / "d"), *args, env=env)
+    assert r.returncode == 2 and message in r.stderr, r
+    assert "listening" not in r.stdout and not (tmp_path / "d").exists()
+
+
+def test_start_up_errors_name_the_path(tmp_path: Path) -> None:
+    a_file = tmp_path / "plain-file"
+    a_file.write_text("x")
+    jobs_is_a_file = tmp_path / "d1"
+    jobs_is_a_file.mkdir()
+    (jobs_is_a_file / "jobs").write_text("x")
+    corrupt = tmp_path / "d2"
+    corrupt.mkdir()
+    (corrupt / "dmuon-server.sqlite3").write_bytes(b"this is not a database" * 100)
+    cases = [
+        (a_file, str(a_file)),
+        (a_file / "sub", str(a_file / "sub")),
+        (jobs_is_a_file, str(jobs_is_a_file / "jobs")),
+        (corrupt, str(corrupt / "dmuon-server.sqlite3")),
+    ]
+    for data_dir, named in cases:
+        r = _cli("--data-dir", str(data_dir))
+        assert r.returncode == 2, (data_dir, r)
+        assert "listening" not in r.stdout and "Traceback" not in r.stderr, r.stderr
+        assert r.stderr.startswith("dmuon-server: error: ") and named in r.stderr, r.stderr
+
+
+def test_keep_alive_requests_are_fast(server_factory) -> None:
+    """One connection, 20 requests: each must answer in milliseconds, not wait ~40 ms for
+    the client's delayed ACK (Nagle's algorithm without TCP_NODELAY)."""
+    server = server_factory()
+    with httpx.Client(base_url=server.url, timeout=10) as c:
+        for _ in range(3):
+            c.get("/v1/jobs")
+        times = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            assert c.get("/v1/jobs").status_code == 200
+            times.append(time.perf_counter() - t0)
+    median = sorted(times)[len(times) // 2]
+    assert median < 0.020, f"median {median * 1000:.1f} ms on a kept-alive connection"
+
+
+def test_body_limit_answers_before_the_body_is_sent(server_factory) -> None:
+    """A declared 50 MB body is refused from its headers: the client never sends it."""
+    server = server_factory()
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 50000000\r\n\r\n{"
+        )
+        head = sock.recv(65536).decode()
+    assert head.startswith("HTTP/1.1 413"), head
+    assert "application/problem+json" in head
+
+
+def test_stopping_the_server_ends_streams_with_a_reason(server_factory) -> None:
+    server = server_factory(FAKE_STEP_SECONDS="30")
+    with server.client() as c:
+        job = c.post("/v1/jobs", json=job_spec(steps=5)).json()
+        with c.stream("GET", f"/v1/jobs/{job['id']}/events") as r:
+            events = iter_sse(r)
+            assert next(events).event == "state"
+            server.proc.send_signal(signal.SIGTERM)
+            rest = list(events)
+    ends = [e for e in rest if e.event == "end"]
+    assert len(ends) == 1 and ends[0].json()["reason"] == "server_shutdown", rest
+    assert ends[0].json()["state"] in {"starting", "running"}
+    # uvicorn re-raises the signal once it has shut down cleanly.
+    assert server.proc.wait(timeout=20) in (0, -signal.SIGTERM)
+    log = server.log_path.read_text()
+    assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_client_disconnect_frees_the_stream(server_factory) -> None:

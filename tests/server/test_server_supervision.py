@@ -55,8 +55,14 @@ def test_crashing_rank_gives_failed_with_rank_exit_code_and_log(
     f = done["failure"]
     assert f["rank"] == 1 and f["exit_code"] == 7 and f["signal"] is None
     assert "rank 1" in done["reason"] and "7" in done["reason"]
+    # The exception the rank recorded in torchrun's error file, not torchrun's boilerplate.
+    assert f["error_type"] == "RuntimeError"
+    assert f["message"] == "CUDA-free explosion on rank one"
+    assert "RuntimeError: CUDA-free explosion on rank one" in done["reason"]
     assert any("CUDA-free explosion on rank one" in line for line in f["log_tail"]), f
-    assert "/1/" in f["log_file"]
+    # The log file is named relative to the job's folder, never as a server path.
+    assert f["log_file"].startswith("torchrun-logs/") and "/1/" in f["log_file"]
+    assert str(data_dir) not in json.dumps(done)
     # Rank 0's points up to the crash are kept.
     assert 1 <= done["summary"]["last_step"] < 50
     assert not job_processes(data_dir)

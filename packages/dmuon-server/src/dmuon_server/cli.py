@@ -2,13 +2,17 @@
 
 Refuses to listen on a non-loopback address without a token. ``--port 0`` picks a free
 port; the address actually bound is printed and written to ``<data-dir>/server.json``.
+
+Start-up order: check the flags and the token, lock the data directory, check the data
+directory and open the database, bind the socket, write ``server.json``, print
+"listening". Every problem before that is one ``dmuon-server: error:`` line naming the
+path and the cause, with exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
 import ipaddress
-import json
 import logging
 import os
 import socket
@@ -16,7 +20,16 @@ import sys
 from pathlib import Path
 
 from dmuon_server import __version__
-from dmuon_server.config import TOKEN_ENV, Settings, usable_cpus
+from dmuon_server.auth import TokenError, check_token, read_token_file
+from dmuon_server.config import (
+    DEFAULT_JOB_MEMORY_FRACTION,
+    DEFAULT_MAX_BODY_BYTES,
+    TOKEN_ENV,
+    Settings,
+    default_max_job_memory,
+    usable_cpus,
+)
+from dmuon_server.datadir import DataDirLock, StartupError, write_server_info
 
 
 def is_loopback(host: str) -> bool:
@@ -44,7 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--token",
         default=None,
         help=f"bearer token required on every endpoint but /healthz (or env {TOKEN_ENV}); "
-        "mandatory on a non-loopback --host",
+        "mandatory on a non-loopback --host. Visible in `ps`: prefer --token-file",
+    )
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="read the bearer token from FILE (one trailing newline is dropped)",
     )
     p.add_argument("--max-concurrent-jobs", type=int, default=1, help="jobs running at once")
     p.add_argument(
@@ -59,8 +79,30 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="DIR",
-        help="folder train.data may point into (repeatable); default: <data-dir>/datasets "
-        "and the current folder",
+        help="folder train.data may point into (repeatable); default: none, jobs train "
+        "on the recipe's built-in corpus",
+    )
+    p.add_argument(
+        "--max-job-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="largest estimated memory of one job, in GiB; default: "
+        f"{DEFAULT_JOB_MEMORY_FRACTION:.0%} of the host's RAM",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body; larger ones get 413 before they are read",
+    )
+    p.add_argument(
+        "--secret-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help=f"environment variable jobs must not see (repeatable; {TOKEN_ENV} never "
+        "reaches a job)",
     )
     p.add_argument(
         "--cancel-grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL"
@@ -73,35 +115,91 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _error(message: str) -> int:
+    print(f"dmuon-server: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _token(args: argparse.Namespace) -> str | None:
+    """The token from --token, --token-file or the environment (checked), or None."""
+    given = [
+        n for n, v in (("--token", args.token), ("--token-file", args.token_file)) if v is not None
+    ]
+    if len(given) > 1:
+        raise TokenError("pass either --token or --token-file, not both")
+    if args.token_file is not None:
+        return read_token_file(args.token_file)
+    if args.token is not None:
+        return check_token(args.token, "--token")
+    env = os.environ.get(TOKEN_ENV)
+    if env is not None and env != "":
+        return check_token(env, TOKEN_ENV)
+    return None
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port``.
+
+    The protocol is given as ``IPPROTO_TCP`` on purpose: asyncio sets ``TCP_NODELAY`` on
+    accepted connections only for sockets created that way, and without it every
+    response on a kept-alive connection waits for the client's delayed ACK (about 40 ms).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(False)
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse flags, check them, bind the socket and serve until SIGINT/SIGTERM."""
+    """Parse flags, check them, lock the data directory, bind and serve until SIGINT/SIGTERM."""
     args = build_parser().parse_args(argv)
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV) or None
+    try:
+        token = _token(args)
+    except TokenError as e:
+        return _error(str(e))
     if not is_loopback(args.host) and not token:
-        print(
-            f"dmuon-server: error: refusing to listen on {args.host} without a token; pass "
-            f"--token or set {TOKEN_ENV}, or listen on 127.0.0.1",
-            file=sys.stderr,
+        return _error(
+            f"refusing to listen on {args.host} without a token; pass --token-file or set "
+            f"{TOKEN_ENV}, or listen on 127.0.0.1"
         )
-        return 2
     for name, value in (
         ("--max-concurrent-jobs", args.max_concurrent_jobs),
         ("--max-nproc", args.max_nproc),
+        ("--max-body-bytes", args.max_body_bytes),
     ):
         if value < 1:
-            print(f"dmuon-server: error: {name} must be at least 1", file=sys.stderr)
-            return 2
+            return _error(f"{name} must be at least 1")
     if args.cancel_grace < 0 or args.heartbeat <= 0:
-        print("dmuon-server: error: --cancel-grace >= 0 and --heartbeat > 0", file=sys.stderr)
-        return 2
+        return _error("--cancel-grace >= 0 and --heartbeat > 0")
+    if args.max_job_memory is not None and not args.max_job_memory > 0:
+        return _error("--max-job-memory must be a positive number of GiB")
+    for root in args.data_root or ():
+        if not root.is_dir():
+            return _error(
+                f"--data-root {root} is not an existing folder; create it or fix the path"
+            )
     settings = Settings(
         data_dir=args.data_dir,
         token=token,
         max_concurrent_jobs=args.max_concurrent_jobs,
         max_nproc_per_node=args.max_nproc,
-        data_roots=tuple(args.data_root) if args.data_root else None,
+        data_roots=tuple(args.data_root or ()),
         cancel_grace_s=args.cancel_grace,
         heartbeat_s=args.heartbeat,
+        max_body_bytes=args.max_body_bytes,
+        max_job_memory=(
+            int(args.max_job_memory * (1 << 30))
+            if args.max_job_memory is not None
+            else default_max_job_memory()
+        ),
+        secret_env=tuple(args.secret_env),
     )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -111,30 +209,23 @@ def main(argv: list[str] | None = None) -> int:
 
     from dmuon_server.app import create_app
 
-    host = args.host.strip("[]")
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lock = DataDirLock(settings.data_dir)
     try:
-        sock.bind((host, args.port))
+        lock.acquire()
+        app = create_app(settings, lock=lock)
+    except StartupError as e:
+        return _error(str(e))
+    host = args.host.strip("[]")
+    try:
+        sock = _listening_socket(host, args.port)
     except OSError as e:
-        print(f"dmuon-server: error: cannot listen on {host}:{args.port}: {e}", file=sys.stderr)
-        return 2
-    sock.listen(128)
-    sock.set_inheritable(False)
+        return _error(f"cannot listen on {host}:{args.port}: {e.strerror or e}")
     port = sock.getsockname()[1]
     url_host = f"[{host}]" if ":" in host else host
     url = f"http://{url_host}:{port}"
-    try:
-        app = create_app(settings)
-    except Exception as e:
-        print(f"dmuon-server: error: {e}", file=sys.stderr)
-        return 2
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
-    info = {"url": url, "host": host, "port": port, "pid": os.getpid()}
-    tmp = settings.data_dir / f".server.json.{os.getpid()}"
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, settings.data_dir / "server.json")
+    write_server_info(
+        settings.data_dir, {"url": url, "host": host, "port": port, "pid": os.getpid()}
+    )
     print(
         f"dmuon-server {__version__} listening on {url} (data dir {settings.data_dir})", flush=True
     )
@@ -145,12 +236,20 @@ def main(argv: list[str] | None = None) -> int:
         timeout_graceful_shutdown=3,
         access_log=args.log_level == "debug",
     )
-    server = uvicorn.Server(config)
+    hub = app.state.hub
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # End the event streams first, so uvicorn's graceful shutdown finds their
+            # connections closing instead of cancelling them.
+            hub.shutdown()
+            super().handle_exit(sig, frame)  # type: ignore[arg-type]
+
+    server = _Server(config)
     try:
         server.run(sockets=[sock])
-    except RuntimeError as e:  # e.g. another server holds the data directory
-        print(f"dmuon-server: error: {e}", file=sys.stderr)
-        return 2
+    finally:
+        lock.release()
     return 0 if server.started else 1
 
 

@@ -16,6 +16,17 @@ TOKEN_ENV = "DMUON_SERVER_TOKEN"
 JOB_ENV_MARKER = "DMUON_SERVER_JOB"
 #: Environment variable every process of a job carries, with the server's data directory.
 DATA_DIR_ENV_MARKER = "DMUON_SERVER_DATA_DIR"
+#: Largest request body accepted by default (1 MiB); a job spec is a few hundred bytes.
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+#: Share of the host's RAM one job may be estimated to use, by default.
+DEFAULT_JOB_MEMORY_FRACTION = 0.5
+
+
+def default_max_job_memory() -> int:
+    """Half of the host's RAM: room for the server, other jobs and the page cache."""
+    import psutil
+
+    return int(psutil.virtual_memory().total * DEFAULT_JOB_MEMORY_FRACTION)
 
 
 def usable_cpus() -> int:
@@ -37,7 +48,7 @@ class Settings:
         max_nproc_per_node: The largest ``nproc_per_node`` a job may ask for. Defaults to the
             number of usable CPUs: the recipe runs one process per CPU core with gloo.
         data_roots: Folders a job's ``train.data`` path must lie in (after resolving symlinks
-            and ``..``). Defaults to ``<data_dir>/datasets`` and the server's working folder.
+            and ``..``). None by default: jobs then train on the recipe's default corpus only.
         train_module: The Python module torchrun runs (``-m``); ``dmuon.train`` unless
             ``DMUON_SERVER_TRAIN_MODULE`` says otherwise.
         python: The interpreter jobs run with (the server's own by default).
@@ -45,13 +56,18 @@ class Settings:
         cancel_grace_s: Seconds between SIGTERM and SIGKILL when a job is cancelled.
         poll_interval_s: How often the supervisor looks at running jobs and their metrics.
         log_tail_lines: How many log lines a failure report carries.
+        max_body_bytes: Largest request body; larger ones get 413 before they are read.
+        max_job_memory: Bytes a job (all its ranks) may be estimated to need; a larger
+            job is refused at submission. Half of the host's RAM by default.
+        secret_env: Names of environment variables that never reach a job, besides the
+            token variable (always scrubbed).
     """
 
     data_dir: Path = field(default_factory=lambda: Path(".dmuon"))
     token: str | None = None
     max_concurrent_jobs: int = 1
     max_nproc_per_node: int = field(default_factory=usable_cpus)
-    data_roots: tuple[Path, ...] | None = None
+    data_roots: tuple[Path, ...] = ()
     train_module: str = field(
         default_factory=lambda: os.environ.get(TRAIN_MODULE_ENV) or "dmuon.train"
     )
@@ -60,19 +76,22 @@ class Settings:
     cancel_grace_s: float = 10.0
     poll_interval_s: float = 0.2
     log_tail_lines: int = 50
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_job_memory: int = field(default_factory=default_max_job_memory)
+    secret_env: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         """Normalise paths (absolute, symlinks resolved) and check the numbers."""
         data_dir = Path(os.path.realpath(self.data_dir))
         object.__setattr__(self, "data_dir", data_dir)
-        roots = self.data_roots
-        if roots is None:
-            roots = (data_dir / "datasets", Path.cwd())
+        roots = self.data_roots or ()
         object.__setattr__(self, "data_roots", tuple(Path(os.path.realpath(r)) for r in roots))
         if self.max_concurrent_jobs < 1:
             raise ValueError("max_concurrent_jobs must be at least 1")
         if self.max_nproc_per_node < 1:
             raise ValueError("max_nproc_per_node must be at least 1")
+        if self.max_body_bytes < 1 or self.max_job_memory < 1:
+            raise ValueError("max_body_bytes and max_job_memory must be at least 1")
         if self.token is not None and not self.token:
             object.__setattr__(self, "token", None)
 

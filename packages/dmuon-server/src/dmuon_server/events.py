@@ -5,7 +5,7 @@ Wire format (``text/event-stream``)::
     retry: 3000
 
     event: state
-    data: {"state": "running", "reason": "...", "at": "2025-01-01T00:00:00+00:00"}
+    data: {"state": "running", "reason": "...", "at": "2025-01-01T00:00:00Z"}
 
     id: 7
     event: metric
@@ -25,6 +25,10 @@ Wire format (``text/event-stream``)::
   follows the last point of a finished job, and the server closes the stream. A
   reconnect to a finished job with nothing left to send is answered ``204 No Content``,
   which tells an ``EventSource`` to stop reconnecting.
+* When the server stops, every open stream ends with
+  ``event: end`` / ``{"state": <current>, "reason": "server_shutdown", ...}``: the job goes
+  on, and a client reconnects (with ``Last-Event-ID``) once the server is back.
+* Times are ISO 8601 in UTC with a ``Z``, as in the REST responses.
 * Non-finite numbers are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
 * A comment line (``: heartbeat``) goes out when nothing else was sent for
   ``heartbeat_s`` seconds, to keep proxies from closing an idle connection.
@@ -44,7 +48,7 @@ import anyio
 from dmuon_server.metrics import Hub
 from dmuon_server.schemas import TERMINAL_STATES
 from dmuon_server.store import Store
-from dmuon_server.views import ts
+from dmuon_server.views import iso_utc
 
 #: Headers of an event stream, including the ones that stop proxies from buffering it.
 SSE_HEADERS = {
@@ -53,6 +57,8 @@ SSE_HEADERS = {
     "Connection": "keep-alive",
 }
 _PAGE = 500
+#: ``reason`` of the ``end`` event sent to open streams when the server stops.
+SHUTDOWN_REASON = "server_shutdown"
 #: Longest wait between two looks at the database when no notification comes.
 _MAX_IDLE_WAIT_S = 1.0
 
@@ -71,7 +77,7 @@ def _state_data(t: dict[str, Any], row: dict[str, Any] | None) -> str:
     payload: dict[str, Any] = {
         "state": t["state"],
         "reason": t["reason"],
-        "at": ts(t["at"]).isoformat(),  # type: ignore[union-attr]
+        "at": iso_utc(t["at"]),
     }
     if row is not None and t["state"] in TERMINAL_STATES:
         payload["exit_code"] = row["exit_code"]
@@ -111,6 +117,15 @@ async def job_events(
                 last_write = time.monotonic()
             if row is None:
                 yield format_event(event="end", data=json.dumps({"state": None, "deleted": True}))
+                return
+            if hub.closing and row["state"] not in TERMINAL_STATES:
+                end = {
+                    "state": row["state"],
+                    "exit_code": None,
+                    "reason": SHUTDOWN_REASON,
+                    "last_step": last_step if last_step >= 0 else None,
+                }
+                yield format_event(event="end", data=json.dumps(end))
                 return
             if row["state"] in TERMINAL_STATES:
                 # The supervisor stores a job's last points before its final state, but a

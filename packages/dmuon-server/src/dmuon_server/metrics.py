@@ -123,6 +123,7 @@ class Hub:
         self._lock = threading.Lock()
         self._subs: dict[str, set[_Subscription]] = {}
         self.active_streams = 0
+        self.closing = False
 
     def subscribe(self, job_id: str) -> _Subscription:
         """Register the calling coroutine's loop for changes of ``job_id``."""
@@ -149,6 +150,19 @@ class Hub:
         for sub in subs:
             with contextlib.suppress(RuntimeError):  # a closed loop: the stream is gone
                 sub.loop.call_soon_threadsafe(sub.event.set)
+
+    def shutdown(self) -> None:
+        """Tell every stream that the server is stopping (they end with an ``end`` event)."""
+        with self._lock:
+            self.closing = True
+            subs = [sub for job_subs in self._subs.values() for sub in job_subs]
+        for sub in subs:
+            with contextlib.suppress(RuntimeError):
+                sub.loop.call_soon_threadsafe(sub.event.set)
+
+    def reopen(self) -> None:
+        """Accept streams again (an app whose lifespan starts anew, as in tests)."""
+        self.closing = False
 
 
 @dataclass(eq=False)

@@ -6,9 +6,16 @@ process and, however it ends, writes ``DIR/exit.json`` atomically::
 
     {"returncode": 3, "signal": null, "error": null, "finished_at": 1700000000.0,
      "first_failure": {"rank": 1, "local_rank": 1, "exitcode": 3, "signal": null,
-                       "pid": 1234, "timestamp": 1700000000, "message": "...",
+                       "pid": 1234, "timestamp": 1700000000,
+                       "error_type": "ValueError", "message": "...", "traceback": "...",
                        "log_dir": "DIR/torchrun-logs/<run>/attempt_0/1"},
      "failures": [...]}
+
+``error_type``, ``message`` and ``traceback`` come from torchrun's error file: a recipe
+whose entry point is decorated with
+``torch.distributed.elastic.multiprocessing.errors.record`` writes its exception there,
+and torchrun hands it over with the failure. Without an error file they are torchrun's
+generic message (and ``error_type`` is null).
 
 Why a wrapper: the server must learn a job's exit status even when the job outlived the
 server (a restarted server is not the job's parent and cannot ``wait()`` for it), and
@@ -53,9 +60,27 @@ def _signal_name(signum: int) -> str | None:
         return None
 
 
+def split_error_message(message: Any) -> tuple[str | None, str, str | None]:
+    """``(type, message, traceback)`` of a torchrun failure message.
+
+    An error file makes it ``{"message": "ValueError: ...", "extraInfo": {"py_callstack":
+    ...}}``; otherwise it is torchrun's own text.
+    """
+    if isinstance(message, dict):
+        text = str(message.get("message", ""))
+        extra = message.get("extraInfo")
+        stack = extra.get("py_callstack") if isinstance(extra, dict) else None
+        head, sep, rest = text.partition(": ")
+        if sep and head.replace(".", "").replace("_", "").isalnum():
+            return head, rest, stack
+        return None, text, stack
+    return None, str(message or ""), None
+
+
 def _failure_dict(rank: int, failure: Any) -> dict[str, Any]:
     exitcode = int(failure.exitcode)
     error_file = str(getattr(failure, "error_file", "") or "")
+    error_type, message, stack = split_error_message(getattr(failure, "message", ""))
     return {
         "rank": int(rank),
         "local_rank": int(getattr(failure, "local_rank", -1)),
@@ -63,7 +88,9 @@ def _failure_dict(rank: int, failure: Any) -> dict[str, Any]:
         "signal": _signal_name(-exitcode) if exitcode < 0 else None,
         "pid": int(getattr(failure, "pid", -1)),
         "timestamp": float(getattr(failure, "timestamp", 0) or 0),
-        "message": str(getattr(failure, "message", "") or ""),
+        "error_type": error_type,
+        "message": message,
+        "traceback": stack,
         "log_dir": os.path.dirname(error_file) if os.path.isabs(error_file) else None,
     }
 

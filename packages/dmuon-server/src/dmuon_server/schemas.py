@@ -128,8 +128,15 @@ class FailureInfo(BaseModel):
     rank: int | None = Field(description="Global rank that failed first (null if unknown).")
     exit_code: int | None = Field(description="Its exit code; negative for a signal.")
     signal: str | None = Field(default=None, description="Signal name when killed by one.")
+    error_type: str | None = Field(
+        default=None,
+        description="Exception type the failing rank recorded (torchrun's error file), "
+        "e.g. `ValueError`; `UsageError` for invalid recipe flags.",
+    )
     message: str | None = Field(default=None, description="Error message, when one is known.")
-    log_file: str | None = Field(default=None, description="Log file the lines come from.")
+    log_file: str | None = Field(
+        default=None, description="Log file the lines come from, relative to the job's folder."
+    )
     log_tail: list[str] = Field(default_factory=list, description="Last lines of that log.")
 
 
@@ -202,11 +209,50 @@ class MetricPage(BaseModel):
     )
 
 
+class MemoryEstimate(BaseModel):
+    """Estimated memory of a job (formula in the job-service documentation)."""
+
+    parameters_bytes: int = Field(description="Weights, gradients and optimizer state.")
+    activations_bytes: int = Field(description="What autograd keeps for one micro-batch.")
+    batch_bytes: int = Field(description="The step's token windows and the validation windows.")
+    corpus_bytes: int = Field(description="The text while the corpus is built.")
+    runtime_bytes: int = Field(description="Interpreter, torch and communication per process.")
+    per_rank_bytes: int = Field(description="Sum of the above, for one rank.")
+    job_bytes: int = Field(description="per_rank_bytes x nproc_per_node.")
+    limit_bytes: int = Field(description="The server's limit per job (--max-job-memory).")
+    host_total_bytes: int
+    host_available_bytes: int
+
+
+class DataEstimate(BaseModel):
+    """The training text as the recipe will see it."""
+
+    source: str = Field(description="`built-in` or the path relative to a data root.")
+    files: int = Field(description="Text files read.")
+    bytes: int = Field(description="Their size; one token per byte.")
+    complete: bool = Field(description="False when the folder was too large to count fully.")
+    train_tokens: int = Field(default=0, description="Training split (estimated for folders).")
+    val_tokens: int = Field(default=0, description="Validation split (estimated for folders).")
+
+
+class Admission(BaseModel):
+    """What the job needs, as the server estimates it before starting anything."""
+
+    model_params: int
+    max_seq_len: int = Field(description="Longest seq_len the model preset supports.")
+    tokens_per_step: int
+    memory: MemoryEstimate
+    data: DataEstimate
+
+
 class LaunchPlan(BaseModel):
     """Response of ``POST /v1/jobs:validate``: what the server would run."""
 
     valid: bool = True
-    argv: list[str] = Field(description="The exact argv of the process the server spawns.")
+    argv: list[str] = Field(
+        description="The argv of the process the server spawns, with server paths shown as "
+        "`<data-dir>`, `<job-dir>` and `<data-root>`."
+    )
     torchrun_argv: list[str] = Field(
         description="The equivalent torchrun command line, to reproduce the job by hand."
     )
@@ -217,6 +263,7 @@ class LaunchPlan(BaseModel):
     )
     global_batch_tokens: int = Field(description="Tokens per optimizer step.")
     total_tokens: int = Field(description="Tokens over the whole run.")
+    admission: Admission
     warnings: list[str]
 
 

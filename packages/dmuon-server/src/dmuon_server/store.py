@@ -81,29 +81,47 @@ class IdempotencyConflict(Exception):
         self.job_id = job_id
 
 
+class StoreError(Exception):
+    """The database cannot be opened or used; the message names the file."""
+
+
 class Store:
     """Thread-safe access to the server's SQLite database."""
 
     def __init__(self, path: Path) -> None:
-        """Open (and create or migrate) the database at ``path``."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Open (and create or migrate) the database at ``path``.
+
+        Raises :class:`StoreError`, naming the file, when it cannot be opened or is not
+        a database.
+        """
         self.path = path
         self._lock = threading.RLock()
-        self._conn = sqlite3.connect(
-            str(path), timeout=30.0, isolation_level=None, check_same_thread=False
-        )
-        self._conn.row_factory = sqlite3.Row
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA busy_timeout=30000")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.execute("PRAGMA foreign_keys=ON")
-        for stmt in _SCHEMA.strip().split(";"):
-            if stmt.strip():
-                self._conn.execute(stmt)
-        self._conn.execute(
-            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
-            (str(SCHEMA_VERSION),),
-        )
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._conn = sqlite3.connect(
+                str(path), timeout=30.0, isolation_level=None, check_same_thread=False
+            )
+        except (OSError, sqlite3.Error) as e:
+            raise StoreError(f"cannot open the database {path}: {e}") from None
+        try:
+            self._conn.row_factory = sqlite3.Row
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            self._conn.execute("PRAGMA busy_timeout=30000")
+            self._conn.execute("PRAGMA synchronous=NORMAL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+            for stmt in _SCHEMA.strip().split(";"):
+                if stmt.strip():
+                    self._conn.execute(stmt)
+            self._conn.execute(
+                "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+        except sqlite3.Error as e:
+            self._conn.close()
+            raise StoreError(
+                f"cannot use the database {path}: {e}; restore it from a backup or move it "
+                "away to start with an empty one"
+            ) from None
 
     def close(self) -> None:
         """Close the connection."""

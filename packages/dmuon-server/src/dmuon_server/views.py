@@ -7,6 +7,8 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
+from pydantic import TypeAdapter
+
 from dmuon_server.schemas import (
     TERMINAL_STATES,
     FailureInfo,
@@ -22,6 +24,11 @@ from dmuon_server.store import Store
 def ts(value: float | None) -> datetime | None:
     """A stored unix time as an aware UTC datetime."""
     return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
+
+
+def iso_utc(value: float) -> str:
+    """A stored unix time as the API writes times everywhere: ISO 8601, UTC, ``Z``."""
+    return TypeAdapter(datetime).dump_python(ts(value), mode="json")
 
 
 def _num(value: Any) -> float | None:

@@ -1,28 +1,59 @@
-"""Entry point of ``python -m dmuon.train`` and the ``dmuon-train`` console script."""
+"""Entry point of ``python -m dmuon.train`` and the ``dmuon-train`` console script.
+
+Under torchrun the entry point records why it failed in torchrun's error file
+(``torch.distributed.elastic.multiprocessing.errors.record``): torchrun then reports the
+exception type and message of the rank that failed first, and a job server can show them.
+Invalid flags are recorded as `UsageError` with argparse's message.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from collections.abc import Sequence
 
-from dmuon.train.cli import parse_args
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
+
+from dmuon.train.cli import TrainConfig, parse_args
 from dmuon.train.loop import TrainingDiverged, run
 
 
+class UsageError(Exception):
+    """Invalid command-line flags (argparse's message; the exit status stays 2)."""
+
+
+def _parse(argv: Sequence[str]) -> TrainConfig:
+    """Parse flags; on an argparse error, record it as a `UsageError` too."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return parse_args(argv)
+    except SystemExit as exit_:
+        sys.stderr.write(captured.getvalue())
+        if exit_.code not in (0, None):
+            lines = [line for line in captured.getvalue().splitlines() if line.strip()]
+            ErrorHandler().record_exception(UsageError(lines[-1] if lines else "invalid flags"))
+        raise
+
+
+@record
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, train, and return the exit status.
 
     0: trained; 2: bad flags or inputs (argparse also exits 2); 3: training diverged (a
     NaN or infinite loss or gradient norm; the message names the step).
     """
-    config = parse_args(sys.argv[1:] if argv is None else argv)
+    config = _parse(sys.argv[1:] if argv is None else argv)
     try:
         run(config)
     except (FileNotFoundError, ValueError) as exc:
         print(f"dmuon-train: error: {exc}", file=sys.stderr)
+        ErrorHandler().record_exception(exc)
         return 2
     except TrainingDiverged as exc:
         print(f"dmuon-train: error: {exc}", file=sys.stderr)
+        ErrorHandler().record_exception(exc)
         return 3
     return 0
 

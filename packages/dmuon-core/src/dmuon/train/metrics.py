@@ -14,7 +14,9 @@ object per line, appended and flushed line by line.
   "time": ..., "val_loss": ...}`` carrying the validation loss of the initial weights.
   Every line therefore has all the keys; only the step-0 line has nulls.
 
-Non-finite floats (a diverged run) are written as ``null`` so every line stays valid JSON.
+Non-finite floats (a diverged run) are written as the strings ``"NaN"``, ``"Infinity"``
+and ``"-Infinity"``, so every line stays strict JSON and a diverged value is told apart
+from a missing one (``null``). The job server uses the same strings in its API.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ REQUIRED_KEYS = ("step", "loss", "lr", "tokens_per_s", "grad_norm", "time")
 
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
-        return None
+        if math.isnan(value):
+            return "NaN"
+        return "Infinity" if value > 0 else "-Infinity"
     return value
 
 

@@ -1,0 +1,273 @@
+"""Admission control: can the recipe run a job spec on this host?
+
+The server never imports the recipe, so it knows the model presets through the static
+table :data:`RECIPE_MODELS` (a test keeps it equal to ``dmuon.train.PRESETS``) and
+estimates what a job needs from the spec alone.
+
+Memory per rank (bytes; float32 parameters and activations, int64 token windows)::
+
+    parameters  = 16 * P                     weights, gradients, two optimizer states
+    activations = 4 * B * T * (L * (12*d + 4*f) + 2*d + 3*V)
+    batch       = 8 * (T + 1) * (A * B + ceil(64 / N))
+    corpus      = 3 * C                      raw bytes while the corpus is built
+    runtime     = 512 MiB                    interpreter, torch, gloo, allocator slack
+
+with ``P`` parameters, micro-batch ``B``, sequence length ``T``, ``L`` layers of width
+``d`` and MLP width ``f``, vocabulary ``V``, accumulation ``A``, ``N`` ranks, and ``C``
+bytes of text. The parameter term ignores sharding (every rank builds the whole model
+before FSDP2 shards it), the activation term counts what autograd keeps per token and
+layer (norm inputs and outputs, q/k/v, attention output, SwiGLU's four tensors) plus the
+logits, their log-softmax and gradient; attention itself is the fused kernel, linear in
+``T``. The job needs ``N`` times the per-rank figure.
+
+The data is checked the way the recipe reads it: a file, or every non-hidden, non-empty,
+non-binary file of a folder; the validation split is the last 5 % of a single file's
+bytes, or the ``ceil(5 % of the files)`` files of a folder, and both splits need at least
+``T + 1`` tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from dmuon_server.schemas import Admission, DataEstimate, MemoryEstimate, TrainSpec
+
+#: Validation share of the recipe (``--val-fraction`` default; the server does not set it).
+VAL_FRACTION = 0.05
+#: Validation windows of the recipe (``--eval-sequences`` default).
+EVAL_SEQUENCES = 64
+#: Memory of one rank before the model: interpreter, torch, gloo, allocator slack.
+RUNTIME_BYTES = 512 << 20
+#: Folder entries the data check looks at before it stops counting.
+MAX_FILES_SCANNED = 20_000
+_BINARY_SNIFF_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a recipe preset that the estimates need."""
+
+    n_layers: int
+    dim: int
+    n_heads: int
+    ffn_dim: int
+    vocab_size: int = 256
+    max_seq_len: int = 1024
+
+    @property
+    def num_params(self) -> int:
+        """Parameters: embedding, blocks, final norm and the untied head."""
+        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        return 2 * self.vocab_size * self.dim + self.n_layers * per_layer + self.dim
+
+
+#: The recipe's presets (``dmuon.train.PRESETS``), restated so the server needs no torch.
+RECIPE_MODELS: dict[str, ModelShape] = {
+    "tiny": ModelShape(n_layers=2, dim=64, n_heads=4, ffn_dim=192),
+    "small": ModelShape(n_layers=4, dim=256, n_heads=4, ffn_dim=768),
+    "base": ModelShape(n_layers=8, dim=512, n_heads=8, ffn_dim=1536),
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A reason the recipe cannot run a spec, tied to the field to change."""
+
+    loc: tuple[str, ...]
+    message: str
+
+
+def _is_binary(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return b"\0" in f.read(_BINARY_SNIFF_BYTES)
+    except OSError:
+        return True
+
+
+def scan_text(path: Path) -> tuple[list[int], bool]:
+    """Sizes of the files the recipe would read from ``path``, and whether all were seen."""
+    if path.is_file():
+        return [path.stat().st_size], True
+    sizes: list[int] = []
+    seen = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in sorted(filenames):
+            seen += 1
+            if seen > MAX_FILES_SCANNED:
+                return sizes, False
+            if name.startswith("."):
+                continue
+            f = Path(dirpath) / name
+            try:
+                if not f.is_file() or f.stat().st_size == 0 or _is_binary(f):
+                    continue
+                sizes.append(f.stat().st_size)
+            except OSError:
+                continue
+    return sizes, True
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_corpus() -> tuple[int, int]:
+    """Files and bytes of the recipe's default corpus: the standard library's ``*.py``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
+        for name in filenames:
+            if name.endswith(".py"):
+                try:
+                    total += (Path(dirpath) / name).stat().st_size
+                    files += 1
+                except OSError:
+                    continue
+    return files, total
+
+
+def split_tokens(sizes: list[int]) -> tuple[int, int]:
+    """Train and validation tokens the recipe makes of files of these sizes.
+
+    Exact for one file; for a folder the validation files are a hashed choice, so the
+    figures assume files of average size.
+    """
+    total = sum(sizes)
+    if len(sizes) <= 1:
+        val = max(1, round(total * VAL_FRACTION)) if total else 0
+        return total - val, val
+    n_val = min(len(sizes) - 1, max(1, math.ceil(VAL_FRACTION * len(sizes))))
+    joined = total + len(sizes) - 2  # one newline between files, within each split
+    val = round(joined * n_val / len(sizes))
+    return joined - val, val
+
+
+def estimate_memory(train: TrainSpec, nproc: int, corpus_bytes: int, limit: int) -> MemoryEstimate:
+    """Memory a job needs per rank and in all (see the module docstring for the formula)."""
+    m = RECIPE_MODELS[train.model]
+    b, t = train.micro_batch_size, train.seq_len
+    params = 16 * m.num_params
+    per_token = m.n_layers * (12 * m.dim + 4 * m.ffn_dim) + 2 * m.dim + 3 * m.vocab_size
+    activations = 4 * b * t * per_token
+    batch = 8 * (t + 1) * (train.accum_steps * b + math.ceil(EVAL_SEQUENCES / nproc))
+    corpus = 3 * corpus_bytes
+    per_rank = params + activations + batch + corpus + RUNTIME_BYTES
+    vm = psutil.virtual_memory()
+    return MemoryEstimate(
+        parameters_bytes=params,
+        activations_bytes=activations,
+        batch_bytes=batch,
+        corpus_bytes=corpus,
+        runtime_bytes=RUNTIME_BYTES,
+        per_rank_bytes=per_rank,
+        job_bytes=per_rank * nproc,
+        limit_bytes=limit,
+        host_total_bytes=vm.total,
+        host_available_bytes=vm.available,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def assess(
+    train: TrainSpec, nproc: int, data_path: Path | None, data_label: str | None, limit: int
+) -> tuple[Admission, list[Refusal], list[str]]:
+    """Estimate what a job needs; return the figures, the refusals and the warnings.
+
+    ``data_path`` is the resolved ``train.data`` (None: the built-in corpus) and
+    ``data_label`` how clients see it.
+    """
+    m = RECIPE_MODELS[train.model]
+    refusals: list[Refusal] = []
+    warnings: list[str] = []
+    t = train.seq_len
+    if t > m.max_seq_len:
+        refusals.append(
+            Refusal(
+                ("body", "train", "seq_len"),
+                f"{t} is longer than the maximum sequence length of the {train.model} "
+                f"model ({m.max_seq_len}); use seq_len <= {m.max_seq_len}",
+            )
+        )
+    if data_path is None:
+        files, total = builtin_corpus()
+        sizes, complete = [total // max(files, 1)] * files, True
+        data = DataEstimate(source="built-in", files=files, bytes=total, complete=True)
+    else:
+        sizes, complete = scan_text(data_path)
+        data = DataEstimate(
+            source=data_label or "", files=len(sizes), bytes=sum(sizes), complete=complete
+        )
+    train_tokens, val_tokens = split_tokens(sizes)
+    data.train_tokens, data.val_tokens = train_tokens, val_tokens
+    data_loc = ("body", "train", "data")
+    exact = len(sizes) <= 1 or sum(sizes) < t + 1
+    if data_path is not None and not sizes:
+        refusals.append(
+            Refusal(
+                data_loc,
+                f"{data.source} holds no non-empty text file (hidden and binary files are "
+                "skipped); put text in it",
+            )
+        )
+    else:
+        for what, n in (("training", train_tokens), ("validation", val_tokens)):
+            if n >= t + 1:
+                continue
+            message = (
+                f"the {what} split of {data.source} has {'' if exact else 'about '}{n} tokens, "
+                f"fewer than seq_len + 1 = {t + 1}; use a shorter seq_len or more text"
+            )
+            if exact and complete:
+                refusals.append(Refusal(data_loc, message))
+            else:
+                warnings.append(message)
+    tokens_per_step = train.micro_batch_size * train.accum_steps * nproc * t
+    if train_tokens and tokens_per_step > train_tokens:
+        warnings.append(
+            f"one step samples {tokens_per_step} tokens, {tokens_per_step / train_tokens:.1f}x "
+            "the training split: the run sees the same text many times over"
+        )
+    memory = estimate_memory(train, nproc, data.bytes, limit)
+    mem_loc = ("body", "train", "micro_batch_size")
+    need = f"{_gib(memory.job_bytes)} ({_gib(memory.per_rank_bytes)} per rank x {nproc})"
+    if memory.job_bytes > limit:
+        refusals.append(
+            Refusal(
+                mem_loc,
+                f"the job needs an estimated {need}, more than this server allows per job "
+                f"({_gib(limit)}, --max-job-memory); lower micro_batch_size, seq_len or "
+                "nproc_per_node",
+            )
+        )
+    elif memory.job_bytes > memory.host_total_bytes:
+        refusals.append(
+            Refusal(
+                mem_loc,
+                f"the job needs an estimated {need}, more than the host's RAM "
+                f"({_gib(memory.host_total_bytes)}); lower micro_batch_size, seq_len or "
+                "nproc_per_node",
+            )
+        )
+    elif memory.job_bytes > memory.host_available_bytes:
+        warnings.append(
+            f"the job needs an estimated {need}, more than the host has free right now "
+            f"({_gib(memory.host_available_bytes)})"
+        )
+    admission = Admission(
+        model_params=m.num_params,
+        max_seq_len=m.max_seq_len,
+        tokens_per_step=tokens_per_step,
+        memory=memory,
+        data=data,
+    )
+    return admission, refusals, warnings

@@ -1,0 +1,90 @@
+"""Bearer-token authentication: the middleware, and checks of the token itself."""
+
+from __future__ import annotations
+
+import hmac
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dmuon_server.errors import ERROR_TEXT, problem_response
+
+
+class TokenError(ValueError):
+    """A token no client could send (empty, whitespace, control characters)."""
+
+
+def check_token(token: str, source: str) -> str:
+    """Return ``token`` if a client can send it in an ``Authorization`` header.
+
+    A bearer token must be visible ASCII without spaces (RFC 6750 ``b64token`` and then
+    some); anything else would be accepted at start and then fail every request.
+    ``source`` names where the token came from, for the message.
+    """
+    if not token.strip():
+        raise TokenError(f"the token from {source} is empty or only whitespace; set a real one")
+    bad = sorted({c for c in token if not "\x21" <= c <= "\x7e"})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        raise TokenError(
+            f"the token from {source} contains {shown}; a bearer token must be visible "
+            "ASCII without spaces or line breaks (check for a trailing newline)"
+        )
+    return token
+
+
+def read_token_file(path: Path) -> str:
+    """Read a token file: its content without one trailing line break, then checked."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenError(f"cannot read the token file {path}: {e}") from None
+    if text.endswith("\r\n"):
+        text = text[:-2]
+    elif text.endswith("\n"):
+        text = text[:-1]
+    return check_token(text, f"the file {path}")
+
+
+class BearerAuthMiddleware:
+    """Requires ``Authorization: Bearer <token>`` everywhere but ``/healthz``.
+
+    The token is compared in constant time (:func:`hmac.compare_digest`).
+    """
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        """Wrap ``app``."""
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Let authorised requests (and health checks) through, answer 401 otherwise."""
+        if scope["type"] != "http" or scope.get("path") == "/healthz":
+            await self.app(scope, receive, send)
+            return
+        auth = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                auth = value
+                break
+        scheme, _, credentials = auth.partition(b" ")
+        ok = scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.token)
+        if ok:
+            await self.app(scope, receive, send)
+            return
+        detail = (
+            "send the header 'Authorization: Bearer <token>' with the server's token"
+            if not auth
+            else "the bearer token is wrong; use the token the server was started with"
+        )
+        response = problem_response(
+            401,
+            ERROR_TEXT[401],
+            detail,
+            kind="unauthorized",
+            headers={
+                "WWW-Authenticate": 'Bearer realm="dmuon-server"'
+                + (', error="invalid_token"' if auth else "")
+            },
+        )
+        await response(scope, receive, send)

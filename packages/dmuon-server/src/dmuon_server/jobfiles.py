@@ -1,0 +1,172 @@
+"""The files in a job's working folder, and what the server reads from them.
+
+``<job-dir>/``: ``spec.json`` (the submitted spec), ``job.log`` (torchrun and every rank,
+teed), ``metrics.jsonl`` (the recipe's metrics file), ``exit.json`` (the runner's exit
+report, see :mod:`dmuon_server.runner`) and ``torchrun-logs/`` (one folder per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from dmuon_server.runner import EXIT_FILE
+
+METRICS_FILE = "metrics.jsonl"
+LOG_FILE = "job.log"
+SPEC_FILE = "spec.json"
+TORCHRUN_LOG_DIR = "torchrun-logs"
+#: Longest exception message a failure's ``reason`` quotes in full.
+_REASON_MESSAGE_CHARS = 300
+
+
+def tail_lines(path: Path, n: int, max_bytes: int = 1 << 20) -> tuple[list[str], bool]:
+    """Return the last ``n`` lines of a text file (reading at most ``max_bytes``).
+
+    The second value tells whether the file has more lines than returned.
+    """
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            start = max(0, size - max_bytes)
+            f.seek(start)
+            data = f.read()
+    except FileNotFoundError:
+        return [], False
+    lines = data.decode("utf-8", "replace").splitlines()
+    if start > 0 and lines:
+        lines = lines[1:]  # the first line is probably cut
+    truncated = start > 0 or len(lines) > n
+    return lines[-n:] if n else [], truncated
+
+
+def read_exit_report(job_dir: Path) -> dict[str, Any] | None:
+    """The runner's exit report, or None when it wrote none (yet)."""
+    try:
+        data = json.loads((job_dir / EXIT_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def signal_name(signum: int) -> str:
+    """``SIGKILL`` for 9, ``signal 99`` for a number without a name."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _rank_log_tail(job_dir: Path, failure: dict[str, Any], n: int) -> tuple[Path, list[str]]:
+    """The last lines a failed rank wrote (its stderr, else its stdout)."""
+    rank_dir: Path | None = None
+    if failure.get("log_dir"):
+        rank_dir = Path(failure["log_dir"])
+    else:
+        local = failure.get("local_rank", failure.get("rank"))
+        candidates = sorted(
+            (job_dir / TORCHRUN_LOG_DIR).glob(f"*/attempt_*/{local}"),
+            key=lambda p: p.stat().st_mtime,
+        )
+        rank_dir = candidates[-1] if candidates else None
+    if rank_dir is None:
+        lines, _ = tail_lines(job_dir / LOG_FILE, n)
+        return job_dir / LOG_FILE, lines
+    for name in ("stderr.log", "stdout.log"):
+        lines, _ = tail_lines(rank_dir / name, n)
+        if any(line.strip() for line in lines):
+            return rank_dir / name, lines
+    return rank_dir / "stderr.log", []
+
+
+def _relative(job_dir: Path, path: Path) -> str:
+    """``path`` relative to the job's folder (never an absolute server path)."""
+    try:
+        return path.relative_to(job_dir).as_posix()
+    except ValueError:
+        return path.name
+
+
+def _quote(message: str) -> str:
+    first = message.strip().splitlines()[0] if message.strip() else ""
+    if len(first) > _REASON_MESSAGE_CHARS:
+        first = first[: _REASON_MESSAGE_CHARS - 3] + "..."
+    return first
+
+
+def describe_failure(
+    job_dir: Path, report: dict[str, Any] | None, launcher_rc: int | None, n: int
+) -> dict[str, Any]:
+    """Why a job failed, from its exit report (or the launcher's exit status without one).
+
+    Returns the ``failure`` fields of the API (``rank``, ``exit_code``, ``signal``,
+    ``error_type``, ``message``, ``log_file`` relative to the job folder, ``log_tail``)
+    plus ``reason``, the one-line summary for the job's history.
+    """
+    if report is None:
+        if launcher_rc is not None and launcher_rc < 0:
+            why = f"the job's launcher was killed by {signal_name(-launcher_rc)}"
+        elif launcher_rc is not None:
+            why = f"the job's launcher exited with code {launcher_rc} without an exit report"
+        else:
+            why = "the job's processes vanished while the server was down (no exit report)"
+        lines, _ = tail_lines(job_dir / LOG_FILE, n)
+        sig = signal_name(-launcher_rc) if launcher_rc is not None and launcher_rc < 0 else None
+        return {
+            "reason": why,
+            "rank": None,
+            "exit_code": launcher_rc,
+            "signal": sig,
+            "error_type": None,
+            "message": why,
+            "log_file": LOG_FILE,
+            "log_tail": lines,
+        }
+    first = report.get("first_failure")
+    if first:
+        rank = first.get("rank")
+        code = first.get("exitcode")
+        sig = first.get("signal")
+        error_type = first.get("error_type")
+        message = first.get("message") or None
+        if error_type:
+            reason = f"rank {rank} failed (exit code {code}): {error_type}: {_quote(message or '')}"
+        elif sig:
+            reason = f"rank {rank} killed by {sig}"
+        else:
+            reason = f"rank {rank} exited with code {code}"
+        log_path, lines = _rank_log_tail(job_dir, first, n)
+        return {
+            "reason": reason,
+            "rank": rank,
+            "exit_code": code,
+            "signal": sig,
+            "error_type": error_type,
+            "message": message,
+            "log_file": _relative(job_dir, log_path),
+            "log_tail": lines,
+        }
+    rc = report.get("returncode")
+    sig = report.get("signal")
+    err = report.get("error")
+    if sig:
+        why = f"torchrun received {sig}"
+    elif err:
+        why = f"torchrun failed: {err}"
+    else:
+        why = f"torchrun exited with code {rc}"
+    lines, _ = tail_lines(job_dir / LOG_FILE, n)
+    return {
+        "reason": why,
+        "rank": None,
+        "exit_code": rc,
+        "signal": sig,
+        "error_type": None,
+        "message": err,
+        "log_file": LOG_FILE,
+        "log_tail": lines,
+    }

@@ -1,0 +1,236 @@
+"""Turning a job spec into a command line and an environment (never a shell string).
+
+A job runs as ``python -m dmuon_server.runner --job-dir DIR -- <torchrun args>``; see
+:mod:`dmuon_server.runner`. :func:`review` checks a spec against the server's limits and
+what the recipe can do (:mod:`dmuon_server.admission`) before anything is planned.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dmuon_server.admission import assess
+from dmuon_server.config import (
+    DATA_DIR_ENV_MARKER,
+    JOB_ENV_MARKER,
+    TOKEN_ENV,
+    Settings,
+    usable_cpus,
+)
+from dmuon_server.errors import field_error, invalid_request
+from dmuon_server.jobfiles import METRICS_FILE, TORCHRUN_LOG_DIR
+from dmuon_server.paths import DataPathError, PublicPaths, resolve_data_path
+from dmuon_server.schemas import Admission, FieldError, JobCreate, LaunchPlan
+
+#: Environment variables of the server that must not leak into a job: torchrun reads its
+#: options from PET_* variables, and rank variables would confuse the workers.
+_SCRUBBED_PREFIXES = ("PET_", "TORCHELASTIC_")
+_SCRUBBED_VARS = frozenset(
+    {
+        "RANK",
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "GROUP_RANK",
+        "ROLE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "OMP_NUM_THREADS",
+        TOKEN_ENV,
+    }
+)
+
+
+@dataclass
+class Review:
+    """A spec the server accepts: its data path, the estimates and the warnings."""
+
+    data_path: Path | None
+    admission: Admission
+    warnings: list[str] = field(default_factory=list)
+
+
+def review(settings: Settings, spec: JobCreate) -> Review:
+    """Check ``spec`` against the server's limits and the recipe; raise a 422 if it cannot run.
+
+    The 422 names every field to change and carries the estimates as ``admission``.
+    """
+    errors: list[FieldError] = []
+    if spec.nproc_per_node > settings.max_nproc_per_node:
+        errors.append(
+            field_error(
+                ("body", "nproc_per_node"),
+                f"{spec.nproc_per_node} processes is more than this server runs per job "
+                f"(at most {settings.max_nproc_per_node}, one per CPU core unless "
+                "configured with --max-nproc)",
+                "less_than_equal",
+            )
+        )
+    data_path: Path | None = None
+    label: str | None = None
+    if spec.train.data is not None:
+        try:
+            data_path = resolve_data_path(settings, spec.train.data)
+            label = PublicPaths(settings).text(str(data_path))
+        except DataPathError as e:
+            errors.append(field_error(("body", "train", "data"), str(e), "value_error"))
+    if errors:  # the estimates need a valid world size and data path
+        raise invalid_request(errors)
+    admission, refusals, warnings = assess(
+        spec.train, spec.nproc_per_node, data_path, label, settings.max_job_memory
+    )
+    if refusals:
+        problem = invalid_request([field_error(r.loc, r.message, "admission") for r in refusals])
+        problem.extra = {"admission": admission.model_dump(mode="json")}
+        raise problem
+    return Review(data_path, admission, warnings)
+
+
+def _fmt_float(x: float) -> str:
+    return repr(float(x))
+
+
+@dataclass
+class Command:
+    """What the supervisor spawns for a job (real server paths)."""
+
+    argv: list[str]
+    torchrun_argv: list[str]
+    env: dict[str, str]
+
+
+def build_command(
+    settings: Settings, spec: JobCreate, job_dir: Path, data_path: Path | None
+) -> Command:
+    """The runner's argv, the equivalent torchrun argv and the variables set for the job."""
+    t = spec.train
+    n = spec.nproc_per_node
+    recipe = [
+        "-m",
+        settings.train_module,
+        "--model",
+        t.model,
+        "--steps",
+        str(t.steps),
+        "--micro-batch-size",
+        str(t.micro_batch_size),
+        "--accum-steps",
+        str(t.accum_steps),
+        "--seq-len",
+        str(t.seq_len),
+        "--lr",
+        _fmt_float(t.lr),
+        "--adamw-lr",
+        _fmt_float(t.adamw_lr),
+        "--optimizer",
+        t.optimizer,
+        "--mode",
+        t.mode,
+        "--seed",
+        str(t.seed),
+    ]
+    if t.warmup_steps is not None:
+        recipe += ["--warmup-steps", str(t.warmup_steps)]
+    if t.eval_every is not None:
+        recipe += ["--eval-every", str(t.eval_every)]
+    recipe += ["--metrics-file", str(job_dir / METRICS_FILE)]
+    if data_path is not None:
+        recipe += ["--data", str(data_path)]
+    torchrun_opts = [
+        "--standalone",
+        "--nproc_per_node",
+        str(n),
+        "--tee",
+        "3",
+        "--log-dir",
+        str(job_dir / TORCHRUN_LOG_DIR),
+    ]
+    argv = [
+        settings.python,
+        "-m",
+        "dmuon_server.runner",
+        "--job-dir",
+        str(job_dir),
+        "--",
+        *torchrun_opts,
+        *recipe,
+    ]
+    torchrun_argv = [settings.python, "-m", "torch.distributed.run", *torchrun_opts, *recipe]
+    return Command(argv, torchrun_argv, launch_env(settings, job_dir.name, n))
+
+
+def plan_view(
+    settings: Settings, spec: JobCreate, accepted: Review, queued_ahead: int
+) -> LaunchPlan:
+    """The response of ``:validate``: command, batch arithmetic, estimates and warnings.
+
+    Server paths are shown as placeholders (:class:`dmuon_server.paths.PublicPaths`).
+    """
+    t = spec.train
+    n = spec.nproc_per_node
+    job_dir = settings.job_dir("<job-id>")
+    cmd = build_command(settings, spec, job_dir, accepted.data_path)
+    public = PublicPaths(settings, job_dir)
+    cpus = usable_cpus()
+    warnings: list[str] = []
+    if n > cpus:
+        warnings.append(
+            f"nproc_per_node={n} is more than the {cpus} usable CPUs: ranks will share cores"
+        )
+    if t.warmup_steps is not None and t.warmup_steps >= t.steps:
+        warnings.append(
+            f"warmup_steps={t.warmup_steps} >= steps={t.steps}: the run never leaves warm-up"
+        )
+    if t.eval_every is not None and t.eval_every > t.steps:
+        warnings.append(
+            f"eval_every={t.eval_every} > steps={t.steps}: only step 0 and the end are evaluated"
+        )
+    if t.optimizer == "adamw" and t.mode == "z3":
+        warnings.append("mode only changes how DMuon shares its matrices; adamw ignores it")
+    warnings += accepted.warnings
+    if queued_ahead:
+        warnings.append(f"{queued_ahead} job(s) are queued or running ahead of this one")
+    seqs = t.micro_batch_size * t.accum_steps * n
+    return LaunchPlan(
+        argv=public.argv(cmd.argv),
+        torchrun_argv=public.argv(cmd.torchrun_argv),
+        env=public.env(cmd.env),
+        world_size=n,
+        global_batch_sequences=seqs,
+        global_batch_tokens=seqs * t.seq_len,
+        total_tokens=seqs * t.seq_len * t.steps,
+        admission=accepted.admission,
+        warnings=warnings,
+    )
+
+
+def launch_env(settings: Settings, job_id: str, nproc: int) -> dict[str, str]:
+    """Variables the server sets for a job on top of its own environment.
+
+    ``OMP_NUM_THREADS`` splits the usable CPUs evenly between the ranks (at least 1 each).
+    """
+    return {
+        "OMP_NUM_THREADS": str(max(1, usable_cpus() // nproc)),
+        "PYTHONUNBUFFERED": "1",
+        JOB_ENV_MARKER: job_id,
+        DATA_DIR_ENV_MARKER: str(settings.data_dir),
+    }
+
+
+def job_env(settings: Settings, plan_env: dict[str, str]) -> dict[str, str]:
+    """The server's environment without its secrets and torchrun/rank variables, plus
+    ``plan_env``.
+
+    A job runs code paths its submitter chose, so it never receives the server's token
+    (``DMUON_SERVER_TOKEN``) nor any variable named by ``--secret-env``.
+    """
+    secret = set(settings.secret_env)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in _SCRUBBED_VARS and k not in secret and not k.startswith(_SCRUBBED_PREFIXES)
+    }
+    env.update(plan_env)
+    return env

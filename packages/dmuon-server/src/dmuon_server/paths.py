@@ -1,0 +1,89 @@
+"""Where a job's data may come from, and how server paths are shown to clients.
+
+Clients never see the server's absolute paths: the data directory is shown as
+``<data-dir>``, a job's folder as ``<job-dir>``, a data root as ``<data-root>`` (``<data-root-2>``
+and so on when there are several), and the interpreter as ``python``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dmuon_server.config import Settings
+
+
+class DataPathError(ValueError):
+    """A ``train.data`` path that does not exist or lies outside the data roots."""
+
+
+def root_label(index: int, count: int) -> str:
+    """The placeholder of data root number ``index`` (0-based) out of ``count``."""
+    return "<data-root>" if count == 1 else f"<data-root-{index + 1}>"
+
+
+def resolve_data_path(settings: Settings, data: str) -> Path:
+    """Resolve ``data`` against the data roots and check that it stays inside one.
+
+    A relative path is looked up in each root in turn; an absolute one must lie in a
+    root once symlinks and ``..`` are resolved. Messages name the path as the client
+    wrote it, never the resolved server path.
+    """
+    if "\x00" in data:
+        raise DataPathError("the path contains a NUL character")
+    roots = settings.data_roots
+    if not roots:
+        raise DataPathError(
+            "this server accepts no data paths (it was started without --data-root); omit "
+            "train.data to train on the recipe's built-in corpus"
+        )
+    candidates = (
+        [Path(os.path.realpath(data))]
+        if os.path.isabs(data)
+        else [Path(os.path.realpath(root / data)) for root in roots]
+    )
+    labels = ", ".join(root_label(i, len(roots)) for i in range(len(roots)))
+    inside = [c for c in candidates if any(c == r or c.is_relative_to(r) for r in roots)]
+    if not inside:
+        raise DataPathError(
+            f"{data!r} lies outside the data roots ({labels}); give a path inside one of "
+            "them (relative paths are taken from the roots)"
+        )
+    for c in inside:
+        try:
+            if c.exists():
+                return c
+        except OSError as e:  # a name too long, a loop of symlinks...
+            raise DataPathError(f"{data!r} cannot be read: {e.strerror or e}") from None
+    raise DataPathError(f"{data!r} does not exist in the data roots ({labels})")
+
+
+class PublicPaths:
+    """Rewrites server paths in text shown to clients (see the module docstring)."""
+
+    def __init__(self, settings: Settings, job_dir: Path | None = None) -> None:
+        """Rewrite the paths of ``settings`` and, when given, ``job_dir``."""
+        roots = settings.data_roots
+        pairs: list[tuple[str, str]] = []
+        if job_dir is not None:
+            pairs.append((str(job_dir), "<job-dir>"))
+        pairs.append((str(settings.data_dir), "<data-dir>"))
+        pairs += [(str(r), root_label(i, len(roots))) for i, r in enumerate(roots)]
+        # Longest first, so a job folder wins over the data directory it lies in.
+        self._pairs = sorted(pairs, key=lambda p: len(p[0]), reverse=True)
+        self._python = settings.python
+
+    def text(self, value: str) -> str:
+        """``value`` with every known server path replaced by its placeholder."""
+        for path, label in self._pairs:
+            if path in value:
+                value = value.replace(path, label)
+        return value
+
+    def argv(self, argv: list[str]) -> list[str]:
+        """A command line as clients see it."""
+        return ["python" if a == self._python else self.text(a) for a in argv]
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        """Environment variables as clients see them."""
+        return {k: self.text(v) for k, v in env.items()}

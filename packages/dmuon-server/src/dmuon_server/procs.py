@@ -1,0 +1,111 @@
+"""Finding and signalling the processes of a job.
+
+"Every process of the job" is the runner, all its descendants, and every process carrying
+``DMUON_SERVER_JOB=<id>`` in its environment: torchrun starts each worker in a session of
+its own, so a process-group signal alone would miss them, and a worker orphaned by a killed
+torchrun is no longer a descendant of anything the server knows. A recorded process is
+recognised by pid *and* create time, so a reused pid is never mistaken for the job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import psutil
+
+from dmuon_server.config import JOB_ENV_MARKER
+
+#: Tolerance when comparing a process's create time with the recorded one.
+_CREATE_TIME_TOLERANCE_S = 0.05
+
+
+def verified_process(pid: int | None, create_time: float | None) -> psutil.Process | None:
+    """The live (non-zombie) process ``pid`` if it is the one created at ``create_time``."""
+    if pid is None or create_time is None:
+        return None
+    try:
+        p = psutil.Process(pid)
+        if abs(p.create_time() - create_time) > _CREATE_TIME_TOLERANCE_S:
+            return None
+        if p.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return p
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def find_job_processes(job_id: str, root: psutil.Process | None = None) -> list[psutil.Process]:
+    """Every live process of a job: ``root``, its descendants and env-marked processes."""
+    found: dict[int, psutil.Process] = {}
+    if root is not None:
+        with contextlib.suppress(psutil.Error):
+            found[root.pid] = root
+            for child in root.children(recursive=True):
+                found[child.pid] = child
+    me = os.getpid()
+    for p in psutil.process_iter():
+        if p.pid in found or p.pid == me:
+            continue
+        try:
+            if p.environ().get(JOB_ENV_MARKER) == job_id:
+                found[p.pid] = p
+        except (psutil.Error, OSError):
+            continue
+    alive = []
+    for p in found.values():
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            continue
+    return alive
+
+
+def find_runner(job_id: str) -> psutil.Process | None:
+    """The job's runner process (``dmuon_server.runner``), found by its marker."""
+    for p in find_job_processes(job_id):
+        if "dmuon_server.runner" in " ".join(cmdline(p)):
+            return p
+    return None
+
+
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
+    """Send ``sig`` to each process, skipping those already gone."""
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(sig)
+
+
+def kill_and_reap(procs: list[psutil.Process], sig: int, timeout: float = 5.0) -> None:
+    """Send ``sig`` to each process and wait (up to ``timeout``) until they are gone."""
+    signal_all(procs, sig)
+    psutil.wait_procs(procs, timeout=timeout)
+
+
+def signal_job(job: dict[str, Any], root: psutil.Process | None, sig: int) -> int:
+    """Signal every process of the job, then its process group.
+
+    The ranks go first and torchrun (the runner, the group leader) last: a torchrun that
+    is signalled while its ranks still live shuts them down itself, which takes it seconds;
+    with the ranks already gone it exits in a fraction of one. The group is signalled
+    only while its leader is verified to be the recorded process (pid and create time),
+    so a reused pgid is never hit. Returns how many processes were signalled.
+    """
+    procs = find_job_processes(job["id"], root)
+    leader = [p for p in procs if root is not None and p.pid == root.pid]
+    signal_all([p for p in procs if p not in leader], sig)
+    signal_all(leader, sig)
+    if root is not None and job["pgid"] is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(job["pgid"]), sig)
+    return len(procs)
+
+
+def cmdline(p: psutil.Process) -> list[str]:
+    """The command line of ``p`` (empty when it cannot be read)."""
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []

@@ -1,0 +1,64 @@
+"""Service endpoints: liveness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+
+from dmuon_server import __version__
+from dmuon_server.dependencies import HubDep, SettingsDep, StoreDep, SupervisorDep, TailerDep
+from dmuon_server.errors import error_responses
+from dmuon_server.schemas import ALL_STATES, Health
+
+router = APIRouter(tags=["service"])
+
+
+@router.get("/healthz", response_model=Health)
+def healthz() -> Health:
+    """Liveness check; needs no token."""
+    return Health(version=__version__)
+
+
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+        **error_responses(401),
+    },
+)
+def prometheus(
+    settings: SettingsDep,
+    store: StoreDep,
+    hub: HubDep,
+    supervisor: SupervisorDep,
+    tailer: TailerDep,
+) -> PlainTextResponse:
+    """Prometheus text exposition: jobs by state, queue depth, active streams."""
+    counts = store.counts_by_state()
+    lines = [
+        "# HELP dmuon_jobs Jobs by state.",
+        "# TYPE dmuon_jobs gauge",
+        *(f'dmuon_jobs{{state="{s}"}} {counts.get(s, 0)}' for s in ALL_STATES),
+        "# HELP dmuon_queue_depth Jobs waiting for a free slot.",
+        "# TYPE dmuon_queue_depth gauge",
+        f"dmuon_queue_depth {counts.get('queued', 0)}",
+        "# HELP dmuon_active_streams Open event streams.",
+        "# TYPE dmuon_active_streams gauge",
+        f"dmuon_active_streams {hub.active_streams}",
+        "# HELP dmuon_max_concurrent_jobs Jobs that may run at the same time.",
+        "# TYPE dmuon_max_concurrent_jobs gauge",
+        f"dmuon_max_concurrent_jobs {settings.max_concurrent_jobs}",
+        "# HELP dmuon_jobs_launched_total Jobs launched by this server process.",
+        "# TYPE dmuon_jobs_launched_total counter",
+        f"dmuon_jobs_launched_total {supervisor.launched_total}",
+        "# HELP dmuon_metric_points_ingested_total Metric points stored by this process.",
+        "# TYPE dmuon_metric_points_ingested_total counter",
+        f"dmuon_metric_points_ingested_total {tailer.points_total}",
+        "# HELP dmuon_metric_lines_rejected_total Metrics-file lines that were not JSON objects.",
+        "# TYPE dmuon_metric_lines_rejected_total counter",
+        f"dmuon_metric_lines_rejected_total {tailer.rejected_total}",
+    ]
+    return PlainTextResponse(
+        "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8"
+    )

@@ -1,0 +1,90 @@
+"""The server against the real recipe (``dmuon.train``): the preset table the server keeps,
+non-finite metrics, and failure causes reported through torchrun's error files.
+
+The server never imports ``dmuon``; these tests do, to hold the two sides to one contract.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dmuon_server.admission import RECIPE_MODELS
+from dmuon_server.jobfiles import describe_failure, read_exit_report
+from dmuon_server.metrics import parse_lines
+from dmuon_server.schemas import MetricPoint
+
+train = pytest.importorskip("dmuon.train", reason="dmuon.train (the real recipe) is not installed")
+
+
+def test_the_servers_preset_table_is_the_recipes() -> None:
+    assert set(RECIPE_MODELS) == set(train.PRESETS)
+    for name, shape in RECIPE_MODELS.items():
+        preset = train.PRESETS[name]
+        for field in ("n_layers", "dim", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+            assert getattr(shape, field) == getattr(preset, field), (name, field)
+        assert shape.num_params == preset.num_params
+
+
+def test_non_finite_metrics_of_the_recipe_reach_the_api_as_strings(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    writer = train.MetricsWriter(path)
+    try:
+        writer.write({"step": 1, "loss": 2.5, "lr": 0.02, "grad_norm": 1.0, "time": 0.1})
+        writer.write({"step": 2, "loss": math.nan, "lr": 0.02, "grad_norm": math.inf, "time": 0.2})
+        writer.write({"step": 3, "loss": -math.inf, "lr": 0.02, "grad_norm": 1.0, "time": 0.3})
+    finally:
+        writer.close()
+    raw = path.read_bytes()
+    for line in raw.splitlines():  # strict JSON: no NaN/Infinity tokens
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"non-strict token {c}"))
+    chunk = parse_lines(raw, final=True)
+    assert not chunk.rejected
+    points = {step: MetricPoint.model_validate(data) for step, data, _ in chunk.points}
+    assert points[1].loss == 2.5
+    assert points[2].loss == "NaN" and points[2].grad_norm == "Infinity"
+    assert points[3].loss == "-Infinity"
+    assert [loss for _, _, loss in chunk.points] == [2.5, None, None]
+
+
+def _run_job(job_dir: Path, *recipe: str) -> subprocess.Popen[bytes]:
+    job_dir.mkdir(parents=True)
+    argv = [
+        sys.executable, "-m", "dmuon_server.runner", "--job-dir", str(job_dir), "--",
+        "--standalone", "--nproc_per_node", "1", "--log-dir", str(job_dir / "torchrun-logs"),
+        "-m", "dmuon.train", "--model", "tiny", "--steps", "1", "--eval-every", "0",
+        "--metrics-file", str(job_dir / "metrics.jsonl"), *recipe,
+    ]  # fmt: skip
+    env = {**os.environ, "DMUON_CACHE_DIR": str(job_dir / "cache"), "OMP_NUM_THREADS": "1"}
+    env.pop("DMUON_SERVER_TRAIN_MODULE", None)
+    log = (job_dir / "job.log").open("wb")
+    return subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def test_the_recipes_own_error_arrives_as_the_failure(tmp_path: Path) -> None:
+    """A recipe that fails at once names its exception, not torchrun's boilerplate: a data
+    error (a 5-byte corpus) and an argument error (``--seq-len 0``), launched as the
+    server launches jobs (the runner around torchrun), side by side."""
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("hello")
+    data_job = _run_job(tmp_path / "data", "--data", str(tiny), "--seq-len", "32")
+    flag_job = _run_job(tmp_path / "flags", "--seq-len", "0")
+    assert data_job.wait(timeout=240) != 0 and flag_job.wait(timeout=240) != 0
+    for job_dir, error_type, words in [
+        (tmp_path / "data", "ValueError", "fewer than --seq-len + 1"),
+        (tmp_path / "flags", "UsageError", "argument --seq-len"),
+    ]:
+        report = read_exit_report(job_dir)
+        assert report is not None, (job_dir / "job.log").read_text()[-3000:]
+        failure = describe_failure(job_dir, report, None, 20)
+        assert failure["rank"] == 0 and failure["exit_code"] == 2
+        assert failure["error_type"] == error_type, failure
+        assert words in failure["message"], failure
+        assert failure["reason"].startswith(f"rank 0 failed (exit code 2): {error_type}: ")
+        assert "To enable traceback" not in failure["reason"]
