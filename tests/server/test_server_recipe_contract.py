@@ -68,23 +68,29 @@ def _run_job(job_dir: Path, *recipe: str) -> subprocess.Popen[bytes]:
 
 
 def test_the_recipes_own_error_arrives_as_the_failure(tmp_path: Path) -> None:
-    """A recipe that fails at once names its exception, not torchrun's boilerplate: a data
-    error (a 5-byte corpus) and an argument error (``--seq-len 0``), launched as the
-    server launches jobs (the runner around torchrun), side by side."""
+    """A recipe that fails names its exception, not torchrun's boilerplate: a data error
+    (a 5-byte corpus), an argument error (``--seq-len 0``) and a diverging run (learning
+    rates of 1e4: "training diverged at step N", exit code 3), launched as the server
+    launches jobs (the runner around torchrun), side by side."""
     tiny = tmp_path / "tiny.txt"
     tiny.write_text("hello")
     data_job = _run_job(tmp_path / "data", "--data", str(tiny), "--seq-len", "32")
     flag_job = _run_job(tmp_path / "flags", "--seq-len", "0")
-    assert data_job.wait(timeout=240) != 0 and flag_job.wait(timeout=240) != 0
-    for job_dir, error_type, words in [
-        (tmp_path / "data", "ValueError", "fewer than --seq-len + 1"),
-        (tmp_path / "flags", "UsageError", "argument --seq-len"),
+    diverging = ["--steps", "30", "--lr", "1e4", "--adamw-lr", "1e4", "--warmup-steps", "0"]
+    diverging += ["--seq-len", "32", "--micro-batch-size", "2", "--clip-grad", "0"]
+    diverged_job = _run_job(tmp_path / "diverged", *diverging)
+    for job in (data_job, flag_job, diverged_job):
+        assert job.wait(timeout=240) != 0
+    for job_dir, error_type, words, code in [
+        (tmp_path / "data", "ValueError", "fewer than --seq-len + 1", 2),
+        (tmp_path / "flags", "UsageError", "argument --seq-len", 2),
+        (tmp_path / "diverged", "TrainingDiverged", "training diverged at step ", 3),
     ]:
         report = read_exit_report(job_dir)
         assert report is not None, (job_dir / "job.log").read_text()[-3000:]
         failure = describe_failure(job_dir, report, None, 20)
-        assert failure["rank"] == 0 and failure["exit_code"] == 2
+        assert failure["rank"] == 0 and failure["exit_code"] == code
         assert failure["error_type"] == error_type, failure
         assert words in failure["message"], failure
-        assert failure["reason"].startswith(f"rank 0 failed (exit code 2): {error_type}: ")
+        assert failure["reason"].startswith(f"rank 0 failed (exit code {code}): {error_type}: ")
         assert "To enable traceback" not in failure["reason"]
