@@ -7,6 +7,9 @@ A page asks for generated content with a marker on a line of its own:
 ``<!-- generated: rest-reference -->``
     The REST reference, rendered from the job service's OpenAPI document
     (``dmuon_server.app``), so the page cannot drift from the routes.
+``<!-- generated: recipe-flags -->``, ``<!-- generated: recipe-presets -->``
+    The training recipe's flags (from its argument parser) and model presets (from
+    ``dmuon.train.PRESETS``); see ``docs_hooks/recipe_tables.py``.
 
 Labels follow the page language (English, or Chinese for pages under ``docs/zh/``). If the
 code cannot be imported the hook logs a warning, which fails ``mkdocs build --strict``.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,6 +30,12 @@ from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.plugins import get_plugin_logger
 from mkdocs.structure.files import Files
 from mkdocs.structure.pages import Page
+
+# Sibling modules of this hook (MkDocs loads hooks by file path, not as a package).
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+import recipe_tables
 
 log = get_plugin_logger("dmuon-docs")
 
@@ -56,6 +66,7 @@ LABELS: dict[str, dict[str, str]] = {
         "auth": "Requires the bearer token.",
         "version": "OpenAPI document",
         "sep": ", ",
+        "lang": "en",
     },
     "zh": {
         "set": "系数集",
@@ -81,13 +92,19 @@ LABELS: dict[str, dict[str, str]] = {
         "auth": "需要 bearer token。",
         "version": "OpenAPI 文档",
         "sep": "，",
+        "lang": "zh",
     },
 }
 
 
+def page_lang(page: Page) -> str:
+    """``zh`` for pages of the Chinese mirror, ``en`` otherwise."""
+    locale = str(getattr(page.file, "locale", None) or "en")
+    return locale if locale in LABELS else "en"
+
+
 def _labels(page: Page) -> dict[str, str]:
-    locale = getattr(page.file, "locale", None) or "en"
-    return LABELS.get(str(locale), LABELS["en"])
+    return LABELS[page_lang(page)]
 
 
 def _cell(text: object) -> str:
@@ -332,6 +349,8 @@ def render_rest_reference(labels: Mapping[str, str]) -> str:
 RENDERERS: dict[str, Callable[[Mapping[str, str]], str]] = {
     "ns-coefficients": render_ns_coefficients,
     "rest-reference": render_rest_reference,
+    "recipe-flags": lambda labels: recipe_tables.render_flags(labels["lang"]),
+    "recipe-presets": lambda labels: recipe_tables.render_presets(labels["lang"]),
 }
 
 
