@@ -35,6 +35,7 @@ from mkdocs.structure.pages import Page
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
+import diagrams
 import recipe_tables
 
 log = get_plugin_logger("dmuon-docs")
@@ -377,6 +378,30 @@ def on_page_markdown(markdown: str, /, *, page: Page, config: MkDocsConfig, file
             return match.group(0)
 
     return MARKER.sub(replace, markdown)
+
+
+DIAGRAM = re.compile(r"^<!-- diagram: (?P<name>[a-z0-9-]+) -->[ \t]*$", re.MULTILINE)
+
+
+def on_page_content(html: str, /, *, page: Page, config: MkDocsConfig, files: Files) -> str:
+    """Replace each ``<!-- diagram: NAME -->`` with its inline SVG (``docs_hooks/diagrams.py``)."""
+    lang = page_lang(page)
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group("name")
+        renderer = diagrams.RENDERERS.get(name)
+        if renderer is None:
+            log.warning("%s: unknown diagram %r", page.file.src_uri, name)
+            return match.group(0)
+        try:
+            return renderer(lang)
+        except Exception as exc:  # a missing diagram must fail the strict build
+            log.warning(
+                "%s: could not draw %r: %s: %s", page.file.src_uri, name, type(exc).__name__, exc
+            )
+            return match.group(0)
+
+    return DIAGRAM.sub(replace, html)
 
 
 ROOT_HREF = re.compile(r'(?P<attr>\b(?:href|src))="/(?P<path>(?!/)[^"]*)"')
