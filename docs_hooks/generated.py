@@ -36,6 +36,7 @@ if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
 import diagrams
+import glossary
 import recipe_tables
 
 log = get_plugin_logger("dmuon-docs")
@@ -73,7 +74,7 @@ LABELS: dict[str, dict[str, str]] = {
         "set": "系数集",
         "step": "步",
         "steps_note": "超出表格的步数重复使用最后一行。",
-        "published": "论文原值（未乘安全系数）",
+        "published": "论文原值（除以安全系数之前）",
         "safety": "安全系数",
         "endpoints": "端点",
         "schemas": "数据模型",
@@ -352,6 +353,7 @@ RENDERERS: dict[str, Callable[[Mapping[str, str]], str]] = {
     "rest-reference": render_rest_reference,
     "recipe-flags": lambda labels: recipe_tables.render_flags(labels["lang"]),
     "recipe-presets": lambda labels: recipe_tables.render_presets(labels["lang"]),
+    "glossary": lambda labels: glossary.render_glossary(labels["lang"]),
 }
 
 

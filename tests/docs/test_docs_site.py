@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 import xml.etree.ElementTree as ET
+from html import unescape as html_unescape
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -155,3 +156,15 @@ def test_project_words_stay_whole_in_the_chinese_index(site: Path, word: str, pa
     separator = re.compile(index["config"]["separator"])
     pages = {d["location"].split("#", 1)[0] for d in index["docs"] if word in _words(d, separator)}
     assert page in pages, f"{word!r} is not a search term of zh/{page}; found on {sorted(pages)}"
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_glossary_terms_have_hover_definitions(site: Path, lang: str) -> None:
+    """Each glossary term is defined on the glossary page and hovers where it is used."""
+    glossary = parse_html(built_page(site, "glossary.md", lang))
+    concepts = built_page(site, "concepts.md", lang).read_text(encoding="utf-8")
+    titles = re.findall(r'<abbr title="([^"]+)">([^<]+)</abbr>', concepts)
+    assert len(titles) >= 5, titles
+    for definition, _word in titles:
+        plain = " ".join(html_unescape(definition).split())
+        assert plain in glossary.text, f"{lang}: hover text not on the glossary page: {plain!r}"
