@@ -7,6 +7,9 @@ A page asks for generated content with a marker on a line of its own:
 ``<!-- generated: rest-reference -->``
     The REST reference, rendered from the job service's OpenAPI document
     (``dmuon_server.app``), so the page cannot drift from the routes.
+``<!-- generated: recipe-flags -->``, ``<!-- generated: recipe-presets -->``
+    The training recipe's flags (from its argument parser) and model presets (from
+    ``dmuon.train.PRESETS``); see ``docs_hooks/recipe_tables.py``.
 
 Labels follow the page language (English, or Chinese for pages under ``docs/zh/``). If the
 code cannot be imported the hook logs a warning, which fails ``mkdocs build --strict``.
@@ -17,6 +20,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,6 +30,14 @@ from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.plugins import get_plugin_logger
 from mkdocs.structure.files import Files
 from mkdocs.structure.pages import Page
+
+# Sibling modules of this hook (MkDocs loads hooks by file path, not as a package).
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+import diagrams
+import glossary
+import recipe_tables
 
 log = get_plugin_logger("dmuon-docs")
 
@@ -56,12 +68,13 @@ LABELS: dict[str, dict[str, str]] = {
         "auth": "Requires the bearer token.",
         "version": "OpenAPI document",
         "sep": ", ",
+        "lang": "en",
     },
     "zh": {
         "set": "系数集",
         "step": "步",
         "steps_note": "超出表格的步数重复使用最后一行。",
-        "published": "论文原值（未乘安全系数）",
+        "published": "论文原值（除以安全系数之前）",
         "safety": "安全系数",
         "endpoints": "端点",
         "schemas": "数据模型",
@@ -81,13 +94,19 @@ LABELS: dict[str, dict[str, str]] = {
         "auth": "需要 bearer token。",
         "version": "OpenAPI 文档",
         "sep": "，",
+        "lang": "zh",
     },
 }
 
 
+def page_lang(page: Page) -> str:
+    """``zh`` for pages of the Chinese mirror, ``en`` otherwise."""
+    locale = str(getattr(page.file, "locale", None) or "en")
+    return locale if locale in LABELS else "en"
+
+
 def _labels(page: Page) -> dict[str, str]:
-    locale = getattr(page.file, "locale", None) or "en"
-    return LABELS.get(str(locale), LABELS["en"])
+    return LABELS[page_lang(page)]
 
 
 def _cell(text: object) -> str:
@@ -332,6 +351,9 @@ def render_rest_reference(labels: Mapping[str, str]) -> str:
 RENDERERS: dict[str, Callable[[Mapping[str, str]], str]] = {
     "ns-coefficients": render_ns_coefficients,
     "rest-reference": render_rest_reference,
+    "recipe-flags": lambda labels: recipe_tables.render_flags(labels["lang"]),
+    "recipe-presets": lambda labels: recipe_tables.render_presets(labels["lang"]),
+    "glossary": lambda labels: glossary.render_glossary(labels["lang"]),
 }
 
 
@@ -358,6 +380,30 @@ def on_page_markdown(markdown: str, /, *, page: Page, config: MkDocsConfig, file
             return match.group(0)
 
     return MARKER.sub(replace, markdown)
+
+
+DIAGRAM = re.compile(r"^<!-- diagram: (?P<name>[a-z0-9-]+) -->[ \t]*$", re.MULTILINE)
+
+
+def on_page_content(html: str, /, *, page: Page, config: MkDocsConfig, files: Files) -> str:
+    """Replace each ``<!-- diagram: NAME -->`` with its inline SVG (``docs_hooks/diagrams.py``)."""
+    lang = page_lang(page)
+
+    def replace(match: re.Match[str]) -> str:
+        name = match.group("name")
+        renderer = diagrams.RENDERERS.get(name)
+        if renderer is None:
+            log.warning("%s: unknown diagram %r", page.file.src_uri, name)
+            return match.group(0)
+        try:
+            return renderer(lang)
+        except Exception as exc:  # a missing diagram must fail the strict build
+            log.warning(
+                "%s: could not draw %r: %s: %s", page.file.src_uri, name, type(exc).__name__, exc
+            )
+            return match.group(0)
+
+    return DIAGRAM.sub(replace, html)
 
 
 ROOT_HREF = re.compile(r'(?P<attr>\b(?:href|src))="/(?P<path>(?!/)[^"]*)"')

@@ -1,6 +1,6 @@
 """Tables that restate the code list exactly what the code has, in both languages.
 
-Flags of ``dmuon-train`` (training guide) and ``dmuon-server`` (job service page), the job
+Flags of ``dmuon-server`` (job service page), the job
 states, and the keys of the metrics file: a change in the code fails here until both
 languages follow.
 """
@@ -15,20 +15,14 @@ import pytest
 from docs_md import DOCS, ZH
 
 
-def _recipe_parser() -> argparse.ArgumentParser:
-    from dmuon.train.cli import build_parser
-
-    return build_parser()
-
-
 def _server_parser() -> argparse.ArgumentParser:
     from dmuon_server.cli import build_parser
 
     return build_parser()
 
 
+# The recipe's flag table is rendered from its parser (test_docs_recipe_tables.py checks it).
 TABLES: dict[str, tuple[str, str, Callable[[], argparse.ArgumentParser]]] = {
-    "dmuon-train": ("training.md", "{#flags}", _recipe_parser),
     "dmuon-server": ("job-service.md", "{#starting}", _server_parser),
 }
 

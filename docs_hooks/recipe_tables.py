@@ -1,0 +1,209 @@
+"""The training guide's flag and preset tables, rendered from the recipe's own code.
+
+Every value a reader could copy (flag spellings, choices, defaults, preset sizes and
+parameter counts) comes from ``dmuon.train.build_parser()`` and ``dmuon.train.PRESETS``.
+Only the explanatory prose lives here, per language; a flag without prose of its own is
+described by its ``--help`` text, so a new flag appears in both languages with no edit to
+the docs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+# Prose that reads better than the one-line ``--help`` text (links, fuller sentences).
+MEANING: dict[str, dict[str, str]] = {
+    "en": {
+        "--model": "model preset ([below](#presets))",
+        "--data": "a text file, or a folder read recursively (hidden and binary files skipped)",
+        "--cache-dir": "where the tokenized corpus is cached",
+        "--val-fraction": "share of files (of bytes, for a single file) held out for validation",
+        "--steps": "optimizer steps",
+        "--micro-batch-size": "sequences per micro-batch per process",
+        "--accum-steps": "micro-batches accumulated per optimizer step",
+        "--seq-len": "tokens (bytes) per sequence",
+        "--seed": "initialization and data-order seed",
+        "--device": "`auto` = CUDA if available, else CPU",
+        "--threads": "intra-op CPU threads per process",
+        "--dtype": "parameter and compute dtype (`float64` for exactness checks)",
+        "--optimizer": "`dmuon` = DMuon on 2-D `Linear` weights plus AdamW on the rest; "
+        "`adamw` = `torch.optim.AdamW` on everything",
+        "--mode": "[Z2 or Z3](z2-vs-z3.md), for DMuon's buffers and FSDP2's parameters alike "
+        "(`reshard_after_forward` of both)",
+        "--lr": "peak Muon learning rate of the dedicated matrices (`dmuon` only)",
+        "--adamw-lr": "peak AdamW learning rate: embedding, norms and `lm_head` with `dmuon`; "
+        "every parameter with `adamw`",
+        "--warmup-steps": "linear warm-up steps",
+        "--min-lr-ratio": "final learning rate as a fraction of the peak",
+        "--clip-grad": "clip the global gradient norm (`dmuon.clip_grad_norm_`) to this value; "
+        "`0` disables it; the logged `grad_norm` is the norm before clipping",
+        "--eval-every": "evaluate at step 0, every N steps and at the end; `0` turns "
+        "evaluation off",
+        "--eval-sequences": "fixed validation windows per evaluation",
+        "--metrics-file": "append one JSON line per optimizer step (rank 0)",
+        "--log-every": "print every N steps when there is no progress bar",
+        "--progress": "a progress bar on a terminal, plain lines otherwise",
+    },
+    "zh": {
+        "--model": "模型预设（见[下文](#presets)）",
+        "--data": "一个文本文件，或递归读取的文件夹（跳过隐藏文件和二进制文件）",
+        "--cache-dir": "分词后语料的缓存位置",
+        "--val-fraction": "留作验证集的文件比例（单个文件时为字节比例）",
+        "--steps": "优化器步数",
+        "--micro-batch-size": "每个进程每个微批次的序列数",
+        "--accum-steps": "每个优化器步累积的微批次数",
+        "--seq-len": "每条序列的 token（字节）数",
+        "--seed": "初始化和数据顺序的种子",
+        "--device": "`auto` = 有 CUDA 就用，否则用 CPU",
+        "--threads": "每个进程的算子内 CPU 线程数",
+        "--dtype": "参数和计算的数据类型（`float64` 用于精确性检查）",
+        "--optimizer": "`dmuon` = 二维 `Linear` 权重用 DMuon，其余用 AdamW；"
+        "`adamw` = 全部用 `torch.optim.AdamW`",
+        "--mode": "[Z2 或 Z3](z2-vs-z3.md)，同时作用于 DMuon 的缓冲区和 FSDP2 的参数"
+        "（两者的 `reshard_after_forward`）",
+        "--lr": "专属矩阵的 Muon 峰值学习率（仅 `dmuon`）",
+        "--adamw-lr": "AdamW 的峰值学习率：`dmuon` 时用于嵌入、归一化层和 `lm_head`；"
+        "`adamw` 时用于所有参数",
+        "--warmup-steps": "线性预热步数",
+        "--min-lr-ratio": "最终学习率占峰值的比例",
+        "--clip-grad": "把全局梯度范数（`dmuon.clip_grad_norm_`）裁剪到这个值；`0` 表示不裁剪；"
+        "记录的 `grad_norm` 是裁剪前的范数",
+        "--eval-every": "在第 0 步、每 N 步以及结束时评估；`0` 关闭评估",
+        "--eval-sequences": "每次评估使用的固定验证窗口数",
+        "--metrics-file": "每个优化器步追加一行 JSON（由 rank 0 写入）",
+        "--log-every": "没有进度条时每 N 步打印一次",
+        "--progress": "在终端上显示进度条，否则输出普通文本行",
+    },
+}
+
+# What a default of ``None`` means for flags whose value is decided at run time.
+RUNTIME_DEFAULT: dict[str, dict[str, str]] = {
+    "en": {
+        "--data": "the standard library source",
+        "--cache-dir": "`$DMUON_CACHE_DIR` or `~/.cache/dmuon`",
+        "--threads": "`OMP_NUM_THREADS` if set, else the available cores divided by the "
+        "processes on this machine",
+        "--metrics-file": "none",
+    },
+    "zh": {
+        "--data": "标准库源代码",
+        "--cache-dir": "`$DMUON_CACHE_DIR` 或 `~/.cache/dmuon`",
+        "--threads": "设置了 `OMP_NUM_THREADS` 时取其值，否则为可用核数除以本机进程数",
+        "--metrics-file": "无",
+    },
+}
+
+LABELS: dict[str, dict[str, str]] = {
+    "en": {
+        "flag": "flag",
+        "default": "default",
+        "meaning": "meaning",
+        "none": "none",
+        "preset": "preset",
+        "layers": "layers",
+        "width": "width",
+        "heads": "heads",
+        "mlp": "MLP width",
+        "params": "parameters",
+    },
+    "zh": {
+        "flag": "参数",
+        "default": "默认值",
+        "meaning": "含义",
+        "none": "无",
+        "preset": "预设",
+        "layers": "层数",
+        "width": "宽度",
+        "heads": "注意力头",
+        "mlp": "MLP 宽度",
+        "params": "参数量",
+    },
+}
+
+
+def _cell(text: object) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ").strip()
+
+
+def recipe_parser() -> argparse.ArgumentParser:
+    """The recipe's argument parser (``dmuon-train --help`` prints from it)."""
+    return importlib.import_module("dmuon.train.cli").build_parser()
+
+
+def documented_actions(parser: argparse.ArgumentParser) -> Iterator[argparse.Action]:
+    """The parser's options in ``--help`` order, without ``--help`` and hidden ones."""
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            continue
+        if any(s.startswith("--") for s in action.option_strings):
+            yield action
+
+
+def long_flag(action: argparse.Action) -> str:
+    """The ``--long`` spelling of an option."""
+    return next(s for s in action.option_strings if s.startswith("--"))
+
+
+def invocation(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """How ``--help`` spells the option with its argument, e.g. ``--model {base,small,tiny}``."""
+    formatter = parser._get_formatter()
+    if not action.option_strings or action.nargs == 0:
+        return long_flag(action)
+    default_metavar = formatter._get_default_metavar_for_optional(action)
+    return f"{long_flag(action)} {formatter._format_args(action, default_metavar)}"
+
+
+def default_text(value: Any) -> str:
+    """A default as the command line would spell it (``None`` handled by the caller)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+def render_flags(lang: str) -> str:
+    """The ``dmuon-train`` flag table in ``lang`` (``en`` or ``zh``)."""
+    labels = LABELS[lang]
+    parser = recipe_parser()
+    rows = [
+        f"| {labels['flag']} | {labels['default']} | {labels['meaning']} |",
+        "|---|---|---|",
+    ]
+    for action in documented_actions(parser):
+        flag = long_flag(action)
+        if action.default is None:
+            default = RUNTIME_DEFAULT[lang].get(flag, labels["none"])
+        else:
+            default = f"`{default_text(action.default)}`"
+        meaning = MEANING[lang].get(flag) or str(action.help or "")
+        rows.append(
+            f"| `{_cell(invocation(parser, action))}` | {_cell(default)} | {_cell(meaning)} |"
+        )
+    return "\n".join(rows)
+
+
+def count_millions(n: int) -> str:
+    """A parameter count in millions as the docs show it (two decimals below 10 M)."""
+    millions = n / 1e6
+    return f"{millions:.2f} M" if millions < 10 else f"{millions:.1f} M"
+
+
+def render_presets(lang: str) -> str:
+    """The model preset table in ``lang``: shapes and parameter counts from ``PRESETS``."""
+    labels = LABELS[lang]
+    presets: Mapping[str, Any] = importlib.import_module("dmuon.train.model").PRESETS
+    rows = [
+        f"| {labels['preset']} | {labels['layers']} | {labels['width']} | {labels['heads']} | "
+        f"{labels['mlp']} | {labels['params']} |",
+        "|---|--:|--:|--:|--:|--:|",
+    ]
+    for name, config in presets.items():
+        rows.append(
+            f"| `{name}` | {config.n_layers} | {config.dim} | {config.n_heads} | "
+            f"{config.ffn_dim} | {count_millions(config.num_params)} |"
+        )
+    return "\n".join(rows)

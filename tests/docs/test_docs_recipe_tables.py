@@ -1,0 +1,102 @@
+"""Every cell of the training guide's flag and preset tables matches the code, in both languages.
+
+The oracle for flags is argparse itself (what ``parse_args([])`` returns and the choices it
+accepts); the oracle for parameter counts is the model built on the meta device, counted
+tensor by tensor, not the formula the page is rendered from.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from docs_md import built_page, html_tables
+
+
+def _parser() -> argparse.ArgumentParser:
+    from dmuon.train.cli import build_parser
+
+    return build_parser()
+
+
+def _table_with_header(site: Path, lang: str, first_header: str) -> list[list[str]]:
+    for table in html_tables(built_page(site, "training.md", lang)):
+        if table and table[0] and table[0][0] == first_header:
+            return table
+    raise AssertionError(f"{lang} training page has no table headed {first_header!r}")
+
+
+FLAG_HEADER = {"en": "flag", "zh": "参数"}
+PRESET_HEADER = {"en": "preset", "zh": "预设"}
+
+
+def _spelled(value: object) -> str:
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_flag_table_cells_match_the_parser(lang: str, site: Path) -> None:
+    parser = _parser()
+    defaults = vars(parser.parse_args([]))
+    options = {
+        s: a
+        for a in parser._actions
+        for s in a.option_strings
+        if s.startswith("--") and s != "--help"
+    }
+    rows = _table_with_header(site, lang, FLAG_HEADER[lang])[1:]
+    documented = {row[0].split(" ", 1)[0]: row for row in rows}
+    assert set(documented) == set(options), (
+        f"missing: {set(options) - set(documented)}, extra: {set(documented) - set(options)}"
+    )
+    for flag, (invocation, default, meaning) in documented.items():
+        action = options[flag]
+        if action.choices is not None:
+            assert invocation == f"{flag} {{{','.join(map(str, action.choices))}}}", invocation
+        value = defaults[action.dest]
+        if value is not None:
+            assert default == _spelled(value), f"{lang} {flag}: default {default!r}, code {value!r}"
+        else:
+            assert default and not default[0].isdigit(), f"{lang} {flag}: default {default!r}"
+        assert meaning, f"{lang} {flag}: no explanation"
+
+
+def test_flag_defaults_agree_with_the_train_config() -> None:
+    """The parser's defaults are the TrainConfig's (the page shows the parser's)."""
+    from dmuon.train.cli import TrainConfig
+
+    config = vars(TrainConfig())
+    for dest, value in vars(_parser().parse_args([])).items():
+        assert config[dest] == value, dest
+
+
+def _count_parameters(config: object) -> int:
+    import torch
+
+    from dmuon.train.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(config)  # type: ignore[arg-type]
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_preset_table_cells_match_the_models(lang: str, site: Path) -> None:
+    from dmuon.train.model import PRESETS
+
+    rows = _table_with_header(site, lang, PRESET_HEADER[lang])[1:]
+    assert [row[0] for row in rows] == list(PRESETS)
+    for name, layers, width, heads, mlp, params in rows:
+        config = PRESETS[name]
+        assert [int(layers), int(width), int(heads), int(mlp)] == [
+            config.n_layers,
+            config.dim,
+            config.n_heads,
+            config.ffn_dim,
+        ], name
+        assert params.endswith(" M"), params
+        shown = float(params[:-2]) * 1e6
+        decimals = len(params[:-2].partition(".")[2])
+        actual = _count_parameters(config)
+        assert abs(shown - actual) <= 0.5 * 10 ** (6 - decimals), f"{name}: {params} vs {actual}"
