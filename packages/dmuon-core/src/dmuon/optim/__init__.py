@@ -3,20 +3,25 @@
 from .muon import ADJUST_LR_FNS, Muon, adjust_lr_ratio
 from .orthogonalize import (
     COEFFICIENT_SETS,
+    GRAM_MIN_ASPECT,
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
     POLAR_EXPRESS_PUBLISHED_COEFFICIENTS,
     POLAR_EXPRESS_SAFETY_FACTOR,
     Coefficients,
     CoefficientTriple,
+    NewtonSchulzWorkspace,
+    cpu_has_native_bf16,
     default_ns_dtype,
     newton_schulz,
     resolve_coefficients,
+    uses_gram,
 )
 
 __all__ = [
     "ADJUST_LR_FNS",
     "COEFFICIENT_SETS",
+    "GRAM_MIN_ASPECT",
     "KELLER_COEFFICIENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLAR_EXPRESS_PUBLISHED_COEFFICIENTS",
@@ -24,8 +29,11 @@ __all__ = [
     "CoefficientTriple",
     "Coefficients",
     "Muon",
+    "NewtonSchulzWorkspace",
     "adjust_lr_ratio",
+    "cpu_has_native_bf16",
     "default_ns_dtype",
     "newton_schulz",
     "resolve_coefficients",
+    "uses_gram",
 ]

@@ -29,8 +29,9 @@ from torch.optim.adamw import adamw
 from ..ownership.state import DedicatedParam, get_dedication
 from .orthogonalize import (
     Coefficients,
+    NewtonSchulzWorkspace,
     _check_dtype,
-    _newton_schulz_unchecked,
+    default_ns_dtype,
     resolve_coefficients,
 )
 
@@ -93,6 +94,8 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
         resolve_coefficients(group["ns_coefficients"], steps)
     except ValueError as e:
         raise ValueError(f"ns_coefficients: {e}") from None
+    if not isinstance(group.get("ns_gram", True), bool):
+        raise ValueError(f"ns_gram must be True or False, got {group['ns_gram']!r}")
     if group["ns_dtype"] is not None:
         try:
             _check_dtype(group["ns_dtype"])
@@ -140,7 +143,9 @@ class Muon(torch.optim.Optimizer):
     W -= lr * adjust_lr_ratio(adjust_lr_fn, rows, cols) * O
     ```
 
-    Owned matrices of the same shape are orthogonalized together in one batched call.
+    Owned matrices of the same shape are orthogonalized together in one batched call, in
+    buffers allocated on the first step and reused afterwards; momentum, weight decay and the
+    update use ``torch._foreach_*`` kernels.
     Every other trainable parameter is updated with AdamW (``torch.optim.AdamW``'s own
     functional implementation, so results are bit-identical to it, DTensor shards included).
 
@@ -163,7 +168,13 @@ class Muon(torch.optim.Optimizer):
         ns_steps: Newton-Schulz steps (>= 1).
         ns_coefficients: ``"polar_express"``, ``"keller"``, one ``(a, b, c)`` triple or a
             per-step list of triples (see ``dmuon.optim.resolve_coefficients``).
-        ns_dtype: Newton-Schulz dtype; ``None`` means bfloat16 on CUDA, float32 on CPU.
+        ns_dtype: Newton-Schulz dtype; ``None`` means ``dmuon.optim.default_ns_dtype`` of the
+            gradient's device: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16,
+            float32 elsewhere.
+        ns_gram: orthogonalize matrices whose long side is at least
+            ``dmuon.optim.GRAM_MIN_ASPECT`` times the short one with the Gram iteration (on
+            the short side's Gram matrix, applied to the matrix once) when the iteration
+            dtype is float32 or float64; ``False`` always uses the standard iteration.
         eps: Newton-Schulz norm clamp (> 0).
         adjust_lr_fn: ``"match_rms_adamw"``, ``"original"`` or ``None`` (see
             `adjust_lr_ratio`).
@@ -188,6 +199,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_coefficients: Coefficients = "polar_express",
         ns_dtype: torch.dtype | None = None,
+        ns_gram: bool = True,
         eps: float = 1e-7,
         adjust_lr_fn: str | None = "match_rms_adamw",
         adamw_lr: float = 1e-3,
@@ -233,6 +245,7 @@ class Muon(torch.optim.Optimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             ns_dtype=ns_dtype,
+            ns_gram=ns_gram,
             eps=eps,
             adjust_lr_fn=adjust_lr_fn,
             adamw_lr=adamw_lr,
@@ -254,6 +267,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int,
         ns_coefficients: Coefficients,
         ns_dtype: torch.dtype | None,
+        ns_gram: bool,
         eps: float,
         adjust_lr_fn: str | None,
         adamw_lr: float,
@@ -271,6 +285,7 @@ class Muon(torch.optim.Optimizer):
                 "ns_steps": ns_steps,
                 "ns_coefficients": ns_coefficients,
                 "ns_dtype": ns_dtype,
+                "ns_gram": ns_gram,
                 "eps": eps,
                 "adjust_lr_fn": adjust_lr_fn,
             },
@@ -352,7 +367,8 @@ class Muon(torch.optim.Optimizer):
         momentum = group["momentum"]
         triples = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         params: list[Tensor] = []
-        updates: list[Tensor] = []
+        grads: list[Tensor] = []
+        bufs: list[Tensor] = []
         for p in group["params"]:
             dp = dedicated.get(id(p))
             if dp is None:
@@ -375,31 +391,60 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(
                     grad, memory_format=torch.preserve_format
                 )
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             params.append(p)
-            updates.append(update)
+            grads.append(grad)
+            bufs.append(state["momentum_buffer"])
+        if not params:
+            return
+        _foreach_by_dtype(torch._foreach_lerp_, bufs, grads, 1 - momentum)
+        if group["weight_decay"] != 0:
+            _foreach_by_dtype(torch._foreach_mul_, params, 1 - lr * group["weight_decay"])
 
-        # Orthogonalize same-shape matrices together (one batched call per bucket).
+        # Orthogonalize same-shape matrices together (one batched call per bucket), in
+        # buffers kept from step to step.
         buckets: dict[tuple[Any, ...], list[int]] = {}
-        for i, u in enumerate(updates):
-            buckets.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
-        for (_, _, device), idx in buckets.items():
-            ns_dtype = group["ns_dtype"]
-            if ns_dtype is None:
-                ns_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-            if len(idx) == 1:
-                ortho = [_newton_schulz_unchecked(updates[idx[0]], triples, ns_dtype, group["eps"])]
+        for i, g in enumerate(grads):
+            buckets.setdefault((tuple(g.shape), g.dtype, g.device), []).append(i)
+        for (shape, _, device), idx in buckets.items():
+            ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
+            ws = self._workspace(len(idx), shape, ns_dtype, device, group.get("ns_gram", True))
+            views = ws.source_views
+            bucket_grads = [grads[i] for i in idx]
+            if views[0].dtype == bucket_grads[0].dtype:
+                torch._foreach_copy_(views, bucket_grads)
+                if group["nesterov"]:  # U = lerp(G, buf, momentum)
+                    torch._foreach_lerp_(views, [bufs[i] for i in idx], momentum)
+                else:
+                    torch._foreach_copy_(views, [bufs[i] for i in idx])
             else:
-                stacked = torch.stack([updates[i] for i in idx])
-                ortho = list(_newton_schulz_unchecked(stacked, triples, ns_dtype, group["eps"]))
-            for i, o in zip(idx, ortho, strict=True):
-                p = params[i]
-                rows, cols = p.shape
-                adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(o, alpha=-adjusted_lr)
+                for v, i in zip(views, idx, strict=True):
+                    v.copy_(grads[i].lerp(bufs[i], momentum) if group["nesterov"] else bufs[i])
+            ortho = ws.run(triples, group["eps"])
+            rows, cols = shape
+            adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
+            updates = [o.mT for o in ortho.unbind(0)] if ws.transpose else list(ortho.unbind(0))
+            _foreach_by_dtype(
+                torch._foreach_add_, [params[i] for i in idx], updates, alpha=-adjusted_lr
+            )
+
+    def _workspace(
+        self,
+        batch: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        gram: bool,
+    ) -> NewtonSchulzWorkspace:
+        """The Newton-Schulz buffers of one bucket, created on first use and then reused."""
+        key = (batch, shape, dtype, device, gram)
+        cache: dict[tuple[Any, ...], NewtonSchulzWorkspace] = self.__dict__.setdefault(
+            "_ns_workspaces", {}
+        )
+        ws = cache.get(key)
+        if ws is None:
+            rows, cols = shape
+            ws = cache[key] = NewtonSchulzWorkspace(batch, rows, cols, dtype, device, gram=gram)
+        return ws
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params: list[Tensor] = []
@@ -512,6 +557,24 @@ class Muon(torch.optim.Optimizer):
         if distributed:
             dist.all_reduce(total, op=dist.ReduceOp.SUM)
         return math.sqrt(total.item())
+
+
+def _foreach_by_dtype(op: Callable[..., Any], first: list[Tensor], *rest: Any, **kw: Any) -> None:
+    """Apply an in-place ``torch._foreach_*_`` op, one call per dtype pair of the operands.
+
+    The foreach kernels take one dtype per list; model weights may mix dtypes, and the update
+    may be bfloat16 while the weight is float32 (added with type promotion, as ``add_`` does).
+    """
+    lists = [first] + [r for r in rest if isinstance(r, list)]
+    scalars = [r for r in rest if not isinstance(r, list)]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i in range(len(first)):
+        groups.setdefault(tuple((lst[i].dtype, lst[i].device) for lst in lists), []).append(i)
+    if len(groups) == 1:
+        op(*lists, *scalars, **kw)
+        return
+    for idx in groups.values():
+        op(*[[lst[i] for i in idx] for lst in lists], *scalars, **kw)
 
 
 def _local_sq_sum(g: Tensor, world: int) -> Tensor:
