@@ -7,8 +7,9 @@ are compared within this run. Reported per shape bucket and for the whole model,
 
 * both at their defaults (torch: bfloat16 Keller iteration; dmuon: `default_ns_dtype`,
   Polar Express, Gram iteration on rectangular matrices);
-* both in bfloat16 (the only dtype ``torch.optim.Muon`` iterates in), with and without the
-  Gram iteration.
+* both in bfloat16 (the only dtype ``torch.optim.Muon`` iterates in; dmuon never takes
+  the Gram iteration in bfloat16);
+* dmuon in float32 with and without the Gram iteration (what the Gram iteration gains).
 
     python benchmarks/optimizer_step.py --model small --threads 1
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,10 +32,13 @@ import dmuon
 from dmuon.optim import default_ns_dtype
 from dmuon.train import build_model, lm_loss
 
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import machine_info
+
 CONTENDERS: dict[str, dict[str, Any]] = {
     "dmuon-default": {},
     "dmuon-bf16": {"ns_dtype": torch.bfloat16},
-    "dmuon-bf16-nogram": {"ns_dtype": torch.bfloat16, "ns_gram": False},
+    "dmuon-fp32": {"ns_dtype": torch.float32},
     "dmuon-fp32-nogram": {"ns_dtype": torch.float32, "ns_gram": False},
 }
 """dmuon.Muon settings timed against torch.optim.Muon + AdamW at their defaults."""
@@ -124,6 +129,7 @@ def run(preset: str, rounds: int, warmup: int) -> dict[str, Any]:
             "speedup_vs_torch": {n: medians["torch"] / medians[n] for n in CONTENDERS},
         }
     return {
+        "machine": machine_info(),
         "preset": preset,
         "threads": torch.get_num_threads(),
         "default_ns_dtype": str(default_ns_dtype(torch.device("cpu"))),
@@ -150,13 +156,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="preset(s), comma-separated")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    results = [run(p, args.rounds, args.warmup) for p in args.model.split(",")]
-    for result in results:
+    results = []
+    for preset in args.model.split(","):
+        results.append(run(preset, args.rounds, args.warmup))
+        result = results[-1]
         print(
             f"preset={result['preset']} threads={result['threads']} "
             f"default_ns_dtype={result['default_ns_dtype']} rounds={result['rounds']}"
