@@ -598,3 +598,38 @@ def test_rejects_non_bool_ns_gram() -> None:
     dedicate_by_hand(model)
     with pytest.raises(ValueError, match="ns_gram must be True or False"):
         Muon(model, ns_gram="yes")  # type: ignore[arg-type]
+
+
+class MatricesOnly(nn.Module):
+    """A wide, a tall and a square matrix, nothing for AdamW."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64, bias=False)
+        self.down = nn.Linear(64, 16, bias=False)
+        self.mix = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mix(self.down(torch.tanh(self.up(x))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_allocates_no_buffers_after_the_first(dtype: torch.dtype) -> None:
+    # Oracle: torch.profiler's CPU memory records. After the first step (which creates the
+    # momentum and Newton-Schulz buffers) a step allocates nothing matrix-sized: measured
+    # only 4-byte scalar temporaries (at most 12 per step).
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    model = MatricesOnly()
+    names = ["up.weight", "down.weight", "mix.weight"]
+    dedicate_by_hand(model, names)
+    opt = Muon(model, ns_dtype=dtype, weight_decay=0.1)
+    model(torch.randn(8, 16)).square().sum().backward()
+    for dp in get_dedication(model).owned():
+        dp.param._reduced_grad = dp.param.grad
+    opt.step()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        opt.step()
+    sizes = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
+    assert max(sizes, default=0) <= 8

@@ -419,13 +419,13 @@ class Muon(torch.optim.Optimizer):
             else:
                 for v, i in zip(views, idx, strict=True):
                     v.copy_(grads[i].lerp(bufs[i], momentum) if group["nesterov"] else bufs[i])
-            ortho = ws.run(triples, group["eps"])
+            bucket_params = [params[i] for i in idx]
+            # Added in the weights' dtype; a bfloat16 result is widened once into a buffer.
+            ortho = ws.cast(ws.run(triples, group["eps"]), bucket_params[0].dtype)
             rows, cols = shape
             adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
             updates = [o.mT for o in ortho.unbind(0)] if ws.transpose else list(ortho.unbind(0))
-            _foreach_by_dtype(
-                torch._foreach_add_, [params[i] for i in idx], updates, alpha=-adjusted_lr
-            )
+            torch._foreach_add_(bucket_params, updates, alpha=-adjusted_lr)
 
     def _workspace(
         self,
@@ -559,22 +559,21 @@ class Muon(torch.optim.Optimizer):
         return math.sqrt(total.item())
 
 
-def _foreach_by_dtype(op: Callable[..., Any], first: list[Tensor], *rest: Any, **kw: Any) -> None:
-    """Apply an in-place ``torch._foreach_*_`` op, one call per dtype pair of the operands.
+def _foreach_by_dtype(op: Callable[..., Any], first: list[Tensor], *rest: Any) -> None:
+    """Apply an in-place ``torch._foreach_*_`` op, one call per (dtype, device) of ``first``.
 
-    The foreach kernels take one dtype per list; model weights may mix dtypes, and the update
-    may be bfloat16 while the weight is float32 (added with type promotion, as ``add_`` does).
+    The foreach kernels take one dtype per list, and model weights may mix dtypes.
     """
     lists = [first] + [r for r in rest if isinstance(r, list)]
     scalars = [r for r in rest if not isinstance(r, list)]
     groups: dict[tuple[Any, ...], list[int]] = {}
-    for i in range(len(first)):
-        groups.setdefault(tuple((lst[i].dtype, lst[i].device) for lst in lists), []).append(i)
+    for i, t in enumerate(first):
+        groups.setdefault((t.dtype, t.device), []).append(i)
     if len(groups) == 1:
-        op(*lists, *scalars, **kw)
+        op(*lists, *scalars)
         return
     for idx in groups.values():
-        op(*[[lst[i] for i in idx] for lst in lists], *scalars, **kw)
+        op(*[[lst[i] for i in idx] for lst in lists], *scalars)
 
 
 def _local_sq_sum(g: Tensor, world: int) -> Tensor:

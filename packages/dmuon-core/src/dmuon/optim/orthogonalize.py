@@ -292,6 +292,7 @@ class NewtonSchulzWorkspace:
         square = (batch, short, short)
         count = 5 if self.gram else 2
         self._small = [torch.empty(square, dtype=dtype, device=device) for _ in range(count)]
+        self._cast_buffers: dict[torch.dtype, Tensor] = {}
 
     def run(self, triples: Sequence[CoefficientTriple], eps: float) -> Tensor:
         """Normalize `source` and iterate; returns ``(batch, short, long)``.
@@ -310,6 +311,15 @@ class NewtonSchulzWorkspace:
         if self.gram:
             return self._run_gram(triples)
         return self._run_standard(triples)
+
+    def cast(self, result: Tensor, dtype: torch.dtype) -> Tensor:
+        """``result`` (from `run`) in ``dtype``, copied into a buffer kept for the next call."""
+        if result.dtype == dtype:
+            return result
+        buffer = self._cast_buffers.get(dtype)
+        if buffer is None:
+            buffer = self._cast_buffers[dtype] = torch.empty_like(self.source, dtype=dtype)
+        return buffer.copy_(result)
 
     def _run_long_first(self, triples: Sequence[CoefficientTriple]) -> Tensor:
         # The standard iteration on Xt = Xᵀ: A = Xtᵀ Xt, B = bA + cA·Aᵀ, Xt ← a·Xt + Xt·Bᵀ.
