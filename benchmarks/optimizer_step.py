@@ -6,7 +6,7 @@ model goes to AdamW (``dmuon.Muon``'s own AdamW group, ``torch.optim.AdamW`` nex
 are compared within this run. Reported per shape bucket and for the whole model, for:
 
 * both at their defaults (torch: bfloat16 Keller iteration; dmuon: `default_ns_dtype`,
-  Polar Express, Gram iteration on rectangular matrices);
+  Polar Express, standard iteration);
 * both in bfloat16 (the only dtype ``torch.optim.Muon`` iterates in; dmuon never takes
   the Gram iteration in bfloat16);
 * dmuon in float32 with and without the Gram iteration (what the Gram iteration gains).
@@ -38,7 +38,7 @@ from machine import machine_info
 CONTENDERS: dict[str, dict[str, Any]] = {
     "dmuon-default": {},
     "dmuon-bf16": {"ns_dtype": torch.bfloat16},
-    "dmuon-fp32": {"ns_dtype": torch.float32},
+    "dmuon-fp32": {"ns_dtype": torch.float32, "ns_gram": True},
     "dmuon-fp32-nogram": {"ns_dtype": torch.float32, "ns_gram": False},
 }
 """dmuon.Muon settings timed against torch.optim.Muon + AdamW at their defaults."""

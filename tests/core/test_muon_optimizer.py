@@ -624,7 +624,7 @@ def test_step_allocates_no_buffers_after_the_first(dtype: torch.dtype) -> None:
     model = MatricesOnly()
     names = ["up.weight", "down.weight", "mix.weight"]
     dedicate_by_hand(model, names)
-    opt = Muon(model, ns_dtype=dtype, weight_decay=0.1)
+    opt = Muon(model, ns_dtype=dtype, ns_gram=True, weight_decay=0.1)
     model(torch.randn(8, 16)).square().sum().backward()
     for dp in get_dedication(model).owned():
         dp.param._reduced_grad = dp.param.grad
