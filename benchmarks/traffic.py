@@ -8,8 +8,8 @@ wrapped, and each call adds the elements it moves per rank on a ring, over (N-1)
 * all-reduce: 2 x elements (a reduce-scatter plus an all-gather).
 
 Dividing by P_M, the elements of the Muon-target matrices, gives the units of (N-1)/N x P_M
-that DMuon's formula is stated in. Each call is attributed to ``"dmuon"`` when a frame of
-the ``dmuon`` package issued it, and to ``"torch"`` (FSDP2, DTensor) otherwise.
+that DMuon's formula is stated in. Each call is attributed to ``"dmuon"`` when code of the
+``dmuon`` package called it directly, and to ``"torch"`` (FSDP2, DTensor) otherwise.
 """
 
 from __future__ import annotations
@@ -64,12 +64,11 @@ _FUNCOL_OPS: dict[str, Callable[..., int]] = {
 
 
 def _issuer() -> str:
-    frame = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_DMUON_DIR):
-            return "dmuon"
-        frame = frame.f_back
-    return "torch"
+    # The frame that called the collective decides: the dmuon library issues its own
+    # collectives; FSDP2 and DTensor issue theirs from torch, even inside a dmuon model's
+    # forward, so walking further up the stack would misattribute them.
+    caller = sys._getframe(2)
+    return "dmuon" if caller.f_code.co_filename.startswith(_DMUON_DIR) else "torch"
 
 
 class TrafficCounter:
