@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --constraint constraints.txt $(FIND_LINKS)
 
-.PHONY: setup demo test test-core test-server test-docs lint format docs docs-serve bench clean
+.PHONY: setup demo test test-core test-server test-docs lint format docs docs-serve bench bench-quick bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -49,8 +49,15 @@ docs: setup
 docs-serve: setup
 	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
+# Full side-by-side benchmark (minutes; writes benchmarks/results/*.json). Peers come in
+# through the optional extra: $(BIN)/python -m pip install -e 'packages/dmuon-core[bench]'.
 bench: setup
-	$(BIN)/python benchmarks/step_time.py
+	$(BIN)/python benchmarks/optimizer_step.py --model small --json benchmarks/results/optimizer_step.json
+	$(BIN)/python benchmarks/bench.py
+
+# CI: tiny model, asserts only deterministic things (counted traffic against the formulas).
+bench-quick: setup
+	$(BIN)/python -m pytest tests/core/test_bench_quick.py -q
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache

@@ -12,16 +12,20 @@ Oracles:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 from dmuon.optim import (
+    GRAM_MIN_ASPECT,
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
+    default_ns_dtype,
     newton_schulz,
     resolve_coefficients,
+    uses_gram,
 )
 
 # Published numbers (facts.md), retyped here so the oracle does not share the code's constants.
@@ -176,11 +180,81 @@ def test_constants() -> None:
         assert got == pytest.approx(want, rel=1e-15)
 
 
-def test_default_dtype_is_float32_on_cpu() -> None:
+def _cpuinfo_has_bf16_units() -> bool:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to read the CPU flags from")
+    flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
+
+
+def test_default_dtype_on_cpu_follows_bf16_units() -> None:
+    # Oracle: the CPU flags the kernel reports. bfloat16 only with AMX-BF16 / AVX512-BF16.
+    expected = torch.bfloat16 if _cpuinfo_has_bf16_units() else torch.float32
+    assert default_ns_dtype(torch.device("cpu")) == expected
+    assert default_ns_dtype(torch.device("cuda")) == torch.bfloat16
     G = torch.randn(16, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
-    torch.testing.assert_close(
-        newton_schulz(G), newton_schulz(G, dtype=torch.float32), rtol=0, atol=0
+    torch.testing.assert_close(newton_schulz(G), newton_schulz(G, dtype=expected), rtol=0, atol=0)
+
+
+# Gram iteration: equal to the standard one in exact arithmetic. Measured on the matrices
+# below (singular values spanning 1e-2..1), float32:
+#   max abs error against U diag(p(x)) Vᵀ: Gram 1.2e-5 .. 3.6e-5, standard 4e-7 .. 7e-7
+#   (the Gram matrix squares the condition number, so float32 rounding weighs more);
+#   relative Frobenius distance to the polar factor U Vᵀ: identical to 4 digits for both
+#   (0.090 .. 0.192, set by the coefficients, not by the arithmetic).
+# In bfloat16 the same Gram iteration diverges on these matrices (relative error up to 5e3),
+# which is why it is used only in float32/float64 and bfloat16 keeps the standard iteration.
+GRAM_ORACLE_TOL = 1e-4
+GRAM_SHAPES = [(32, 96), (96, 32), (16, 128)]
+
+
+@pytest.mark.parametrize("coef", ["keller", "polar_express"])
+@pytest.mark.parametrize("shape", GRAM_SHAPES)
+def test_gram_matches_svd_oracle_like_standard(coef: str, shape: tuple) -> None:
+    G, U, s, V = _spectrum_matrix(*shape, seed=7 + sum(shape))
+    assert uses_gram(*shape)
+    x = s / s.norm()
+    expected = U @ torch.diag(_scalar_map(x, ORACLE_TRIPLES[coef])) @ V.T
+    polar = U @ V.T
+    gram = newton_schulz(G.float(), coefficients=coef, dtype=torch.float32, gram=True).double()
+    std = newton_schulz(G.float(), coefficients=coef, dtype=torch.float32, gram=False).double()
+    assert (gram - expected).abs().max() <= GRAM_ORACLE_TOL
+    lo, hi = BANDS[coef]
+    sv = torch.linalg.svdvals(gram)
+    assert lo <= sv.min() and sv.max() <= hi
+    gram_err = (gram - polar).norm() / polar.norm()
+    std_err = (std - polar).norm() / polar.norm()
+    assert abs(gram_err - std_err) <= 1e-4
+
+
+def test_gram_is_not_used_in_bfloat16() -> None:
+    # bfloat16 keeps the standard iteration: gram=True and gram=False are bit-identical.
+    assert not uses_gram(32, 96, dtype=torch.bfloat16)
+    G, *_ = _spectrum_matrix(32, 96, seed=11)
+    on = newton_schulz(G.float(), dtype=torch.bfloat16, gram=True)
+    assert torch.equal(on, newton_schulz(G.float(), dtype=torch.bfloat16, gram=False))
+
+
+def test_gram_switch_and_threshold() -> None:
+    assert GRAM_MIN_ASPECT == 2.0
+    assert uses_gram(32, 64) and uses_gram(64, 32)
+    assert not uses_gram(32, 63) and not uses_gram(48, 32)
+    assert not uses_gram(32, 96, gram=False)
+    # Below the threshold gram=True takes the standard path: bit-identical results.
+    G = torch.randn(3, 40, 48, generator=torch.Generator().manual_seed(8))
+    assert torch.equal(
+        newton_schulz(G, dtype=torch.float32, gram=True), newton_schulz(G, dtype=torch.float32)
     )
+
+
+def test_gram_batched_equals_per_matrix() -> None:
+    Gs = torch.randn(4, 24, 72, generator=torch.Generator().manual_seed(9))
+    Gs = Gs * torch.logspace(-2, 2, 4).view(-1, 1, 1)
+    batched = newton_schulz(Gs, dtype=torch.float32, gram=True)
+    single = torch.stack([newton_schulz(g, dtype=torch.float32, gram=True) for g in Gs])
+    torch.testing.assert_close(batched, single, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -36,9 +36,9 @@ from torch.optim.adamw import adamw
 from dmuon.clip import total_grad_norm
 from dmuon.optim.orthogonalize import (
     Coefficients,
+    NewtonSchulzWorkspace,
     _check_dtype,
     _is_real,
-    _newton_schulz_unchecked,
     default_ns_dtype,
     resolve_coefficients,
 )
@@ -116,6 +116,8 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
         resolve_coefficients(group["ns_coefficients"], steps)
     except ValueError as e:
         raise ValueError(f"ns_coefficients: {e}") from None
+    if not isinstance(group.get("ns_gram", True), bool):
+        raise ValueError(f"ns_gram must be True or False, got {group['ns_gram']!r}")
     if group["ns_dtype"] is not None:
         try:
             _check_dtype(group["ns_dtype"])
@@ -165,7 +167,9 @@ class Muon(torch.optim.Optimizer):
     W -= lr * adjust_lr_ratio(adjust_lr_fn, rows, cols) * O
     ```
 
-    Owned matrices of the same shape are orthogonalized together in one batched call.
+    Owned matrices of the same shape are orthogonalized together in one batched call, in
+    buffers allocated on the first step and reused afterwards; momentum, weight decay and the
+    update use ``torch._foreach_*`` kernels.
     Every other trainable parameter is updated with AdamW (``torch.optim.AdamW``'s own
     functional implementation, so results are bit-identical to it, DTensor shards included).
 
@@ -188,8 +192,15 @@ class Muon(torch.optim.Optimizer):
         ns_steps: Newton-Schulz steps (>= 1).
         ns_coefficients: ``"polar_express"``, ``"keller"``, one ``(a, b, c)`` triple or a
             per-step list of triples (see ``dmuon.optim.resolve_coefficients``).
-        ns_dtype: Newton-Schulz dtype; ``None`` picks ``dmuon.optim.default_ns_dtype`` of
-            the matrix's device.
+        ns_dtype: Newton-Schulz dtype; ``None`` means ``dmuon.optim.default_ns_dtype`` of the
+            gradient's device: bfloat16 on CUDA and on CPUs with AMX-BF16 or AVX512-BF16,
+            float32 elsewhere.
+        ns_gram: orthogonalize matrices whose long side is at least
+            ``dmuon.optim.GRAM_MIN_ASPECT`` times the short one with the Gram iteration (on
+            the short side's Gram matrix, applied to the matrix once) when the iteration
+            dtype is float32 or float64. Off by default: in float32 it is faster on such
+            matrices but about 50x more sensitive to rounding than the standard iteration
+            (see the Newton-Schulz docs page).
         eps: Newton-Schulz norm clamp (> 0).
         adjust_lr_fn: ``"match_rms_adamw"``, ``"original"`` or ``None`` (see
             `adjust_lr_ratio`).
@@ -219,6 +230,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_coefficients: Coefficients = "polar_express",
         ns_dtype: torch.dtype | None = None,
+        ns_gram: bool = False,
         eps: float = 1e-7,
         adjust_lr_fn: str | None = "match_rms_adamw",
         adamw_lr: float = 1e-3,
@@ -266,6 +278,7 @@ class Muon(torch.optim.Optimizer):
             ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
             ns_dtype=ns_dtype,
+            ns_gram=ns_gram,
             eps=eps,
             adjust_lr_fn=adjust_lr_fn,
             adamw_lr=adamw_lr,
@@ -288,6 +301,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int,
         ns_coefficients: Coefficients,
         ns_dtype: torch.dtype | None,
+        ns_gram: bool,
         eps: float,
         adjust_lr_fn: str | None,
         adamw_lr: float,
@@ -306,6 +320,7 @@ class Muon(torch.optim.Optimizer):
                 "ns_steps": ns_steps,
                 "ns_coefficients": ns_coefficients,
                 "ns_dtype": ns_dtype,
+                "ns_gram": ns_gram,
                 "eps": eps,
                 "adjust_lr_fn": adjust_lr_fn,
                 "nonfinite": nonfinite,
@@ -441,8 +456,9 @@ class Muon(torch.optim.Optimizer):
                 )
             pairs.append((dp, grad))
         params: list[Tensor] = []
-        shapes: list[tuple[int, int]] = []
-        updates: list[Tensor] = []
+        grads: list[Tensor] = []
+        bufs: list[Tensor] = []
+        transposed: list[bool] = []
         for dp, grad in self._finite_only(group, pairs):
             p = dp.param
             state = self.state[p]
@@ -450,30 +466,62 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(
                     grad, memory_format=torch.preserve_format
                 )
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - momentum)
-            update = grad.lerp(buf, momentum) if group["nesterov"] else buf
             params.append(p)
-            shapes.append(dp.out_in_shape)
-            updates.append(update)
+            grads.append(grad)
+            bufs.append(state["momentum_buffer"])
+            transposed.append(dp.transposed)
+        if not params:
+            return
+        _foreach_by_dtype(torch._foreach_lerp_, bufs, grads, 1 - momentum)
+        if group["weight_decay"] != 0:
+            _foreach_by_dtype(torch._foreach_mul_, params, 1 - lr * group["weight_decay"])
 
-        # Orthogonalize same-shape matrices together (one batched call per bucket).
+        # Orthogonalize same-shape matrices together (one batched call per bucket), in
+        # buffers kept from step to step. A (in, out) layout (Conv1D) gets its own bucket:
+        # its learning-rate adjustment reads the shape the other way round.
         buckets: dict[tuple[Any, ...], list[int]] = {}
-        for i, u in enumerate(updates):
-            buckets.setdefault((tuple(u.shape), u.dtype, u.device), []).append(i)
-        for (_, _, device), idx in buckets.items():
+        for i, g in enumerate(grads):
+            buckets.setdefault((tuple(g.shape), g.dtype, g.device, transposed[i]), []).append(i)
+        for (shape, _, device, is_transposed), idx in buckets.items():
             ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
-            if len(idx) == 1:
-                ortho = [_newton_schulz_unchecked(updates[idx[0]], triples, ns_dtype, group["eps"])]
+            ws = self._workspace(len(idx), shape, ns_dtype, device, group.get("ns_gram", False))
+            views = ws.source_views
+            bucket_grads = [grads[i] for i in idx]
+            if views[0].dtype == bucket_grads[0].dtype:
+                torch._foreach_copy_(views, bucket_grads)
+                if group["nesterov"]:  # U = lerp(G, buf, momentum)
+                    torch._foreach_lerp_(views, [bufs[i] for i in idx], momentum)
+                else:
+                    torch._foreach_copy_(views, [bufs[i] for i in idx])
             else:
-                stacked = torch.stack([updates[i] for i in idx])
-                ortho = list(_newton_schulz_unchecked(stacked, triples, ns_dtype, group["eps"]))
-            for i, o in zip(idx, ortho, strict=True):
-                p = params[i]
-                rows, cols = shapes[i]
-                adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(o, alpha=-adjusted_lr)
+                for v, i in zip(views, idx, strict=True):
+                    v.copy_(grads[i].lerp(bufs[i], momentum) if group["nesterov"] else bufs[i])
+            bucket_params = [params[i] for i in idx]
+            # Added in the weights' dtype; a bfloat16 result is widened once into a buffer.
+            ortho = ws.cast(ws.run(triples, group["eps"]), bucket_params[0].dtype)
+            rows, cols = (shape[1], shape[0]) if is_transposed else shape
+            adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
+            updates = [o.mT for o in ortho.unbind(0)] if ws.transpose else list(ortho.unbind(0))
+            torch._foreach_add_(bucket_params, updates, alpha=-adjusted_lr)
+
+    def _workspace(
+        self,
+        batch: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        gram: bool,
+    ) -> NewtonSchulzWorkspace:
+        """The Newton-Schulz buffers of one bucket, created on first use and then reused."""
+        key = (batch, shape, dtype, device, gram)
+        cache: dict[tuple[Any, ...], NewtonSchulzWorkspace] = self.__dict__.setdefault(
+            "_ns_workspaces", {}
+        )
+        ws = cache.get(key)
+        if ws is None:
+            rows, cols = shape
+            ws = cache[key] = NewtonSchulzWorkspace(batch, rows, cols, dtype, device, gram=gram)
+        return ws
 
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params: list[Tensor] = []
@@ -549,3 +597,20 @@ class Muon(torch.optim.Optimizer):
             The norm as a Python float.
         """
         return float(total_grad_norm(self._model, 2.0))
+
+
+def _foreach_by_dtype(op: Callable[..., Any], first: list[Tensor], *rest: Any) -> None:
+    """Apply an in-place ``torch._foreach_*_`` op, one call per (dtype, device) of ``first``.
+
+    The foreach kernels take one dtype per list, and model weights may mix dtypes.
+    """
+    lists = [first] + [r for r in rest if isinstance(r, list)]
+    scalars = [r for r in rest if not isinstance(r, list)]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(first):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    if len(groups) == 1:
+        op(*lists, *scalars)
+        return
+    for idx in groups.values():
+        op(*[[lst[i] for i in idx] for lst in lists], *scalars)

@@ -1,0 +1,180 @@
+"""The optimizer step alone, single process: ``dmuon.Muon`` against ``torch.optim.Muon``.
+
+Both optimizers step the same matrices with the same (fixed) gradients; the rest of the
+model goes to AdamW (``dmuon.Muon``'s own AdamW group, ``torch.optim.AdamW`` next to
+``torch.optim.Muon``). Contenders are timed interleaved, round after round, and the medians
+are compared within this run. Reported per shape bucket and for the whole model, for:
+
+* both at their defaults (torch: bfloat16 Keller iteration; dmuon: `default_ns_dtype`,
+  Polar Express, standard iteration);
+* both in bfloat16 (the only dtype ``torch.optim.Muon`` iterates in; dmuon never takes
+  the Gram iteration in bfloat16);
+* dmuon in float32 with and without the Gram iteration (what the Gram iteration gains).
+
+    python benchmarks/optimizer_step.py --model small --threads 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import dmuon
+from dmuon.optim import default_ns_dtype
+from dmuon.train import build_model, lm_loss
+
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import machine_info
+
+CONTENDERS: dict[str, dict[str, Any]] = {
+    "dmuon-default": {},
+    "dmuon-bf16": {"ns_dtype": torch.bfloat16},
+    "dmuon-fp32": {"ns_dtype": torch.float32, "ns_gram": True},
+    "dmuon-fp32-nogram": {"ns_dtype": torch.float32, "ns_gram": False},
+}
+"""dmuon.Muon settings timed against torch.optim.Muon + AdamW at their defaults."""
+
+
+class _Bucket(nn.Module):
+    """``count`` bias-free linear layers of one shape, under ``layers`` (a hook boundary)."""
+
+    def __init__(self, rows: int, cols: int, count: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(cols, rows, bias=False) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(layer(x).square().mean() for layer in self.layers)  # type: ignore[return-value]
+
+
+def _model_and_loss(spec: dict[str, Any]) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    if spec["kind"] == "preset":
+        torch.manual_seed(0)
+        model = build_model(spec["preset"], seed=0, max_seq_len=64)
+        tokens = torch.randint(0, 256, (2, 65), generator=gen)
+        return model, lambda m: lm_loss(m(tokens[:, :-1]), tokens[:, 1:])
+    torch.manual_seed(0)
+    rows, cols, count = spec["rows"], spec["cols"], spec["count"]
+    model = _Bucket(rows, cols, count)
+    x = torch.randn(8, cols, generator=gen)
+    return model, lambda m: m(x)
+
+
+def _make_step(name: str, spec: dict[str, Any]) -> Callable[[], None]:
+    """Build a model, one backward, and an optimizer; return its ``step``."""
+    model, loss_fn = _model_and_loss(spec)
+    if name == "torch":
+        dedicated = {n for n, _ in _muon_targets(spec)}
+        params = dict(model.named_parameters())
+        muon = torch.optim.Muon([params[n] for n in sorted(dedicated)])
+        rest = [p for n, p in params.items() if n not in dedicated]
+        adamw = torch.optim.AdamW(rest) if rest else None
+        loss_fn(model).backward()
+
+        def step() -> None:
+            muon.step()
+            if adamw is not None:
+                adamw.step()
+
+        return step
+    dmuon.dedicate_params(model)
+    optimizer = dmuon.Muon(model, **CONTENDERS[name])
+    loss_fn(model).backward()
+    return optimizer.step
+
+
+def _muon_targets(spec: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Names and shapes of the matrices ``dmuon.dedicate_params`` selects for this model."""
+    model, _ = _model_and_loss(spec)
+    return [(fqn, tuple(model.get_parameter(fqn).shape)) for fqn in dmuon.dedicate_params(model)]
+
+
+def _time(steps: dict[str, Callable[[], None]], rounds: int, warmup: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {n: [] for n in steps}
+    for r in range(warmup + rounds):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            elapsed = time.perf_counter() - start
+            if r >= warmup:
+                times[name].append(elapsed)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def run(preset: str, rounds: int, warmup: int) -> dict[str, Any]:
+    """Time every contender on ``preset``'s matrices: whole model, then each shape bucket."""
+    whole = {"kind": "preset", "preset": preset}
+    shapes: dict[tuple[int, ...], int] = {}
+    for _, shape in _muon_targets(whole):
+        shapes[shape] = shapes.get(shape, 0) + 1
+    specs = {"all": whole} | {
+        f"{r}x{c} (x{n})": {"kind": "bucket", "rows": r, "cols": c, "count": n}
+        for (r, c), n in shapes.items()
+    }
+    rows = {}
+    for label, spec in specs.items():
+        names = ["torch", *CONTENDERS]
+        medians = _time({n: _make_step(n, spec) for n in names}, rounds, warmup)
+        rows[label] = {
+            "median_s": medians,
+            "speedup_vs_torch": {n: medians["torch"] / medians[n] for n in CONTENDERS},
+        }
+    return {
+        "machine": machine_info(),
+        "preset": preset,
+        "threads": torch.get_num_threads(),
+        "default_ns_dtype": str(default_ns_dtype(torch.device("cpu"))),
+        "rounds": rounds,
+        "rows": rows,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """A Markdown table: median step time of torch and the speedup of each dmuon setting."""
+    head = "| matrices | torch Muon+AdamW (ms) | " + " | ".join(CONTENDERS) + " |"
+    lines = [head, "|" + "---|" * (2 + len(CONTENDERS))]
+    for label, row in result["rows"].items():
+        cells = [f"{row['median_s']['torch'] * 1e3:.1f}"] + [
+            f"{row['median_s'][n] * 1e3:.1f} ({row['speedup_vs_torch'][n]:.2f}x)"
+            for n in CONTENDERS
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Parse flags, time the contenders, print the table, optionally write JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="preset(s), comma-separated")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=None, help="write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    results = []
+    for preset in args.model.split(","):
+        results.append(run(preset, args.rounds, args.warmup))
+        result = results[-1]
+        print(
+            f"preset={result['preset']} threads={result['threads']} "
+            f"default_ns_dtype={result['default_ns_dtype']} rounds={result['rounds']}"
+        )
+        print("speedup = torch.optim.Muon + AdamW (defaults) time / dmuon.Muon time\n")
+        print(format_table(result) + "\n")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""`make bench-quick`'s assertions: traffic counted by intercepting torch.distributed.
+
+Oracle: the per-step communication formulas for Muon-target matrices, in units of
+(N-1)/N x P_M (DESIGN.md): DMuon Z2 = 2, Z3 = 2k + 1, naive FSDP2 + Muon (Z3) = 2k + 2 for k
+micro-batches. The counts come from wrapping the collectives of torch.distributed and its
+functional collectives (benchmarks/traffic.py), not from any library's own audit. Timing is
+printed by the benchmark but never asserted.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def quick_result() -> dict:
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import bench
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    return bench.run(bench.parse_args(["--quick"]))
+
+
+def test_counted_traffic_matches_the_formulas(quick_result: dict) -> None:
+    expected = {
+        ("dmuon-z2", 1): 2,
+        ("dmuon-z3", 1): 3,
+        ("naive-z3", 1): 4,
+        ("dmuon-z2", 2): 2,
+        ("dmuon-z3", 2): 5,
+        ("naive-z3", 2): 6,
+    }
+    got = {
+        (r["contender"], r["accum"]): r["muon_units"]
+        for r in quick_result["rows"]
+        if r["muon_units"] is not None
+    }
+    assert set(got) == set(expected)
+    for key, units in expected.items():
+        # tiny's matrices split evenly over 2 ranks: no padding, so the count is exact.
+        assert got[key] == pytest.approx(units, abs=1e-9), key
+
+
+def test_adamw_traffic_is_fsdp2s_only(quick_result: dict) -> None:
+    for r in quick_result["rows"]:
+        if r["contender"].startswith("adamw"):
+            assert r["elements_per_rank"]["dmuon"] == 0
+            assert r["elements_per_rank"]["torch"] > 0
