@@ -410,7 +410,19 @@ class Muon(torch.optim.Optimizer):
         """Apply the group's ``nonfinite`` policy to (matrix, gradient) pairs."""
         if not pairs:
             return pairs
-        norms = torch.stack(torch._foreach_norm([grad for _, grad in pairs])).tolist()
+        # Norms written into a kept buffer (one per count and device), read with one sync:
+        # the hot path allocates nothing.
+        device = pairs[0][1].device
+        buffers: dict[tuple[int, torch.device], Tensor] = self.__dict__.setdefault(
+            "_norm_buffers", {}
+        )
+        key = (len(pairs), device)
+        if key not in buffers:
+            buffers[key] = torch.empty(len(pairs), dtype=torch.float32, device=device)
+        kept = buffers[key]
+        for i, (_, grad) in enumerate(pairs):
+            torch.linalg.vector_norm(grad, dtype=torch.float32, out=kept[i])
+        norms = kept.tolist()
         # An averaged gradient of exactly zero means no rank had a gradient for the matrix
         # (an expert no token was routed to): leave it alone, as torch's optimizers leave
         # a parameter whose .grad is None.
