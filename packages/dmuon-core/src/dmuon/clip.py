@@ -75,17 +75,21 @@ def _local_parts(model: nn.Module, world: int) -> list[tuple[Tensor, float]]:
     return parts
 
 
-@torch.no_grad()
-def total_grad_norm(model: nn.Module, norm_type: float = 2.0) -> Tensor:
-    """The ``norm_type``-norm of all of ``model``'s gradients (float64), the same on every rank.
-
-    A collective when several ranks take part: call it on every rank. See
-    `clip_grad_norm_` for which gradients count.
-    """
-    norm_type = float(norm_type)
+def _parts_and_group(
+    model: nn.Module,
+) -> tuple[list[tuple[Tensor, float]], dist.ProcessGroup | None, torch.device]:
     group, device = _group_of(model)
     world = dist.get_world_size(group) if group is not None else 1
-    parts = _local_parts(model, world)
+    return _local_parts(model, world), group, device
+
+
+def _global_norm(
+    parts: list[tuple[Tensor, float]],
+    norm_type: float,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> Tensor:
+    """Combine the local parts into the global norm (float64) with one all-reduce."""
     if norm_type == math.inf:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for grad, _ in parts:
@@ -96,11 +100,22 @@ def total_grad_norm(model: nn.Module, norm_type: float = 2.0) -> Tensor:
         return total
     total = torch.zeros((), dtype=torch.float64, device=device)
     for grad, replicas in parts:
-        local = torch.linalg.vector_norm(grad.detach().double(), norm_type) ** norm_type
+        local = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64) ** norm_type
         total += local.to(device) / replicas
     if group is not None:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return total ** (1.0 / norm_type)
+
+
+@torch.no_grad()
+def total_grad_norm(model: nn.Module, norm_type: float = 2.0) -> Tensor:
+    """The ``norm_type``-norm of all of ``model``'s gradients (float64), the same on every rank.
+
+    A collective when several ranks take part: call it on every rank. See
+    `clip_grad_norm_` for which gradients count.
+    """
+    parts, group, device = _parts_and_group(model)
+    return _global_norm(parts, float(norm_type), group, device)
 
 
 @torch.no_grad()
@@ -132,7 +147,9 @@ def clip_grad_norm_(
     Returns:
         The total norm before clipping, as a tensor.
     """
-    total = total_grad_norm(model, norm_type).float()  # torch's dtype for float32 gradients
+    parts, group, device = _parts_and_group(model)
+    # Returned in torch's dtype for float32 gradients.
+    total = _global_norm(parts, float(norm_type), group, device).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {float(norm_type)} of the gradients is non-finite "
@@ -140,9 +157,7 @@ def clip_grad_norm_(
             "or find the NaN or infinity first (lower the learning rate, check the "
             "loss).".format(total.item())
         )
-    group, _ = _group_of(model)
-    world = dist.get_world_size(group) if group is not None else 1
-    grads = [grad for grad, _ in _local_parts(model, world) if grad.numel()]
+    grads = [grad for grad, _ in parts if grad.numel()]
     coefficient = torch.clamp(float(max_norm) / (total.double() + 1e-6), max=1.0)
     if not grads:
         return total
