@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from server_helpers import LiveServer, kill_job_processes, wait_until
+from server_helpers import LiveServer, job_spec, kill_job_processes, wait_until
 
 try:
     from playwright.sync_api import Page, Request, expect, sync_playwright
@@ -60,23 +60,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def tiny_spec(name: str, steps: int, **train: Any) -> dict[str, Any]:
-    """A one-process ``tiny`` job of the real recipe."""
-    t: dict[str, Any] = {
-        "model": "tiny",
-        "steps": steps,
-        "micro_batch_size": 2,
-        "accum_steps": 1,
-        "seq_len": 32,
-        "lr": 0.02,
-        "adamw_lr": 0.003,
-        "optimizer": "dmuon",
-        "mode": "z2",
-        "seed": 0,
-        "eval_every": 0,
-        "warmup_steps": 1,
-    }
-    t.update(train)
-    return {"name": name, "nproc_per_node": 1, "train": t}
+    """A one-process ``tiny`` job of the real recipe (`job_spec` with quick settings)."""
+    quick: dict[str, Any] = {"accum_steps": 1, "eval_every": 0, "warmup_steps": 1}
+    return job_spec(1, name, **{**quick, "steps": steps, **train})
 
 
 class Service:
