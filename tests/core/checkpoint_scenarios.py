@@ -185,6 +185,24 @@ def finetune_from_adamw(rank: int, world: int, path: str, mode: str) -> dict[str
     return {"loaded": loaded, "loss": loss, "stepped": full_parameters(model)}
 
 
+def load_everything(
+    rank: int,
+    world: int,
+    root: str,
+    sources: list[tuple[str, str]],
+    full_from: dict[str, Any],
+    plain_from: str | None = None,
+    finetune_from: str | None = None,
+) -> dict[str, Any]:
+    """`load_run`, and optionally `plain_fsdp_load` and `finetune_from_adamw`, in one spawn."""
+    out = load_run(rank, world, root, sources, full_from)
+    if plain_from is not None:
+        out["plain"] = plain_fsdp_load(rank, world, os.path.join(root, plain_from))
+    if finetune_from is not None:
+        out["finetune"] = finetune_from_adamw(rank, world, os.path.join(root, finetune_from), "z2")
+    return out
+
+
 def reference_loss(params: dict[str, torch.Tensor]) -> float:
     """Evaluation loss of an unwrapped model holding ``params`` (one process)."""
     torch.manual_seed(1234)

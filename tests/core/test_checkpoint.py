@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,13 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[int, dict
 
 
 @pytest.fixture(scope="module")
-def loaded(saved: tuple[str, dict[int, dict[str, Any]]]) -> dict[tuple[int, int, str], Any]:
-    """Every RESHARDS pair in both modes, loaded into fresh process groups."""
+def loaded(saved: tuple[str, dict[int, dict[str, Any]]]) -> dict[Any, Any]:
+    """Every RESHARDS pair in both modes, loaded into fresh process groups.
+
+    The 2-rank spawn also loads the 4-rank Z2 checkpoint into plain FSDP2 with torch's
+    functions (``"plain"``) and the FSDP2 + AdamW checkpoint into a DMuon model
+    (``"finetune"``).
+    """
     root, runs = saved
     by_load: dict[int, list[tuple[str, str]]] = {}
     for source, target in RESHARDS:
@@ -75,9 +81,12 @@ def loaded(saved: tuple[str, dict[int, dict[str, Any]]]) -> dict[tuple[int, int,
     full = {
         f"{mode}-2": (runs[2][mode]["saved_model"], runs[2][mode]["saved_optim"]) for mode in MODES
     }
-    results: dict[tuple[int, int, str], Any] = {}
+    results: dict[Any, Any] = {}
     for target, sources in by_load.items():
-        out = _ok(spawn_ranks(target, cs.load_run, root, sources, full))[0]
+        extras = ("z2-4", "adamw-2") if target == 2 else (None, None)
+        out = _ok(spawn_ranks(target, cs.load_everything, root, sources, full, *extras))[0]
+        if target == 2:
+            results["plain"], results["finetune"] = out["plain"], out["finetune"]
         for mode, name in sources:
             source = int(name.split("-")[1])
             results[(source, target, mode)] = out[f"{mode}<-{name}"]
@@ -151,23 +160,24 @@ def test_full_state_dict_loads_into_an_unwrapped_model(saved) -> None:
     assert all(not isinstance(v, torch.distributed.tensor.DTensor) for v in full.values())
 
 
-def test_dmuon_checkpoint_loads_into_plain_fsdp2_and_unwrapped_models(saved) -> None:
+def test_dmuon_checkpoint_loads_into_plain_fsdp2_and_unwrapped_models(saved, loaded) -> None:
     root, runs = saved
     expected = runs[2]["z2"]["saved_model"]
-    plain = _ok(spawn_ranks(2, cs.plain_fsdp_load, str(Path(root) / "z2-4")))[0]
-    assert _max_diff(runs[4]["z2"]["saved_model"], plain) == 0.0
+    assert _max_diff(runs[4]["z2"]["saved_model"], loaded["plain"]) == 0.0
     torch.manual_seed(0)
     model = TinyLlama(vocab=VOCAB)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(Path(root) / "z2-2"), no_dist=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(Path(root) / "z2-2"), no_dist=True)
     model.load_state_dict(state["model"])
     assert _max_diff(expected, {k: v.detach() for k, v in model.state_dict().items()}) == 0.0
 
 
-def test_adamw_checkpoint_fine_tunes_with_dmuon(saved) -> None:
-    root, runs = saved
+def test_adamw_checkpoint_fine_tunes_with_dmuon(saved, loaded) -> None:
+    _, runs = saved
     adamw = runs[2]["adamw"]["saved_model"]
-    out = _ok(spawn_ranks(2, cs.finetune_from_adamw, str(Path(root) / "adamw-2"), "z2"))[0]
+    out = loaded["finetune"]
     assert _max_diff(adamw, out["loaded"]) == 0.0
     assert out["loss"] == pytest.approx(cs.reference_loss(adamw), abs=1e-6)
     assert _max_diff(out["loaded"], out["stepped"]) > 1e-4  # Muon trained from there

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -48,7 +49,11 @@ def load_full_weights(
             "Pass --key with the name the model state dict was saved under."
         )
     state = {key: template} if key else template
-    dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
+    with warnings.catch_warnings():
+        # One process on purpose: DCP's "assuming the intent is to load in a single
+        # process" note says what this function is for.
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, storage_reader=FileSystemReader(str(path)), no_dist=True)
     return template
 
 
