@@ -295,3 +295,22 @@ def test_a_fresh_optimizers_zero_state_changes_no_step() -> None:
             optimizer.zero_grad()
         results.append({k: v.detach().clone() for k, v in model.state_dict().items()})
     assert _max_diff(results[0], results[1]) == 0.0
+
+
+def test_without_dedication_the_functions_are_torchs() -> None:
+    from torch.distributed.checkpoint import state_dict as torch_sd
+
+    torch.manual_seed(0)
+    model = TinyLlama(vocab=VOCAB)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cs._loss(model, cs.batch(0)).backward()
+    optimizer.step()
+    ours = dmuon.get_state_dict(model, optimizer)
+    theirs = torch_sd.get_state_dict(model, optimizer)
+    assert _max_diff(ours[0], theirs[0]) == 0.0
+    _equal_optim(ours[1], theirs[1])
+    torch.manual_seed(1)
+    other = TinyLlama(vocab=VOCAB)
+    other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    dmuon.set_state_dict(other, other_optimizer, model_state_dict=ours[0], optim_state_dict=ours[1])
+    assert _max_diff(model.state_dict(), other.state_dict()) == 0.0
