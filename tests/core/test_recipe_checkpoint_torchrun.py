@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import dmuon
 from dmuon.train.checkpointing import find_checkpoints, is_complete
+from dmuon.train.data import load_corpus
 
 STEPS = 30
 COMMON = [
@@ -37,7 +38,12 @@ COMMON = [
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("corpus-cache")
+    # The recipe tests' shared corpus cache, built here once so that the two launches
+    # below do not both tokenize the corpus.
+    path = tmp_path_factory.getbasetemp() / "dmuon-train-corpus-cache"
+    path.mkdir(exist_ok=True)
+    load_corpus(None, cache_dir=path)
+    return path
 
 
 def _launch(cache: Path, run_dir: Path, extra: list[str]) -> subprocess.Popen[str]:

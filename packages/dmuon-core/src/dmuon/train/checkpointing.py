@@ -24,7 +24,9 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +86,14 @@ def _rng_file(rank: int) -> str:
 def _no_dist() -> bool:
     """True without a process group: DCP then reads and writes as one process."""
     return not (dist.is_available() and dist.is_initialized())
+
+
+@contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns on every call without a process group, even when asked for one process.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        yield
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
@@ -159,7 +169,7 @@ def require_checkpoint(path: str | os.PathLike[str], flag: str) -> Path:
         raise CheckpointError(f"{path}: no such directory")
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; pass a step_NNNNNNNN checkpoint")
-    if is_complete(path):
+    if is_complete(path) and not _TMP_NAME.fullmatch(path.name):
         return path
     inside = latest_checkpoint(path)
     if inside is not None:
@@ -223,7 +233,8 @@ def save_checkpoint(
         tmp.mkdir()
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=_no_dist())
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=_no_dist())
     torch.save(rng_state(device), tmp / _rng_file(rank))
     if rank == 0:
         torch.save({"step": step, **trainer_state}, tmp / TRAINER_STATE_FILE)
@@ -261,7 +272,8 @@ def load_training_state(
     path = Path(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
@@ -279,5 +291,6 @@ def load_weights(path: str | os.PathLike[str], model: nn.Module) -> None:
     """Load only the model part of checkpoint ``path`` into ``model`` (a collective)."""
     model_sd = get_model_state_dict(model)
     state = {"model": model_sd}
-    dcp.load(state, checkpoint_id=Path(path), no_dist=_no_dist())
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=Path(path), no_dist=_no_dist())
     set_model_state_dict(model, state["model"])
