@@ -93,9 +93,13 @@ def test_only_complete_step_folders_are_checkpoints(tmp_path: Path) -> None:
     assert [s for s, _ in ckpt.find_checkpoints(tmp_path)] == [7, 12]
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "dmuon"])
 def test_resume_continues_bit_for_bit_and_the_metrics_file_once_per_step(
-    base: TrainConfig, tmp_path: Path
+    base: TrainConfig, tmp_path: Path, optimizer: str
 ) -> None:
+    if optimizer == "dmuon" and not ckpt.SUPPORTS_DEDICATED:
+        pytest.skip("dmuon.get_state_dict is not available yet")
+    base = replace(base, optimizer=optimizer)
     whole = run(replace(base, checkpoint_dir=str(tmp_path / "whole")))
     assert whole["checkpoint"] == str(tmp_path / "whole" / "step_00000005")
     metrics = tmp_path / "m.jsonl"
@@ -255,6 +259,14 @@ def test_resume_with_another_optimizer_or_past_the_end_is_an_error(
         Trainer(replace(cfg, optimizer="dmuon"))
     with pytest.raises(ValueError, match="at step 2, past --steps 1"):
         Trainer(replace(cfg, steps=1))
+
+
+def test_dmuon_checkpoints_need_the_library_state_dict(base: TrainConfig, tmp_path: Path) -> None:
+    if ckpt.SUPPORTS_DEDICATED:
+        pytest.skip("dmuon.get_state_dict is available")
+    with pytest.raises(ValueError, match=r"need dmuon\.get_state_dict.*--optimizer adamw"):
+        Trainer(replace(base, optimizer="dmuon", checkpoint_dir=str(tmp_path)))
+    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_truncate_after_keeps_earlier_lines_and_events(tmp_path: Path) -> None:

@@ -81,7 +81,7 @@ TRAINER_STATE_FILE = "trainer_state.pt"
 """Rank 0's file in a checkpoint: step, scheduler state, elapsed time, batch geometry."""
 
 _NAME = re.compile(r"step_(\d{8})")
-_TMP_NAME = re.compile(r"\.tmp_step_(\d{8})")
+_TMP_NAME = re.compile(r"\.tmp_(?:old_)?step_(\d{8})")  # a save cut short, or a replaced one
 
 
 class CheckpointError(ValueError):
@@ -140,7 +140,7 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 
 def remove_incomplete(directory: str | os.PathLike[str]) -> list[Path]:
-    """Delete the ``.tmp_step_*`` folders left by saves that did not finish; return them."""
+    """Delete the ``.tmp_*step_*`` folders left by saves that did not finish; return them."""
     directory = Path(directory)
     if not directory.is_dir():
         return []

@@ -301,12 +301,14 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument(
         "--checkpoint-every",
         type=_int_at_least(0),
+        metavar="N",
         default=d.checkpoint_every,
         help="also checkpoint every N steps (needs --checkpoint-dir); 0 = only at the end",
     )
     ckpt.add_argument(
         "--keep-checkpoints",
         type=_int_at_least(0),
+        metavar="K",
         default=d.keep_checkpoints,
         help="keep the newest K complete checkpoints in --checkpoint-dir; 0 keeps all",
     )
