@@ -20,7 +20,6 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-import dmuon
 from dmuon.train import TrainConfig, Trainer, parse_args, run
 from dmuon.train import checkpointing as ckpt
 from dmuon.train.__main__ import main
@@ -97,8 +96,6 @@ def test_only_complete_step_folders_are_checkpoints(tmp_path: Path) -> None:
 def test_resume_continues_bit_for_bit_and_the_metrics_file_once_per_step(
     base: TrainConfig, tmp_path: Path, optimizer: str
 ) -> None:
-    if optimizer == "dmuon" and not ckpt.SUPPORTS_DEDICATED:
-        pytest.skip("dmuon.get_state_dict is not available yet")
     base = replace(base, optimizer=optimizer)
     whole = run(replace(base, checkpoint_dir=str(tmp_path / "whole")))
     assert whole["checkpoint"] == str(tmp_path / "whole" / "step_00000005")
@@ -251,22 +248,12 @@ def test_init_from_and_a_found_checkpoint_is_an_error(
 def test_resume_with_another_optimizer_or_past_the_end_is_an_error(
     base: TrainConfig, tmp_path: Path
 ) -> None:
-    if not hasattr(dmuon, "dedicate_params"):
-        pytest.skip("dmuon.dedicate_params is not implemented yet")
     cfg = replace(base, steps=2, checkpoint_dir=str(tmp_path))
     run(cfg)
     with pytest.raises(ValueError, match=r"written with --optimizer adamw.*--init-from"):
         Trainer(replace(cfg, optimizer="dmuon"))
     with pytest.raises(ValueError, match="at step 2, past --steps 1"):
         Trainer(replace(cfg, steps=1))
-
-
-def test_dmuon_checkpoints_need_the_library_state_dict(base: TrainConfig, tmp_path: Path) -> None:
-    if ckpt.SUPPORTS_DEDICATED:
-        pytest.skip("dmuon.get_state_dict is available")
-    with pytest.raises(ValueError, match=r"need dmuon\.get_state_dict.*--optimizer adamw"):
-        Trainer(replace(base, optimizer="dmuon", checkpoint_dir=str(tmp_path)))
-    assert not any(tmp_path.iterdir())  # nothing written
 
 
 def test_truncate_after_keeps_earlier_lines_and_events(tmp_path: Path) -> None:

@@ -35,31 +35,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-# The single place the recipe takes its state-dict functions from: dmuon's, which have
-# the signatures of torch.distributed.checkpoint.state_dict's and are torch's on a model
-# without dedicated parameters. A dmuon without them falls back to torch's, which cover
-# the AdamW baseline only (see SUPPORTS_DEDICATED).
-try:
-    from dmuon import (  # type: ignore[attr-defined]
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
-    SUPPORTS_DEDICATED = True
-except ImportError:
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict,
-        get_state_dict,
-        set_model_state_dict,
-        set_state_dict,
-    )
-
-    SUPPORTS_DEDICATED = False
+# dmuon's state-dict functions have the signatures of torch.distributed.checkpoint's
+# and are torch's on a model without dedicated parameters (the AdamW baseline).
+from dmuon import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
 
 __all__ = [
-    "SUPPORTS_DEDICATED",
     "TRAINER_STATE_FILE",
     "CheckpointError",
     "checkpoint_name",

@@ -255,18 +255,8 @@ class Trainer:
         if target is not None:
             self._resume(target)
             return
-        if cfg.checkpoint_dir is not None or cfg.init_from is not None:
-            self._require_dedicated_support()
         if cfg.init_from is not None:
             checkpointing.load_weights(cfg.init_from, self.model)
-
-    def _require_dedicated_support(self) -> None:
-        if self.config.optimizer == "dmuon" and not checkpointing.SUPPORTS_DEDICATED:
-            raise ValueError(
-                "checkpoints of --optimizer dmuon need dmuon.get_state_dict, which this "
-                "dmuon version does not have; use --optimizer adamw or drop the checkpoint "
-                "flags (--checkpoint-dir, --resume PATH, --init-from)"
-            )
 
     def _resume(self, path: Path) -> None:
         cfg = self.config
@@ -284,7 +274,6 @@ class Trainer:
                 f"checkpoint {path} is at step {step}, past --steps {cfg.steps}. Raise "
                 "--steps to continue it, or pass --resume never to start over."
             )
-        self._require_dedicated_support()
         checkpointing.load_training_state(
             path, self.model, self.optimizer, rank=self.rank, device=self.device
         )
