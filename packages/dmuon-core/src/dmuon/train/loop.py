@@ -136,6 +136,7 @@ class Trainer:
         self.start_step = 0
         self.resumed_from: Path | None = None
         self._time_offset = 0.0  # seconds of training before the resumed checkpoint
+        self._resumed_geometry: tuple[Any, Any] = (None, None)  # its global batch, seq-len
         self._owns_process_group = False
         self._threads_before = torch.get_num_threads()
         try:
