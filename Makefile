@@ -49,11 +49,13 @@ docs: setup
 docs-serve: setup
 	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
-# Full side-by-side benchmark (minutes; writes benchmarks/results/*.json). Peers come in
-# through the optional extra: $(BIN)/python -m pip install -e 'packages/dmuon-core[bench]'.
+# Full side-by-side benchmarks (minutes; writes benchmarks/results/*.json): optimizer
+# step, distributed step time and traffic, DCP checkpoint save and load against FSDP2 +
+# AdamW. Peers come in through the optional extra: $(BIN)/python -m pip install -e 'packages/dmuon-core[bench]'.
 bench: setup
 	$(BIN)/python benchmarks/optimizer_step.py --model small --json benchmarks/results/optimizer_step.json
 	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python benchmarks/checkpoint_io.py
 
 # CI: tiny model, asserts only deterministic things (counted traffic against the formulas).
 bench-quick: setup

@@ -6,6 +6,8 @@ A page asks for a table with a marker on a line of its own:
     ``benchmarks/results/optimizer_step.json``: the optimizer step alone, single process.
 ``<!-- benchmark: distributed NAME -->``
     ``benchmarks/results/NAME.json``: step time and counted traffic per contender.
+``<!-- benchmark: checkpoint-io -->``
+    ``benchmarks/results/checkpoint_io.json``: DCP save, load, size and export per contender.
 ``<!-- benchmark: machine NAME -->``
     One line: the machine, torch version and load average a result was taken under.
 
@@ -47,6 +49,16 @@ LABELS: dict[str, dict[str, str]] = {
         "threads": "threads",
         "load": "load average",
         "not_run": "Not run",
+        "save": "Save (s)",
+        "load_s": "Load (s)",
+        "on_disk": "On disk (MiB)",
+        "model_part": "Model part (MiB)",
+        "optim_part": "Optimizer part (MiB)",
+        "copies": "State-dict copies per rank (MiB)",
+        "save_rss": "Save, extra RSS (MiB)",
+        "load_rss": "Load, extra RSS (MiB)",
+        "export": "Export: command / in process (s)",
+        "ratio": "DMuon / AdamW",
     },
     "zh": {
         "matrices": "矩阵",
@@ -62,6 +74,16 @@ LABELS: dict[str, dict[str, str]] = {
         "threads": "线程",
         "load": "负载均值",
         "not_run": "未运行",
+        "save": "保存（秒）",
+        "load_s": "加载（秒）",
+        "on_disk": "磁盘占用（MiB）",
+        "model_part": "模型部分（MiB）",
+        "optim_part": "优化器部分（MiB）",
+        "copies": "每个 rank 的 state dict 副本（MiB）",
+        "save_rss": "保存时额外 RSS（MiB）",
+        "load_rss": "加载时额外 RSS（MiB）",
+        "export": "导出：命令 / 进程内（秒）",
+        "ratio": "DMuon / AdamW",
     },
 }
 
@@ -108,6 +130,58 @@ def _distributed(name: str, labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def _mib(value: float) -> str:
+    return f"{value / 2**20:.1f}"
+
+
+def _checkpoint_io(labels: dict[str, str]) -> str:
+    result = _load("checkpoint_io")
+    keys = (
+        "save",
+        "load_s",
+        "on_disk",
+        "model_part",
+        "optim_part",
+        "copies",
+        "save_rss",
+        "load_rss",
+    )
+    lines = [
+        f"| {labels['contender']} | " + " | ".join(labels[k] for k in (*keys, "export")) + " |",
+        "|" + "---|" * (2 + len(keys)),
+    ]
+    for name, r in result["rows"].items():
+        b = r["bytes"]
+        cells = [
+            f"{r['median_save_s']:.2f}",
+            f"{r['median_load_s']:.2f}",
+            f"{_mib(b['on_disk'])}<br>({b['on_disk']:,} B)",
+            _mib(b["model_tensors"]),
+            _mib(b["optim_tensors"]),
+            _mib(r["max_state_dict_copied_bytes"]),
+            _mib(r["max_save_extra_rss"]),
+            _mib(r["max_load_extra_rss"]),
+            f"{r['median_export_s']:.1f} / {r['median_export_in_process_s']:.1f}",
+        ]
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    q = result["dmuon_over_adamw"]
+    ratios = [
+        q["save_time"],
+        q["load_time"],
+        q["bytes_on_disk"],
+        None,
+        q["optim_bytes"],
+        None,
+        None,
+        None,
+        None,
+    ]
+    cells = ["-" if v is None else f"**{v:.2f}x**" for v in ratios]
+    cells[-1] = f"**{q['export_time']:.2f}x** / **{q['export_in_process_time']:.2f}x**"
+    lines.append(f"| {labels['ratio']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def _machine(name: str, labels: dict[str, str]) -> str:
     data = _load(name)
     if isinstance(data, list):  # optimizer_step.json holds one record per preset
@@ -137,6 +211,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _optimizer_step(labels)
             if kind == "distributed" and name:
                 return _distributed(name, labels)
+            if kind == "checkpoint-io":
+                return _checkpoint_io(labels)
             if kind == "machine" and name:
                 return _machine(name, labels)
         except (OSError, ValueError, KeyError, IndexError) as e:
