@@ -96,7 +96,8 @@ def test_default_selection_takes_expert_stacks_and_leaves_routers(kind: str) -> 
     assert tuple(gate_up.shape) == (4, 2 * hidden, 32) and gate_up.out_in_shape == (2 * hidden, 32)
     assert tuple(down.shape) == (4, 32, hidden) and down.out_in_shape == (32, hidden)
     assert (gate_up.fused_parts, down.fused_parts) == (2, 1)
-    assert dmuon.Muon(model).split_sizes == {
+    assert dmuon.Muon(model).split_sizes == {}  # whole by default
+    assert dmuon.Muon(model, split="auto").split_sizes == {
         f"model.layers.{i}.mlp.experts.gate_up_proj": (hidden, hidden) for i in range(2)
     }
     # The plan holds each stack as one item costing experts x one matrix's cost.

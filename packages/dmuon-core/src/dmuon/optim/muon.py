@@ -42,7 +42,7 @@ from dmuon.optim.orthogonalize import (
     default_ns_dtype,
     resolve_coefficients,
 )
-from dmuon.optim.split import SPLIT_AUTO, Split, matrix_pieces, resolve_split
+from dmuon.optim.split import Split, matrix_pieces, resolve_split
 from dmuon.ownership.fsdp_integration import verify_not_sharded
 from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.state import DedicationState, get_dedication
@@ -225,14 +225,16 @@ class Muon(torch.optim.Optimizer):
             ``skipped_updates`` counts them. The check is one fused reduction per step.
         split: which fused matrices are orthogonalized as separate parts along their output
             dimension, each with its own learning-rate adjustment, exactly as if the parts
-            were separate parameters. ``"auto"`` (default) splits the layouts known to
-            concatenate equal parts: transformers' ``gate_up_proj`` (expert stacks, and
-            Phi-3's ``nn.Linear``) into gate and up. ``None`` splits nothing. A mapping
+            were separate parameters. ``None`` (default) splits nothing: each matrix is
+            orthogonalized as stored. ``"auto"`` splits the layouts known to concatenate
+            equal parts: transformers' ``gate_up_proj`` (expert stacks, and Phi-3's
+            ``nn.Linear``) into gate and up. A mapping
             ``{pattern: parts}`` splits the parameters whose dotted name has ``pattern`` as a
             component (or matches it as an ``fnmatch`` glob) into ``parts`` equal parts, or
             into parts of the given sizes (``(q, kv, kv)`` for a grouped-query ``qkv_proj``);
             it replaces the automatic choice. The result is in ``split_sizes``. See
-            ``dmuon.optim.split``.
+            ``dmuon.optim.split`` and, for the measurement behind the default, the
+            compatibility page's mixture-of-experts section.
 
     Raises:
         ValueError: ``model`` has no dedication state, a dedicated parameter is neither a
@@ -260,7 +262,7 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
         nonfinite: str = "raise",
-        split: Split = SPLIT_AUTO,
+        split: Split = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
