@@ -22,6 +22,7 @@ import pytest
 import torch
 from dist_harness import full_parameters, spawn_ranks
 from torch import nn
+from torch.distributed.tensor import Shard
 
 import dmuon
 
@@ -181,6 +182,7 @@ class MoECase:
     kind: str
     mode: str
     split: bool
+    checkpoint: bool = False
 
     @property
     def name(self) -> str:
@@ -190,12 +192,12 @@ class MoECase:
 #: Each model in Z2 and Z3, each with gate_up_proj whole once and split once.
 WORLDS = {
     2: [
-        MoECase("mixtral", "z2", False),
+        MoECase("mixtral", "z2", False, checkpoint=True),
         MoECase("mixtral", "z3", True),
         MoECase("qwen2_moe", "z2", True),
         MoECase("qwen2_moe", "z3", False),
     ],
-    3: [MoECase("mixtral", "z2", True)],
+    3: [MoECase("mixtral", "z2", True, checkpoint=True)],
 }
 
 
@@ -210,7 +212,7 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
+def _build(case: MoECase, world: int) -> tuple[nn.Module, dmuon.Muon]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -230,6 +232,55 @@ def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
         adamw_weight_decay=ADAMW_WD,
         split="auto" if case.split else None,
     )
+    return model, optimizer
+
+
+def _step(model: nn.Module, optimizer: dmuon.Muon, step: int, rank: int, world: int) -> float:
+    """One optimizer step of ACCUM micro-batches (no_sync between); returns the grad norm."""
+    mine = global_batch(step, world).chunk(world)[rank]
+    for micro, tokens in enumerate(mine.chunk(ACCUM)):
+        accumulating = micro + 1 < ACCUM
+        with dmuon.no_sync(model) if accumulating else nullcontext():
+            (_loss(model, tokens) / ACCUM).backward()
+    norm = optimizer.grad_norm()
+    optimizer.step()
+    optimizer.zero_grad()
+    return norm
+
+
+STACK = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def _checkpoint_round_trip(
+    case: MoECase, world: int, rank: int, model: nn.Module, optimizer: dmuon.Muon
+) -> dict[str, Any]:
+    """Save the trained state, load it into a fresh model, take one more step on both."""
+    model_sd, optim_sd = dmuon.get_state_dict(model, optimizer)
+    stack = model_sd[STACK]
+    index = [dp.fqn for dp in dmuon.dedicated_parameters(model)].index(STACK)
+    momentum = optim_sd["state"][STACK]["momentum_buffer"]
+    layout = {
+        "type": type(stack).__name__,
+        "placements": tuple(stack.placements),
+        "shape": tuple(stack.shape),
+        "local_rows": stack.to_local().shape[0],
+        "momentum_type": type(momentum).__name__,
+        "full": stack.full_tensor().detach().clone(),
+        "owner": dmuon.dedicated_parameters(model)[index].owner,
+    }
+    fresh, fresh_optimizer = _build(case, world)
+    dmuon.set_state_dict(
+        fresh, fresh_optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+    )
+    _step(model, optimizer, STEPS, rank, world)
+    _step(fresh, fresh_optimizer, STEPS, rank, world)
+    ours, theirs = full_parameters(model), full_parameters(fresh)
+    layout["resume_diff"] = max((ours[n] - theirs[n]).abs().max().item() for n in ours)
+    return layout
+
+
+def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
+    model, optimizer = _build(case, world)
     idle = 0
 
     def count_idle(_module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -240,16 +291,9 @@ def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
         layer.mlp.experts.register_forward_pre_hook(count_idle)
     norms, units = [], []
     for step in range(STEPS):
-        mine = global_batch(step, world).chunk(world)[rank]
-        for micro, tokens in enumerate(mine.chunk(ACCUM)):
-            accumulating = micro + 1 < ACCUM
-            with dmuon.no_sync(model) if accumulating else nullcontext():
-                (_loss(model, tokens) / ACCUM).backward()
-        norms.append(optimizer.grad_norm())
-        optimizer.step()
-        optimizer.zero_grad()
+        norms.append(_step(model, optimizer, step, rank, world))
         units.append(dmuon.comm_audit(model).last_step().units)
-    return {
+    result = {
         "params": full_parameters(model),
         "norms": norms,
         "units": units,
@@ -257,6 +301,9 @@ def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
         "dedicated": sorted(dp.fqn for dp in dmuon.dedicated_parameters(model)),
         "split": dict(optimizer.split_sizes),
     }
+    if case.checkpoint:
+        result["checkpoint"] = _checkpoint_round_trip(case, world, rank, model, optimizer)
+    return result
 
 
 def _run_cases(rank: int, world: int, cases: list[MoECase]) -> dict[str, Any]:
@@ -338,3 +385,24 @@ def test_expert_stacks_match_per_expert_newton_schulz(
     for name in muon:  # every dedicated tensor moved, so a skipped one would show
         moved = (reference["params"][name] - initial[name]).abs().max().item()
         assert moved > 1e-3, name
+
+
+CHECKPOINTED = [(world, case) for world, case in PARAMS if case.checkpoint]
+
+
+@pytest.mark.parametrize(
+    ("world", "case"), CHECKPOINTED, ids=[f"{w}-{c.name}" for w, c in CHECKPOINTED]
+)
+def test_a_stack_round_trips_through_the_state_dict(moe_results, world: int, case: MoECase) -> None:
+    """A stack is saved as a Shard(0) DTensor over its experts and resumes exactly."""
+    per_rank = [result[case.name] for result in moe_results[world]]
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, f"rank {rank}:\n{result['error']}"
+        saved = result["checkpoint"]
+        assert (saved["type"], saved["placements"]) == ("DTensor", (Shard(0),))
+        assert saved["momentum_type"] == "DTensor"
+        assert saved["shape"] == (4, 96, 32)
+        assert torch.equal(saved["full"], result["params"][STACK])
+        assert saved["resume_diff"] == 0.0, f"rank {rank}: resumed run differs"
+    rows = [result["checkpoint"]["local_rows"] for result in per_rank]
+    assert sum(rows) == 4 and max(rows) < 4, rows  # the experts spread over the ranks

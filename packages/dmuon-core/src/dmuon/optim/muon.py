@@ -337,8 +337,12 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float,
         adamw_weight_decay: float,
         nonfinite: str = "raise",
+        split: Split = None,
     ) -> None:
-        """Validate the hyperparameters and create the Muon and AdamW param groups."""
+        """Validate the hyperparameters and create the Muon and AdamW param groups.
+
+        ``split`` is resolved by ``__init__`` (into `split_sizes`), not here.
+        """
         self._group_defaults: dict[str, dict[str, Any]] = {
             "muon": {
                 "lr": lr,
