@@ -23,6 +23,7 @@ import torch
 from dist_harness import full_parameters, spawn_ranks
 from torch import nn
 from torch.distributed.tensor import Shard
+from torch.utils._pytree import tree_map_only
 
 import dmuon
 
@@ -269,6 +270,10 @@ def _checkpoint_round_trip(
         "owner": dmuon.dedicated_parameters(model)[index].owner,
     }
     fresh, fresh_optimizer = _build(case, world)
+    # Copies, as a save and load would make: the state dicts alias the live FSDP2 state.
+    model_sd, optim_sd = tree_map_only(
+        torch.Tensor, lambda t: t.detach().clone(), (model_sd, optim_sd)
+    )
     dmuon.set_state_dict(
         fresh, fresh_optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
     )
