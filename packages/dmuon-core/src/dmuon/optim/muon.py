@@ -42,6 +42,7 @@ from dmuon.optim.orthogonalize import (
     default_ns_dtype,
     resolve_coefficients,
 )
+from dmuon.optim.split import Split, matrix_pieces, resolve_split
 from dmuon.ownership.fsdp_integration import verify_not_sharded
 from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.state import DedicationState, get_dedication
@@ -170,6 +171,16 @@ class Muon(torch.optim.Optimizer):
     Owned matrices of the same shape are orthogonalized together in one batched call, in
     buffers allocated on the first step and reused afterwards; momentum, weight decay and the
     update use ``torch._foreach_*`` kernels.
+
+    A dedicated 3-D stack ``(matrices, rows, cols)`` (fused experts) keeps one momentum
+    buffer of its own shape (momentum and weight decay are per element, as usual); each of
+    its matrices is orthogonalized on its own, batched with every other matrix of the same
+    shape, and the learning-rate adjustment uses one matrix's ``(rows, cols)``. With
+    ``split``, a matrix that fuses projections along its output dimension is orthogonalized
+    part by part (see ``split`` below). A whole stack whose averaged gradient is zero is left
+    alone; inside a stack that has a gradient, an expert that saw no token anywhere still
+    gets its momentum decayed and the resulting update, as ``torch.optim`` treats the zero
+    entries of any gradient.
     Every other trainable parameter is updated with AdamW (``torch.optim.AdamW``'s own
     functional implementation, so results are bit-identical to it, DTensor shards included).
 
@@ -212,11 +223,24 @@ class Muon(torch.optim.Optimizer):
             changing anything, when an owned matrix's gradient holds NaN or infinity;
             ``"skip"``: such matrices keep their weights and momentum for this step and
             ``skipped_updates`` counts them. The check is one fused reduction per step.
+        split: which fused matrices are orthogonalized as separate parts along their output
+            dimension, each with its own learning-rate adjustment, exactly as if the parts
+            were separate parameters. ``None`` (default) splits nothing: each matrix is
+            orthogonalized as stored. ``"auto"`` splits the layouts known to concatenate
+            equal parts: transformers' ``gate_up_proj`` (expert stacks, and Phi-3's
+            ``nn.Linear``) into gate and up. A mapping
+            ``{pattern: parts}`` splits the parameters whose dotted name has ``pattern`` as a
+            component (or matches it as an ``fnmatch`` glob) into ``parts`` equal parts, or
+            into parts of the given sizes (``(q, kv, kv)`` for a grouped-query ``qkv_proj``);
+            it replaces the automatic choice. The result is in ``split_sizes``. See
+            ``dmuon.optim.split`` and, for the measurement behind the default, the
+            compatibility page's mixture-of-experts section.
 
     Raises:
-        ValueError: ``model`` has no dedication state, a dedicated parameter is not a
-            matrix, FSDP2 sharded a dedicated parameter, or a hyperparameter is out of
-            range.
+        ValueError: ``model`` has no dedication state, a dedicated parameter is neither a
+            matrix nor a 3-D stack, FSDP2 sharded a dedicated parameter, a hyperparameter is
+            out of range, or ``split`` is malformed, matches no dedicated parameter or does
+            not divide a matrix's output dimension.
     """
 
     def __init__(
@@ -238,6 +262,7 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.01,
         nonfinite: str = "raise",
+        split: Split = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -252,11 +277,14 @@ class Muon(torch.optim.Optimizer):
                 "(after fully_shard)"
             )
         for dp in state.params:
-            if len(dp.shape) != 2:
+            if len(dp.shape) not in (2, 3):
                 raise ValueError(
                     f"dedicated parameter {dp.fqn!r} has shape {tuple(dp.shape)}; Muon updates "
-                    "matrices only: dedicate 2-D weights and leave other parameters to AdamW"
+                    "matrices and 3-D stacks of matrices only: dedicate 2-D weights and fused "
+                    "expert stacks, and leave other parameters to AdamW"
                 )
+        self.split_sizes: dict[str, tuple[int, ...]] = resolve_split(split, state.params)
+        """``{fqn: output sizes of its parts}`` of the dedicated parameters ``split`` cuts."""
         verify_not_sharded(state)
         dedicated = [dp.param for dp in state.params]
         dedicated_ids = {id(p) for p in dedicated}
@@ -309,8 +337,12 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float,
         adamw_weight_decay: float,
         nonfinite: str = "raise",
+        split: Split = None,
     ) -> None:
-        """Validate the hyperparameters and create the Muon and AdamW param groups."""
+        """Validate the hyperparameters and create the Muon and AdamW param groups.
+
+        ``split`` is resolved by ``__init__`` (into `split_sizes`), not here.
+        """
         self._group_defaults: dict[str, dict[str, Any]] = {
             "muon": {
                 "lr": lr,
@@ -461,16 +493,16 @@ class Muon(torch.optim.Optimizer):
             grad = runtime.reduced_grad(dp)
             if grad is None:
                 continue
-            if grad.shape != p.shape or grad.dim() != 2:
+            if grad.shape != p.shape or grad.dim() not in (2, 3):
                 raise ValueError(
                     f"the reduced gradient of {dp.fqn!r} has shape {tuple(grad.shape)}, "
-                    f"expected the full matrix {tuple(p.shape)}"
+                    f"expected the full tensor {tuple(p.shape)}"
                 )
             pairs.append((dp, grad))
         params: list[Tensor] = []
         grads: list[Tensor] = []
         bufs: list[Tensor] = []
-        transposed: list[bool] = []
+        stepped: list[DedicatedParam] = []
         for dp, grad in self._finite_only(group, pairs):
             p = dp.param
             state = self.state[p]
@@ -481,7 +513,7 @@ class Muon(torch.optim.Optimizer):
             params.append(p)
             grads.append(grad)
             bufs.append(state["momentum_buffer"])
-            transposed.append(dp.transposed)
+            stepped.append(dp)
         if not params:
             return
         _foreach_by_dtype(torch._foreach_lerp_, bufs, grads, 1 - momentum)
@@ -489,26 +521,39 @@ class Muon(torch.optim.Optimizer):
             _foreach_by_dtype(torch._foreach_mul_, params, 1 - lr * group["weight_decay"])
 
         # Orthogonalize same-shape matrices together (one batched call per bucket), in
-        # buffers kept from step to step. A (in, out) layout (Conv1D) gets its own bucket:
-        # its learning-rate adjustment reads the shape the other way round.
-        buckets: dict[tuple[Any, ...], list[int]] = {}
-        for i, g in enumerate(grads):
-            buckets.setdefault((tuple(g.shape), g.dtype, g.device, transposed[i]), []).append(i)
-        for (shape, _, device, is_transposed), idx in buckets.items():
+        # buffers kept from step to step. Stacks contribute each of their matrices, split
+        # parameters each of their parts (views, not copies). A (in, out) layout (Conv1D)
+        # gets its own bucket: its learning-rate adjustment reads the shape the other way.
+        buckets: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, Tensor]]] = {}
+        for dp, p, g, b in zip(stepped, params, grads, bufs, strict=True):
+            sizes = self.split_sizes.get(dp.fqn)
+            pieces = zip(
+                matrix_pieces(g, dp.transposed, sizes),
+                matrix_pieces(b, dp.transposed, sizes),
+                matrix_pieces(p, dp.transposed, sizes),
+                strict=True,
+            )
+            for piece in pieces:
+                g_piece = piece[0]
+                key = (tuple(g_piece.shape), g_piece.dtype, g_piece.device, dp.transposed)
+                buckets.setdefault(key, []).append(piece)
+        for (shape, _, device, is_transposed), members in buckets.items():
             ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
-            ws = self._workspace(len(idx), shape, ns_dtype, device, group.get("ns_gram", False))
+            batch = len(members)
+            ws = self._workspace(batch, shape, ns_dtype, device, group.get("ns_gram", False))
             views = ws.source_views
-            bucket_grads = [grads[i] for i in idx]
+            bucket_grads = [g for g, _, _ in members]
+            bucket_bufs = [b for _, b, _ in members]
             if views[0].dtype == bucket_grads[0].dtype:
                 torch._foreach_copy_(views, bucket_grads)
                 if group["nesterov"]:  # U = lerp(G, buf, momentum)
-                    torch._foreach_lerp_(views, [bufs[i] for i in idx], momentum)
+                    torch._foreach_lerp_(views, bucket_bufs, momentum)
                 else:
-                    torch._foreach_copy_(views, [bufs[i] for i in idx])
+                    torch._foreach_copy_(views, bucket_bufs)
             else:
-                for v, i in zip(views, idx, strict=True):
-                    v.copy_(grads[i].lerp(bufs[i], momentum) if group["nesterov"] else bufs[i])
-            bucket_params = [params[i] for i in idx]
+                for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
+                    v.copy_(g.lerp(b, momentum) if group["nesterov"] else b)
+            bucket_params = [p for _, _, p in members]
             # Added in the weights' dtype; a bfloat16 result is widened once into a buffer.
             ortho = ws.cast(ws.run(triples, group["eps"]), bucket_params[0].dtype)
             rows, cols = (shape[1], shape[0]) if is_transposed else shape

@@ -75,6 +75,11 @@ class NaiveMuon(Muon):
             else:
                 chosen = id(param) in linear_weights and default_predicate(name, param)
             (muon if chosen else others).append(param)
+        if hyperparameters.get("split") is not None:
+            raise ValueError(
+                "NaiveMuon orthogonalizes every matrix whole; split is not supported (pass "
+                "split=None)"
+            )
         self.audit = CommAudit(sum(p.numel() for p in muon))
         defaults = inspect.signature(Muon.__init__).parameters
         self._init_groups(

@@ -13,6 +13,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon.comm import CommAudit, Communicator
+from dmuon.ownership.experts import (
+    expert_stacks,
+    fused_gate_up_parts,
+    routing_gate_ids,
+    stores_in_out,
+)
 from dmuon.ownership.fsdp_integration import install_fsdp_filter, is_fsdp_module, mark_dedicated
 from dmuon.ownership.packed_group import PackedGroup
 from dmuon.ownership.param import DedicatedParam
@@ -95,9 +101,11 @@ def _select(
     names_of: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of[id(param)].append(name)
+    gates = routing_gate_ids(model) if predicate is None else set()
     selected = []
     skipped_tied: list[list[str]] = []
     for module_name, module in model.named_modules():
+        stacks = expert_stacks(module)
         for attr, param in module._parameters.items():
             if param is None or not param.requires_grad:
                 continue
@@ -105,10 +113,14 @@ def _select(
             if names_of[id(param)][0] != fqn:
                 continue  # a later alias of a tied parameter; the first name decides
             tied = len(names_of[id(param)]) > 1
-            transposed = _is_conv1d(module) and attr == "weight"
+            transposed = (_is_conv1d(module) and attr == "weight") or (
+                param.ndim == 3 and stores_in_out(module)
+            )
             if predicate is None:
-                linear = isinstance(module, nn.Linear) or transposed
-                chosen = linear and default_predicate(fqn, param)
+                linear = isinstance(module, nn.Linear) or _is_conv1d(module)
+                chosen = (linear and default_predicate(fqn, param) and id(param) not in gates) or (
+                    attr in stacks
+                )
                 if chosen and tied:
                     skipped_tied.append(names_of[id(param)])
                     chosen = False
@@ -122,15 +134,17 @@ def _select(
                         "predicate so it stays with FSDP2 and AdamW, or give each position its "
                         "own block."
                     )
-            if chosen and param.ndim != 2:
+            if chosen and param.ndim not in (2, 3):
                 raise ValueError(
                     f"the predicate selected {fqn!r} with shape {tuple(param.shape)}; Muon needs "
-                    "2-D matrices. Select only 2-D weights."
+                    "2-D matrices, or 3-D stacks whose leading dimension indexes independent "
+                    "matrices (fused experts). Select only 2-D and 3-D weights; leave other "
+                    "parameters to AdamW, or reshape them into such a layout first."
                 )
             if chosen:
                 selected.append((fqn, module, attr, param, transposed))
     if not selected:
-        candidates = [n for n, p in model.named_parameters() if p.ndim == 2][:5]
+        candidates = [n for n, p in model.named_parameters() if p.ndim in (2, 3)][:5]
         reason = ""
         if skipped_tied:
             reason = (
@@ -139,9 +153,10 @@ def _select(
             )
         raise ValueError(
             f"the predicate matched no parameter, so nothing would be trained with Muon.{reason} "
-            f"2-D parameters of this model include: {candidates}. The default predicate takes "
-            "the weights of nn.Linear and transformers' Conv1D modules; pass a predicate such "
-            "as `lambda name, p: 'proj' in name and p.ndim == 2`."
+            f"2-D and 3-D parameters of this model include: {candidates}. The default "
+            "predicate takes the weights of nn.Linear and transformers' Conv1D modules and "
+            "fused expert stacks (3-D gate_up_proj/down_proj); pass a predicate such as "
+            "`lambda name, p: 'proj' in name and p.ndim == 2`."
         )
     return selected
 
@@ -168,9 +183,12 @@ def dedicate_params(
         mesh: A 1-D ``DeviceMesh`` (the data-parallel ranks). ``None`` uses the default
             process group, or, without one, runs in one process with everything owned by
             rank 0 and nothing communicated.
-        predicate: ``predicate(name, param) -> bool`` selects the Muon-target parameters.
-            ``None`` applies `default_predicate` to the weights of ``nn.Linear`` modules and
-            skips tied parameters.
+        predicate: ``predicate(name, param) -> bool`` selects the Muon-target parameters:
+            2-D matrices, or 3-D stacks whose leading dimension indexes independent matrices
+            (fused experts; each matrix is orthogonalized on its own). ``None`` applies
+            `default_predicate` to the weights of ``nn.Linear`` modules, adds the fused
+            expert stacks of mixture-of-experts modules, and skips tied parameters and
+            routers.
         reshard_after_forward: ``True`` (Z3) frees the broadcast buffers after forward and
             broadcasts again before backward; ``False`` (Z2) keeps them resident until
             ``optimizer.step()`` changes the owners' values.
@@ -193,12 +211,20 @@ def dedicate_params(
 
     Raises:
         ValueError: Called twice, after ``fully_shard``, with a mesh that is not 1-D, a
-            predicate that matches nothing or selects a tied or non-2-D parameter, or a
-            parameter without a hook boundary in strict mode.
+            predicate that matches nothing or selects a tied parameter or one that is
+            neither 2-D nor 3-D, or a parameter without a hook boundary in strict mode.
 
     The default predicate selects the weights of ``nn.Linear`` modules and of
     transformers' ``Conv1D`` modules (GPT-2 style, stored as ``(in, out)``; the learning-rate
-    adjustment uses ``(out, in)``).
+    adjustment uses ``(out, in)``), and the fused expert stacks of mixture-of-experts
+    modules: the 3-D ``gate_up_proj`` / ``down_proj`` (and ``gate_proj`` / ``up_proj``)
+    parameters of any module holding such a ``gate_up_proj`` or ``down_proj`` (transformers'
+    Mixtral, Qwen2-MoE, Qwen3-MoE experts and modules of the same layout). A stack is one
+    dedicated tensor with one owner, broadcast and reduced as a whole. Routers and the
+    other gates next to an experts module (a router's ``experts x hidden`` matrix,
+    Qwen2-MoE's ``shared_expert_gate``) stay with AdamW: the top-k choice depends on the
+    relative scale of the router's rows, which Muon's equal-size orthogonalized update
+    would override.
     """
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("dedicate_params was already called on this model; call it once")
@@ -250,6 +276,7 @@ def dedicate_params(
                 boundary=boundaries[fqn],
                 is_owned=is_owned,
                 transposed=transposed,
+                fused_parts=fused_gate_up_parts(fqn, module, attr),
             )
         )
 

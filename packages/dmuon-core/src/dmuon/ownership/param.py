@@ -1,4 +1,4 @@
-"""`DedicatedParam`: one Muon-target matrix and where it lives."""
+"""`DedicatedParam`: one Muon-target matrix (or stack of matrices) and where it lives."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 @dataclass(eq=False)
 class DedicatedParam:
-    """One Muon-target matrix and where it lives.
+    """One Muon-target matrix, or stack of independent matrices, and where it lives.
 
     ``param`` is the parameter registered on the module between forwards: the full float32
     master on the owner, a 0-element placeholder on every other rank. The owner's averaged
@@ -22,6 +22,15 @@ class DedicatedParam:
     ``transposed`` is ``True`` for layouts that store the matrix as ``(in, out)`` (the
     ``Conv1D`` of GPT-2-style models); Newton-Schulz does not care, the learning-rate
     adjustment uses ``(out, in)``.
+
+    A 3-D parameter is a stack ``(matrices, ...)`` of independent matrices (the fused experts
+    of a mixture-of-experts layer): one dedicated tensor with one owner, broadcast and
+    reduced as a whole, orthogonalized matrix by matrix. ``transposed`` then says that each
+    matrix is stored as ``(in, out)``.
+
+    ``fused_parts`` is the number of equal parts a known fused layout concatenates along
+    each matrix's output dimension (2 for transformers' ``gate_up_proj``, else 1): what
+    ``dmuon.Muon(split="auto")`` splits by.
     """
 
     fqn: str
@@ -33,6 +42,7 @@ class DedicatedParam:
     boundary: str
     is_owned: bool
     transposed: bool = False
+    fused_parts: int = 1
 
     @property
     def numel(self) -> int:
@@ -40,7 +50,17 @@ class DedicatedParam:
         return self.shape.numel()
 
     @property
+    def is_stack(self) -> bool:
+        """Whether this is a 3-D stack of independent matrices."""
+        return len(self.shape) == 3
+
+    @property
+    def num_matrices(self) -> int:
+        """How many matrices the tensor holds: 1, or the stack's leading dimension."""
+        return int(self.shape[0]) if self.is_stack else 1
+
+    @property
     def out_in_shape(self) -> tuple[int, int]:
-        """``(out_features, in_features)`` of the matrix, whatever its storage layout."""
-        rows, cols = int(self.shape[0]), int(self.shape[1])
+        """``(out_features, in_features)`` of one matrix, whatever its storage layout."""
+        rows, cols = int(self.shape[-2]), int(self.shape[-1])
         return (cols, rows) if self.transposed else (rows, cols)

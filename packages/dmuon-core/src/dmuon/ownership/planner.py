@@ -28,7 +28,9 @@ def default_predicate(name: str, param: nn.Parameter) -> bool:
     ``dedicate_params`` applies this predicate only to parameters owned by ``nn.Linear``
     modules and skips parameters tied to another name, so together they select the hidden
     linear layers of a transformer (attention projections and MLP matrices) and leave the
-    embedding, the ``lm_head``/``output`` head, norms and biases to AdamW.
+    embedding, the ``lm_head``/``output`` head, norms and biases to AdamW. Besides, it
+    selects the fused 3-D expert stacks of mixture-of-experts layers by their layout (see
+    `dmuon.ownership.experts`), and leaves routers and the gates next to them to AdamW.
 
     Args:
         name: Fully qualified parameter name, e.g. ``"layers.0.attn.q_proj.weight"``.
@@ -44,9 +46,13 @@ def default_predicate(name: str, param: nn.Parameter) -> bool:
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> int:
-    """Approximate Newton-Schulz cost of one matrix: ``min(m, n)**2 * max(m, n)``."""
-    m, n = int(shape[0]), int(shape[1])
-    return min(m, n) ** 2 * max(m, n)
+    """Approximate Newton-Schulz cost: ``min(m, n)**2 * max(m, n)`` per ``m x n`` matrix.
+
+    A 3-D shape ``(k, m, n)`` is a stack of ``k`` matrices and costs ``k`` times as much.
+    """
+    count = int(shape[0]) if len(shape) == 3 else 1
+    m, n = int(shape[-2]), int(shape[-1])
+    return count * min(m, n) ** 2 * max(m, n)
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,12 @@ def plan_owners(
     broadcasts come from several ranks. Ties break on input order and rank, so the plan is
     deterministic and identical on every rank.
 
+    A 3-D stack of matrices (fused experts) is one item with one owner, its cost the sum
+    of its matrices' costs; stacks are not split across ranks.
+
     Args:
-        shapes: ``{fqn: (rows, cols)}`` of the dedicated matrices.
+        shapes: ``{fqn: (rows, cols)}`` of the dedicated matrices, or ``(matrices, rows,
+            cols)`` of dedicated stacks.
         world_size: Number of ranks (at least 1).
         boundaries: Optional ``{fqn: boundary_name}``; matrices of one boundary are spread.
 
@@ -86,13 +96,16 @@ def plan_owners(
         The `OwnerPlan`.
 
     Raises:
-        ValueError: If ``world_size < 1`` or a shape is not 2-D.
+        ValueError: If ``world_size < 1`` or a shape is neither 2-D nor 3-D.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
     for fqn, shape in shapes.items():
-        if len(shape) != 2:
-            raise ValueError(f"plan_owners needs 2-D shapes; {fqn!r} has shape {tuple(shape)}")
+        if len(shape) not in (2, 3):
+            raise ValueError(
+                f"plan_owners needs 2-D matrix or 3-D stack shapes; {fqn!r} has shape "
+                f"{tuple(shape)}"
+            )
     boundaries = boundaries or {}
     order = {fqn: index for index, fqn in enumerate(shapes)}
     costs = {fqn: newton_schulz_cost(shape) for fqn, shape in shapes.items()}
