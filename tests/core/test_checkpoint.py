@@ -8,6 +8,7 @@ own state-dict functions on a plain FSDP2 model.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import warnings
@@ -314,3 +315,30 @@ def test_without_dedication_the_functions_are_torchs() -> None:
     other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-3)
     dmuon.set_state_dict(other, other_optimizer, model_state_dict=ours[0], optim_state_dict=ours[1])
     assert _max_diff(model.state_dict(), other.state_dict()) == 0.0
+
+
+def test_another_optimizers_state_is_refused_not_mixed_in() -> None:
+    from torch.distributed.checkpoint import state_dict as torch_sd
+
+    torch.manual_seed(0)
+    plain = TinyLlama(vocab=VOCAB)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    cs._loss(plain, cs.batch(0)).backward()
+    adamw.step()
+    adamw_state = torch_sd.get_optimizer_state_dict(plain, adamw)
+    model, optimizer = _single_process_model()
+    with pytest.raises(ValueError, match="no Muon momentum"):
+        dmuon.set_optimizer_state_dict(model, optimizer, adamw_state)
+    relaxed = torch.distributed.checkpoint.state_dict.StateDictOptions(strict=False)
+    with pytest.raises(ValueError, match="algorithm None"):
+        dmuon.set_optimizer_state_dict(model, optimizer, adamw_state, options=relaxed)
+    assert [g["algorithm"] for g in optimizer.param_groups] == ["muon", "adamw"]
+
+
+def test_missing_muon_momentum_is_refused_in_strict_mode() -> None:
+    model, optimizer = _single_process_model()
+    state = dmuon.get_optimizer_state_dict(model, optimizer)
+    name = dmuon.dedicated_parameters(model)[0].fqn
+    del state["state"][name]
+    with pytest.raises(ValueError, match=rf"no Muon momentum for \['{re.escape(name)}'\]"):
+        dmuon.set_optimizer_state_dict(model, optimizer, state)

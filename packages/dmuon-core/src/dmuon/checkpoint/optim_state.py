@@ -219,6 +219,15 @@ def set_dedicated_optimizer_state_dict(
         False,
         "optimizer",
     )
+    missing = [dp.fqn for dp in state.params if dp.fqn not in momentum]
+    if missing and options.strict:
+        raise ValueError(
+            f"the optimizer state dict has no Muon momentum for {missing[:5]}; it does not "
+            "come from dmuon.get_optimizer_state_dict of this model. To fine-tune from "
+            "another optimizer's checkpoint, load only its model part "
+            "(dmuon.set_model_state_dict) and start the optimizer fresh, or pass "
+            "StateDictOptions(strict=False) to start these momenta at zero."
+        )
     dedicated = {id(dp.param): dp for dp in state.params}
     loaded_groups = osd.get("param_groups", [])
     for optim in optimizers:
@@ -237,6 +246,14 @@ def set_dedicated_optimizer_state_dict(
                         "StateDictOptions(strict=False) to keep this group's settings)"
                     )
                 source = {k: v for k, v in group.items() if k != "params"}
+            if source is not None and source.get("algorithm") != group.get("algorithm"):
+                raise ValueError(
+                    f"the optimizer state dict's param group holding {fqns[0]!r} has "
+                    f"algorithm {source.get('algorithm')!r}, this optimizer's has "
+                    f"{group.get('algorithm')!r}: it was written by another optimizer. To "
+                    "fine-tune from it, load only the model part (dmuon.set_model_state_dict) "
+                    "and start the optimizer fresh."
+                )
             values = {k: copy.copy(v) for k, v in (source or {}).items() if k != "params"}
             values["params"] = list(range(position, position + len(fqns)))
             index_groups.append(values)
