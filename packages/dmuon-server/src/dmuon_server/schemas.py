@@ -120,7 +120,12 @@ class TrainSpec(_Strict):
 class InitFrom(_Strict):
     """A checkpoint of another job to take the initial weights from."""
 
-    job: str = Field(min_length=1, max_length=64, description="Id of the job that saved it.")
+    job: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Id of the job that saved it.",
+    )
     step: Annotated[int, Field(ge=0, le=99_999_999)] | Literal["latest"] = Field(
         description="Step of the checkpoint, or `latest` for that job's newest one "
         "(resolved when this job is submitted)."
