@@ -46,6 +46,17 @@ MEANING: dict[str, dict[str, str]] = {
         "--metrics-file": "append one JSON line per optimizer step (rank 0)",
         "--log-every": "print every N steps when there is no progress bar",
         "--progress": "a progress bar on a terminal, plain lines otherwise",
+        "--checkpoint-dir": "write [checkpoints](#checkpoints) here as `step_NNNNNNNN` "
+        "folders; with it a final checkpoint is always written at the end and on "
+        "SIGTERM or SIGINT",
+        "--checkpoint-every": "also write a checkpoint every N steps (needs "
+        "`--checkpoint-dir`); `0` = only the final one",
+        "--keep-checkpoints": "keep the newest K complete checkpoints; `0` keeps all",
+        "--resume": "`auto` = continue from the latest complete checkpoint in "
+        "`--checkpoint-dir` if there is one; `never` = start fresh; a path = continue "
+        "from that checkpoint",
+        "--init-from": "start a new run from the weights of this checkpoint (optimizer, "
+        "schedule and step start fresh); an error if `--resume` also finds a checkpoint",
     },
     "zh": {
         "--model": "模型预设（见[下文](#presets)）",
@@ -76,6 +87,15 @@ MEANING: dict[str, dict[str, str]] = {
         "--metrics-file": "每个优化器步追加一行 JSON（由 rank 0 写入）",
         "--log-every": "没有进度条时每 N 步打印一次",
         "--progress": "在终端上显示进度条，否则输出普通文本行",
+        "--checkpoint-dir": "把[检查点](#checkpoints)以 `step_NNNNNNNN` 文件夹的形式写在这里；"
+        "指定后，训练结束时以及收到 SIGTERM 或 SIGINT 时总会写一个最终检查点",
+        "--checkpoint-every": "另外每 N 步写一个检查点（需要 `--checkpoint-dir`）；"
+        "`0` = 只写最终检查点",
+        "--keep-checkpoints": "保留最新的 K 个完整检查点；`0` 表示全部保留",
+        "--resume": "`auto` = 若 `--checkpoint-dir` 中有完整检查点，就从最新的一个继续；"
+        "`never` = 从头开始；路径 = 从该检查点继续",
+        "--init-from": "用这个检查点的权重开始一次新的训练（优化器、学习率调度和步数都从头开始）；"
+        "若 `--resume` 也找到了检查点则报错",
     },
 }
 
@@ -87,12 +107,16 @@ RUNTIME_DEFAULT: dict[str, dict[str, str]] = {
         "--threads": "`OMP_NUM_THREADS` if set, else the available cores divided by the "
         "processes on this machine",
         "--metrics-file": "none",
+        "--checkpoint-dir": "none (no checkpoints)",
+        "--init-from": "none",
     },
     "zh": {
         "--data": "标准库源代码",
         "--cache-dir": "`$DMUON_CACHE_DIR` 或 `~/.cache/dmuon`",
         "--threads": "设置了 `OMP_NUM_THREADS` 时取其值，否则为可用核数除以本机进程数",
         "--metrics-file": "无",
+        "--checkpoint-dir": "无（不写检查点）",
+        "--init-from": "无",
     },
 }
 

@@ -10,6 +10,14 @@ with dmuon.no_sync(model): ...          # around accumulating micro-batches
 """
 
 from dmuon.accumulation import no_sync
+from dmuon.checkpoint import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 from dmuon.clip import clip_grad_norm_
 from dmuon.comm import CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
@@ -30,9 +38,15 @@ __all__ = [
     "dedicate_params",
     "dedicated_parameters",
     "default_predicate",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_state_dict",
     "newton_schulz",
     "no_sync",
     "owner_plan",
     "parameters_updated",
     "plan_owners",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
+    "set_state_dict",
 ]

@@ -16,6 +16,10 @@ environment variable ``DMUON_CHECK_COLLECTIVES=1``) every collective is preceded
 all-gather of its signature (sequence number, kind, size, root), and every rank raises the
 same error at the first collective on which the ranks disagree, instead of mixing data or
 hanging. It costs one extra synchronous collective each, so it is for debugging.
+
+Checkpoint transfers (`Communicator.scatter_rows`, `gather_rows`, `send`, `recv`,
+`broadcast_now`, `all_gather_codes`) are synchronous and are not part of the per-step
+audit: they move state between owners and state-dict layouts, not training traffic.
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-_KIND_CODES = {"broadcast": 1, "reduce": 2, "all_gather": 3, "reduce_scatter": 4, "all_reduce": 5}
+_KIND_CODES = {
+    "broadcast": 1,
+    "reduce": 2,
+    "all_gather": 3,
+    "reduce_scatter": 4,
+    "all_reduce": 5,
+    "scatter": 6,
+    "gather": 7,
+}
 
 #: How many "units" one collective of E elements costs, in units of (N-1)/N x E.
 _UNITS_PER_ELEMENT = {
@@ -212,3 +224,45 @@ class Communicator:
                 tensor, self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True
             ),
         )
+
+    # ----- checkpoint transfers: synchronous, not audited ---------------------------------
+    def _checked(self, kind: str, tensor: torch.Tensor, root: int) -> None:
+        if self.check_collectives:
+            self._check_same_everywhere(kind, tensor, root)
+
+    def scatter_rows(self, chunks: list[torch.Tensor] | None, out: torch.Tensor, src: int) -> None:
+        """Scatter equally sized ``chunks`` (given on group rank ``src`` only) into ``out``."""
+        self._checked("scatter", out, src)
+        dist.scatter(out, chunks, src=self._global(src), group=self.group)
+
+    def gather_rows(self, chunk: torch.Tensor, chunks: list[torch.Tensor] | None, dst: int) -> None:
+        """Gather every rank's equally sized ``chunk`` into ``chunks`` on group rank ``dst``."""
+        self._checked("gather", chunk, dst)
+        dist.gather(chunk, chunks, dst=self._global(dst), group=self.group)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to group rank ``dst`` (point to point)."""
+        dist.send(tensor, self._global(dst), group=self.group)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive ``tensor`` in place from group rank ``src`` (point to point)."""
+        dist.recv(tensor, self._global(src), group=self.group)
+
+    def broadcast_now(self, tensor: torch.Tensor, src: int) -> None:
+        """Broadcast ``tensor`` from group rank ``src`` and wait for it."""
+        self._checked("broadcast", tensor, src)
+        dist.broadcast(tensor, self._global(src), group=self.group)
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        """Broadcast a picklable object from group rank ``src``; every rank gets it."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(src), group=self.group)
+        return box[0]
+
+    def all_gather_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """All-gather a 1-D int64 tensor; returns a ``(world_size, len)`` tensor."""
+        codes = codes.to(self.device)
+        self._checked("all_gather", codes, 0)
+        out = [torch.empty_like(codes) for _ in range(self.world_size)]
+        dist.all_gather(out, codes, group=self.group)
+        return torch.stack(out).cpu()

@@ -535,6 +535,32 @@ class Muon(torch.optim.Optimizer):
             ws = cache[key] = NewtonSchulzWorkspace(batch, rows, cols, dtype, device, gram=gram)
         return ws
 
+    @torch.no_grad()
+    def init_state(self) -> None:
+        """Create any missing state as zeros, exactly as the first step would.
+
+        Muon momentum for every owned matrix; AdamW ``step`` (0), ``exp_avg`` and
+        ``exp_avg_sq`` for every trainable parameter of the AdamW group. Steps afterwards
+        are identical to steps from no state. The checkpoint functions call it so that a
+        fresh optimizer has state for a checkpoint to be loaded into.
+        """
+        dedicated = self._dedicated_by_id()
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if group["algorithm"] == "muon":
+                    dp = dedicated.get(id(p))
+                    if dp is not None and dp.is_owned and "momentum_buffer" not in state:
+                        state["momentum_buffer"] = torch.zeros_like(
+                            p, memory_format=torch.preserve_format
+                        )
+                elif p.requires_grad and len(state) == 0:
+                    state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if not state:
+                    del self.state[p]
+
     def _adamw_step(self, group: dict[str, Any]) -> None:
         params: list[Tensor] = []
         grads: list[Tensor] = []

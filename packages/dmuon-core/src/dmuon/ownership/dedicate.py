@@ -282,7 +282,12 @@ def dedicate_params(
         model,
         STATE_ATTR,
         DedicationState(
-            rank=comm_rank, world_size=world_size, runtime=runtime, params=dedicated, plan=plan
+            rank=comm_rank,
+            world_size=world_size,
+            runtime=runtime,
+            params=dedicated,
+            plan=plan,
+            mesh=mesh,
         ),
     )
     return dict(plan.owners)

@@ -14,6 +14,8 @@ from torch import nn
 from dmuon.ownership.param import DedicatedParam
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from dmuon.comm import CommAudit
     from dmuon.ownership.planner import OwnerPlan
     from dmuon.ownership.runtime import DedicationRuntime
@@ -30,6 +32,8 @@ class DedicationState:
     runtime: DedicationRuntime
     params: list[DedicatedParam] = field(default_factory=list)
     plan: OwnerPlan | None = None
+    #: The mesh passed to `dedicate_params` (``None``: the default process group).
+    mesh: DeviceMesh | None = None
 
     def __deepcopy__(self, memo: dict[int, object]) -> DedicationState:
         raise ValueError(

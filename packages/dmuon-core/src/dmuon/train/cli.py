@@ -10,6 +10,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
+from dmuon.train.checkpointing import CheckpointError, require_checkpoint
 from dmuon.train.model import PRESETS
 
 __all__ = [
@@ -52,6 +53,11 @@ class TrainConfig:
     dtype: str = "float32"
     threads: int | None = None
     progress: str = "auto"
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    resume: str = "auto"
+    init_from: str | None = None
 
     @property
     def effective_lr(self) -> float:
@@ -108,6 +114,24 @@ def _open_fraction(text: str) -> float:
     if value in (0.0, 1.0):
         raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {text}")
     return value
+
+
+def _resume_target(text: str) -> str:
+    if text in ("auto", "never"):
+        return text
+    try:
+        require_checkpoint(text, "--resume")
+    except CheckpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _init_source(text: str) -> str:
+    try:
+        require_checkpoint(text, "--init-from")
+    except CheckpointError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -265,11 +289,59 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.progress,
         help="auto = a tqdm bar on a terminal, plain lines otherwise",
     )
+
+    ckpt = p.add_argument_group("checkpoints")
+    ckpt.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        default=d.checkpoint_dir,
+        help="write checkpoints here (step_NNNNNNNN folders); a final one is always "
+        "written at the end and on SIGTERM/SIGINT",
+    )
+    ckpt.add_argument(
+        "--checkpoint-every",
+        type=_int_at_least(0),
+        metavar="N",
+        default=d.checkpoint_every,
+        help="also checkpoint every N steps (needs --checkpoint-dir); 0 = only at the end",
+    )
+    ckpt.add_argument(
+        "--keep-checkpoints",
+        type=_int_at_least(0),
+        metavar="K",
+        default=d.keep_checkpoints,
+        help="keep the newest K complete checkpoints in --checkpoint-dir; 0 keeps all",
+    )
+    ckpt.add_argument(
+        "--resume",
+        type=_resume_target,
+        metavar="{auto,never,PATH}",
+        default=d.resume,
+        help="auto = continue from the latest checkpoint in --checkpoint-dir if there is "
+        "one; never = start fresh; PATH = continue from that checkpoint",
+    )
+    ckpt.add_argument(
+        "--init-from",
+        type=_init_source,
+        metavar="PATH",
+        default=d.init_from,
+        help="start from the weights of this checkpoint (optimizer, schedule and step "
+        "start fresh); an error if --resume also finds a checkpoint",
+    )
     return p
 
 
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse flags into a `TrainConfig` (exits with status 2 on a bad value)."""
-    namespace = build_parser().parse_args(None if argv is None else list(argv))
+    parser = build_parser()
+    namespace = parser.parse_args(None if argv is None else list(argv))
+    if namespace.checkpoint_every > 0 and namespace.checkpoint_dir is None:
+        parser.error("--checkpoint-every needs --checkpoint-dir (where to write checkpoints)")
+    if namespace.init_from is not None and namespace.resume not in ("auto", "never"):
+        parser.error(
+            "--init-from and --resume PATH both give a starting point: --resume PATH "
+            "continues a run (weights, optimizer, step), --init-from starts a new one "
+            "from weights only; pass one of them"
+        )
     names = {f.name for f in fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(namespace).items() if k in names})

@@ -33,6 +33,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,10 +41,12 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
+from dmuon.train import checkpointing
 from dmuon.train.cli import TrainConfig, parse_args
 from dmuon.train.data import GlobalBatchSampler, load_corpus, validation_windows
-from dmuon.train.metrics import MetricsWriter, ProgressReporter, format_summary
+from dmuon.train.metrics import MetricsWriter, ProgressReporter, format_summary, truncate_after
 from dmuon.train.model import build_model, lm_loss
+from dmuon.train.stopping import StopRequest
 
 __all__ = ["Trainer", "TrainingDiverged", "configure_threads", "lr_lambda", "run"]
 
@@ -118,6 +121,9 @@ class Trainer:
         model: the (possibly dedicated and sharded) transformer.
         optimizer: ``dmuon.Muon`` or ``torch.optim.AdamW``.
         sampler: the global-batch sampler.
+        start_step: the step the run continues from (0, or the resumed checkpoint's).
+        resumed_from: the checkpoint the run resumed from, or None.
+        stop: the stop request (SIGTERM/SIGINT while `fit` runs, or ``stop.request``).
     """
 
     def __init__(self, config: TrainConfig) -> None:
@@ -126,6 +132,10 @@ class Trainer:
         If setup fails, what was changed (threads, process group) is undone first.
         """
         self.config = config
+        self.stop = StopRequest()
+        self.start_step = 0
+        self.resumed_from: Path | None = None
+        self._time_offset = 0.0  # seconds of training before the resumed checkpoint
         self._owns_process_group = False
         self._threads_before = torch.get_num_threads()
         try:
@@ -219,6 +229,92 @@ class Trainer:
         self._lr_factor = lr_lambda(config.warmup_steps, config.steps, config.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.tokens_per_step = self.sampler.global_batch_size * config.seq_len
+        self._restore()
+
+    def _restore(self) -> None:
+        """Resume from a checkpoint or take initial weights, as the flags say."""
+        cfg = self.config
+        if cfg.checkpoint_dir is not None and self.rank == 0:
+            checkpointing.remove_incomplete(cfg.checkpoint_dir)  # saves cut short
+        if cfg.resume == "never":
+            target = None
+        elif cfg.resume == "auto":
+            target = (
+                checkpointing.latest_checkpoint(cfg.checkpoint_dir)
+                if cfg.checkpoint_dir is not None
+                else None
+            )
+        else:
+            target = checkpointing.require_checkpoint(cfg.resume, "--resume")
+        if target is not None and cfg.init_from is not None:
+            raise ValueError(
+                f"--init-from {cfg.init_from} was given, but --resume {cfg.resume} found "
+                f"checkpoint {target} to continue from. Pass --resume never to start a new "
+                "run from the --init-from weights, or drop --init-from to continue the run."
+            )
+        if target is not None:
+            self._resume(target)
+            return
+        if cfg.init_from is not None:
+            checkpointing.load_weights(cfg.init_from, self.model)
+
+    def _resume(self, path: Path) -> None:
+        cfg = self.config
+        state = checkpointing.read_trainer_state(path)
+        step = int(state["step"])
+        for key, flag in (("model", "--model"), ("optimizer", "--optimizer")):
+            if state.get(key) not in (None, getattr(cfg, key)):
+                raise ValueError(
+                    f"checkpoint {path} was written with {flag} {state[key]}, this run has "
+                    f"{flag} {getattr(cfg, key)}. Resume with the same {flag}, or start a "
+                    f"new run from its weights with --init-from {path} --resume never."
+                )
+        if step > cfg.steps:
+            raise ValueError(
+                f"checkpoint {path} is at step {step}, past --steps {cfg.steps}. Raise "
+                "--steps to continue it, or pass --resume never to start over."
+            )
+        checkpointing.load_training_state(
+            path, self.model, self.optimizer, rank=self.rank, device=self.device
+        )
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.start_step = step
+        self.resumed_from = path
+        self._time_offset = float(state.get("time", 0.0))
+        self._resumed_geometry = (state.get("global_batch_size"), state.get("seq_len"))
+
+    def save_checkpoint(self, step: int, elapsed: float) -> Path:
+        """Write the checkpoint after ``step`` into ``--checkpoint-dir`` (a collective).
+
+        ``elapsed`` is the training time so far, which a resumed run's ``time`` continues.
+        """
+        cfg = self.config
+        if cfg.checkpoint_dir is None:
+            raise ValueError("save_checkpoint needs --checkpoint-dir")
+        trainer_state = {
+            "scheduler": self.scheduler.state_dict(),
+            "time": elapsed,
+            "model": cfg.model,
+            "optimizer": cfg.optimizer,
+            "global_batch_size": self.sampler.global_batch_size,
+            "seq_len": cfg.seq_len,
+            "world_size": self.world_size,
+        }
+        return checkpointing.save_checkpoint(
+            cfg.checkpoint_dir,
+            step,
+            self.model,
+            self.optimizer,
+            trainer_state,
+            rank=self.rank,
+            barrier=self._barrier,
+            device=self.device,
+            keep=cfg.keep_checkpoints,
+        )
+
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
 
     def _want_cuda(self) -> bool:
         if self.config.device == "cuda":
@@ -253,7 +349,8 @@ class Trainer:
         """Run optimizer step ``step`` (1-based): accumulate, step, schedule.
 
         Returns ``loss`` (global-batch mean), ``lr`` (the logged rate for this step),
-        ``grad_norm`` and ``seconds`` (wall time of the step).
+        ``grad_norm``, ``seconds`` (wall time of the step) and ``stop`` (1.0 when any rank
+        was asked to stop; the flag rides on the loss all-reduce, so all ranks agree).
         """
         accum_steps = self.config.accum_steps
         start = time.perf_counter()
@@ -277,7 +374,9 @@ class Trainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad()
                 self.scheduler.step()
-        mean_loss = float(self._all_reduce_sum(loss_sum) / self.world_size)
+        stop_flag = torch.full_like(loss_sum, 1.0 if self.stop.requested else 0.0)
+        reduced = self._all_reduce_sum(torch.stack([loss_sum, stop_flag]))
+        mean_loss = float(reduced[0] / self.world_size)
         if not math.isfinite(mean_loss):
             raise TrainingDiverged(step, "loss", mean_loss)
         return {
@@ -285,6 +384,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": grad_norm,
             "seconds": time.perf_counter() - start,
+            "stop": 1.0 if float(reduced[1]) > 0 else 0.0,
         }
 
     @torch.no_grad()
@@ -302,13 +402,24 @@ class Trainer:
         return float(sums[0] / sums[1])
 
     def fit(self) -> dict[str, Any]:
-        """Train for ``config.steps`` steps with eval, metrics and progress; return a summary."""
+        """Train steps ``start_step + 1 .. config.steps`` with eval, metrics, checkpoints.
+
+        Returns a summary. SIGTERM or SIGINT while it runs (or ``stop.request``) ends it
+        after the current step with a checkpoint (with ``--checkpoint-dir``) and a
+        ``{"event": "stopped", ...}`` metrics line; the summary then has ``stopped_by``.
+        """
         cfg = self.config
         is_main = self.rank == 0
+        if is_main and cfg.metrics_file is not None and self.start_step > 0:
+            truncate_after(cfg.metrics_file, self.start_step)
         writer = MetricsWriter(cfg.metrics_file if is_main else None)
         bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]
         progress = ProgressReporter(
-            cfg.steps, enabled=is_main, use_bar=bar, log_every=cfg.log_every
+            cfg.steps,
+            enabled=is_main,
+            use_bar=bar,
+            log_every=cfg.log_every,
+            initial=self.start_step,
         )
         progress.message(
             f"dmuon.train: model {cfg.model} ({self.num_params / 1e6:.2f} M params), "
@@ -320,51 +431,95 @@ class Trainer:
             f"data {self.corpus.source} ({self.corpus.train.numel() / 1e6:.1f} M train / "
             f"{self.corpus.val.numel() / 1e6:.2f} M val bytes)"
         )
+        if self.resumed_from is not None:
+            progress.message(f"resumed from {self.resumed_from} (step {self.start_step})")
+            geometry = (self.sampler.global_batch_size, cfg.seq_len)
+            if self._resumed_geometry != geometry:
+                progress.message(
+                    f"note: the checkpoint was written with global batch x seq-len "
+                    f"{self._resumed_geometry}, this run uses {geometry}: the batches "
+                    "differ from those of an uninterrupted run"
+                )
         start_val: float | None = None
         end_val: float | None = None
         loss = float("nan")
         train_seconds = 0.0
+        last_step = self.start_step
+        checkpoint: Path | None = None
+        stopped = False
         t0 = time.perf_counter()
+
+        def elapsed() -> float:
+            return self._time_offset + time.perf_counter() - t0
+
         try:
-            if cfg.eval_every > 0:
-                start_val = end_val = self.evaluate()
-                writer.write({"step": 0, "time": time.perf_counter() - t0, "val_loss": start_val})
-                progress.message(f"step 0 val_loss {start_val:.4f}")
-            for step in range(1, cfg.steps + 1):
-                stats = self.train_step(step)
-                train_seconds += stats["seconds"]
-                loss = stats["loss"]
-                tokens_per_s = self.tokens_per_step / stats["seconds"]
-                record: dict[str, Any] = {
-                    "step": step,
-                    "loss": loss,
-                    "lr": stats["lr"],
-                    "tokens_per_s": tokens_per_s,
-                    "grad_norm": stats["grad_norm"],
-                }
-                if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-                    end_val = self.evaluate()
-                    record["val_loss"] = end_val
-                    progress.message(f"step {step} val_loss {end_val:.4f}")
-                record["time"] = time.perf_counter() - t0
-                writer.write(record)
-                progress.step(step, loss, tokens_per_s, stats["lr"])
+            with self.stop:
+                if cfg.eval_every > 0 and self.start_step == 0:
+                    start_val = end_val = self.evaluate()
+                    writer.write({"step": 0, "time": elapsed(), "val_loss": start_val})
+                    progress.message(f"step 0 val_loss {start_val:.4f}")
+                for step in range(self.start_step + 1, cfg.steps + 1):
+                    stats = self.train_step(step)
+                    train_seconds += stats["seconds"]
+                    loss = stats["loss"]
+                    last_step = step
+                    stopping = stats["stop"] > 0 and step < cfg.steps  # else: done anyway
+                    tokens_per_s = self.tokens_per_step / stats["seconds"]
+                    record: dict[str, Any] = {
+                        "step": step,
+                        "loss": loss,
+                        "lr": stats["lr"],
+                        "tokens_per_s": tokens_per_s,
+                        "grad_norm": stats["grad_norm"],
+                    }
+                    if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
+                        end_val = self.evaluate()
+                        record["val_loss"] = end_val
+                        progress.message(f"step {step} val_loss {end_val:.4f}")
+                    record["time"] = elapsed()
+                    writer.write(record)
+                    progress.step(step, loss, tokens_per_s, stats["lr"])
+                    periodic = cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0
+                    if cfg.checkpoint_dir is not None and (
+                        periodic or stopping or step == cfg.steps
+                    ):
+                        checkpoint = self.save_checkpoint(step, elapsed())
+                    if stopping:
+                        writer.write(
+                            {
+                                "event": "stopped",
+                                "step": step,
+                                "signal": self.stop.signal_name,
+                                "checkpoint": None if checkpoint is None else str(checkpoint),
+                            }
+                        )
+                        progress.message(
+                            f"stopped by {self.stop.signal_name or 'a signal on another rank'}"
+                            f" after step {step}"
+                        )
+                        stopped = True
+                        break
         finally:
             progress.close()
             writer.close()
+        steps_run = last_step - self.start_step
         summary: dict[str, Any] = {
-            "steps": cfg.steps,
+            "steps": last_step,
             "final_loss": loss,
             "start_val_loss": start_val,
             "end_val_loss": end_val,
             "wall_time_s": time.perf_counter() - t0,
             "train_time_s": train_seconds,
-            "tokens": self.tokens_per_step * cfg.steps,
-            "tokens_per_s": self.tokens_per_step * cfg.steps / max(train_seconds, 1e-9),
+            "tokens": self.tokens_per_step * steps_run,
+            "tokens_per_s": self.tokens_per_step * steps_run / max(train_seconds, 1e-9),
             "world_size": self.world_size,
             "optimizer": cfg.optimizer,
             "model": cfg.model,
             "params": self.num_params,
+            "start_step": self.start_step,
+            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
+            "stopped_by": (self.stop.signal_name or "signal") if stopped else None,
+            "checkpoint": None if checkpoint is None else str(checkpoint),
             "config": asdict(cfg),
         }
         progress.message(format_summary(summary))
@@ -381,10 +536,12 @@ class Trainer:
 def run(args: Sequence[str] | TrainConfig | None = None) -> dict[str, Any]:
     """Run the recipe from flags (a list like ``["--steps", "10"]``) or a config.
 
-    ``None`` reads ``sys.argv``. Returns the summary dict (``steps``, ``final_loss``,
-    ``start_val_loss``, ``end_val_loss``, ``wall_time_s``, ``train_time_s``, ``tokens``,
-    ``tokens_per_s``, ``world_size``, ``optimizer``, ``model``, ``params``, ``config``);
-    non-zero ranks get the same losses but print and write nothing.
+    ``None`` reads ``sys.argv``. Returns the summary dict (``steps`` (the last step
+    reached), ``final_loss``, ``start_val_loss``, ``end_val_loss``, ``wall_time_s``,
+    ``train_time_s``, ``tokens``, ``tokens_per_s``, ``world_size``, ``optimizer``,
+    ``model``, ``params``, ``start_step``, ``resumed_from``, ``stopped_by``,
+    ``checkpoint``, ``config``); non-zero ranks get the same losses but print and write
+    nothing.
     """
     config = args if isinstance(args, TrainConfig) else parse_args(args)
     trainer = Trainer(config)

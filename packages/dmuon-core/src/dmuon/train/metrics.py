@@ -14,6 +14,13 @@ object per line, appended and flushed line by line.
   "time": ..., "val_loss": ...}`` carrying the validation loss of the initial weights.
   Every line therefore has all the keys; only the step-0 line has nulls.
 
+* On a graceful stop (SIGTERM or SIGINT), one last line
+  ``{"event": "stopped", "step": k, "signal": "SIGTERM", "checkpoint": "<path or null>"}``
+  with the other required keys null. Lines with an ``event`` key are not metric points.
+* A run resumed from the checkpoint of step ``k`` first drops the lines with a step above
+  ``k`` (`truncate_after`), then appends from step ``k + 1``: the file never holds a step
+  twice.
+
 Non-finite floats (a diverged run) are written as the strings ``"NaN"``, ``"Infinity"``
 and ``"-Infinity"``, so every line stays strict JSON and a diverged value is told apart
 from a missing one (``null``). The job server uses the same strings in its API.
@@ -28,7 +35,13 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["REQUIRED_KEYS", "MetricsWriter", "ProgressReporter", "format_summary"]
+__all__ = [
+    "REQUIRED_KEYS",
+    "MetricsWriter",
+    "ProgressReporter",
+    "format_summary",
+    "truncate_after",
+]
 
 REQUIRED_KEYS = ("step", "loss", "lr", "tokens_per_s", "grad_norm", "time")
 """Keys present on every line of the metrics file."""
@@ -40,6 +53,37 @@ def _clean(value: Any) -> Any:
             return "NaN"
         return "Infinity" if value > 0 else "-Infinity"
     return value
+
+
+def truncate_after(path: str | os.PathLike[str], step: int) -> int:
+    """Drop the lines of metrics file ``path`` whose step is above ``step``; return the count.
+
+    Lines that are not JSON objects with an integer ``step`` (a line cut short by a killed
+    process) are dropped too. The file is rewritten to a temporary file and swapped in with
+    ``os.replace``, so a crash leaves the old or the new file, never a mix. A missing file
+    is left missing.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    kept: list[str] = []
+    dropped = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+            keep = isinstance(record, dict) and isinstance(record.get("step"), int)
+            keep = keep and record["step"] <= step
+        except json.JSONDecodeError:
+            keep = False
+        if keep:
+            kept.append(line + "\n")
+        else:
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+    return dropped
 
 
 class MetricsWriter:
@@ -81,6 +125,7 @@ class ProgressReporter:
         enabled: False on non-zero ranks.
         use_bar: force the bar on or off; by default on iff stderr is a terminal.
         log_every: in plain mode, print every ``log_every`` steps (and the last one).
+        initial: steps already done (a resumed run starts its bar there).
     """
 
     def __init__(
@@ -90,6 +135,7 @@ class ProgressReporter:
         enabled: bool = True,
         use_bar: bool | None = None,
         log_every: int = 1,
+        initial: int = 0,
     ) -> None:
         """Create the bar (if any) for ``total_steps`` steps."""
         self.total_steps = total_steps
@@ -99,7 +145,13 @@ class ProgressReporter:
         if enabled and (sys.stderr.isatty() if use_bar is None else use_bar):
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, desc="train", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total_steps,
+                initial=initial,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+            )
 
     def message(self, text: str) -> None:
         """Print a line without breaking the bar."""
@@ -141,6 +193,15 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"({summary['params'] / 1e6:.2f} M params)",
         f"final train loss {summary['final_loss']:.4f}",
     ]
+    if summary.get("resumed_from"):
+        lines.append(f"resumed from {summary['resumed_from']}")
+    if summary.get("stopped_by"):
+        lines.append(
+            f"stopped by {summary['stopped_by']} after step {summary['steps']}; "
+            f"checkpoint {summary.get('checkpoint') or 'none (no --checkpoint-dir)'}"
+        )
+    elif summary.get("checkpoint"):
+        lines.append(f"checkpoint {summary['checkpoint']}")
     start, end = summary.get("start_val_loss"), summary.get("end_val_loss")
     if start is not None and end is not None:
         drop = (start - end) / start * 100 if start else float("nan")

@@ -1,0 +1,204 @@
+"""Moving a dedicated tensor between its owner and the layouts of a state dict.
+
+A dedicated matrix (and its Muon momentum) lives whole on its owner. In a state dict it
+takes one of three forms:
+
+- **sharded** (the default): a DTensor ``Shard(0)`` over the dedication's mesh, row chunks
+  of ``ceil(rows / N)`` as ``torch.chunk`` cuts them. That is the layout FSDP2 gives the
+  same parameter, so DCP saves it from every rank at once, reshards it on load, and a
+  checkpoint of a dedicated model is interchangeable with one of a plain FSDP2 model.
+  With a single rank it is the plain tensor.
+- **full on rank 0** (``full_state_dict=True, cpu_offload=True``): a CPU tensor on rank 0,
+  nothing elsewhere.
+- **full everywhere** (``full_state_dict=True``): the whole tensor on every rank.
+
+Every function here is called on every rank in the same order (the dedication's parameter
+order), so the ranks issue the same collectives whatever the values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from dmuon.ownership.param import DedicatedParam
+from dmuon.ownership.state import DedicationState
+
+#: Codes all-gathered to agree on what each rank's state dict holds for a matrix.
+MISSING, FULL, SHARDED, BAD_SHAPE = 0, 1, 2, 3
+
+
+def dedication_mesh(state: DedicationState) -> DeviceMesh | None:
+    """The 1-D mesh of the dedication's process group (``None`` with one rank)."""
+    comm = state.runtime.comm
+    if comm.group is None:
+        return None
+    if state.mesh is None:
+        state.mesh = DeviceMesh.from_group(comm.group, comm.device.type)
+    return state.mesh
+
+
+def _rows_per_chunk(rows: int, world: int) -> int:
+    return max(1, math.ceil(rows / world))
+
+
+def _chunk_bounds(rows: int, world: int, rank: int) -> tuple[int, int]:
+    per = _rows_per_chunk(rows, world)
+    start = min(rank * per, rows)
+    return start, min(start + per, rows)
+
+
+class DedicatedLayout:
+    """Conversions between owner-held tensors and state-dict forms for one dedication."""
+
+    def __init__(self, state: DedicationState) -> None:
+        self.state = state
+        self.comm = state.runtime.comm
+        self.mesh = dedication_mesh(state)
+
+    # ----- owner -> state dict -----------------------------------------------------------
+    def export(
+        self, dp: DedicatedParam, owned: torch.Tensor | None, full: bool, rank0_only: bool
+    ) -> torch.Tensor | None:
+        """The state-dict form of a tensor of ``dp``'s shape held by its owner (``owned``).
+
+        ``owned`` is the owner's tensor (``None`` on other ranks). Returns the DTensor
+        shard (sharded), the full tensor (``full``; on CPU and on rank 0 only with
+        ``rank0_only``), or ``None`` where this rank gets nothing.
+        """
+        comm = self.comm
+        if comm.world_size == 1:
+            assert owned is not None
+            value = owned.detach().clone()
+            return value.cpu() if rank0_only else value
+        if not full:
+            return self._scatter(dp, owned)
+        if rank0_only:
+            return self._to_rank0(dp, owned)
+        buffer = (
+            owned.detach().to(comm.device, torch.float32).clone()
+            if dp.is_owned and owned is not None
+            else torch.empty(dp.shape, dtype=torch.float32, device=comm.device)
+        )
+        comm.broadcast_now(buffer, dp.owner)
+        return buffer
+
+    def _scatter(self, dp: DedicatedParam, owned: torch.Tensor | None) -> DTensor:
+        comm = self.comm
+        rows = int(dp.shape[0])
+        per = _rows_per_chunk(rows, comm.world_size)
+        tail = tuple(dp.shape[1:])
+        chunks = None
+        if dp.is_owned:
+            assert owned is not None
+            padded = torch.zeros(
+                (per * comm.world_size, *tail), dtype=torch.float32, device=comm.device
+            )
+            padded[:rows].copy_(owned.detach())
+            chunks = list(padded.chunk(comm.world_size))
+        out = torch.empty((per, *tail), dtype=torch.float32, device=comm.device)
+        comm.scatter_rows(chunks, out, dp.owner)
+        start, stop = _chunk_bounds(rows, comm.world_size, comm.rank)
+        local = out[: stop - start].clone()
+        assert self.mesh is not None
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=dp.shape,
+            stride=torch.empty(dp.shape, device="meta").stride(),
+        )
+
+    def _to_rank0(self, dp: DedicatedParam, owned: torch.Tensor | None) -> torch.Tensor | None:
+        comm = self.comm
+        if dp.owner == 0:
+            if comm.rank == 0:
+                assert owned is not None
+                return owned.detach().to("cpu", torch.float32, copy=True)
+            return None
+        if dp.is_owned:
+            assert owned is not None
+            comm.send(owned.detach().to(comm.device, torch.float32).contiguous(), 0)
+            return None
+        if comm.rank == 0:
+            buffer = torch.empty(dp.shape, dtype=torch.float32, device=comm.device)
+            comm.recv(buffer, dp.owner)
+            return buffer.cpu()
+        return None
+
+    # ----- state dict -> owner -----------------------------------------------------------
+    def classify(self, dp: DedicatedParam, value: Any) -> int:
+        """This rank's code for ``value``: missing, full, sharded, or of the wrong shape."""
+        if value is None:
+            return MISSING
+        if not isinstance(value, torch.Tensor):
+            return BAD_SHAPE
+        if tuple(value.shape) != tuple(dp.shape):
+            return BAD_SHAPE
+        return SHARDED if isinstance(value, DTensor) else FULL
+
+    def agree(self, codes: list[int]) -> torch.Tensor:
+        """Every rank's codes as a ``(world_size, len(codes))`` tensor (one collective)."""
+        local = torch.tensor(codes, dtype=torch.int64)
+        if self.comm.world_size == 1:
+            return local.unsqueeze(0)
+        return self.comm.all_gather_codes(local)
+
+    def to_owner(
+        self, dp: DedicatedParam, value: Any, every_rank: torch.Tensor
+    ) -> torch.Tensor | None:
+        """Bring ``value`` (this rank's state-dict entry) to ``dp``'s owner as a full tensor.
+
+        ``every_rank`` is the column of `agree`'s result for ``dp``. Returns the full
+        float32 tensor on the owner, ``None`` elsewhere (and when the owner has nothing).
+        """
+        codes = every_rank.tolist()
+        if all(code == SHARDED for code in codes):
+            return self._gather_sharded(dp, value)
+        if codes[dp.owner] == FULL and dp.is_owned:
+            return value.detach().to(self.comm.device, torch.float32, copy=True)
+        return None
+
+    def _gather_sharded(self, dp: DedicatedParam, value: DTensor) -> torch.Tensor | None:
+        comm = self.comm
+        ours = (
+            self.mesh is not None
+            and value.device_mesh == self.mesh
+            and tuple(value.placements) == (Shard(0),)
+        )
+        if not ours:
+            full = value.full_tensor()
+            return full.to(comm.device, torch.float32) if dp.is_owned else None
+        rows = int(dp.shape[0])
+        per = _rows_per_chunk(rows, comm.world_size)
+        tail = tuple(dp.shape[1:])
+        local = value.to_local().to(comm.device, torch.float32)
+        chunk = torch.zeros((per, *tail), dtype=torch.float32, device=comm.device)
+        chunk[: local.shape[0]].copy_(local)
+        chunks = [torch.empty_like(chunk) for _ in range(comm.world_size)] if dp.is_owned else None
+        comm.gather_rows(chunk, chunks, dp.owner)
+        if chunks is None:
+            return None
+        return torch.cat(chunks)[:rows].contiguous()
+
+    def from_rank0(self, dp: DedicatedParam, value: torch.Tensor | None) -> torch.Tensor | None:
+        """Send rank 0's full ``value`` to ``dp``'s owner; the owner gets it (others ``None``)."""
+        comm = self.comm
+        if comm.world_size == 1 or dp.owner == 0:
+            if comm.rank == 0 and value is not None:
+                return value.detach().to(comm.device, torch.float32, copy=True)
+            return None
+        if comm.rank == 0:
+            assert value is not None
+            comm.send(value.detach().to(comm.device, torch.float32).contiguous(), dp.owner)
+            return None
+        if dp.is_owned:
+            buffer = torch.empty(dp.shape, dtype=torch.float32, device=comm.device)
+            comm.recv(buffer, 0)
+            return buffer
+        return None
