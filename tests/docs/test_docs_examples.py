@@ -7,7 +7,6 @@ the parity test). See ``docs_md`` for the markers.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -212,26 +211,8 @@ def _run_alone(example: Example, tmp_path: Path) -> Outcome:
     return Outcome(proc.returncode == 0, stdout, stderr, how)
 
 
-@functools.lru_cache(maxsize=1)
-def _recipe_lacks_checkpoints() -> bool:
-    """Whether the installed recipe lacks the checkpoint flags the job service passes."""
-    out = subprocess.run(
-        [sys.executable, "-m", "dmuon.train", "--help"],
-        env=docs_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    return "--checkpoint-dir" not in out.stdout
-
-
 @pytest.mark.parametrize("example", EXAMPLES, ids=[e.id for e in EXAMPLES])
 def test_example_runs(example: Example, tmp_path: Path, request: pytest.FixtureRequest) -> None:
-    if "dmuon-server" in example.script and _recipe_lacks_checkpoints():
-        pytest.skip(
-            "the job service passes --checkpoint-dir to every job, and python -m dmuon.train "
-            "--help lists no --checkpoint-dir (the checkpointing recipe is not installed yet)"
-        )
     if example.launcher == "python":
         outcome = request.getfixturevalue("single_process_outcomes")[example.id]
     else:
