@@ -12,6 +12,18 @@ optimizer step, flushed per line; ``val_loss`` on eval steps and a step-0 eval l
 * ``FAKE_NAN_STEP``: the loss of that step is NaN (written as the JSON token ``NaN``).
 * ``FAKE_IGNORE_SIGTERM=1``: ignore SIGTERM (the supervisor must escalate to SIGKILL).
 * ``FAKE_PARTIAL_TAIL=1``: end the file with a line without newline (a summary).
+* ``FAKE_CRASH_ONCE=1``: crash only in a run that did not resume from a checkpoint.
+* ``FAKE_CRASH_SIGNAL``: instead of raising, the crashing rank kills itself with that
+  signal number (9: as the out-of-memory killer would).
+
+Checkpoints follow the recipe's contract with ``--checkpoint-dir``: rank 0 writes
+``.tmp_step_XXXXXXXX/state.json`` (step and a "weight" that each step updates
+deterministically) and renames it to ``step_XXXXXXXX`` every ``--checkpoint-every`` steps
+and at the end, keeping the newest ``--keep-checkpoints``; ``--resume auto`` continues
+after the latest one (dropping the metrics lines of later steps first), ``--init-from``
+takes its weight and starts at step 1. SIGTERM: finish the step, save, write
+``{"event": "stopped", ...}`` and exit 0; a second SIGTERM exits at once. Every point
+carries ``metrics_file`` (the file's name) and ``weight`` so tests can tell runs apart.
 """
 
 from __future__ import annotations
@@ -20,9 +32,12 @@ import argparse
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,7 +56,56 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=0)
     p.add_argument("--metrics-file", required=True)
     p.add_argument("--data", default=None)
+    p.add_argument("--checkpoint-dir", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--keep-checkpoints", type=int, default=3)
+    p.add_argument("--resume", default="auto")
+    p.add_argument("--init-from", default=None)
     return p
+
+
+def _checkpoints(folder: str | None) -> list[Path]:
+    if folder is None or not os.path.isdir(folder):
+        return []
+    found = [p for p in Path(folder).iterdir() if re.fullmatch(r"step_[0-9]{8}", p.name)]
+    return sorted(found, key=lambda p: p.name)
+
+
+def _load(path: Path) -> dict:
+    return json.loads((path / "state.json").read_text())
+
+
+def _save(folder: str, step: int, weight: float, keep: int) -> Path:
+    final = Path(folder) / f"step_{step:08d}"
+    if final.exists():
+        return final
+    tmp = Path(folder) / f".tmp_step_{step:08d}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "state.json").write_text(json.dumps({"step": step, "weight": weight}))
+    os.replace(tmp, final)
+    if keep > 0:
+        for old in _checkpoints(folder)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _truncate_after(path: str, step: int) -> None:
+    """Drop the metrics lines of steps after ``step`` (rewrite and replace)."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("step"), int) and obj["step"] > step:
+                continue
+            kept.append(line if line.endswith("\n") else line + "\n")
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def _record(exc: BaseException, stack: str) -> None:
@@ -70,6 +134,35 @@ def main() -> int:
     crash_step = int(os.environ.get("FAKE_CRASH_STEP", "1"))
     nan_step = int(os.environ.get("FAKE_NAN_STEP", "-1"))
     print(f"fake_train rank {rank}/{world} starting: {args}", flush=True)
+    weight = float(args.seed)
+    first = 1
+    resume_from = None
+    if args.resume == "auto":
+        found = _checkpoints(args.checkpoint_dir)
+        resume_from = found[-1] if found else None
+    elif args.resume != "never":
+        resume_from = Path(args.resume)
+    if resume_from is not None and args.init_from is not None:
+        print("error: --init-from and a checkpoint to resume from", file=sys.stderr)
+        return 2
+    if resume_from is not None:
+        state = _load(resume_from)
+        weight, first = state["weight"], state["step"] + 1
+        print(f"resuming from {resume_from} at step {first}", flush=True)
+        if rank == 0:
+            _truncate_after(args.metrics_file, state["step"])
+    elif args.init_from is not None:
+        weight = _load(Path(args.init_from))["weight"]
+    if os.environ.get("FAKE_CRASH_ONCE") == "1" and resume_from is not None:
+        crash_rank = -1
+    stop_signal: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop_signal.append(signum)
+        signal.signal(signum, signal.SIG_DFL)  # a second signal ends the process at once
+
+    if os.environ.get("FAKE_IGNORE_SIGTERM") != "1":
+        signal.signal(signal.SIGTERM, on_signal)
     out = open(args.metrics_file, "a") if rank == 0 else None  # noqa: SIM115
     t0 = time.time()
     tokens = args.micro_batch_size * args.accum_steps * world * args.seq_len
@@ -79,13 +172,17 @@ def main() -> int:
             out.write(json.dumps(obj) + "\n")
             out.flush()
 
-    if args.eval_every > 0:
+    if args.eval_every > 0 and first == 1:
         write({"step": 0, "loss": None, "time": 0.0, "val_loss": 5.0})
-    for step in range(1, steps + 1):
+    name = os.path.basename(args.metrics_file)
+    loss = math.nan
+    for step in range(first, steps + 1):
         time.sleep(step_s)
         if rank == crash_rank and step == crash_step:
             msg = os.environ.get("FAKE_CRASH_MESSAGE", "fake crash")
             print(f"rank {rank} about to crash at step {step}", flush=True)
+            if os.environ.get("FAKE_CRASH_SIGNAL"):
+                os.kill(os.getpid(), int(os.environ["FAKE_CRASH_SIGNAL"]))
             try:
                 raise RuntimeError(msg)
             except RuntimeError as exc:
@@ -107,11 +204,28 @@ def main() -> int:
             "time": time.time() - t0,
             "extra_key": "tolerated",
         }
+        weight = weight * 0.9 + step * 0.01
+        rec["weight"] = weight
+        rec["metrics_file"] = name
         if args.eval_every > 0 and (step % args.eval_every == 0 or step == steps):
             rec["val_loss"] = loss + 0.05
         write(rec)
         if rank == 0 and step % 10 == 0:
             print(f"step {step} loss {loss:.4f}", flush=True)
+        every = args.checkpoint_every
+        if rank == 0 and args.checkpoint_dir and every > 0 and step % every == 0:
+            _save(args.checkpoint_dir, step, weight, args.keep_checkpoints)
+        if stop_signal:
+            saved = None
+            if rank == 0 and args.checkpoint_dir:
+                saved = _save(args.checkpoint_dir, step, weight, args.keep_checkpoints)
+            event = {"event": "stopped", "step": step, "signal": "SIGTERM"}
+            write({**event, "checkpoint": str(saved) if saved else None, "loss": None})
+            if out is not None:
+                out.close()
+            return 0
+    if rank == 0 and args.checkpoint_dir and steps >= first:
+        _save(args.checkpoint_dir, steps, weight, args.keep_checkpoints)
     if out is not None:
         tail = json.dumps({"summary": {"steps": steps, "final_loss": loss}})
         if os.environ.get("FAKE_PARTIAL_TAIL") == "1":

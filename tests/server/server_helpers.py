@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import json
 import os
 import signal
@@ -23,6 +25,31 @@ SERVER_TESTS = Path(__file__).resolve().parent
 T = TypeVar("T")
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+@functools.lru_cache(maxsize=1)
+def recipe_without_checkpoints() -> str | None:
+    """Why the real recipe cannot run the server's jobs, or None when it can.
+
+    The server passes ``--checkpoint-dir`` and the other checkpoint flags to every job;
+    a recipe whose ``--help`` does not list them refuses those jobs.
+    """
+    if importlib.util.find_spec("dmuon") is None:
+        return "the recipe (dmuon) is not installed"
+    env = {k: v for k, v in os.environ.items() if k != "DMUON_SERVER_TRAIN_MODULE"}
+    out = subprocess.run(
+        [sys.executable, "-m", "dmuon.train", "--help"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    if "--checkpoint-dir" not in out.stdout:
+        return (
+            "python -m dmuon.train --help lists no --checkpoint-dir "
+            "(the checkpointing recipe is not installed yet)"
+        )
+    return None
 
 
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:

@@ -246,11 +246,15 @@ def test_submit_through_form_and_watch_it_run(page: Page, service: Service) -> N
     job = service.job(job_id)
     expect(page.locator("#tile-step dd")).to_have_text(f"{job['summary']['last_step']} / 60")
     expect(page.locator("#job-history")).to_contain_text("succeeded")
-    # This server's API has no checkpoints or resume: the page shows neither.
+    # The job's checkpoints and its one attempt, as the API lists them; a succeeded job
+    # has no Resume button (resuming it needs more steps).
     with service.client() as c:
-        paths = c.get("/openapi.json").json()["paths"]
-    assert not [p for p in paths if p.endswith(("/checkpoints", "/resume"))]
-    expect(page.locator("#job-checkpoints")).to_be_hidden()
+        steps = [k["step"] for k in c.get(f"/v1/jobs/{job_id}/checkpoints").json()["items"]]
+    assert steps and steps[-1] == 60
+    panel = page.locator("#job-checkpoints")
+    expect(panel).to_be_visible()
+    expect(panel.locator("tbody tr")).to_have_count(len(steps))
+    expect(page.locator("#job-attempts tbody tr")).to_have_count(1)
     expect(page.locator("#resume-job")).to_be_hidden()
 
 

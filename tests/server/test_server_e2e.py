@@ -3,28 +3,20 @@ accumulation 2, 10 steps, through a real uvicorn server and its event stream."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
 from pathlib import Path
 
 import pytest
-from server_helpers import LiveServer, iter_sse, job_processes
+from server_helpers import LiveServer, iter_sse, job_processes, recipe_without_checkpoints
 
 
-def _recipe_available() -> bool:
-    spec = importlib.util.find_spec("dmuon")  # does not import dmuon (nor torch)
-    if spec is None or not spec.submodule_search_locations:
-        return False
-    return any(
-        (Path(loc) / "train" / "__main__.py").is_file() for loc in spec.submodule_search_locations
-    )
-
-
-pytestmark = pytest.mark.skipif(
-    not _recipe_available(), reason="dmuon.train (the real recipe) is not installed yet"
-)
+@pytest.fixture(autouse=True)
+def _checkpointing_recipe() -> None:
+    why = recipe_without_checkpoints()
+    if why is not None:
+        pytest.skip(why)
 
 
 def test_real_two_process_tiny_job(data_dir: Path) -> None:

@@ -105,7 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
         "reaches a job)",
     )
     p.add_argument(
-        "--cancel-grace", type=float, default=10.0, help="seconds from SIGTERM to SIGKILL"
+        "--cancel-grace-s",
+        dest="cancel_grace",
+        type=float,
+        default=30.0,
+        help="seconds a cancelled job gets to save a checkpoint between SIGTERM and SIGKILL",
     )
     p.add_argument(
         "--heartbeat", type=float, default=15.0, help="seconds between SSE heartbeat comments"
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         if value < 1:
             return _error(f"{name} must be at least 1")
     if args.cancel_grace < 0 or args.heartbeat <= 0:
-        return _error("--cancel-grace >= 0 and --heartbeat > 0")
+        return _error("--cancel-grace-s >= 0 and --heartbeat > 0")
     if args.max_job_memory is not None and not args.max_job_memory > 0:
         return _error("--max-job-memory must be a positive number of GiB")
     for root in args.data_root or ():

@@ -53,7 +53,8 @@ class Settings:
             ``DMUON_SERVER_TRAIN_MODULE`` says otherwise.
         python: The interpreter jobs run with (the server's own by default).
         heartbeat_s: Seconds between SSE heartbeat comments.
-        cancel_grace_s: Seconds between SIGTERM and SIGKILL when a job is cancelled.
+        cancel_grace_s: Seconds between SIGTERM and SIGKILL when a job is cancelled: the
+            recipe finishes its step and saves a checkpoint in that time.
         poll_interval_s: How often the supervisor looks at running jobs and their metrics.
         log_tail_lines: How many log lines a failure report carries.
         max_body_bytes: Largest request body; larger ones get 413 before they are read.
@@ -73,7 +74,7 @@ class Settings:
     )
     python: str = field(default_factory=lambda: __import__("sys").executable)
     heartbeat_s: float = 15.0
-    cancel_grace_s: float = 10.0
+    cancel_grace_s: float = 30.0
     poll_interval_s: float = 0.2
     log_tail_lines: int = 50
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

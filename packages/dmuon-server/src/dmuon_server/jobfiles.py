@@ -1,26 +1,117 @@
 """The files in a job's working folder, and what the server reads from them.
 
 ``<job-dir>/``: ``spec.json`` (the submitted spec), ``job.log`` (torchrun and every rank,
-teed), ``metrics.jsonl`` (the recipe's metrics file), ``exit.json`` (the runner's exit
-report, see :mod:`dmuon_server.runner`) and ``torchrun-logs/`` (one folder per rank).
+teed, all attempts), ``metrics.jsonl`` (the recipe's metrics file of the first attempt;
+``metrics.attempt-N.jsonl`` for attempt N >= 2), ``exit.json`` (the runner's exit report of
+the latest attempt, see :mod:`dmuon_server.runner`), ``torchrun-logs/`` (one folder per
+rank), ``checkpoints/`` (the recipe's ``step_XXXXXXXX`` checkpoint folders) and ``init/``
+(the checkpoint named by ``init_from``, linked in at submission).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dmuon_server.runner import EXIT_FILE
 
 METRICS_FILE = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+INIT_DIR = "init"
+#: A complete checkpoint folder, as the recipe names it (temporary ones start with a dot).
+_CHECKPOINT_NAME = re.compile(r"^step_([0-9]{8})$")
 LOG_FILE = "job.log"
 SPEC_FILE = "spec.json"
 TORCHRUN_LOG_DIR = "torchrun-logs"
 #: Longest exception message a failure's ``reason`` quotes in full.
 _REASON_MESSAGE_CHARS = 300
+
+
+def metrics_file(attempt: int) -> str:
+    """Name of the metrics file of attempt ``attempt`` (1-based) in the job folder.
+
+    Each attempt writes a file of its own, so a relaunched recipe never rewrites a file
+    the server is reading.
+    """
+    return METRICS_FILE if attempt <= 1 else f"metrics.attempt-{attempt}.jsonl"
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder name of the checkpoint of ``step`` (``step_00000005``)."""
+    return f"step_{step:08d}"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint folder."""
+
+    step: int
+    path: Path
+    bytes: int
+    mtime: float
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue  # pruned while we looked
+    return total
+
+
+def list_checkpoints(folder: Path, *, sizes: bool = True) -> list[CheckpointInfo]:
+    """The complete checkpoints in ``folder`` (``step_<8 digits>`` folders), oldest first.
+
+    Temporary folders (``.tmp_step_...``) and anything else are not checkpoints. With
+    ``sizes=False`` the ``bytes`` are 0 (no walk through the files).
+    """
+    found: list[CheckpointInfo] = []
+    try:
+        entries = list(os.scandir(folder))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for entry in entries:
+        m = _CHECKPOINT_NAME.match(entry.name)
+        if m is None:
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            mtime = entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue
+        path = Path(entry.path)
+        size = _tree_bytes(path) if sizes else 0
+        found.append(CheckpointInfo(int(m.group(1)), path, size, mtime))
+    return sorted(found, key=lambda c: c.step)
+
+
+def latest_checkpoint(folder: Path) -> CheckpointInfo | None:
+    """The checkpoint with the highest step in ``folder``, or None."""
+    found = list_checkpoints(folder, sizes=False)
+    return found[-1] if found else None
+
+
+def link_tree(source: Path, target: Path) -> None:
+    """Copy the folder ``source`` to ``target`` with hard links (plain copies across
+    file systems), so that the copy costs no space and outlives ``source``."""
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+
+    shutil.copytree(source, target, copy_function=link_or_copy, symlinks=False)
 
 
 def tail_lines(path: Path, n: int, max_bytes: int = 1 << 20) -> tuple[list[str], bool]:
@@ -170,3 +261,35 @@ def describe_failure(
         "log_file": LOG_FILE,
         "log_tail": lines,
     }
+
+
+#: Exit codes of the recipe that say a rerun would fail the same way: 2 for invalid flags
+#: or inputs, 3 for a diverged run.
+NOT_RETRIED_EXIT_CODES = frozenset({2, 3})
+#: Exception types the recipe records for the same two cases.
+NOT_RETRIED_ERROR_TYPES = frozenset({"UsageError", "TrainingDiverged"})
+
+
+def restartable(report: dict[str, Any] | None, launcher_rc: int | None) -> bool:
+    """Whether a failed attempt is worth relaunching (``max_restarts``).
+
+    Retried: a rank killed by a signal (SIGKILL, which is also how the kernel's
+    out-of-memory killer ends a process, SIGSEGV, SIGBUS, ...) or exiting with any other
+    code (an uncaught exception, e.g. a rank that lost its peers), and a launcher killed by
+    a signal. Not retried: the recipe's usage/input errors (exit code 2, ``UsageError``)
+    and divergence (exit code 3, ``TrainingDiverged``), which a rerun repeats; a torchrun
+    that could not start (``error`` in the report) or was itself stopped by a signal.
+    """
+    if report is None:
+        return launcher_rc is not None and launcher_rc < 0
+    if report.get("returncode") == 0 or report.get("error") or report.get("signal"):
+        return False
+    failures = report.get("failures") or []
+    if not failures:
+        return False
+    for f in failures:
+        if f.get("error_type") in NOT_RETRIED_ERROR_TYPES:
+            return False
+        if f.get("exitcode") in NOT_RETRIED_EXIT_CODES:
+            return False
+    return True

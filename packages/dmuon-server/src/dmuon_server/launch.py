@@ -20,7 +20,16 @@ from dmuon_server.config import (
     usable_cpus,
 )
 from dmuon_server.errors import field_error, invalid_request
-from dmuon_server.jobfiles import METRICS_FILE, TORCHRUN_LOG_DIR
+from dmuon_server.jobfiles import (
+    CHECKPOINT_DIR,
+    INIT_DIR,
+    METRICS_FILE,
+    TORCHRUN_LOG_DIR,
+    CheckpointInfo,
+    checkpoint_name,
+    list_checkpoints,
+    metrics_file,
+)
 from dmuon_server.paths import DataPathError, PublicPaths, resolve_data_path
 from dmuon_server.schemas import Admission, FieldError, JobCreate, LaunchPlan
 
@@ -45,11 +54,49 @@ _SCRUBBED_VARS = frozenset(
 
 @dataclass
 class Review:
-    """A spec the server accepts: its data path, the estimates and the warnings."""
+    """A spec the server accepts: its data path, the estimates and the warnings, and the
+    checkpoint ``init_from`` names."""
 
     data_path: Path | None
     admission: Admission
     warnings: list[str] = field(default_factory=list)
+    init_checkpoint: CheckpointInfo | None = None
+
+
+def resolve_init_from(settings: Settings, spec: JobCreate) -> CheckpointInfo | FieldError | None:
+    """The checkpoint ``spec.init_from`` names, or the field error saying why it cannot be
+    used (unknown job, no such checkpoint); None without ``init_from``."""
+    ref = spec.init_from
+    if ref is None:
+        return None
+    folder = settings.job_dir(ref.job) / CHECKPOINT_DIR
+    if not settings.job_dir(ref.job).is_dir():  # the schema allows no "/" nor "."
+        return field_error(
+            ("body", "init_from", "job"),
+            f"there is no job {ref.job!r} on this server; give the id of a job that saved "
+            "checkpoints (GET /v1/jobs)",
+            "value_error",
+        )
+    found = list_checkpoints(folder, sizes=False)
+    if not found:
+        return field_error(
+            ("body", "init_from", "job"),
+            f"job {ref.job} has no checkpoint (yet); wait for one "
+            f"(GET /v1/jobs/{ref.job}/checkpoints) or start without init_from",
+            "value_error",
+        )
+    if ref.step == "latest":
+        return found[-1]
+    for c in found:
+        if c.step == ref.step:
+            return c
+    steps = ", ".join(str(c.step) for c in found)
+    return field_error(
+        ("body", "init_from", "step"),
+        f"job {ref.job} has no checkpoint of step {ref.step}; it has step(s) {steps} "
+        '(or pass "latest")',
+        "value_error",
+    )
 
 
 def review(settings: Settings, spec: JobCreate) -> Review:
@@ -76,6 +123,10 @@ def review(settings: Settings, spec: JobCreate) -> Review:
             label = PublicPaths(settings).text(str(data_path))
         except DataPathError as e:
             errors.append(field_error(("body", "train", "data"), str(e), "value_error"))
+    init = resolve_init_from(settings, spec)
+    if isinstance(init, FieldError):
+        errors.append(init)
+        init = None
     if errors:  # the estimates need a valid world size and data path
         raise invalid_request(errors)
     admission, refusals, warnings = assess(
@@ -85,7 +136,7 @@ def review(settings: Settings, spec: JobCreate) -> Review:
         problem = invalid_request([field_error(r.loc, r.message, "admission") for r in refusals])
         problem.extra = {"admission": admission.model_dump(mode="json")}
         raise problem
-    return Review(data_path, admission, warnings)
+    return Review(data_path, admission, warnings, init)
 
 
 def _fmt_float(x: float) -> str:
@@ -101,10 +152,22 @@ class Command:
     env: dict[str, str]
 
 
+def init_path(job_dir: Path, init: CheckpointInfo) -> Path:
+    """Where a job's copy of its ``init_from`` checkpoint lives."""
+    return job_dir / INIT_DIR / checkpoint_name(init.step)
+
+
 def build_command(
-    settings: Settings, spec: JobCreate, job_dir: Path, data_path: Path | None
+    settings: Settings,
+    spec: JobCreate,
+    job_dir: Path,
+    data_path: Path | None,
+    init: CheckpointInfo | None = None,
 ) -> Command:
-    """The runner's argv, the equivalent torchrun argv and the variables set for the job."""
+    """The runner's argv, the equivalent torchrun argv and the variables set for the job.
+
+    This is the first attempt's command; :func:`attempt_argv` derives the later ones.
+    """
     t = spec.train
     n = spec.nproc_per_node
     recipe = [
@@ -138,6 +201,18 @@ def build_command(
     recipe += ["--metrics-file", str(job_dir / METRICS_FILE)]
     if data_path is not None:
         recipe += ["--data", str(data_path)]
+    recipe += [
+        "--checkpoint-dir",
+        str(job_dir / CHECKPOINT_DIR),
+        "--checkpoint-every",
+        str(t.checkpoint_every),
+        "--keep-checkpoints",
+        str(t.keep_checkpoints),
+        "--resume",
+        "auto",
+    ]
+    if init is not None:
+        recipe += ["--init-from", str(init_path(job_dir, init))]
     torchrun_opts = [
         "--standalone",
         "--nproc_per_node",
@@ -161,6 +236,36 @@ def build_command(
     return Command(argv, torchrun_argv, launch_env(settings, job_dir.name, n))
 
 
+def _set_flag(argv: list[str], flag: str, value: str | None) -> list[str]:
+    """``argv`` with the value of ``flag`` replaced (or the flag removed when None)."""
+    out = list(argv)
+    if flag not in out:
+        return out if value is None else [*out, flag, value]
+    i = out.index(flag)
+    if value is None:
+        del out[i : i + 2]
+    else:
+        out[i + 1] = value
+    return out
+
+
+def attempt_argv(
+    argv: list[str], job_dir: Path, attempt: int, steps: int, *, resuming: bool
+) -> list[str]:
+    """The argv of attempt ``attempt`` of a job whose first command was ``argv``.
+
+    The attempt writes its own metrics file and trains to ``steps``; ``--resume auto``
+    makes the recipe continue from the latest checkpoint. When ``resuming`` (there is a
+    checkpoint) ``--init-from`` is dropped: the checkpoint already holds the trained
+    weights, and the recipe refuses both.
+    """
+    out = _set_flag(argv, "--metrics-file", str(job_dir / metrics_file(attempt)))
+    out = _set_flag(out, "--steps", str(steps))
+    if resuming:
+        out = _set_flag(out, "--init-from", None)
+    return out
+
+
 def plan_view(
     settings: Settings, spec: JobCreate, accepted: Review, queued_ahead: int
 ) -> LaunchPlan:
@@ -171,7 +276,7 @@ def plan_view(
     t = spec.train
     n = spec.nproc_per_node
     job_dir = settings.job_dir("<job-id>")
-    cmd = build_command(settings, spec, job_dir, accepted.data_path)
+    cmd = build_command(settings, spec, job_dir, accepted.data_path, accepted.init_checkpoint)
     public = PublicPaths(settings, job_dir)
     cpus = usable_cpus()
     warnings: list[str] = []

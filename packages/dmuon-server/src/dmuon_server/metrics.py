@@ -32,6 +32,11 @@ METRICS_STREAM = "metrics"
 _CHUNK = 4 << 20
 
 
+def metrics_stream(attempt: int) -> str:
+    """Name of the stored read offset of attempt ``attempt``'s metrics file."""
+    return METRICS_STREAM if attempt <= 1 else f"{METRICS_STREAM}-{attempt}"
+
+
 @dataclass
 class ParsedChunk:
     """What :func:`parse_lines` found in a chunk of a metrics file."""
@@ -40,6 +45,7 @@ class ParsedChunk:
     summary: dict[str, Any] | None = None
     consumed: int = 0
     rejected: list[str] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _finite_float(value: Any) -> float | None:
@@ -77,11 +83,12 @@ def _sanitize(data: dict[str, Any]) -> None:
 def parse_lines(buf: bytes, *, final: bool) -> ParsedChunk:
     """Parse the complete lines of ``buf`` (all of it when ``final``).
 
-    A line is a metric point when it is a JSON object with an integer ``step``; an object
-    without one is the recipe's summary. Python's JSON reader accepts the ``NaN`` and
-    ``Infinity`` tokens a PyTorch recipe may write; such values are stored encoded (see
-    :func:`dmuon_server.schemas.encode_nonfinite`). Lines that are not JSON objects are
-    rejected (reported, never stored).
+    A line is a metric point when it is a JSON object with an integer ``step`` and no
+    ``event`` key; an object with ``event`` is a note of the recipe (kept in ``events``,
+    never a point); any other object is the recipe's summary. Python's JSON reader accepts
+    the ``NaN`` and ``Infinity`` tokens a PyTorch recipe may write; such values are stored
+    encoded (see :func:`dmuon_server.schemas.encode_nonfinite`). Lines that are not JSON
+    objects are rejected (reported, never stored).
     """
     out = ParsedChunk()
     end = len(buf) if final else buf.rfind(b"\n") + 1
@@ -97,6 +104,11 @@ def parse_lines(buf: bytes, *, final: bool) -> ParsedChunk:
             continue
         if not isinstance(obj, dict):
             out.rejected.append(line[:200].decode("utf-8", "replace"))
+            continue
+        if "event" in obj:
+            # Not a point: the recipe's notes such as {"event": "stopped", "step": k, ...}
+            # (it saved a checkpoint and stopped on a signal).
+            out.events.append(encode_nonfinite(obj))
             continue
         data = encode_nonfinite(obj)
         step = obj.get("step")
@@ -182,13 +194,16 @@ class MetricsTailer:
         self.points_total = 0
         self.rejected_total = 0
 
-    def poll(self, job_id: str, path: Path, *, final: bool = False) -> int:
-        """Ingest what was appended to ``path`` since the stored offset.
+    def poll(
+        self, job_id: str, path: Path, *, final: bool = False, stream: str = METRICS_STREAM
+    ) -> int:
+        """Ingest what was appended to ``path`` since the offset stored for ``stream``.
 
-        With ``final`` (the job has ended) a last line without a newline is taken too.
-        Returns the number of points stored.
+        Each attempt of a job has a metrics file and a ``stream`` name of its own
+        (:func:`metrics_stream`). With ``final`` (the attempt has ended) a last line
+        without a newline is taken too. Returns the number of points stored.
         """
-        offset = self.store.get_offset(job_id, METRICS_STREAM)
+        offset = self.store.get_offset(job_id, stream)
         stored = 0
         try:
             f = path.open("rb")
@@ -217,9 +232,7 @@ class MetricsTailer:
                     log.warning("job %s: rejected metrics line: %r", job_id, bad)
                 self.rejected_total += len(chunk.rejected)
                 offset += chunk.consumed
-                stored += self.store.ingest(
-                    job_id, METRICS_STREAM, offset, chunk.points, chunk.summary
-                )
+                stored += self.store.ingest(job_id, stream, offset, chunk.points, chunk.summary)
                 if last_chunk:
                     break
         if stored:

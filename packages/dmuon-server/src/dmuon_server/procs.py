@@ -66,7 +66,7 @@ def find_job_processes(job_id: str, root: psutil.Process | None = None) -> list[
 def find_runner(job_id: str) -> psutil.Process | None:
     """The job's runner process (``dmuon_server.runner``), found by its marker."""
     for p in find_job_processes(job_id):
-        if "dmuon_server.runner" in " ".join(cmdline(p)):
+        if is_runner(p):
             return p
     return None
 
@@ -109,3 +109,24 @@ def cmdline(p: psutil.Process) -> list[str]:
         return p.cmdline()
     except psutil.Error:
         return []
+
+
+def is_runner(p: psutil.Process) -> bool:
+    """Whether ``p`` is a job's runner (torchrun's launcher, :mod:`dmuon_server.runner`)."""
+    return "dmuon_server.runner" in " ".join(cmdline(p))
+
+
+def signal_ranks(job: dict[str, Any], root: psutil.Process | None, sig: int) -> int:
+    """Signal the job's ranks (every process but the runner); the whole job when it has
+    none yet (torchrun still starting them).
+
+    The runner is spared on purpose: torchrun, signalled, signals its ranks once more, and
+    the recipe takes a second SIGTERM as "stop now, without saving". Once the ranks have
+    saved and exited, torchrun ends by itself. Returns how many processes were signalled.
+    """
+    procs = find_job_processes(job["id"], root)
+    ranks = [p for p in procs if not (root is not None and p.pid == root.pid) and not is_runner(p)]
+    if not ranks:
+        return signal_job(job, root, sig)
+    signal_all(ranks, sig)
+    return len(ranks)

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 JobState = Literal["queued", "starting", "running", "succeeded", "failed", "cancelled"]
-#: States a job never leaves.
+#: States of a finished job; only ``POST /v1/jobs/{id}/resume`` takes a job out of one.
 TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 #: States in which a job has (or is about to have) processes.
 ACTIVE_STATES: frozenset[str] = frozenset({"starting", "running"})
@@ -47,6 +47,11 @@ class _Strict(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
+
+#: A job saves a checkpoint every this many steps unless its spec says otherwise.
+DEFAULT_CHECKPOINT_EVERY = 50
+#: How many checkpoints a job keeps unless its spec says otherwise.
+DEFAULT_KEEP_CHECKPOINTS = 3
 
 PositiveLR = Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)]
 
@@ -94,6 +99,37 @@ class TrainSpec(_Strict):
             "after symlinks and `..` are resolved; the recipe's built-in data when omitted."
         ),
     )
+    checkpoint_every: int = Field(
+        default=DEFAULT_CHECKPOINT_EVERY,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "Save a checkpoint every N steps into the job's `checkpoints/` folder "
+            "(`--checkpoint-every`); 0 = only the final one and the one written on cancel. "
+            "A job is always checkpointed at its end."
+        ),
+    )
+    keep_checkpoints: int = Field(
+        default=DEFAULT_KEEP_CHECKPOINTS,
+        ge=0,
+        le=1_000_000,
+        description="Keep the newest K checkpoints (`--keep-checkpoints`); 0 keeps all.",
+    )
+
+
+class InitFrom(_Strict):
+    """A checkpoint of another job to take the initial weights from."""
+
+    job: str = Field(
+        min_length=1,
+        max_length=64,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="Id of the job that saved it.",
+    )
+    step: Annotated[int, Field(ge=0, le=99_999_999)] | Literal["latest"] = Field(
+        description="Step of the checkpoint, or `latest` for that job's newest one "
+        "(resolved when this job is submitted)."
+    )
 
 
 class JobCreate(_Strict):
@@ -112,6 +148,67 @@ class JobCreate(_Strict):
         description="Processes torchrun starts (world size); at most the server's limit.",
     )
     train: TrainSpec
+    max_restarts: int = Field(
+        default=0,
+        ge=0,
+        le=100,
+        description=(
+            "Relaunch the job up to this many times when a rank dies (killed, out of memory, "
+            "crashed); each relaunch resumes from the job's latest checkpoint. Usage errors "
+            "and divergence are never retried."
+        ),
+    )
+    init_from: InitFrom | None = Field(
+        default=None,
+        description="Start from the weights of another job's checkpoint (`--init-from`); "
+        "the optimizer starts fresh at step 1.",
+    )
+
+
+class ResumeRequest(_Strict):
+    """Body of ``POST /v1/jobs/{id}/resume`` (may be omitted)."""
+
+    steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="New total number of optimizer steps (more than the latest "
+        "checkpoint's step); the job's own `train.steps` when omitted.",
+    )
+
+
+class Attempt(BaseModel):
+    """One launch of a job's processes."""
+
+    number: int = Field(description="1 for the first launch, then 2, 3, ...")
+    cause: Literal["submitted", "restart", "resume"] = Field(
+        description="`submitted`: the first launch; `restart`: relaunched after a rank "
+        "died (`max_restarts`); `resume`: `POST /v1/jobs/{id}/resume`."
+    )
+    resumed_from_step: int | None = Field(
+        default=None, description="Step of the checkpoint it resumed from (null: from scratch)."
+    )
+    started_at: datetime
+    finished_at: datetime | None = None
+    exit_code: int | None = Field(
+        default=None, description="Exit code (of the failing rank; negative: a signal)."
+    )
+    reason: str | None = Field(default=None, description="How the attempt ended.")
+
+
+class Checkpoint(BaseModel):
+    """A complete checkpoint in the job's `checkpoints/` folder."""
+
+    step: int
+    bytes: int = Field(description="Total size of its files.")
+    time: datetime = Field(description="When it was completed.")
+    path: str = Field(description="Folder relative to the job's folder.")
+
+
+class CheckpointList(BaseModel):
+    """A job's complete checkpoints, oldest first."""
+
+    items: list[Checkpoint]
 
 
 class Transition(BaseModel):
@@ -163,6 +260,8 @@ class Job(BaseModel):
     state: JobState
     nproc_per_node: int
     train: TrainSpec
+    max_restarts: int = 0
+    init_from: InitFrom | None = None
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None
@@ -172,6 +271,9 @@ class Job(BaseModel):
     reason: str | None = Field(default=None, description="Reason of the latest transition.")
     cancel_requested: bool = False
     history: list[Transition] = Field(default_factory=list)
+    attempts: list[Attempt] = Field(
+        default_factory=list, description="Each launch of the job's processes, oldest first."
+    )
     failure: FailureInfo | None = None
     summary: JobSummary
     recipe_summary: dict[str, Any] | None = Field(

@@ -63,6 +63,17 @@ CREATE TABLE IF NOT EXISTS metrics (
     received_at REAL NOT NULL,
     PRIMARY KEY (job_id, step)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS attempts (
+    job_id TEXT NOT NULL,
+    number INTEGER NOT NULL,
+    cause TEXT NOT NULL,
+    resumed_from_step INTEGER,
+    started_at REAL NOT NULL,
+    finished_at REAL,
+    exit_code INTEGER,
+    reason TEXT,
+    PRIMARY KEY (job_id, number)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS offsets (
     job_id TEXT NOT NULL,
     stream TEXT NOT NULL,
@@ -289,10 +300,77 @@ class Store:
             row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None or row["state"] not in TERMINAL_STATES:
                 return False
-            for table in ("metrics", "offsets", "transitions"):
+            for table in ("metrics", "offsets", "transitions", "attempts"):
                 c.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return True
+
+    def reopen(self, job_id: str, reason: str, *, spec: str) -> dict[str, Any] | None:
+        """Queue a finished job again (``POST /v1/jobs/{id}/resume``), in one transaction.
+
+        Stores ``spec``, clears what belonged to the previous run (exit code, failure,
+        cancel request, processes) and records the transition. Returns the new row, or None
+        when the job is not (or no longer) finished.
+        """
+        now = time.time()
+        with self._tx() as c:
+            row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            if row is None or row["state"] not in TERMINAL_STATES:
+                return None
+            c.execute(
+                "UPDATE jobs SET state = 'queued', reason = ?, spec = ?, finished_at = NULL,"
+                " exit_code = NULL, failure = NULL, cancel_requested_at = NULL, pid = NULL,"
+                " pgid = NULL, create_time = NULL, recipe_summary = NULL WHERE id = ?",
+                (reason, spec, job_id),
+            )
+            c.execute(
+                "INSERT INTO transitions (job_id, state, reason, at) VALUES (?, 'queued', ?, ?)",
+                (job_id, reason, now),
+            )
+            return dict(c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
+
+    # ------------------------------------------------------------------------- attempts
+
+    def start_attempt(self, job_id: str, cause: str, resumed_from_step: int | None) -> int:
+        """Record a new attempt of a job and return its number (1, 2, ...).
+
+        The metric points after ``resumed_from_step`` (all of them when None) are dropped in
+        the same transaction: the attempt trains those steps again and its points replace
+        them.
+        """
+        now = time.time()
+        with self._tx() as c:
+            last = c.execute(
+                "SELECT MAX(number) FROM attempts WHERE job_id = ?", (job_id,)
+            ).fetchone()[0]
+            number = int(last or 0) + 1
+            c.execute(
+                "INSERT INTO attempts (job_id, number, cause, resumed_from_step, started_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (job_id, number, cause, resumed_from_step, now),
+            )
+            keep = -1 if resumed_from_step is None else resumed_from_step
+            c.execute("DELETE FROM metrics WHERE job_id = ? AND step > ?", (job_id, keep))
+            return number
+
+    def finish_attempt(self, job_id: str, number: int, exit_code: int | None, reason: str) -> None:
+        """Record how attempt ``number`` of a job ended (first record wins)."""
+        with self._tx() as c:
+            c.execute(
+                "UPDATE attempts SET finished_at = ?, exit_code = ?, reason = ?"
+                " WHERE job_id = ? AND number = ? AND finished_at IS NULL",
+                (time.time(), exit_code, reason, job_id, number),
+            )
+
+    def attempts(self, job_id: str) -> list[dict[str, Any]]:
+        """Return a job's attempts, oldest first."""
+        return self._query("SELECT * FROM attempts WHERE job_id = ? ORDER BY number", (job_id,))
+
+    def current_attempt(self, job_id: str) -> int:
+        """The number of a job's latest attempt (1 for a job launched before attempts were
+        recorded, or not launched yet)."""
+        rows = self._query("SELECT MAX(number) AS n FROM attempts WHERE job_id = ?", (job_id,))
+        return int(rows[0]["n"] or 1)
 
     def history(self, job_id: str) -> list[dict[str, Any]]:
         """Return a job's transitions, oldest first (with their ``id``)."""

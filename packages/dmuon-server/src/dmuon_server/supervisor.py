@@ -8,8 +8,13 @@ Every ``poll_interval_s`` the thread:
   re-attached to after a restart is recognised by pid *and* process create time), and
   records ``succeeded``/``failed``/``cancelled`` from the exit report, after a final
   read of the metrics file;
-* escalates cancellations: SIGTERM to every process of the job at once, SIGKILL to what
-  is left after ``cancel_grace_s``;
+* escalates cancellations: SIGTERM to the job's ranks at once (the recipe finishes its
+  step, saves a checkpoint and exits 0), SIGKILL to what is left after ``cancel_grace_s``;
+* relaunches a job whose rank died, up to the spec's ``max_restarts`` times (see
+  :func:`dmuon_server.jobfiles.restartable` for what is retried): each launch is an
+  *attempt*, recorded in the store, with a metrics file of its own; ``--resume auto`` makes
+  the recipe continue from the job's latest checkpoint, and the stored points after that
+  checkpoint's step are dropped, so the new attempt's points replace them;
 * starts queued jobs in FIFO order while fewer than ``max_concurrent_jobs`` are active.
 
 Jobs run with stdout and stderr going to ``<job-dir>/job.log``, not to pipes, in a session
@@ -33,24 +38,29 @@ import psutil
 
 from dmuon_server.config import Settings
 from dmuon_server.jobfiles import (
+    CHECKPOINT_DIR,
     LOG_FILE,
-    METRICS_FILE,
     SPEC_FILE,
     describe_failure,
+    latest_checkpoint,
+    metrics_file,
     read_exit_report,
+    restartable,
 )
-from dmuon_server.launch import job_env, launch_env
+from dmuon_server.launch import attempt_argv, job_env, launch_env
 from dmuon_server.lifecycle import move_job
-from dmuon_server.metrics import Hub, MetricsTailer
+from dmuon_server.metrics import Hub, MetricsTailer, metrics_stream
 from dmuon_server.paths import PublicPaths
 from dmuon_server.procs import (
     find_job_processes,
     find_runner,
     kill_and_reap,
     signal_job,
+    signal_ranks,
     verified_process,
 )
-from dmuon_server.schemas import ACTIVE_STATES
+from dmuon_server.runner import EXIT_FILE
+from dmuon_server.schemas import ACTIVE_STATES, JobCreate
 from dmuon_server.store import Store
 
 log = logging.getLogger("dmuon_server.supervisor")
@@ -149,10 +159,11 @@ class Supervisor:
             if proc is not None:
                 log.info("job %s: re-attached to pid %d", job_id, job["pid"])
                 if job["cancel_requested_at"] is not None:
+                    # SIGTERM went out with the request; a second one would make the recipe
+                    # stop without saving, so only the deadline is restored.
                     self._cancel_deadline[job_id] = (
                         job["cancel_requested_at"] + self.settings.cancel_grace_s
                     )
-                    signal_job(job, proc, signal.SIGTERM)
             # Jobs whose processes vanished are finalised by the first tick.
 
     # ------------------------------------------------------------------- dispatch
@@ -166,17 +177,51 @@ class Supervisor:
             self._launch(job)
 
     def _launch(self, job: dict[str, Any]) -> None:
+        """Start a queued job: its first attempt, or a resumed one."""
+        cause = "resume" if self.store.attempts(job["id"]) else "submitted"
+        self._spawn(job, cause, "launching torchrun", from_states=["queued"])
+
+    def _spawn(
+        self,
+        job: dict[str, Any],
+        cause: str,
+        reason: str,
+        *,
+        from_states: list[str],
+        **fields: Any,
+    ) -> None:
+        """Move the job to ``starting``, record a new attempt and spawn its runner."""
         job_id = job["id"]
         job_dir = self.settings.job_dir(job_id)
-        argv: list[str] = json.loads(job["argv"])
+        spec = JobCreate.model_validate_json(job["spec"])
         plan_env = launch_env(self.settings, job_id, int(job["nproc"]))
         # Mark the job before spawning: a server that dies in between finds the job by its
         # environment marker on restart instead of launching it a second time.
-        if not self._move(job_id, "starting", "launching torchrun", from_states=["queued"]):
+        if not self._move(
+            job_id,
+            "starting",
+            reason,
+            from_states=from_states,
+            pid=None,
+            pgid=None,
+            create_time=None,
+            **fields,
+        ):
             return
+        latest = latest_checkpoint(job_dir / CHECKPOINT_DIR)
+        resume_step = latest.step if latest is not None else None
+        attempt = self.store.start_attempt(job_id, cause, resume_step)
+        argv = attempt_argv(
+            json.loads(job["argv"]),
+            job_dir,
+            attempt,
+            spec.train.steps,
+            resuming=latest is not None,
+        )
         try:
             job_dir.mkdir(parents=True, exist_ok=True)
             (job_dir / SPEC_FILE).write_text(job["spec"])
+            (job_dir / EXIT_FILE).unlink(missing_ok=True)  # the previous attempt's report
             with (job_dir / LOG_FILE).open("ab") as logf:
                 proc = subprocess.Popen(
                     argv,
@@ -189,7 +234,9 @@ class Supervisor:
                     close_fds=True,
                 )
         except OSError as e:
-            self._move(job_id, "failed", f"could not start the job: {e.strerror or e}")
+            why = f"could not start the job: {e.strerror or e}"
+            self.store.finish_attempt(job_id, attempt, None, why)
+            self._move(job_id, "failed", why)
             return
         self._children[job_id] = proc
         try:
@@ -198,7 +245,7 @@ class Supervisor:
             create_time = time.time()
         self.store.update_job(job_id, pid=proc.pid, pgid=proc.pid, create_time=create_time)
         self.launched_total += 1
-        log.info("job %s: started pid %d", job_id, proc.pid)
+        log.info("job %s: attempt %d started pid %d", job_id, attempt, proc.pid)
         self.hub.notify(job_id)
 
     # ---------------------------------------------------------------------- watch
@@ -207,8 +254,17 @@ class Supervisor:
         job_id = job["id"]
         if job["pid"] is None:
             return  # being launched by this very thread, or adopted in _recover
-        self.tailer.poll(job_id, self.settings.job_dir(job_id) / METRICS_FILE)
-        if job["state"] == "starting" and self.store.metrics_after(job_id, -1, 1):
+        attempt = self.store.current_attempt(job_id)
+        polled = self.tailer.poll(
+            job_id,
+            self.settings.job_dir(job_id) / metrics_file(attempt),
+            stream=metrics_stream(attempt),
+        )
+        # A relaunched attempt keeps the points of the steps before its checkpoint: only
+        # this attempt's own file tells that it runs.
+        if job["state"] == "starting" and (
+            polled or self.store.get_offset(job_id, metrics_stream(attempt)) > 0
+        ):
             self._move(
                 job_id, "running", "the first metric point arrived", from_states=["starting"]
             )
@@ -230,7 +286,13 @@ class Supervisor:
     def _finalize(self, job: dict[str, Any]) -> None:
         job_id = job["id"]
         job_dir = self.settings.job_dir(job_id)
-        self.tailer.poll(job_id, job_dir / METRICS_FILE, final=True)
+        attempt = self.store.current_attempt(job_id)
+        self.tailer.poll(
+            job_id,
+            job_dir / metrics_file(attempt),
+            final=True,
+            stream=metrics_stream(attempt),
+        )
         # Whatever survived the runner is an orphan: end it (and wait for it) now.
         leftovers = find_job_processes(job_id)
         if leftovers:
@@ -256,6 +318,9 @@ class Supervisor:
                 failure["message"] = public.text(failure["message"])
             reason = failure.pop("reason")
             rc = failure["exit_code"]
+            if restartable(report, child_rc) and self._restart(fresh, attempt, rc, reason):
+                return
+        self.store.finish_attempt(job_id, attempt, rc, reason)
         if self._move(
             job_id,
             state,
@@ -266,10 +331,39 @@ class Supervisor:
         ):
             log.info("job %s: %s (%s)", job_id, state, reason)
 
+    def _restart(self, job: dict[str, Any], attempt: int, rc: int | None, why: str) -> bool:
+        """Relaunch a job whose attempt failed with ``why``, if restarts are left.
+
+        Restarts are counted since the job's last submission or resume. Returns whether
+        a new attempt was started.
+        """
+        job_id = job["id"]
+        allowed = JobCreate.model_validate_json(job["spec"]).max_restarts
+        used = 0
+        for a in reversed(self.store.attempts(job_id)):
+            if a["cause"] != "restart":
+                break
+            used += 1
+        if used >= allowed:
+            return False
+        self.store.finish_attempt(job_id, attempt, rc, why)
+        latest = latest_checkpoint(self.settings.job_dir(job_id) / CHECKPOINT_DIR)
+        start = f"from step {latest.step}" if latest is not None else "from scratch"
+        log.warning("job %s: %s; restart %d of %d", job_id, why, used + 1, allowed)
+        self._spawn(
+            job,
+            "restart",
+            f"{why}; restart {used + 1} of {allowed}, resuming {start}",
+            from_states=list(ACTIVE_STATES),
+            started_at=job["started_at"],
+        )
+        return True
+
     # --------------------------------------------------------------------- cancel
 
     def cancel(self, job_id: str) -> dict[str, Any] | None:
-        """Request cancellation; SIGTERM goes out at once, SIGKILL after the grace period.
+        """Request cancellation; SIGTERM to the ranks at once (they save a checkpoint and
+        exit), SIGKILL to what is left after the grace period.
 
         Returns the job row after the request (None for an unknown job). Idempotent.
         """
@@ -284,7 +378,7 @@ class Supervisor:
             elif job_id not in self._cancel_deadline:
                 self._cancel_deadline[job_id] = time.time() + self.settings.cancel_grace_s
                 root = verified_process(job["pid"], job["create_time"])
-                n = signal_job(job, root, signal.SIGTERM)
+                n = signal_ranks(job, root, signal.SIGTERM)
                 log.info("job %s: SIGTERM to %d process(es)", job_id, n)
                 self.hub.notify(job_id)
         self.wake()

@@ -11,6 +11,7 @@ from pydantic import TypeAdapter
 
 from dmuon_server.schemas import (
     TERMINAL_STATES,
+    Attempt,
     FailureInfo,
     Job,
     JobCreate,
@@ -98,6 +99,18 @@ def job_view(store: Store, row: dict[str, Any]) -> Job:
         Transition(state=h["state"], reason=h["reason"], at=ts(h["at"]))  # type: ignore[arg-type]
         for h in store.history(row["id"])
     ]
+    attempts = [
+        Attempt(
+            number=a["number"],
+            cause=a["cause"],
+            resumed_from_step=a["resumed_from_step"],
+            started_at=ts(a["started_at"]),  # type: ignore[arg-type]
+            finished_at=ts(a["finished_at"]),
+            exit_code=a["exit_code"],
+            reason=a["reason"],
+        )
+        for a in store.attempts(row["id"])
+    ]
     failure = FailureInfo(**json.loads(row["failure"])) if row["failure"] else None
     recipe_summary = json.loads(row["recipe_summary"]) if row["recipe_summary"] else None
     return Job(
@@ -106,6 +119,8 @@ def job_view(store: Store, row: dict[str, Any]) -> Job:
         state=row["state"],
         nproc_per_node=row["nproc"],
         train=spec.train,
+        max_restarts=spec.max_restarts,
+        init_from=spec.init_from,
         created_at=ts(row["created_at"]),  # type: ignore[arg-type]
         started_at=ts(row["started_at"]),
         finished_at=ts(row["finished_at"]),
@@ -113,6 +128,7 @@ def job_view(store: Store, row: dict[str, Any]) -> Job:
         reason=row["reason"],
         cancel_requested=row["cancel_requested_at"] is not None,
         history=history,
+        attempts=attempts,
         failure=failure,
         summary=summarize(store, row, spec.train.steps),
         recipe_summary=recipe_summary,

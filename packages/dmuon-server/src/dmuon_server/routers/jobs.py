@@ -14,20 +14,30 @@ from fastapi import APIRouter, Header, Query, Response
 
 from dmuon_server.dependencies import JobRow, SettingsDep, StoreDep, SupervisorDep
 from dmuon_server.errors import ApiError, error_responses, field_error
-from dmuon_server.jobfiles import LOG_FILE, tail_lines
-from dmuon_server.launch import build_command, plan_view, review
+from dmuon_server.jobfiles import (
+    CHECKPOINT_DIR,
+    LOG_FILE,
+    latest_checkpoint,
+    link_tree,
+    list_checkpoints,
+    tail_lines,
+)
+from dmuon_server.launch import build_command, init_path, plan_view, review
 from dmuon_server.paths import PublicPaths
 from dmuon_server.schemas import (
     TERMINAL_STATES,
+    Checkpoint,
+    CheckpointList,
     Job,
     JobCreate,
     JobList,
     JobState,
     LaunchPlan,
     LogLines,
+    ResumeRequest,
 )
 from dmuon_server.store import IdempotencyConflict
-from dmuon_server.views import job_view
+from dmuon_server.views import job_view, ts
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -96,7 +106,25 @@ def create_job(
     accepted = review(settings, body)
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     job_id = uuid.uuid4().hex
-    command = build_command(settings, body, settings.job_dir(job_id), accepted.data_path)
+    job_dir = settings.job_dir(job_id)
+    init = accepted.init_checkpoint
+    command = build_command(settings, body, job_dir, accepted.data_path, init)
+    if init is not None:
+        # The job gets its own (hard-linked) copy before it exists in the store, so the
+        # source job may prune or delete its checkpoint while this one waits in the queue.
+        try:
+            link_tree(init.path, init_path(job_dir, init))
+        except OSError as e:
+            shutil.rmtree(job_dir, ignore_errors=True)
+            raise ApiError(
+                409,
+                "Checkpoint unavailable",
+                f"the checkpoint of step {init.step} of job {body.init_from.job} could not "
+                f"be read ({e.strerror or type(e).__name__}); it was probably pruned just "
+                "now: submit again (with a step listed by GET /v1/jobs/"
+                f"{body.init_from.job}/checkpoints)",
+                kind="checkpoint-unavailable",
+            ) from None
     try:
         row, created = store.create_job(
             job_id=job_id,
@@ -108,6 +136,7 @@ def create_job(
             argv=command.argv,
         )
     except IdempotencyConflict as e:
+        shutil.rmtree(job_dir, ignore_errors=True)
         raise ApiError(
             409,
             "Idempotency-Key already used",
@@ -119,6 +148,7 @@ def create_job(
     if created:
         supervisor.wake()
     else:
+        shutil.rmtree(job_dir, ignore_errors=True)
         response.status_code = 200
     response.headers["Location"] = f"/v1/jobs/{row['id']}"
     return job_view(store, row)
@@ -224,3 +254,89 @@ def get_logs(
     lines, truncated = tail_lines(job_dir / LOG_FILE, tail)
     public = PublicPaths(settings, job_dir)
     return LogLines(lines=[public.text(line) for line in lines], truncated=truncated)
+
+
+@router.get(
+    "/{job_id}/checkpoints",
+    response_model=CheckpointList,
+    responses=error_responses(401, 404, 422),
+)
+def get_checkpoints(job: JobRow, settings: SettingsDep) -> CheckpointList:
+    """The job's complete checkpoints, oldest first: step, size and time.
+
+    Only finished saves count; one being written is not listed until it is complete.
+    """
+    job_dir = settings.job_dir(job["id"])
+    return CheckpointList(
+        items=[
+            Checkpoint(
+                step=c.step,
+                bytes=c.bytes,
+                time=ts(c.mtime),  # type: ignore[arg-type]
+                path=c.path.relative_to(job_dir).as_posix(),
+            )
+            for c in list_checkpoints(job_dir / CHECKPOINT_DIR)
+        ]
+    )
+
+
+@router.post(
+    "/{job_id}/resume",
+    status_code=202,
+    response_model=Job,
+    responses=error_responses(401, 404, 409, 413, 422),
+)
+def resume_job(
+    job: JobRow,
+    settings: SettingsDep,
+    store: StoreDep,
+    supervisor: SupervisorDep,
+    body: ResumeRequest | None = None,
+) -> Job:
+    """Continue a cancelled, failed or succeeded job from its latest checkpoint.
+
+    The job is queued again as a new attempt (same id, same metrics series); `steps`
+    raises its total number of steps. 409 while the job is queued or active, or when it
+    has no checkpoint or nothing left to train.
+    """
+    job_id = job["id"]
+    if job["state"] not in TERMINAL_STATES:
+        raise ApiError(
+            409,
+            "Job not finished",
+            f"job {job_id} is {job['state']}; only a cancelled, failed or succeeded job can "
+            "be resumed (cancel it first: it saves a checkpoint as it stops)",
+            kind="job-not-finished",
+        )
+    latest = latest_checkpoint(settings.job_dir(job_id) / CHECKPOINT_DIR)
+    if latest is None:
+        raise ApiError(
+            409,
+            "No checkpoint",
+            f"job {job_id} saved no checkpoint, so there is nothing to resume from; "
+            "submit it again as a new job",
+            kind="no-checkpoint",
+        )
+    spec = JobCreate.model_validate_json(job["spec"])
+    steps = body.steps if body is not None and body.steps is not None else spec.train.steps
+    if steps <= latest.step:
+        raise ApiError(
+            409,
+            "Nothing left to train",
+            f"job {job_id}'s latest checkpoint is at step {latest.step} and the job trains "
+            f"{steps} steps; pass a larger steps (more than {latest.step}) to train further",
+            kind="nothing-to-resume",
+        )
+    new_spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": steps})})
+    canonical = json.dumps(new_spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+    reason = f"resume requested: from step {latest.step} to step {steps}"
+    row = store.reopen(job_id, reason, spec=canonical)
+    if row is None:  # it was resumed (or deleted) by a concurrent request
+        raise ApiError(
+            409,
+            "Job not finished",
+            f"job {job_id} was resumed by another request; GET /v1/jobs/{job_id}",
+            kind="job-not-finished",
+        )
+    supervisor.wake()
+    return job_view(store, row)
