@@ -27,14 +27,6 @@ from dmuon.train.loop import lr_lambda
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    # Shared by the recipe test modules of this session: the stdlib corpus is built once.
-    path = tmp_path_factory.getbasetemp() / "dmuon-train-corpus-cache"
-    path.mkdir(exist_ok=True)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def base(cache_dir: str) -> TrainConfig:
     return TrainConfig(
         model="tiny",

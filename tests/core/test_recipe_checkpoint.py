@@ -28,13 +28,6 @@ from dmuon.train.stopping import StopRequest
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.getbasetemp() / "dmuon-train-corpus-cache"
-    path.mkdir(exist_ok=True)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
 def base(cache_dir: str) -> TrainConfig:
     # min_lr_ratio 1: after warmup the rate is constant, so a run of 3 steps continued
     # to 5 has the schedule of a 5-step run (the cosine depends on --steps).

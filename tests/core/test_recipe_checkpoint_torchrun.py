@@ -36,11 +36,10 @@ COMMON = [
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # The recipe tests' shared corpus cache, built here once so that the two launches
+def cache_dir(cache_dir: str) -> Path:
+    # The shared corpus cache (conftest.py), filled here once so that the two launches
     # below do not both tokenize the corpus.
-    path = tmp_path_factory.getbasetemp() / "dmuon-train-corpus-cache"
-    path.mkdir(exist_ok=True)
+    path = Path(cache_dir)
     load_corpus(None, cache_dir=path)
     return path
 

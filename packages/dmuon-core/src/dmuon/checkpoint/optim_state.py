@@ -61,7 +61,7 @@ def _ensure_state(optim: torch.optim.Optimizer) -> None:
         torch_sd._init_optim_state(optim)
 
 
-def _full_value(value: Any, options: StateDictOptions, rank: int) -> Any:
+def _full_value(value: Any, options: StateDictOptions) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
     if isinstance(value, DTensor):
@@ -102,7 +102,7 @@ def get_dedicated_optimizer_state_dict(
     if options.full_state_dict:
         for fqn, entry in result["state"].items():
             if fqn not in dedicated_names:
-                result["state"][fqn] = {k: _full_value(v, options, rank) for k, v in entry.items()}
+                result["state"][fqn] = {k: _full_value(v, options) for k, v in entry.items()}
     for dp in state.params:
         owned = momentum_of.get(dp.fqn) if dp.is_owned else None
         value = layout.export(dp, owned, options.full_state_dict, rank0_only)
