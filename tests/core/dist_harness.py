@@ -51,6 +51,8 @@ class Scenario:
     bf16: bool = False
     naive: bool = False
     model_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: ``(replicas, shard size)`` of a 2-D HSDP mesh; ``None`` for a 1-D mesh of the world.
+    mesh_shape: tuple[int, int] | None = None
 
 
 def make_model(scenario: Scenario) -> TinyLlama:
@@ -146,7 +148,11 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor on every rank (collective)."""
     from torch.distributed.tensor import DTensor
 
+    from dmuon.ownership.state import get_dedication
+
     owners = {dp.fqn: dp for dp in _dedicated(model)}
+    state = get_dedication(model)
+    group = state.runtime.comm.group if state is not None else None  # owners' shard group
     full = {}
     for name, param in model.named_parameters():
         if name in owners:
@@ -156,7 +162,8 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
                 if dp.is_owned
                 else torch.empty(dp.shape, dtype=param.dtype, device=param.device)
             )
-            dist.broadcast(tensor, src=dp.owner)
+            if group is not None:
+                dist.broadcast(tensor, src=dist.get_global_rank(group, dp.owner), group=group)
             full[name] = tensor.cpu()
         elif isinstance(param, DTensor):
             full[name] = param.full_tensor().detach().cpu()
@@ -269,7 +276,12 @@ def run_scenario(
 
     import dmuon
 
-    mesh = init_device_mesh(device_type, (world,))
+    if scenario.mesh_shape is None:
+        mesh = init_device_mesh(device_type, (world,))
+    else:
+        mesh = init_device_mesh(
+            device_type, scenario.mesh_shape, mesh_dim_names=("replicate", "shard")
+        )
     model = make_model(scenario).to(device_type)
     if not scenario.naive:
         dmuon.dedicate_params(
@@ -293,6 +305,7 @@ def run_scenario(
     audit = optimizer.audit if scenario.naive else dmuon.comm_audit(model)
     memory_after_forward: dict[str, Any] = {}
     step_issued: list[int] = []
+    first_grad_norm = None
     for step in range(scenario.steps):
         tokens = global_batch(step, world, scenario.accum)
         per_rank = tokens.chunk(world)[rank].to(device_type)
@@ -304,6 +317,9 @@ def run_scenario(
                 if step == 0 and micro == 0 and not scenario.naive:
                     memory_after_forward = _memory_report(model)
                 loss.backward()
+        if step == 0 and scenario.mesh_shape is not None:
+            # Clipping with a bound no gradient reaches returns the global norm, unchanged.
+            first_grad_norm = float(dmuon.clip_grad_norm_(model, max_norm=1e9))
         with count_collectives() as issued:
             optimizer.step()
         step_issued.append(issued)
@@ -325,6 +341,7 @@ def run_scenario(
         "memory": memory_after_forward,
         "leftover_grads": leftover,
         "owners": {dp.fqn: dp.owner for dp in _dedicated(model)},
+        "first_grad_norm": first_grad_norm,
     }
 
 

@@ -10,7 +10,8 @@ counted once across ranks:
 - any other gradient: a plain tensor every rank holds alike, counted once.
 
 Partial sums are combined over the dedication's process group (the mesh passed to
-`dmuon.dedicate_params`), with one scalar all-reduce.
+`dmuon.dedicate_params`), with one scalar all-reduce; on a 2-D (HSDP) mesh with one over
+the shard group and one over the replicate group.
 """
 
 from __future__ import annotations
@@ -27,22 +28,27 @@ from dmuon.ownership.state import get_dedication
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 
-def _group_of(model: nn.Module) -> tuple[dist.ProcessGroup | None, torch.device]:
+def _groups_of(model: nn.Module) -> tuple[list[dist.ProcessGroup], torch.device]:
+    """The process groups whose product spans every rank, and the device to reduce on."""
     state = get_dedication(model)
     if state is not None:
-        return state.runtime.comm.group, state.runtime.comm.device
+        comm = state.runtime.comm
+        groups = [g for g in (comm.group, comm.replicate_group) if g is not None]
+        return groups, comm.device
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cpu")
         if dist.get_backend() == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
-        return dist.group.WORLD, device
-    return None, torch.device("cpu")
+        return [dist.group.WORLD], device
+    return [], torch.device("cpu")
 
 
 def _local_parts(model: nn.Module, world: int) -> list[tuple[Tensor, float]]:
     """``(local gradient, how many ranks hold the same elements)`` of every gradient."""
     state = get_dedication(model)
     dedicated = {id(dp.param): dp for dp in state.params} if state is not None else {}
+    # Every replica's owner holds the same averaged gradient of its matrices.
+    owner_copies = float(state.runtime.comm.replicas) if state is not None else 1.0
     parts: list[tuple[Tensor, float]] = []
     seen: set[int] = set()
     for param in model.parameters():
@@ -54,7 +60,7 @@ def _local_parts(model: nn.Module, world: int) -> list[tuple[Tensor, float]]:
             assert state is not None
             grad = state.runtime.reduced_grad(dp) if dp.is_owned else None
             if grad is not None:
-                parts.append((grad, 1.0))
+                parts.append((grad, owner_copies))
             continue
         grad = param.grad
         if grad is None:
@@ -75,34 +81,34 @@ def _local_parts(model: nn.Module, world: int) -> list[tuple[Tensor, float]]:
     return parts
 
 
-def _parts_and_group(
+def _parts_and_groups(
     model: nn.Module,
-) -> tuple[list[tuple[Tensor, float]], dist.ProcessGroup | None, torch.device]:
-    group, device = _group_of(model)
-    world = dist.get_world_size(group) if group is not None else 1
-    return _local_parts(model, world), group, device
+) -> tuple[list[tuple[Tensor, float]], list[dist.ProcessGroup], torch.device]:
+    groups, device = _groups_of(model)
+    world = math.prod(dist.get_world_size(g) for g in groups)
+    return _local_parts(model, world), groups, device
 
 
 def _global_norm(
     parts: list[tuple[Tensor, float]],
     norm_type: float,
-    group: dist.ProcessGroup | None,
+    groups: list[dist.ProcessGroup],
     device: torch.device,
 ) -> Tensor:
-    """Combine the local parts into the global norm (float64) with one all-reduce."""
+    """Combine the local parts into the global norm (float64): one all-reduce per group."""
     if norm_type == math.inf:
         total = torch.zeros((), dtype=torch.float64, device=device)
         for grad, _ in parts:
             if grad.numel():
                 total = torch.maximum(total, grad.detach().abs().max().to(device, torch.float64))
-        if group is not None:
+        for group in groups:
             dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
         return total
     total = torch.zeros((), dtype=torch.float64, device=device)
     for grad, replicas in parts:
         local = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64) ** norm_type
         total += local.to(device) / replicas
-    if group is not None:
+    for group in groups:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
     return total ** (1.0 / norm_type)
 
@@ -114,8 +120,8 @@ def total_grad_norm(model: nn.Module, norm_type: float = 2.0) -> Tensor:
     A collective when several ranks take part: call it on every rank. See
     `clip_grad_norm_` for which gradients count.
     """
-    parts, group, device = _parts_and_group(model)
-    return _global_norm(parts, float(norm_type), group, device)
+    parts, groups, device = _parts_and_groups(model)
+    return _global_norm(parts, float(norm_type), groups, device)
 
 
 @torch.no_grad()
@@ -133,7 +139,8 @@ def clip_grad_norm_(
     owners, FSDP2 gradient shards and any other gradient, each element once across ranks,
     so it equals the single-process norm of the global-batch gradient. Call it on every
     rank after the last backward of the step (outside `dmuon.no_sync`) and before
-    ``optimizer.step()``; for the 2-norm it issues one scalar all-reduce.
+    ``optimizer.step()``; for the 2-norm it issues one scalar all-reduce (two on a 2-D HSDP
+    mesh: over the shard group, then over the replicate group).
 
     Args:
         model: The model (not its parameters: dedicated gradients are found through it).
@@ -147,9 +154,9 @@ def clip_grad_norm_(
     Returns:
         The total norm before clipping, as a tensor.
     """
-    parts, group, device = _parts_and_group(model)
+    parts, groups, device = _parts_and_groups(model)
     # Returned in torch's dtype for float32 gradients.
-    total = _global_norm(parts, float(norm_type), group, device).float()
+    total = _global_norm(parts, float(norm_type), groups, device).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {float(norm_type)} of the gradients is non-finite "

@@ -17,6 +17,12 @@ all-gather of its signature (sequence number, kind, size, root), and every rank 
 same error at the first collective on which the ranks disagree, instead of mixing data or
 hanging. It costs one extra synchronous collective each, so it is for debugging.
 
+On a 2-D ``(replicate, shard)`` mesh (HSDP) the broadcasts and reduces run inside the
+shard group, and the owners of a matrix (one per replica, at the same shard rank) average
+its gradient with one all-reduce over the replicate group. The audit keeps the two
+dimensions apart: `StepComm.by_kind` and `StepComm.units` describe the shard dimension
+(the whole traffic of a 1-D mesh), `StepComm.replicate` the replicate dimension.
+
 Checkpoint transfers (`Communicator.scatter_rows`, `gather_rows`, `send`, `recv`,
 `broadcast_now`, `all_gather_codes`) are synchronous and are not part of the per-step
 audit: they move state between owners and state-dict layouts, not training traffic.
@@ -59,22 +65,60 @@ class CollectiveTally:
     bytes: int = 0
 
 
+#: The mesh dimensions the audit tells apart.
+SHARD, REPLICATE = "shard", "replicate"
+
+
+def _units(by_kind: dict[str, CollectiveTally], dedicated_elements: int) -> float:
+    if dedicated_elements == 0:
+        return 0.0
+    moved = sum(_UNITS_PER_ELEMENT[kind] * t.elements for kind, t in by_kind.items())
+    return moved / dedicated_elements
+
+
+def _tallies(by_kind: dict[str, CollectiveTally]) -> dict[str, dict[str, int]]:
+    return {
+        kind: {"count": t.count, "elements": t.elements, "bytes": t.bytes}
+        for kind, t in sorted(by_kind.items())
+    }
+
+
 @dataclass
 class StepComm:
-    """Collectives issued for dedicated parameters during one optimizer step."""
+    """Collectives issued for dedicated parameters during one optimizer step, on this rank.
+
+    ``by_kind`` is the shard dimension: the broadcasts and reduces among the ranks that
+    share the matrices' owners (all ranks of a 1-D mesh). ``replicate`` is the replicate
+    dimension of a 2-D (HSDP) mesh: the all-reduces among the owners of the same matrices
+    in the different replicas (empty on a 1-D mesh).
+    """
 
     dedicated_elements: int
+    #: Replicas of the mesh (1 on a 1-D mesh); with more, `as_dict` splits by dimension.
+    replicas: int = 1
     by_kind: dict[str, CollectiveTally] = field(
+        default_factory=lambda: defaultdict(CollectiveTally)
+    )
+    replicate: dict[str, CollectiveTally] = field(
         default_factory=lambda: defaultdict(CollectiveTally)
     )
 
     @property
     def units(self) -> float:
-        """Traffic in units of (N-1)/N x P_M elements, P_M = all dedicated elements."""
-        if self.dedicated_elements == 0:
-            return 0.0
-        moved = sum(_UNITS_PER_ELEMENT[kind] * t.elements for kind, t in self.by_kind.items())
-        return moved / self.dedicated_elements
+        """Shard-dimension traffic in units of (N-1)/N x P_M elements.
+
+        N is the shard group's size and P_M the number of dedicated elements.
+        """
+        return _units(self.by_kind, self.dedicated_elements)
+
+    @property
+    def replicate_units(self) -> float:
+        """This rank's replicate-dimension traffic in units of (R-1)/R x P_M elements.
+
+        A rank all-reduces only the matrices it owns, so the ranks of one shard group add
+        up to 2 units per synchronised backward (R is the replicate group's size).
+        """
+        return _units(self.replicate, self.dedicated_elements)
 
     def count(self, kind: str) -> int:
         """Number of collectives of ``kind`` (``"broadcast"``, ``"reduce"``, ...)."""
@@ -82,14 +126,20 @@ class StepComm:
 
     def as_dict(self) -> dict[str, object]:
         """A JSON-friendly summary: per-kind tallies and the total in units."""
-        return {
+        summary: dict[str, object] = {
             "units": self.units,
             "dedicated_elements": self.dedicated_elements,
-            "collectives": {
-                kind: {"count": t.count, "elements": t.elements, "bytes": t.bytes}
-                for kind, t in sorted(self.by_kind.items())
-            },
+            "collectives": _tallies(self.by_kind),
         }
+        if self.replicas > 1:
+            summary["dimensions"] = {
+                SHARD: {"units": self.units, "collectives": _tallies(self.by_kind)},
+                REPLICATE: {
+                    "units": self.replicate_units,
+                    "collectives": _tallies(self.replicate),
+                },
+            }
+        return summary
 
 
 class CommAudit:
@@ -99,22 +149,27 @@ class CommAudit:
     it into ``steps`` (one `StepComm` per optimizer step). ``total`` counts everything.
     """
 
-    def __init__(self, dedicated_elements: int) -> None:
+    def __init__(self, dedicated_elements: int, replicas: int = 1) -> None:
         self.dedicated_elements = dedicated_elements
-        self.current = StepComm(dedicated_elements)
-        self.total = StepComm(dedicated_elements)
+        self.replicas = replicas
+        self.current = StepComm(dedicated_elements, replicas)
+        self.total = StepComm(dedicated_elements, replicas)
         self.steps: list[StepComm] = []
 
-    def record(self, kind: str, tensor: torch.Tensor) -> None:
-        """Add one collective of ``kind`` that moved ``tensor``."""
-        for tally in (self.current.by_kind[kind], self.total.by_kind[kind]):
+    def record(self, kind: str, tensor: torch.Tensor, dim: str = SHARD) -> None:
+        """Add one collective of ``kind`` over mesh dimension ``dim`` that moved ``tensor``."""
+        if dim == SHARD:
+            tallies = (self.current.by_kind[kind], self.total.by_kind[kind])
+        else:
+            tallies = (self.current.replicate[kind], self.total.replicate[kind])
+        for tally in tallies:
             tally.count += 1
             tally.elements += tensor.numel()
             tally.bytes += tensor.numel() * tensor.element_size()
 
     def close_step(self) -> StepComm:
         """End the current optimizer step; return its record."""
-        finished, self.current = self.current, StepComm(self.dedicated_elements)
+        finished, self.current = self.current, StepComm(self.dedicated_elements, self.replicas)
         self.steps.append(finished)
         return finished
 
@@ -139,10 +194,12 @@ class Pending:
 
 
 class Communicator:
-    """Collectives over one process group, device aware, audited.
+    """Collectives over one process group (and its replicate group under HSDP), audited.
 
     With no process group (one process) every call is a no-op that returns a finished
-    `Pending`, so the single-process path runs the same code.
+    `Pending`, so the single-process path runs the same code. ``replicate_group`` links
+    this rank to the ranks at the same position of the other replicas of a 2-D mesh
+    (``None``: one replica).
     """
 
     def __init__(
@@ -151,12 +208,16 @@ class Communicator:
         device: torch.device,
         audit: CommAudit,
         check_collectives: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         self.group = group
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.replica_rank = dist.get_rank(replicate_group) if replicate_group is not None else 0
         self.device = device
         self.audit = audit
         self.check_collectives = check_collectives
-        self._sequence = 0
+        self._sequence = {SHARD: 0, REPLICATE: 0}
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -165,17 +226,24 @@ class Communicator:
         assert self.group is not None
         return dist.get_global_rank(self.group, group_rank)
 
-    def _check_same_everywhere(self, kind: str, tensor: torch.Tensor, root: int) -> None:
+    def _check_same_everywhere(
+        self, kind: str, tensor: torch.Tensor, root: int, dim: str = SHARD
+    ) -> None:
         """All-gather this collective's signature; raise on every rank if ranks disagree."""
-        self._sequence += 1
+        group, size = (
+            (self.group, self.world_size) if dim == SHARD else (self.replicate_group, self.replicas)
+        )
+        # Each dimension counts its own collectives: only owners take part in the
+        # replicate dimension's, so one counter would drift apart between shard ranks.
+        self._sequence[dim] += 1
         mine = torch.tensor(
-            [self._sequence, _KIND_CODES[kind], tensor.numel(), root],
+            [self._sequence[dim], _KIND_CODES[kind], tensor.numel(), root],
             dtype=torch.int64,
             device=self.device,
         )
-        every = torch.empty(self.world_size * 4, dtype=torch.int64, device=self.device)
-        dist.all_gather_single(every, mine, group=self.group)
-        rows = every.view(self.world_size, 4).tolist()
+        every = torch.empty(size * 4, dtype=torch.int64, device=self.device)
+        dist.all_gather_single(every, mine, group=group)
+        rows = every.view(size, 4).tolist()
         if any(row != rows[0] for row in rows):
             names = {code: name for name, code in _KIND_CODES.items()}
             lines = "; ".join(
@@ -188,10 +256,10 @@ class Communicator:
                 "forwards and backwards (same hook boundaries, same no_sync blocks)."
             )
 
-    def _issue(self, kind: str, tensor: torch.Tensor, root: int, call) -> Pending:
+    def _issue(self, kind: str, tensor: torch.Tensor, root: int, call, dim: str = SHARD) -> Pending:
         if self.check_collectives:
-            self._check_same_everywhere(kind, tensor, root)
-        self.audit.record(kind, tensor)
+            self._check_same_everywhere(kind, tensor, root, dim)
+        self.audit.record(kind, tensor, dim)
         if self._stream is None:
             return Pending(call())
         ready = torch.cuda.Event()
@@ -223,6 +291,20 @@ class Communicator:
             lambda: dist.reduce(
                 tensor, self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True
             ),
+        )
+
+    def all_reduce_replicas(self, tensor: torch.Tensor) -> Pending:
+        """Sum ``tensor`` in place over the replicate group (every replica gets the sum)."""
+        if self.replicas == 1:
+            return Pending()
+        return self._issue(
+            "all_reduce",
+            tensor,
+            0,
+            lambda: dist.all_reduce(
+                tensor, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True
+            ),
+            dim=REPLICATE,
         )
 
     # ----- checkpoint transfers: synchronous, not audited ---------------------------------
@@ -258,6 +340,45 @@ class Communicator:
         box = [obj]
         dist.broadcast_object_list(box, src=self._global(src), group=self.group)
         return box[0]
+
+    @property
+    def is_rank0(self) -> bool:
+        """Whether this is the first rank of the whole mesh (shard rank 0 of replica 0)."""
+        return self.rank == 0 and self.replica_rank == 0
+
+    @property
+    def total_ranks(self) -> int:
+        """Ranks of the whole mesh: shard group size x replicas."""
+        return self.world_size * self.replicas
+
+    def broadcast_object_from_rank0(self, obj: object) -> object:
+        """Broadcast a picklable object from `is_rank0`'s rank to every rank of the mesh."""
+        if self.rank == 0 and self.replicas > 1:
+            box = [obj]
+            dist.broadcast_object_list(
+                box, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group
+            )
+            obj = box[0]
+        if self.world_size > 1:
+            obj = self.broadcast_object(obj, 0)
+        return obj
+
+    def broadcast_from_rank0_now(self, tensor: torch.Tensor) -> None:
+        """Broadcast ``tensor`` from `is_rank0`'s rank to every rank of the mesh, and wait."""
+        if self.rank == 0 and self.replicas > 1:
+            self.broadcast_replicas_now(tensor, 0)
+        if self.world_size > 1:
+            self.broadcast_now(tensor, 0)
+
+    def broadcast_replicas_now(self, tensor: torch.Tensor, src: int) -> None:
+        """Broadcast ``tensor`` over the replicate group from replica ``src``, and wait."""
+        if self.replicas == 1:
+            return
+        if self.check_collectives:
+            self._check_same_everywhere("broadcast", tensor, src, REPLICATE)
+        dist.broadcast(
+            tensor, dist.get_global_rank(self.replicate_group, src), group=self.replicate_group
+        )
 
     def all_gather_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """All-gather a 1-D int64 tensor; returns a ``(world_size, len)`` tensor."""

@@ -29,19 +29,19 @@ def gather_to_owners(
     if broadcast_from_rank0:
         present = None
         bad: list[str] = []
-        if comm.rank == 0:
+        if comm.is_rank0:
             present = [dp.fqn for dp in params if value_of(dp) is not None]
             bad = [
                 f"{dp.fqn}: {_shape(value_of(dp))} (the model has {tuple(dp.shape)})"
                 for dp in params
                 if layout.classify(dp, value_of(dp)) == BAD_SHAPE
             ]
-        if comm.world_size > 1:
-            present, bad = comm.broadcast_object((present, bad), 0)  # type: ignore[misc]
+        if comm.total_ranks > 1:
+            present, bad = comm.broadcast_object_from_rank0((present, bad))  # type: ignore[misc]
         _raise_bad(bad, what)
         wanted = set(present or [])
         return {
-            dp.fqn: layout.from_rank0(dp, value_of(dp) if comm.rank == 0 else None)
+            dp.fqn: layout.from_rank0(dp, value_of(dp) if comm.is_rank0 else None)
             for dp in params
             if dp.fqn in wanted
         }

@@ -4,10 +4,12 @@ A dedicated matrix (and its Muon momentum) lives whole on its owner. In a state 
 takes one of three forms:
 
 - **sharded** (the default): a DTensor ``Shard(0)`` over the dedication's mesh, row chunks
-  of ``ceil(rows / N)`` as ``torch.chunk`` cuts them. That is the layout FSDP2 gives the
-  same parameter, so DCP saves it from every rank at once, reshards it on load, and a
-  checkpoint of a dedicated model is interchangeable with one of a plain FSDP2 model.
-  With a single rank it is the plain tensor.
+  of ``ceil(rows / N)`` as ``torch.chunk`` cuts them; on a 2-D (HSDP) mesh
+  ``(Replicate(), Shard(0))``, the same chunks in every replica. That is the layout FSDP2
+  gives the same parameter, so DCP saves it from every rank at once, reshards it on load
+  (also between 1-D and 2-D meshes), and a checkpoint of a dedicated model is
+  interchangeable with one of a plain FSDP2 model. With a single rank per shard group it
+  is the plain tensor.
 - **full on rank 0** (``full_state_dict=True, cpu_offload=True``): a CPU tensor on rank 0,
   nothing elsewhere.
 - **full everywhere** (``full_state_dict=True``): the whole tensor on every rank.
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.state import DedicationState
@@ -33,7 +35,7 @@ MISSING, FULL, SHARDED, BAD_SHAPE = 0, 1, 2, 3
 
 
 def dedication_mesh(state: DedicationState) -> DeviceMesh | None:
-    """The 1-D mesh of the dedication's process group (``None`` with one rank)."""
+    """The mesh of the dedication: 1-D, or 2-D under HSDP (``None`` with one shard rank)."""
     comm = state.runtime.comm
     if comm.group is None:
         return None
@@ -59,6 +61,8 @@ class DedicatedLayout:
         self.state = state
         self.comm = state.runtime.comm
         self.mesh = dedication_mesh(state)
+        hsdp = self.mesh is not None and self.mesh.ndim == 2
+        self.placements: tuple[Placement, ...] = (Replicate(), Shard(0)) if hsdp else (Shard(0),)
 
     # ----- owner -> state dict -----------------------------------------------------------
     def export(
@@ -71,6 +75,8 @@ class DedicatedLayout:
         ``rank0_only``), or ``None`` where this rank gets nothing.
         """
         comm = self.comm
+        if rank0_only and comm.replica_rank != 0:
+            return None  # rank 0 of the mesh is in the first replica
         if comm.world_size == 1:
             assert owned is not None
             value = owned.detach().clone()
@@ -108,7 +114,7 @@ class DedicatedLayout:
         return DTensor.from_local(
             local,
             self.mesh,
-            [Shard(0)],
+            self.placements,
             run_check=False,
             shape=dp.shape,
             stride=torch.empty(dp.shape, device="meta").stride(),
@@ -169,7 +175,7 @@ class DedicatedLayout:
         ours = (
             self.mesh is not None
             and value.device_mesh == self.mesh
-            and tuple(value.placements) == (Shard(0),)
+            and tuple(value.placements) == self.placements
         )
         if not ours:
             full = value.full_tensor()
@@ -187,7 +193,23 @@ class DedicatedLayout:
         return torch.cat(chunks)[:rows].contiguous()
 
     def from_rank0(self, dp: DedicatedParam, value: torch.Tensor | None) -> torch.Tensor | None:
-        """Send rank 0's full ``value`` to ``dp``'s owner; the owner gets it (others ``None``)."""
+        """Send rank 0's full ``value`` to ``dp``'s owners; they get it (others ``None``).
+
+        Under HSDP the first replica's owner receives it and passes it on to the owners of
+        the other replicas.
+        """
+        comm = self.comm
+        received = self._from_rank0_in_first_replica(dp, value) if comm.replica_rank == 0 else None
+        if comm.replicas == 1 or not dp.is_owned:
+            return received
+        if received is None:
+            received = torch.empty(dp.shape, dtype=torch.float32, device=comm.device)
+        comm.broadcast_replicas_now(received, 0)
+        return received
+
+    def _from_rank0_in_first_replica(
+        self, dp: DedicatedParam, value: torch.Tensor | None
+    ) -> torch.Tensor | None:
         comm = self.comm
         if comm.world_size == 1 or dp.owner == 0:
             if comm.rank == 0 and value is not None:

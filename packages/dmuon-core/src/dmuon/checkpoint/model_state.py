@@ -80,7 +80,7 @@ def set_dedicated_model_state_dict(
     # them, so it tells the others (every rank then raises alike).
     missing_elsewhere: list[str] = []
     unexpected: list[str] = []
-    if options.strict and (not options.broadcast_from_rank0 or comm.rank == 0):
+    if options.strict and (not options.broadcast_from_rank0 or comm.is_rank0):
         expected = set(
             torch_sd.get_model_state_dict(
                 model,
@@ -92,9 +92,9 @@ def set_dedicated_model_state_dict(
         expected -= dedicated_names
         missing_elsewhere = sorted(expected - set(remaining))
         unexpected = sorted(set(remaining) - expected)
-    if options.broadcast_from_rank0 and options.strict and comm.world_size > 1:
-        missing_elsewhere, unexpected = comm.broadcast_object(  # type: ignore[misc]
-            (missing_elsewhere, unexpected), 0
+    if options.broadcast_from_rank0 and options.strict and comm.total_ranks > 1:
+        missing_elsewhere, unexpected = comm.broadcast_object_from_rank0(  # type: ignore[misc]
+            (missing_elsewhere, unexpected)
         )
     missing_dedicated = sorted(dp.fqn for dp in wanted if dp.fqn not in loaded)
     missing = missing_dedicated + missing_elsewhere

@@ -81,7 +81,7 @@ def get_dedicated_optimizer_state_dict(
     _check_optimizers(state, optimizers)
     names = _names(model)
     layout = DedicatedLayout(state)
-    rank = layout.comm.rank
+    is_rank0 = layout.comm.is_rank0
     rank0_only = options.full_state_dict and options.cpu_offload
     result: dict[str, Any] = {"state": {}, "param_groups": []}
     momentum_of: dict[str, torch.Tensor] = {}
@@ -110,7 +110,7 @@ def get_dedicated_optimizer_state_dict(
             result["state"].setdefault(dp.fqn, {})[MOMENTUM] = value
         else:
             result["state"].pop(dp.fqn, None)
-    if rank0_only and rank != 0:
+    if rank0_only and not is_rank0:
         result = {"state": {}, "param_groups": []}
     if options.flatten_optimizer_state_dict:
         return torch_sd._flatten_optim_state_dict(result)
@@ -141,7 +141,7 @@ def _unflatten(flat: dict[str, Any], optimizers: tuple, names: dict[int, str]) -
 def _broadcast_tree(tree: Any, layout: DedicatedLayout) -> Any:
     """Rank 0's ``tree`` on every rank: its structure as one object, then each tensor."""
     comm = layout.comm
-    if comm.world_size == 1:
+    if comm.total_ranks == 1:
         return tree
     tensors: list[torch.Tensor] = []
 
@@ -155,17 +155,17 @@ def _broadcast_tree(tree: Any, layout: DedicatedLayout) -> Any:
             return [strip(v) for v in value]
         return value
 
-    skeleton = comm.broadcast_object(strip(tree) if comm.rank == 0 else None, 0)
+    skeleton = comm.broadcast_object_from_rank0(strip(tree) if comm.is_rank0 else None)
     received: list[torch.Tensor] = []
 
     def fill(value: Any) -> Any:
         if isinstance(value, tuple) and len(value) == 4 and value[0] == "__tensor__":
             _, index, shape, dtype = value
-            if comm.rank == 0:
+            if comm.is_rank0:
                 buffer = tensors[index].detach().to(comm.device).contiguous()
             else:
                 buffer = torch.empty(shape, dtype=dtype, device=comm.device)
-            comm.broadcast_now(buffer, 0)
+            comm.broadcast_from_rank0_now(buffer)
             received.append(buffer)
             return buffer
         if isinstance(value, dict):
@@ -209,7 +209,7 @@ def set_dedicated_optimizer_state_dict(
     if "state" not in osd and osd:
         osd = _unflatten(osd, optimizers, names)
     if options.broadcast_from_rank0:
-        osd = _broadcast_tree(osd if layout.comm.rank == 0 else None, layout)
+        osd = _broadcast_tree(osd if layout.comm.is_rank0 else None, layout)
         options = replace(options, broadcast_from_rank0=False)
     loaded_state: dict[str, dict[str, Any]] = osd.get("state", {})
     momentum = gather_to_owners(

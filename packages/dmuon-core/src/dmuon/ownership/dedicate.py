@@ -46,28 +46,56 @@ def _collect_before_teardown() -> None:
     gc.collect()
 
 
+#: Dimension names of a 2-D mesh read as (replicate, shard), as FSDP2's HSDP uses it.
+REPLICATE_DIM_NAMES = ("replicate", "dp_replicate")
+SHARD_DIM_NAMES = ("shard", "dp_shard")
+
+_HSDP_MESH_HINT = (
+    "init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=('replicate', 'shard'))"
+)
+
+
+def _mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """``(shard group, replicate group)`` of a 1-D mesh or a 2-D ``(replicate, shard)`` mesh."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    if mesh.ndim == 2:
+        if not names or (names[0] in REPLICATE_DIM_NAMES and names[1] in SHARD_DIM_NAMES):
+            return mesh.get_group(1), mesh.get_group(0)
+        raise ValueError(
+            f"dedicate_params takes a 1-D DeviceMesh or a 2-D (replicate, shard) DeviceMesh "
+            f"as FSDP2's HSDP uses it, but this 2-D mesh's dimensions are named {names}. "
+            f"For HSDP pass {_HSDP_MESH_HINT} (the same mesh as fully_shard(..., mesh=...)); "
+            "for other parallelisms pass the data-parallel sub-mesh, e.g. mesh['dp']"
+        )
+    raise ValueError(
+        f"dedicate_params takes a 1-D DeviceMesh or a 2-D (replicate, shard) DeviceMesh, "
+        f"got one with {mesh.ndim} dimensions {names}; pass the data-parallel part: a 1-D "
+        f"sub-mesh such as mesh['dp'], or a 2-D one such as mesh['replicate', 'shard'] "
+        f"built with {_HSDP_MESH_HINT}"
+    )
+
+
 def _resolve_group(
     model: nn.Module, mesh: DeviceMesh | None
-) -> tuple[dist.ProcessGroup | None, torch.device]:
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, torch.device]:
+    """``(shard group, replicate group, device)``; a group of one rank is ``None``."""
     if mesh is not None:
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"dedicate_params needs a 1-D DeviceMesh, got one with {mesh.ndim} dimensions "
-                f"{tuple(mesh.mesh_dim_names or ())}; pass the data-parallel sub-mesh, "
-                "e.g. mesh['dp']"
-            )
-        group = mesh.get_group()
+        group, replicate = _mesh_groups(mesh)
         if mesh.device_type == "cuda":
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device(mesh.device_type)
-        return (group if dist.get_world_size(group) > 1 else None), device
+        if replicate is not None and dist.get_world_size(replicate) == 1:
+            replicate = None
+        return (group if dist.get_world_size(group) > 1 else None), replicate, device
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         if dist.get_backend() == "nccl":
-            return dist.group.WORLD, torch.device("cuda", torch.cuda.current_device())
-        return dist.group.WORLD, torch.device("cpu")
+            return dist.group.WORLD, None, torch.device("cuda", torch.cuda.current_device())
+        return dist.group.WORLD, None, torch.device("cpu")
     first = next(model.parameters(), None)
-    return None, (first.device if first is not None else torch.device("cpu"))
+    return None, None, (first.device if first is not None else torch.device("cpu"))
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -180,9 +208,14 @@ def dedicate_params(
 
     Args:
         model: The model; the same on every rank.
-        mesh: A 1-D ``DeviceMesh`` (the data-parallel ranks). ``None`` uses the default
-            process group, or, without one, runs in one process with everything owned by
-            rank 0 and nothing communicated.
+        mesh: A 1-D ``DeviceMesh`` (the data-parallel ranks), or the 2-D
+            ``(replicate, shard)`` mesh of FSDP2's HSDP (dimension names ``replicate`` and
+            ``shard``, or none). On a 2-D mesh each matrix has one owner per replica, at
+            the same shard rank in every replica: broadcasts and reduces stay inside the
+            shard group, the owners average gradients across replicas with one all-reduce,
+            and each steps its copy alike. ``None`` uses the default process group, or,
+            without one, runs in one process with everything owned by rank 0 and nothing
+            communicated.
         predicate: ``predicate(name, param) -> bool`` selects the Muon-target parameters:
             2-D matrices, or 3-D stacks whose leading dimension indexes independent matrices
             (fused experts; each matrix is orthogonalized on its own). ``None`` applies
@@ -207,10 +240,12 @@ def dedicate_params(
             ``DMUON_CHECK_COLLECTIVES`` (``1`` turns it on).
 
     Returns:
-        ``{fqn: owner_rank}`` for every dedicated parameter.
+        ``{fqn: owner_rank}`` for every dedicated parameter; on a 2-D mesh the owner's
+        rank inside its shard group.
 
     Raises:
-        ValueError: Called twice, after ``fully_shard``, with a mesh that is not 1-D, a
+        ValueError: Called twice, after ``fully_shard``, with a mesh that is neither 1-D
+            nor a 2-D ``(replicate, shard)`` mesh, a
             predicate that matches nothing or selects a tied parameter or one that is
             neither 2-D nor 3-D, or a parameter without a hook boundary in strict mode.
 
@@ -235,7 +270,7 @@ def dedicate_params(
             "wrapped by fully_shard. Call dmuon.dedicate_params(model, mesh) first, then "
             "fully_shard each layer and the model."
         )
-    group, device = _resolve_group(model, mesh)
+    group, replicate_group, device = _resolve_group(model, mesh)
     selected = _select(model, predicate)
     boundaries: dict[str, str] = {}
     for fqn, *_ in selected:
@@ -280,10 +315,17 @@ def dedicate_params(
             )
         )
 
-    audit = CommAudit(sum(dp.numel for dp in dedicated))
+    replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    audit = CommAudit(sum(dp.numel for dp in dedicated), replicas)
     if check_collectives is None:
         check_collectives = os.environ.get("DMUON_CHECK_COLLECTIVES", "0") not in ("", "0")
-    comm = Communicator(group, device, audit, check_collectives=check_collectives)
+    comm = Communicator(
+        group,
+        device,
+        audit,
+        check_collectives=check_collectives,
+        replicate_group=replicate_group,
+    )
     buffer_dtype = param_dtype or torch.float32
     by_boundary: dict[str, list[DedicatedParam]] = defaultdict(list)
     for dp in dedicated:

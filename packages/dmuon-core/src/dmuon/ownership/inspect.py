@@ -32,6 +32,9 @@ def comm_audit(model: nn.Module) -> CommAudit:
     ``comm_audit(model).last_step()`` describes the collectives DMuon issued for dedicated
     parameters during the most recent optimizer step (kind, count, elements, bytes) and
     their total in units of (N-1)/N x P_M, where P_M is the number of dedicated elements.
+    On a 2-D (HSDP) mesh N is the shard group's size, and the cross-replica all-reduces
+    are reported apart (``StepComm.replicate``, ``StepComm.replicate_units``, and a
+    ``"dimensions"`` entry of ``as_dict()``).
 
     Raises:
         ValueError: If ``model`` was never passed to `dmuon.dedicate_params`.

@@ -45,6 +45,7 @@ class PackedGroup:
         self._broadcast: Pending | None = None
         self._reduce: Pending | None = None
         self._reduce_flat: torch.Tensor | None = None
+        self._replica_reduce: Pending | None = None
         self._broadcast_versions: list[int] = []
 
     # ----- forward / backward parameters -------------------------------------------------
@@ -137,16 +138,30 @@ class PackedGroup:
         self._reduce = self.comm.reduce_sum(flat, self.owner)
 
     def finish_reduce(self) -> None:
-        """Wait for the reduce; the owner averages and adds into ``_reduced_grad``."""
+        """Wait for the reduce; an owner then starts averaging across replicas (HSDP).
+
+        `finish_replica_reduce` completes the step; the split lets every group's
+        cross-replica all-reduce be in flight at once.
+        """
         if self._reduce is None:
             return
         self._reduce.wait()
         self._reduce = None
-        flat, self._reduce_flat = self._reduce_flat, None
-        if not self.is_owner:
+        if self.is_owner:
+            assert self._reduce_flat is not None
+            self._replica_reduce = self.comm.all_reduce_replicas(self._reduce_flat)
+        else:
+            self._reduce_flat = None
+
+    def finish_replica_reduce(self) -> None:
+        """Wait for the cross-replica sum; the owner averages into ``_reduced_grad``."""
+        if self._replica_reduce is None:
             return
+        self._replica_reduce.wait()
+        self._replica_reduce = None
+        flat, self._reduce_flat = self._reduce_flat, None
         assert flat is not None
-        flat.div_(self.comm.world_size)
+        flat.div_(self.comm.world_size * self.comm.replicas)
         for dp, offset in zip(self.params, self.offsets, strict=True):
             piece = flat[offset : offset + dp.numel].view(dp.shape)
             current = getattr(dp.param, "_reduced_grad", None)

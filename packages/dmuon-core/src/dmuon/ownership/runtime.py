@@ -14,7 +14,10 @@ Per hook boundary (usually one transformer layer):
 - post-backward: when the gradients of the boundary's inputs are computed, or at the end
   of backward for a boundary whose inputs need no gradient, SUM-reduce the gradients to
   their owners (a matrix without a local gradient contributes zeros) or, under `no_sync`,
-  add them to ``_accumulated_grad`` locally.
+  add them to ``_accumulated_grad`` locally. On a 2-D (HSDP) mesh the reduce stays inside
+  the shard group and, at the end of backward, each owner all-reduces its sum with the
+  owners of the same matrices in the other replicas, so every replica's owner holds the
+  same average and steps the matrix alike (no broadcast after the step).
 
 Every trigger above is an event every rank sees in the same order (the model's structure,
 not its data), so every rank issues the same collectives in the same order even when
@@ -341,6 +344,8 @@ class DedicationRuntime:
             boundary.pre_backward_done = False
             for group in boundary.groups:
                 group.finish_reduce()
+        for group in self.groups():
+            group.finish_replica_reduce()
         late, self._late_grads = self._late_grads, []
         if late:
             raise RuntimeError(

@@ -1,0 +1,324 @@
+"""DMuon on 2-D (replicate, shard) HSDP meshes against a single-process run on the global batch.
+
+Two spawns for the whole module: 4 gloo ranks run the 2x2 scenarios, the checkpoint round
+trips between a 2x2 run and 1-D runs of 2 ranks, and the mesh errors; 2 ranks run the 2x1
+and 1x2 scenarios. Oracles: `dist_harness.reference_run` (the plain model trained on the
+whole global batch, tolerance 1e-5 per parameter), the global-batch gradient norm of the
+plain model, the traffic formula of the HSDP docs page, and the full tensors the saving
+run held (checkpoints, compared exactly).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from dist_harness import (
+    ADAMW_LR,
+    LR,
+    Scenario,
+    _loss,
+    full_parameters,
+    global_batch,
+    make_model,
+    reference_run,
+    run_scenario,
+    spawn_ranks,
+)
+
+from dmuon import default_predicate
+
+K = 2
+STEPS = 2
+
+
+def _scenario(shape: tuple[int, int], mode: str, sync: str) -> Scenario:
+    return Scenario(
+        f"{shape[0]}x{shape[1]}-{mode}-{sync}",
+        mode,
+        K,
+        use_no_sync=sync == "no_sync",
+        steps=STEPS,
+        mesh_shape=shape,
+    )
+
+
+FULL_GRID = [("z2", "no_sync"), ("z3", "no_sync"), ("z2", "sync"), ("z3", "sync")]
+#: 2x2 runs the whole grid; 2x1 and 1x2 share it (each covers Z2 and Z3, with and
+#: without no_sync), which keeps the 2-rank spawn short.
+WORLDS: dict[int, list[Scenario]] = {
+    4: [_scenario((2, 2), *cell) for cell in FULL_GRID],
+    2: [_scenario((2, 1), *cell) for cell in (FULL_GRID[0], FULL_GRID[3])]
+    + [_scenario((1, 2), *cell) for cell in (FULL_GRID[1], FULL_GRID[2])],
+}
+SCENARIOS = {s.name: (world, s) for world, scenarios in WORLDS.items() for s in scenarios}
+#: P_M: the elements of the matrices Muon trains (the reference's Muon parameters).
+MUON_ELEMENTS = sum(
+    p.numel()
+    for n, p in make_model(Scenario("count")).named_parameters()
+    if n.startswith("layers.") and default_predicate(n, p)
+)
+
+
+# ----- the workers ---------------------------------------------------------------------------
+def _build(mesh: Any, mode: str = "z3") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    model = make_model(Scenario("checkpoint"))
+    dmuon.dedicate_params(model, mesh, reshard_after_forward=mode == "z3")
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(
+        model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
+    )
+    return model, optimizer
+
+
+def _momenta(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every Muon momentum as a full CPU tensor on every rank (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    import dmuon
+    from dmuon.checkpoint.optim_state import MOMENTUM
+
+    osd = dmuon.get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True)
+    )
+    return {
+        fqn: entry[MOMENTUM].cpu()
+        for fqn, entry in osd["state"].items()
+        if isinstance(entry, dict) and MOMENTUM in entry
+    }
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _load(model, optimizer, path: str, group: Any = None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import dmuon
+
+    model_sd, optim_sd = dmuon.get_state_dict(model, optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=group)
+    dmuon.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+
+
+def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float]:
+    """2x2 HSDP -> 1-D runs of 2 ranks -> 2x2 again, through DCP; max differences."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+
+    mesh2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    flat = mesh2d["shard"]  # each replica's ranks: a 1-D run of world // 2 ranks
+    hsdp, hsdp_opt = _build(mesh2d)
+    tokens = global_batch(0, world, 1).chunk(world)[rank]
+    _loss(hsdp, tokens).backward()
+    hsdp_opt.step()
+    hsdp_opt.zero_grad()
+    saved = full_parameters(hsdp), _momenta(hsdp, hsdp_opt)
+    model_sd, optim_sd = dmuon.get_state_dict(hsdp, hsdp_opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "hsdp"))
+    rank0_sd = dmuon.get_model_state_dict(
+        hsdp, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+
+    one_d, one_d_opt = _build(flat, "z2")
+    _load(one_d, one_d_opt, os.path.join(root, "hsdp"), flat.get_group())
+    loaded = full_parameters(one_d), _momenta(one_d, one_d_opt)
+    if mesh2d.get_local_rank("replicate") == 0:
+        model_sd, optim_sd = dmuon.get_state_dict(one_d, one_d_opt)
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            checkpoint_id=os.path.join(root, "flat"),
+            process_group=flat.get_group(),
+        )
+    dist.barrier()
+
+    back, back_opt = _build(mesh2d, "z2")
+    _load(back, back_opt, os.path.join(root, "flat"))
+    again = full_parameters(back), _momenta(back, back_opt)
+
+    from_rank0, _ = _build(mesh2d)
+    dmuon.set_model_state_dict(
+        from_rank0,
+        rank0_sd if rank == 0 else {},
+        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    )
+    return {
+        "moved": _max_diff(saved[0], full_parameters(_build(mesh2d)[0])),
+        "hsdp_to_1d_params": _max_diff(saved[0], loaded[0]),
+        "hsdp_to_1d_momenta": _max_diff(saved[1], loaded[1]),
+        "1d_to_hsdp_params": _max_diff(saved[0], again[0]),
+        "1d_to_hsdp_momenta": _max_diff(saved[1], again[1]),
+        "rank0_full_to_hsdp_params": _max_diff(saved[0], full_parameters(from_rank0)),
+        "rank0_holds_full": float(rank != 0 or rank0_sd.keys() == saved[0].keys()),
+    }
+
+
+def _mesh_errors(world: int) -> dict[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+
+    meshes = {
+        "3d": init_device_mesh("cpu", (1, 2, world // 2), mesh_dim_names=("a", "b", "c")),
+        "dp_tp": init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "tp")),
+        "swapped": init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("shard", "replicate")),
+    }
+    messages = {}
+    for name, mesh in meshes.items():
+        try:
+            dmuon.dedicate_params(make_model(Scenario(name)), mesh)
+            messages[name] = "no error"
+        except ValueError as exc:
+            messages[name] = str(exc)
+    return messages
+
+
+def _worker(rank: int, world: int, scenarios: list[Scenario], root: str | None) -> dict[str, Any]:
+    if root is not None:
+        # The 2x2 runs also check that every rank issues the same collectives, per
+        # dimension (owners alone take part in the replicate dimension's).
+        os.environ["DMUON_CHECK_COLLECTIVES"] = "1"
+    results: dict[str, Any] = {}
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        (s.name, functools.partial(run_scenario, s, rank, world)) for s in scenarios
+    ]
+    if root is not None:
+        steps.append(("__checkpoint__", lambda: _checkpoint_round_trips(rank, world, root)))
+        steps.append(("__errors__", lambda: _mesh_errors(world)))
+    for name, run in steps:
+        try:
+            results[name] = run()
+        except Exception:
+            # The ranks may now disagree on the collective schedule: stop here.
+            results[name] = {"error": traceback.format_exc()}
+            break
+    return results
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, Any]]]:
+    """Spawn each world size once for the whole module, on first use."""
+    cache: dict[int, list[dict[str, Any]]] = {}
+
+    def results(world: int) -> list[dict[str, Any]]:
+        if world not in cache:
+            root = str(tmp_path_factory.mktemp("hsdp-checkpoints")) if world == 4 else None
+            cache[world] = spawn_ranks(world, _worker, WORLDS[world], root)
+        return cache[world]
+
+    return results
+
+
+def _per_rank(spawned, world: int, key: str) -> list[Any]:
+    per_rank = []
+    for rank, result in enumerate(spawned(world)):
+        assert key in result, f"rank {rank} did not reach {key}: {list(result)}"
+        assert "error" not in result[key], f"rank {rank}:\n{result[key]['error']}"
+        per_rank.append(result[key])
+    return per_rank
+
+
+@functools.cache
+def _reference(world: int) -> dict[str, torch.Tensor]:
+    # The single-process run depends only on the global batches, not on Z2/Z3 or no_sync.
+    return reference_run(Scenario("reference", accum=K, steps=STEPS), world)
+
+
+def _reference_grad_norm(world: int) -> float:
+    model = make_model(Scenario("reference"))
+    _loss(model, global_batch(0, world, K)).backward()
+    return math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters()))
+
+
+# ----- the tests -----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_hsdp_matches_single_process_global_batch(spawned, name: str) -> None:
+    world, _ = SCENARIOS[name]
+    reference = _reference(world)
+    initial = dict(make_model(Scenario("initial")).named_parameters())
+    for rank, result in enumerate(_per_rank(spawned, world, name)):
+        assert result["params"].keys() == reference.keys()
+        worst = max((result["params"][n] - p).abs().max().item() for n, p in reference.items())
+        assert worst <= 1e-5, f"rank {rank}: {worst:.2e}"
+    moved = max((reference[n] - p).abs().max().item() for n, p in initial.items())
+    assert moved > 1e-3  # the comparison is not between untrained models
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_traffic_per_mesh_dimension_follows_the_formula(spawned, name: str) -> None:
+    world, scenario = SCENARIOS[name]
+    replicas, shard = scenario.mesh_shape
+    synced_backwards = 1 if scenario.use_no_sync else K
+    forwards = K
+    per_rank = _per_rank(spawned, world, name)
+    for result in per_rank:
+        groups = result["memory"]["groups"]
+        for step in result["comm"]:
+            tallies = step["collectives"]
+            if shard == 1:
+                assert tallies == {} and step["units"] == 0
+                continue
+            broadcasts = groups * (1 if scenario.mode == "z2" else 2 * forwards)
+            assert tallies["broadcast"]["count"] == broadcasts
+            assert tallies["reduce"]["count"] == groups * synced_backwards
+            broadcast_units = 1 if scenario.mode == "z2" else 2 * forwards
+            assert step["units"] == pytest.approx(broadcast_units + synced_backwards)
+    for step in range(STEPS):
+        # The ranks of one replica own every matrix once: their cross-replica all-reduces
+        # move P_M elements per synchronised backward, 2 units of (R-1)/R x P_M.
+        first_replica = [r["comm"][step] for r in per_rank[:shard]]
+        if replicas == 1:
+            assert all("dimensions" not in s for s in first_replica)
+            continue
+        elements = sum(
+            s["dimensions"]["replicate"]["collectives"]["all_reduce"]["elements"]
+            for s in first_replica
+        )
+        units = sum(s["dimensions"]["replicate"]["units"] for s in first_replica)
+        assert elements == MUON_ELEMENTS * synced_backwards
+        assert units == pytest.approx(2 * synced_backwards)
+
+
+@pytest.mark.parametrize("world", list(WORLDS))
+def test_clip_grad_norm_on_hsdp_is_the_global_batch_norm(spawned, world: int) -> None:
+    expected = _reference_grad_norm(world)
+    for name, scenario in SCENARIOS.items():
+        if scenario[0] != world:
+            continue
+        for result in _per_rank(spawned, world, name):
+            assert result["first_grad_norm"] == pytest.approx(expected, rel=1e-5), name
+
+
+def test_checkpoints_reshard_between_hsdp_and_1d(spawned) -> None:
+    for rank, result in enumerate(_per_rank(spawned, 4, "__checkpoint__")):
+        assert result["moved"] > 1e-3, "the saved run did not train"
+        for key, value in result.items():
+            if key not in ("moved", "rank0_holds_full"):
+                assert value == 0.0, f"rank {rank}: {key} differs by {value}"
+        assert result["rank0_holds_full"] == 1.0
+
+
+def test_meshes_hsdp_does_not_use_are_refused_with_what_to_pass(spawned) -> None:
+    messages = _per_rank(spawned, 4, "__errors__")[0]
+    assert "3 dimensions" in messages["3d"] and "mesh['dp']" in messages["3d"]
+    for name in ("dp_tp", "swapped"):
+        assert "mesh_dim_names=('replicate', 'shard')" in messages[name], messages[name]
+    assert "('dp', 'tp')" in messages["dp_tp"]
