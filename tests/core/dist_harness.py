@@ -15,6 +15,7 @@ written out here (float32 Newton-Schulz) and torch.optim.AdamW for everything el
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import tempfile
 import traceback
@@ -52,6 +53,7 @@ class Scenario:
     naive: bool = False
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     #: ``(replicas, shard size)`` of a 2-D HSDP mesh; ``None`` for a 1-D mesh of the world.
+    #: A mesh smaller than the world runs once per group of that many ranks.
     mesh_shape: tuple[int, int] | None = None
 
 
@@ -278,10 +280,21 @@ def run_scenario(
 
     if scenario.mesh_shape is None:
         mesh = init_device_mesh(device_type, (world,))
-    else:
+    elif math.prod(scenario.mesh_shape) == world:
         mesh = init_device_mesh(
             device_type, scenario.mesh_shape, mesh_dim_names=("replicate", "shard")
         )
+    else:
+        # A mesh smaller than the world: independent runs side by side, each on its own
+        # 2-D sub-mesh, each training as if its ranks were the whole world.
+        size = math.prod(scenario.mesh_shape)
+        runs = init_device_mesh(
+            device_type,
+            (world // size, *scenario.mesh_shape),
+            mesh_dim_names=("runs", "replicate", "shard"),
+        )
+        mesh = runs["replicate", "shard"]
+        rank, world = rank % size, size
     model = make_model(scenario).to(device_type)
     if not scenario.naive:
         dmuon.dedicate_params(

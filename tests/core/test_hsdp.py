@@ -1,11 +1,11 @@
 """DMuon on 2-D (replicate, shard) HSDP meshes against a single-process run on the global batch.
 
-Two spawns for the whole module: 4 gloo ranks run the 2x2 scenarios, the checkpoint round
-trips between a 2x2 run and 1-D runs of 2 ranks, and the mesh errors; 2 ranks run the 2x1
-and 1x2 scenarios. Oracles: `dist_harness.reference_run` (the plain model trained on the
-whole global batch, tolerance 1e-5 per parameter), the global-batch gradient norm of the
-plain model, the traffic formula of the HSDP docs page, and the full tensors the saving
-run held (checkpoints, compared exactly).
+One spawn of 4 gloo ranks for the whole module: the 2x2 scenarios, the 2x1 and 1x2 ones
+(twice side by side, on 2-rank sub-meshes), the checkpoint round trips between a 2x2 run
+and 1-D runs of 2 ranks, and the mesh errors. Oracles: `dist_harness.reference_run` (the
+plain model trained on the whole global batch, tolerance 1e-5 per parameter), the
+global-batch gradient norm of the plain model, the traffic formula of the HSDP docs page,
+and the full tensors the saving run held (checkpoints, compared exactly).
 """
 
 from __future__ import annotations
@@ -50,14 +50,16 @@ def _scenario(shape: tuple[int, int], mode: str, sync: str) -> Scenario:
 
 
 FULL_GRID = [("z2", "no_sync"), ("z3", "no_sync"), ("z2", "sync"), ("z3", "sync")]
-#: 2x2 runs the whole grid; 2x1 and 1x2 share it (each covers Z2 and Z3, with and
-#: without no_sync), which keeps the 2-rank spawn short.
-WORLDS: dict[int, list[Scenario]] = {
-    4: [_scenario((2, 2), *cell) for cell in FULL_GRID],
-    2: [_scenario((2, 1), *cell) for cell in (FULL_GRID[0], FULL_GRID[3])]
-    + [_scenario((1, 2), *cell) for cell in (FULL_GRID[1], FULL_GRID[2])],
-}
-SCENARIOS = {s.name: (world, s) for world, scenarios in WORLDS.items() for s in scenarios}
+#: 2x2 runs the whole grid. 2x1 and 1x2 share it (each covers Z2 and Z3, with and without
+#: no_sync); on the 4 ranks they run twice side by side, each on its own 2-rank sub-mesh.
+HSDP_SCENARIOS = (
+    [_scenario((2, 2), *cell) for cell in FULL_GRID]
+    + [_scenario((2, 1), *cell) for cell in (FULL_GRID[0], FULL_GRID[3])]
+    + [_scenario((1, 2), *cell) for cell in (FULL_GRID[1], FULL_GRID[2])]
+)
+SCENARIOS = {s.name: (math.prod(s.mesh_shape), s) for s in HSDP_SCENARIOS}
+WORLD = 4
+
 #: P_M: the elements of the matrices Muon trains (the reference's Muon parameters).
 MUON_ELEMENTS = sum(
     p.numel()
@@ -191,18 +193,16 @@ def _mesh_errors(world: int) -> dict[str, str]:
     return messages
 
 
-def _worker(rank: int, world: int, scenarios: list[Scenario], root: str | None) -> dict[str, Any]:
-    if root is not None:
-        # The 2x2 runs also check that every rank issues the same collectives, per
-        # dimension (owners alone take part in the replicate dimension's).
-        os.environ["DMUON_CHECK_COLLECTIVES"] = "1"
+def _worker(rank: int, world: int, scenarios: list[Scenario], root: str) -> dict[str, Any]:
+    # Every run also checks that all ranks issue the same collectives, per dimension
+    # (owners alone take part in the replicate dimension's).
+    os.environ["DMUON_CHECK_COLLECTIVES"] = "1"
     results: dict[str, Any] = {}
     steps: list[tuple[str, Callable[[], Any]]] = [
         (s.name, functools.partial(run_scenario, s, rank, world)) for s in scenarios
     ]
-    if root is not None:
-        steps.append(("__checkpoint__", lambda: _checkpoint_round_trips(rank, world, root)))
-        steps.append(("__errors__", lambda: _mesh_errors(world)))
+    steps.append(("__checkpoint__", lambda: _checkpoint_round_trips(rank, world, root)))
+    steps.append(("__errors__", lambda: _mesh_errors(world)))
     for name, run in steps:
         try:
             results[name] = run()
@@ -214,22 +214,15 @@ def _worker(rank: int, world: int, scenarios: list[Scenario], root: str | None) 
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, Any]]]:
-    """Spawn each world size once for the whole module, on first use."""
-    cache: dict[int, list[dict[str, Any]]] = {}
-
-    def results(world: int) -> list[dict[str, Any]]:
-        if world not in cache:
-            root = str(tmp_path_factory.mktemp("hsdp-checkpoints")) if world == 4 else None
-            cache[world] = spawn_ranks(world, _worker, WORLDS[world], root)
-        return cache[world]
-
-    return results
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The per-rank results of the module's one spawn."""
+    root = str(tmp_path_factory.mktemp("hsdp-checkpoints"))
+    return spawn_ranks(WORLD, _worker, HSDP_SCENARIOS, root)
 
 
-def _per_rank(spawned, world: int, key: str) -> list[Any]:
+def _per_rank(spawned: list[dict[str, Any]], key: str) -> list[Any]:
     per_rank = []
-    for rank, result in enumerate(spawned(world)):
+    for rank, result in enumerate(spawned):
         assert key in result, f"rank {rank} did not reach {key}: {list(result)}"
         assert "error" not in result[key], f"rank {rank}:\n{result[key]['error']}"
         per_rank.append(result[key])
@@ -254,7 +247,7 @@ def test_hsdp_matches_single_process_global_batch(spawned, name: str) -> None:
     world, _ = SCENARIOS[name]
     reference = _reference(world)
     initial = dict(make_model(Scenario("initial")).named_parameters())
-    for rank, result in enumerate(_per_rank(spawned, world, name)):
+    for rank, result in enumerate(_per_rank(spawned, name)):
         assert result["params"].keys() == reference.keys()
         worst = max((result["params"][n] - p).abs().max().item() for n, p in reference.items())
         assert worst <= 1e-5, f"rank {rank}: {worst:.2e}"
@@ -264,11 +257,11 @@ def test_hsdp_matches_single_process_global_batch(spawned, name: str) -> None:
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_traffic_per_mesh_dimension_follows_the_formula(spawned, name: str) -> None:
-    world, scenario = SCENARIOS[name]
+    _, scenario = SCENARIOS[name]
     replicas, shard = scenario.mesh_shape
     synced_backwards = 1 if scenario.use_no_sync else K
     forwards = K
-    per_rank = _per_rank(spawned, world, name)
+    per_rank = _per_rank(spawned, name)
     for result in per_rank:
         groups = result["memory"]["groups"]
         for step in result["comm"]:
@@ -281,34 +274,36 @@ def test_traffic_per_mesh_dimension_follows_the_formula(spawned, name: str) -> N
             assert tallies["reduce"]["count"] == groups * synced_backwards
             broadcast_units = 1 if scenario.mode == "z2" else 2 * forwards
             assert step["units"] == pytest.approx(broadcast_units + synced_backwards)
-    for step in range(STEPS):
-        # The ranks of one replica own every matrix once: their cross-replica all-reduces
-        # move P_M elements per synchronised backward, 2 units of (R-1)/R x P_M.
-        first_replica = [r["comm"][step] for r in per_rank[:shard]]
-        if replicas == 1:
-            assert all("dimensions" not in s for s in first_replica)
-            continue
-        elements = sum(
-            s["dimensions"]["replicate"]["collectives"]["all_reduce"]["elements"]
-            for s in first_replica
-        )
-        units = sum(s["dimensions"]["replicate"]["units"] for s in first_replica)
-        assert elements == MUON_ELEMENTS * synced_backwards
-        assert units == pytest.approx(2 * synced_backwards)
+    # Consecutive groups of S ranks are the replicas (of every run side by side). The
+    # ranks of one replica own every matrix once: their cross-replica all-reduces move P_M
+    # elements per synchronised backward, 2 units of (R-1)/R x P_M.
+    for first in range(0, WORLD, shard):
+        replica = per_rank[first : first + shard]
+        for step in range(STEPS):
+            tallies = [r["comm"][step] for r in replica]
+            if replicas == 1:
+                assert all("dimensions" not in t for t in tallies)
+                continue
+            elements = sum(
+                t["dimensions"]["replicate"]["collectives"]["all_reduce"]["elements"]
+                for t in tallies
+            )
+            units = sum(t["dimensions"]["replicate"]["units"] for t in tallies)
+            assert elements == MUON_ELEMENTS * synced_backwards
+            assert units == pytest.approx(2 * synced_backwards)
 
 
-@pytest.mark.parametrize("world", list(WORLDS))
+@pytest.mark.parametrize("world", sorted({world for world, _ in SCENARIOS.values()}))
 def test_clip_grad_norm_on_hsdp_is_the_global_batch_norm(spawned, world: int) -> None:
     expected = _reference_grad_norm(world)
-    for name, scenario in SCENARIOS.items():
-        if scenario[0] != world:
-            continue
-        for result in _per_rank(spawned, world, name):
-            assert result["first_grad_norm"] == pytest.approx(expected, rel=1e-5), name
+    for name, (scenario_world, _) in SCENARIOS.items():
+        if scenario_world == world:
+            for result in _per_rank(spawned, name):
+                assert result["first_grad_norm"] == pytest.approx(expected, rel=1e-5), name
 
 
 def test_checkpoints_reshard_between_hsdp_and_1d(spawned) -> None:
-    for rank, result in enumerate(_per_rank(spawned, 4, "__checkpoint__")):
+    for rank, result in enumerate(_per_rank(spawned, "__checkpoint__")):
         assert result["moved"] > 1e-3, "the saved run did not train"
         for key, value in result.items():
             if key not in ("moved", "rank0_holds_full"):
@@ -317,7 +312,7 @@ def test_checkpoints_reshard_between_hsdp_and_1d(spawned) -> None:
 
 
 def test_meshes_hsdp_does_not_use_are_refused_with_what_to_pass(spawned) -> None:
-    messages = _per_rank(spawned, 4, "__errors__")[0]
+    messages = _per_rank(spawned, "__errors__")[0]
     assert "3 dimensions" in messages["3d"] and "mesh['dp']" in messages["3d"]
     for name in ("dp_tp", "swapped"):
         assert "mesh_dim_names=('replicate', 'shard')" in messages[name], messages[name]
