@@ -41,6 +41,7 @@ class TrainConfig:
     adamw_lr: float = 3e-3
     optimizer: str = "dmuon"
     mode: str = "z3"
+    hsdp: int = 1
     seed: int = 0
     warmup_steps: int = 10
     min_lr_ratio: float = 0.1
@@ -224,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.mode,
         help="sharding mode of DMuon and FSDP2: z3 reshards parameters after forward, "
         "z2 keeps them resident until the optimizer step",
+    )
+    opt.add_argument(
+        "--hsdp",
+        type=_int_at_least(1),
+        default=d.hsdp,
+        metavar="R",
+        help="replicate degree of an HSDP (replicate, shard) mesh: R replicas of "
+        "world_size / R shards each (usually R = number of nodes); 1 = a 1-D mesh",
     )
     opt.add_argument(
         "--lr",

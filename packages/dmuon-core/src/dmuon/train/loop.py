@@ -62,6 +62,22 @@ class TrainingDiverged(RuntimeError):
         self.step = step
 
 
+def check_hsdp_degree(replicas: int, world_size: int) -> int:
+    """Validate ``--hsdp R`` against the number of processes; return ``R``.
+
+    Raises:
+        ValueError: ``R`` does not divide the world size.
+    """
+    if world_size % replicas != 0:
+        raise ValueError(
+            f"--hsdp {replicas} needs a number of processes divisible by {replicas}, but "
+            f"this run has {world_size} (torchrun's --nnodes x --nproc-per-node). Pass "
+            "--hsdp R with R dividing the process count, usually R = the number of nodes, "
+            "or --hsdp 1 for a 1-D mesh."
+        )
+    return replicas
+
+
 def configure_threads(local_world_size: int, threads: int | None = None) -> int:
     """Set the intra-op thread count of this process and return it.
 
@@ -155,6 +171,7 @@ class Trainer:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.distributed = self.world_size > 1
+        replicas = check_hsdp_degree(config.hsdp, self.world_size)
         self.threads = configure_threads(
             int(os.environ.get("LOCAL_WORLD_SIZE", "1")), config.threads
         )
@@ -198,7 +215,15 @@ class Trainer:
         if self.distributed:
             from torch.distributed.device_mesh import init_device_mesh
 
-            self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+            if replicas > 1:
+                # HSDP: replicas across nodes, FSDP2 and DMuon's owners within each.
+                self.mesh = init_device_mesh(
+                    self.device.type,
+                    (replicas, self.world_size // replicas),
+                    mesh_dim_names=("replicate", "shard"),
+                )
+            else:
+                self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self.dedicated: dict[str, int] = {}
         z3 = config.mode == "z3"
         if config.optimizer == "dmuon":
