@@ -33,6 +33,8 @@ MEANING: dict[str, dict[str, str]] = {
         "`adamw` = `torch.optim.AdamW` on everything",
         "--mode": "[Z2 or Z3](z2-vs-z3.md), for DMuon's buffers and FSDP2's parameters alike "
         "(`reshard_after_forward` of both)",
+        "--hsdp": "replicate degree R of an [HSDP](hsdp.md) mesh: R replicas of world size / R "
+        "shards (usually R = the number of nodes); `1` = a 1-D mesh over every process",
         "--lr": "peak Muon learning rate of the dedicated matrices (`dmuon` only)",
         "--adamw-lr": "peak AdamW learning rate: embedding, norms and `lm_head` with `dmuon`; "
         "every parameter with `adamw`",
@@ -75,6 +77,8 @@ MEANING: dict[str, dict[str, str]] = {
         "`adamw` = 全部用 `torch.optim.AdamW`",
         "--mode": "[Z2 或 Z3](z2-vs-z3.md)，同时作用于 DMuon 的缓冲区和 FSDP2 的参数"
         "（两者的 `reshard_after_forward`）",
+        "--hsdp": "[HSDP](hsdp.md) 网格的复制度 R：R 个副本，每个副本 world size / R 个分片"
+        "（通常 R = 节点数）；`1` = 覆盖所有进程的一维网格",
         "--lr": "专属矩阵的 Muon 峰值学习率（仅 `dmuon`）",
         "--adamw-lr": "AdamW 的峰值学习率：`dmuon` 时用于嵌入、归一化层和 `lm_head`；"
         "`adamw` 时用于所有参数",
