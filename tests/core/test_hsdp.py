@@ -136,9 +136,9 @@ def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float
     saved = full_parameters(hsdp), _momenta(hsdp, hsdp_opt)
     model_sd, optim_sd = dmuon.get_state_dict(hsdp, hsdp_opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, "hsdp"))
-    rank0_sd = dmuon.get_model_state_dict(
-        hsdp, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
+    rank0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    rank0_sd = dmuon.get_model_state_dict(hsdp, options=rank0)
+    rank0_osd = dmuon.get_optimizer_state_dict(hsdp, hsdp_opt, options=rank0)
 
     one_d, one_d_opt = _build(flat, "z2")
     _load(one_d, one_d_opt, os.path.join(root, "hsdp"), flat.get_group())
@@ -156,11 +156,11 @@ def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float
     _load(back, back_opt, os.path.join(root, "flat"))
     again = full_parameters(back), _momenta(back, back_opt)
 
-    from_rank0, _ = _build(mesh2d)
-    dmuon.set_model_state_dict(
-        from_rank0,
-        rank0_sd if rank == 0 else {},
-        options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+    from_rank0, from_rank0_opt = _build(mesh2d)
+    broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dmuon.set_model_state_dict(from_rank0, rank0_sd if rank == 0 else {}, options=broadcast)
+    dmuon.set_optimizer_state_dict(
+        from_rank0, from_rank0_opt, rank0_osd if rank == 0 else {}, options=broadcast
     )
     return {
         "moved": _max_diff(saved[0], full_parameters(_build(mesh2d)[0])),
@@ -169,6 +169,7 @@ def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float
         "1d_to_hsdp_params": _max_diff(saved[0], again[0]),
         "1d_to_hsdp_momenta": _max_diff(saved[1], again[1]),
         "rank0_full_to_hsdp_params": _max_diff(saved[0], full_parameters(from_rank0)),
+        "rank0_full_to_hsdp_momenta": _max_diff(saved[1], _momenta(from_rank0, from_rank0_opt)),
         "rank0_holds_full": float(rank != 0 or rank0_sd.keys() == saved[0].keys()),
     }
 
