@@ -245,9 +245,9 @@ def dedicate_params(
 
     Raises:
         ValueError: Called twice, after ``fully_shard``, with a mesh that is neither 1-D
-            nor a 2-D ``(replicate, shard)`` mesh, a
-            predicate that matches nothing or selects a tied parameter or one that is
-            neither 2-D nor 3-D, or a parameter without a hook boundary in strict mode.
+            nor a 2-D ``(replicate, shard)`` mesh, a predicate that matches nothing or
+            selects a tied parameter or one that is neither 2-D nor 3-D, or a parameter
+            without a hook boundary in strict mode.
 
     The default predicate selects the weights of ``nn.Linear`` modules and of
     transformers' ``Conv1D`` modules (GPT-2 style, stored as ``(in, out)``; the learning-rate
