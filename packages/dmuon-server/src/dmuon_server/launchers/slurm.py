@@ -198,7 +198,8 @@ def batch_script(
         "# Written by dmuon-server: one torchrun agent per node, c10d rendezvous on the",
         "# first node of the allocation (this script runs there).",
         "set -euo pipefail",
-        'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)"',
+        # awk reads the whole list: `head` would end scontrol with SIGPIPE (and pipefail).
+        'head_node="$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk \'NR == 1\')"',
         f"rdzv_port=\"$({shlex.quote(python)} -c 'import socket; s = socket.socket(); "
         's.bind(("", 0)); print(s.getsockname()[1])\')"',
         "exec srun --kill-on-bad-exit=1 --ntasks-per-node=1 \\",
@@ -219,15 +220,18 @@ def parse_scontrol(text: str) -> SlurmJob | None:
     if "JobId" not in fields or "JobState" not in fields:
         return None
     code, sig = _exit_code(fields.get("ExitCode"))
-    return SlurmJob(fields["JobId"], fields["JobState"], fields.get("Reason"), code, sig)
+    reason = fields.get("Reason")
+    reason = None if reason in (None, "", "None") else reason
+    return SlurmJob(fields["JobId"], fields["JobState"], reason, code, sig)
 
 
 def parse_sacct(text: str) -> SlurmJob | None:
     """A job from ``sacct --parsable2 --noheader -o JobID,State,ExitCode[,Reason]`` output.
 
-    The first line is the job itself (steps follow as ``ID.batch``, ``ID.0``).
+    Steps (``ID.batch``, ``ID.0``) are skipped; when the id was used twice (a cluster
+    whose controller state was reset), the newest record wins.
     """
-    for line in text.splitlines():
+    for line in reversed(text.splitlines()):
         cols = line.split("|")
         if len(cols) < 3 or "." in cols[0]:
             continue
@@ -282,23 +286,29 @@ class SlurmClient:
 
     def query(self, job_id: str) -> SlurmJob | None:
         """Slurm's state of ``job_id``: from the controller while it knows the job, else
-        from ``sacct`` (accounting, or the job-completion record); None if nothing knows it.
+        from accounting (:meth:`query_accounting`); None if nothing knows it.
         """
+        return self.query_controller(job_id) or self.query_accounting(job_id)
+
+    def query_controller(self, job_id: str) -> SlurmJob | None:
+        """``scontrol show job``: pending and running jobs, and finished ones for
+        ``MinJobAge`` seconds; None when the controller does not know the job."""
         out = self._run(["scontrol", "show", "job", "--oneliner", job_id])
         if out.returncode == 0:
-            job = parse_scontrol(out.stdout)
-            if job is not None:
-                return job
-        elif "Invalid job id" not in out.stderr:
-            raise SlurmError(f"scontrol show job {job_id} failed: {out.stderr.strip()}")
+            return parse_scontrol(out.stdout)
+        if "Invalid job id" in out.stderr:
+            return None
+        raise SlurmError(f"scontrol show job {job_id} failed: {out.stderr.strip()}")
+
+    def query_accounting(self, job_id: str) -> SlurmJob | None:
+        """``sacct``: the accounting database (slurmdbd), or, on clusters without one,
+        the job-completion record (``sacct --completion``, ``JobCompType``)."""
         base = ["sacct", "--noheader", "--parsable2", "-j", job_id]
         out = self._run([*base, "-X", "-o", "JobID,State,ExitCode,Reason"])
         if out.returncode == 0 and (job := parse_sacct(out.stdout)) is not None:
             return job
         out = self._run([*base, "--completion", "-o", "JobID,State,ExitCode"])
-        if out.returncode == 0:
-            return parse_sacct(out.stdout)
-        return None
+        return parse_sacct(out.stdout) if out.returncode == 0 else None
 
     def signal_steps(self, job_id: str, signal_name: str) -> None:
         """Send a signal to the job's steps (the srun tasks: the runners and torchrun)."""

@@ -226,8 +226,10 @@ class SlurmJobs:
         cancel = job["cancel_requested_at"] is not None
         mapped = service_state(sj, cancel_requested=cancel)
         if not is_final(sj):
-            if mapped.state != job["state"] and not (
-                job["state"] == "queued" and mapped.state == "queued"
+            # A pending job shows each new Slurm reason (Priority, Resources, ...); a
+            # running one changes only when it starts.
+            if mapped.state != job["state"] or (
+                mapped.state == "queued" and mapped.reason != job["reason"]
             ):
                 fields = {"started_at": time.time()} if mapped.state == "running" else {}
                 self._move(job_id, mapped.state, mapped.reason, **fields)
