@@ -23,6 +23,7 @@ from server_helpers import (
     LiveServer,
     iter_sse,
     job_spec,
+    make_settings,
     processes_of_job,
     wait_until,
 )
@@ -197,3 +198,40 @@ def test_slurm_jobs_fail_survive_a_restart_cancel_and_stream_to_the_end(
     assert slurm.query(e2e_sid).state == "COMPLETED"  # type: ignore[union-attr]
     assert "--time=10" in (data_dir / "jobs" / e2e / "slurm-attempt-1.sh").read_text()
     print(timeline + f"; 2-process job after the cancel {time.time() - t_done:.1f} s")
+
+
+def test_a_submission_the_server_did_not_record_is_adopted_not_repeated(tmp_path: Path) -> None:
+    """A server that stopped between ``sbatch`` and recording the Slurm job id: the next
+    one finds the job by its Slurm job name instead of submitting it again."""
+    from dmuon_server.launchers.slurm_jobs import SlurmJobs, job_name
+    from dmuon_server.metrics import Hub, MetricsTailer
+    from dmuon_server.store import Store
+
+    store = Store(tmp_path / "db.sqlite3")
+    store.create_job(
+        job_id="adoptme", name=None, nproc=1, spec="{}", spec_hash="x",
+        idempotency_key=None, argv=["python"],
+    )  # fmt: skip
+    store.start_attempt("adoptme", "submitted", None)
+    store.create_job(
+        job_id="notsent", name=None, nproc=1, spec="{}", spec_hash="y",
+        idempotency_key=None, argv=["python"],
+    )  # fmt: skip
+    store.start_attempt("notsent", "submitted", None)
+    out = subprocess.run(
+        ["sbatch", "--parsable", f"--job-name={job_name('adoptme')}", "--output=/dev/null",
+         "--wrap=sleep 60"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    slurm_id = out.stdout.strip()
+    try:
+        hub = Hub()
+        settings = make_settings(tmp_path, launcher="slurm")
+        SlurmJobs(settings, store, hub, MetricsTailer(store, hub), lambda *a, **k: True).recover()
+        assert store.get_job("adoptme")["slurm_job_id"] == slurm_id  # type: ignore[index]
+        assert store.attempts("adoptme")[-1]["slurm_job_id"] == slurm_id
+        assert store.get_job("notsent")["slurm_job_id"] is None  # type: ignore[index]
+        assert store.attempts("notsent")[-1]["finished_at"] is not None  # submitted anew
+    finally:
+        subprocess.run(["scancel", slurm_id], check=False)
+        store.close()

@@ -85,7 +85,12 @@ class Supervisor:
         self.launched_total = 0
         self.slurm: SlurmJobs | None = None
         if settings.launcher == "slurm":
-            self.slurm = SlurmJobs(settings, store, hub, tailer, self._move)
+            self.slurm = SlurmJobs(
+                settings, store, hub, tailer, self._move, on_submitted=self._count_launch
+            )
+
+    def _count_launch(self) -> None:
+        self.launched_total += 1
 
     def _move(self, job_id: str, state: str, reason: str, **kw: Any) -> bool:
         return move_job(self.store, self.hub, job_id, state, reason, **kw)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: The commands the backend runs; all must be on the server's PATH.
-SLURM_COMMANDS = ("sbatch", "scontrol", "scancel", "sacct")
+SLURM_COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sacct")
 #: Slurm states of jobs that have not started yet.
 PENDING_STATES = frozenset({"PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "RESV_DEL_HOLD"})
 #: Slurm states of jobs that hold (or are cleaning up) their nodes.
@@ -309,6 +309,13 @@ class SlurmClient:
             return job
         out = self._run([*base, "--completion", "-o", "JobID,State,ExitCode"])
         return parse_sacct(out.stdout) if out.returncode == 0 else None
+
+    def find_by_name(self, name: str) -> list[str]:
+        """Ids of the pending and running jobs called ``name``, oldest first."""
+        out = self._run(["squeue", "--noheader", f"--name={name}", "--format=%i"])
+        if out.returncode != 0:
+            raise SlurmError(f"squeue --name={name} failed: {out.stderr.strip()}")
+        return sorted(out.stdout.split(), key=lambda i: (len(i), i))
 
     def signal_steps(self, job_id: str, signal_name: str) -> None:
         """Send a signal to the job's steps (the srun tasks: the runners and torchrun)."""

@@ -125,33 +125,57 @@ class SlurmJobs:
         tailer: MetricsTailer,
         move: Callable[..., bool],
         client: SlurmClient | None = None,
+        on_submitted: Callable[[], None] = lambda: None,
     ) -> None:
-        """Work on ``store`` with ``move`` (the supervisor's state change)."""
+        """Work on ``store`` with ``move`` (the supervisor's state change); ``on_submitted``
+        is called after each successful ``sbatch``."""
         self.settings = settings
         self.store = store
         self.hub = hub
         self.tailer = tailer
         self._move = move
         self.client = client or SlurmClient()
+        self.on_submitted = on_submitted
         self._cancel_deadline: dict[str, float] = {}
         self._next_query: dict[str, float] = {}
-        self.submitted_total = 0
 
     # ------------------------------------------------------------------ recovery
 
     def recover(self) -> None:
-        """Restore the cancel deadlines of jobs a previous server was cancelling.
+        """Re-attach to the jobs of a previous server.
 
-        Jobs are re-attached by their stored Slurm job id: the first :meth:`tick` asks
-        Slurm about them (a job that ended meanwhile gets its final state from ``sacct``).
+        Jobs are followed by their stored Slurm job id: the first :meth:`tick` asks Slurm
+        about them (a job that ended meanwhile gets its final state from ``sacct``). A
+        job whose submission the previous server started but did not record is found by
+        its Slurm job name, so that it is not submitted twice. Cancel deadlines are
+        restored.
         """
         for job in self.store.jobs_in_states(SLURM_HELD_STATES):
-            if job["slurm_job_id"] is not None:
-                log.info("job %s: re-attached to Slurm job %s", job["id"], job["slurm_job_id"])
-                if job["cancel_requested_at"] is not None:
-                    self._cancel_deadline[job["id"]] = (
-                        job["cancel_requested_at"] + self.settings.cancel_grace_s
-                    )
+            if job["slurm_job_id"] is None:
+                self._adopt(job)
+                continue
+            log.info("job %s: re-attached to Slurm job %s", job["id"], job["slurm_job_id"])
+            if job["cancel_requested_at"] is not None:
+                self._cancel_deadline[job["id"]] = (
+                    job["cancel_requested_at"] + self.settings.cancel_grace_s
+                )
+
+    def _adopt(self, job: dict[str, Any]) -> None:
+        attempts = self.store.attempts(job["id"])
+        if not attempts or attempts[-1]["finished_at"] is not None:
+            return  # waiting in the service's queue, never submitted
+        number = attempts[-1]["number"]
+        try:
+            found = self.client.find_by_name(job_name(job["id"]))
+        except SlurmError as e:
+            log.warning("job %s: %s", job["id"], e)
+            found = []
+        if found:
+            self.store.set_attempt_slurm_job(job["id"], number, found[-1])
+            log.info("job %s: adopted Slurm job %s", job["id"], found[-1])
+        else:
+            why = "the server stopped before the attempt was submitted"
+            self.store.finish_attempt(job["id"], number, None, why)
 
     # ---------------------------------------------------------------------- tick
 
@@ -189,7 +213,7 @@ class SlurmJobs:
             self._move(job_id, "failed", why, from_states=["queued"])
             return
         self.store.set_attempt_slurm_job(job_id, attempt, slurm_id)
-        self.submitted_total += 1
+        self.on_submitted()
         self._move(
             job_id,
             "queued",
