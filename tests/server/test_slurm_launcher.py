@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from server_helpers import job_spec, make_settings
 
 from dmuon_server.errors import ApiError
-from dmuon_server.launch import review
+from dmuon_server.launch import plan_view, review
 from dmuon_server.launchers.slurm import (
     BatchOptions,
     SlurmJob,
@@ -195,4 +195,5 @@ def test_each_launcher_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     assert "resume" in slurm["body.max_restarts"]
     ok = make_settings(tmp_path, launcher="slurm")
     spec = JobCreate.model_validate({**job_spec(1), "nnodes": 2, "partition": "debug"})
-    assert review(ok, spec).admission.model_params > 0
+    plan = plan_view(ok, spec, review(ok, spec), 0)
+    assert plan.world_size == 2 and any("sbatch" in w for w in plan.warnings)

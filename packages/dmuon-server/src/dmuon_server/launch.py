@@ -332,6 +332,11 @@ def plan_view(
     if t.optimizer == "adamw" and t.mode == "z3":
         warnings.append("mode only changes how DMuon shares its matrices; adamw ignores it")
     warnings += accepted.warnings
+    if settings.launcher == "slurm":
+        warnings.append(
+            f"submitted with sbatch: srun runs this command on each of the {spec.nnodes} "
+            "node(s), with c10d rendezvous on the first node in place of --standalone"
+        )
     if queued_ahead:
         warnings.append(f"{queued_ahead} job(s) are queued or running ahead of this one")
     seqs = t.micro_batch_size * t.accum_steps * n * spec.nnodes
