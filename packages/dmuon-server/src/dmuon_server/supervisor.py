@@ -21,6 +21,9 @@ Jobs run with stdout and stderr going to ``<job-dir>/job.log``, not to pipes, in
 of their own, so they neither notice nor die when the server stops. How a job is launched
 is :mod:`dmuon_server.launch`, how its processes are found :mod:`dmuon_server.procs`, and
 what its files say :mod:`dmuon_server.jobfiles`.
+
+With ``--launcher slurm`` the same thread hands every round, the recovery and the
+cancellations to :class:`dmuon_server.launchers.slurm_jobs.SlurmJobs` instead.
 """
 
 from __future__ import annotations
