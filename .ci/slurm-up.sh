@@ -18,6 +18,10 @@ die() { echo "slurm-up: $*" >&2; exit 1; }
 
 [ "$(id -u)" = 0 ] || die "must run as root (it installs packages and starts daemons)"
 
+# One run at a time (parallel test workers may all call this).
+exec 9>/run/dmuon-slurm-up.lock
+flock 9
+
 if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
     apt-get update -q
