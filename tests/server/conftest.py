@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 from fastapi.testclient import TestClient
@@ -39,3 +42,31 @@ def client(tmp_path: Path, data_dir: Path, fake_env: None) -> Iterator[TestClien
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
         finish_all_jobs(c)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> str:
+    """A running one-node Slurm cluster (``.ci/slurm-up.sh``); returns its node name.
+
+    Outside CI the Slurm tests skip, saying why, when Slurm is not installed or cannot be
+    started here; in CI (``CI=true``) that is a failure.
+    """
+    in_ci = os.environ.get("CI") == "true"
+
+    def unavailable(why: str) -> NoReturn:
+        if in_ci:
+            pytest.fail(f"the Slurm tests must run in CI: {why}")
+        pytest.skip(why)
+
+    script = Path(__file__).resolve().parents[2] / ".ci" / "slurm-up.sh"
+    if os.geteuid() != 0:
+        unavailable(f"starting Slurm needs root ({script} runs munged, slurmctld, slurmd)")
+    if not in_ci and shutil.which("slurmctld") is None:
+        unavailable(f"Slurm is not installed (run {script} as root, or apt-get install slurm-wlm)")
+    try:
+        out = subprocess.run([str(script)], capture_output=True, text=True, timeout=600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        unavailable(f"{script} did not finish: {e}")
+    if out.returncode != 0:
+        unavailable(f"{script} could not start Slurm: {(out.stderr or out.stdout)[-2000:]}")
+    return subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()

@@ -14,6 +14,7 @@ from dmuon_server.config import Settings
 from dmuon_server.dashboard import mount_dashboard
 from dmuon_server.datadir import DataDirLock, StartupError, check_data_dir
 from dmuon_server.errors import install_error_handlers
+from dmuon_server.launchers.slurm_jobs import check_slurm
 from dmuon_server.limits import BodySizeLimitMiddleware
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.openapi import build_openapi
@@ -31,6 +32,8 @@ def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = N
     """
     settings = settings or Settings()
     check_data_dir(settings.data_dir, settings.jobs_dir)
+    if settings.launcher == "slurm":
+        check_slurm(settings)
     try:
         store = Store(settings.db_path)
     except StoreError as e:

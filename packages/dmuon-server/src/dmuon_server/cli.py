@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat", type=float, default=15.0, help="seconds between SSE heartbeat comments"
     )
+    p.add_argument(
+        "--launcher",
+        choices=["local", "slurm"],
+        default="local",
+        help="where jobs run: local (torchrun on this host) or slurm (sbatch; the data "
+        "directory must be on a filesystem every node mounts at the same path)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
@@ -204,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             else default_max_job_memory()
         ),
         secret_env=tuple(args.secret_env),
+        launcher=args.launcher,
     )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 #: Environment variable naming the training module the server launches under torchrun.
 TRAIN_MODULE_ENV = "DMUON_SERVER_TRAIN_MODULE"
@@ -62,6 +63,10 @@ class Settings:
             job is refused at submission. Half of the host's RAM by default.
         secret_env: Names of environment variables that never reach a job, besides the
             token variable (always scrubbed).
+        launcher: Where jobs run: ``local`` (torchrun on this host) or ``slurm`` (one
+            ``sbatch`` submission per attempt; the data directory must be on a filesystem
+            all nodes share).
+        slurm_poll_interval_s: How often the state of a Slurm job is asked from Slurm.
     """
 
     data_dir: Path = field(default_factory=lambda: Path(".dmuon"))
@@ -80,6 +85,8 @@ class Settings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_job_memory: int = field(default_factory=default_max_job_memory)
     secret_env: tuple[str, ...] = ()
+    launcher: Literal["local", "slurm"] = "local"
+    slurm_poll_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         """Normalise paths (absolute, symlinks resolved) and check the numbers."""
@@ -91,6 +98,8 @@ class Settings:
             raise ValueError("max_concurrent_jobs must be at least 1")
         if self.max_nproc_per_node < 1:
             raise ValueError("max_nproc_per_node must be at least 1")
+        if self.launcher not in ("local", "slurm"):
+            raise ValueError(f"launcher must be 'local' or 'slurm', not {self.launcher!r}")
         if self.max_body_bytes < 1 or self.max_job_memory < 1:
             raise ValueError("max_body_bytes and max_job_memory must be at least 1")
         if self.token is not None and not self.token:

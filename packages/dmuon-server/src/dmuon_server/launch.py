@@ -31,7 +31,7 @@ from dmuon_server.jobfiles import (
     metrics_file,
 )
 from dmuon_server.paths import DataPathError, PublicPaths, resolve_data_path
-from dmuon_server.schemas import Admission, FieldError, JobCreate, LaunchPlan
+from dmuon_server.schemas import SLURM_ONLY_FIELDS, Admission, FieldError, JobCreate, LaunchPlan
 
 #: Environment variables of the server that must not leak into a job: torchrun reads its
 #: options from PET_* variables, and rank variables would confuse the workers.
@@ -99,12 +99,49 @@ def resolve_init_from(settings: Settings, spec: JobCreate) -> CheckpointInfo | F
     )
 
 
+def launcher_refusals(settings: Settings, spec: JobCreate) -> list[FieldError]:
+    """The fields of ``spec`` the server's launcher cannot honour, each with what to do."""
+    errors: list[FieldError] = []
+    if settings.launcher == "local":
+        if spec.nnodes > 1:
+            errors.append(
+                field_error(
+                    ("body", "nnodes"),
+                    f"nnodes={spec.nnodes}: this server runs jobs on its own host only "
+                    "(--launcher local); use nnodes=1, or a server started with "
+                    "--launcher slurm",
+                    "less_than_equal",
+                )
+            )
+        for name in SLURM_ONLY_FIELDS:
+            if getattr(spec, name) is not None:
+                errors.append(
+                    field_error(
+                        ("body", name),
+                        f"{name} is a Slurm option and this server runs jobs on its own host "
+                        "(--launcher local); leave it out, or use a server started with "
+                        "--launcher slurm",
+                        "value_error",
+                    )
+                )
+    elif spec.max_restarts > 0:
+        errors.append(
+            field_error(
+                ("body", "max_restarts"),
+                "the Slurm launcher does not relaunch failed jobs (max_restarts must be 0); "
+                "resume the job from its checkpoint instead (POST /v1/jobs/{id}/resume)",
+                "less_than_equal",
+            )
+        )
+    return errors
+
+
 def review(settings: Settings, spec: JobCreate) -> Review:
     """Check ``spec`` against the server's limits and the recipe; raise a 422 if it cannot run.
 
     The 422 names every field to change and carries the estimates as ``admission``.
     """
-    errors: list[FieldError] = []
+    errors: list[FieldError] = launcher_refusals(settings, spec)
     if spec.nproc_per_node > settings.max_nproc_per_node:
         errors.append(
             field_error(
@@ -295,14 +332,19 @@ def plan_view(
     if t.optimizer == "adamw" and t.mode == "z3":
         warnings.append("mode only changes how DMuon shares its matrices; adamw ignores it")
     warnings += accepted.warnings
+    if settings.launcher == "slurm":
+        warnings.append(
+            f"submitted with sbatch: srun runs this command on each of the {spec.nnodes} "
+            "node(s), with c10d rendezvous on the first node in place of --standalone"
+        )
     if queued_ahead:
         warnings.append(f"{queued_ahead} job(s) are queued or running ahead of this one")
-    seqs = t.micro_batch_size * t.accum_steps * n
+    seqs = t.micro_batch_size * t.accum_steps * n * spec.nnodes
     return LaunchPlan(
         argv=public.argv(cmd.argv),
         torchrun_argv=public.argv(cmd.torchrun_argv),
         env=public.env(cmd.env),
-        world_size=n,
+        world_size=n * spec.nnodes,
         global_batch_sequences=seqs,
         global_batch_tokens=seqs * t.seq_len,
         total_tokens=seqs * t.seq_len * t.steps,

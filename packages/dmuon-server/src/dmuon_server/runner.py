@@ -164,7 +164,19 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--")
     parser = argparse.ArgumentParser(prog="python -m dmuon_server.runner")
     parser.add_argument("--job-dir", type=Path, required=True)
+    parser.add_argument(
+        "--ignore-sigterm",
+        action="store_true",
+        help="let SIGTERM pass this process by (the ranks get their own); for launchers "
+        "that signal every process of a job at once, such as Slurm's scancel",
+    )
     args = parser.parse_args(argv[:split])
+    if args.ignore_sigterm:
+        # A Python handler, not SIG_IGN: the ranks torchrun starts get the default action
+        # back when they exec, and then install the recipe's own handler. torchrun must be
+        # told not to handle SIGTERM itself (--signals-to-handle without it), or it would
+        # forward a second SIGTERM, which the recipe takes as "stop without saving".
+        signal.signal(signal.SIGTERM, lambda signum, frame: None)
     sys.stdout.flush()
     return run(args.job_dir, argv[split + 1 :])
 

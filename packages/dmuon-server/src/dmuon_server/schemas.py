@@ -132,6 +132,15 @@ class InitFrom(_Strict):
     )
 
 
+#: Slurm partition and account names as the job spec accepts them.
+SLURM_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+#: Slurm's time-limit formats: minutes, minutes:seconds, hours:minutes:seconds,
+#: days-hours, days-hours:minutes, days-hours:minutes:seconds.
+SLURM_TIME_PATTERN = r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}){0,2})$"
+#: The spec fields only the Slurm launcher uses.
+SLURM_ONLY_FIELDS = ("partition", "time_limit", "account")
+
+
 class JobCreate(_Strict):
     """Body of ``POST /v1/jobs`` and ``POST /v1/jobs:validate``."""
 
@@ -146,6 +155,36 @@ class JobCreate(_Strict):
         ge=1,
         le=1024,
         description="Processes torchrun starts (world size); at most the server's limit.",
+    )
+    nnodes: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Nodes the job runs on, one torchrun agent each (world size: nnodes x "
+        "nproc_per_node). More than 1 needs the Slurm launcher (`--launcher slurm`).",
+    )
+    partition: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        pattern=SLURM_NAME_PATTERN,
+        description="Slurm partition (`sbatch --partition`); the cluster's default when "
+        "omitted. Slurm launcher only.",
+    )
+    time_limit: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=32,
+        pattern=SLURM_TIME_PATTERN,
+        description="Slurm time limit (`sbatch --time`): `MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, "
+        "`D-HH:MM` or `D-HH:MM:SS`; the partition's default when omitted. Slurm launcher only.",
+    )
+    account: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        pattern=SLURM_NAME_PATTERN,
+        description="Slurm account to charge (`sbatch --account`). Slurm launcher only.",
     )
     train: TrainSpec
     max_restarts: int = Field(
@@ -194,6 +233,9 @@ class Attempt(BaseModel):
         default=None, description="Exit code (of the failing rank; negative: a signal)."
     )
     reason: str | None = Field(default=None, description="How the attempt ended.")
+    slurm_job_id: str | None = Field(
+        default=None, description="Slurm's job id of the attempt (Slurm launcher only)."
+    )
 
 
 class Checkpoint(BaseModel):
@@ -259,6 +301,13 @@ class Job(BaseModel):
     name: str | None
     state: JobState
     nproc_per_node: int
+    nnodes: int = 1
+    partition: str | None = None
+    time_limit: str | None = None
+    account: str | None = None
+    slurm_job_id: str | None = Field(
+        default=None, description="Slurm's job id of the latest attempt (Slurm launcher only)."
+    )
     train: TrainSpec
     max_restarts: int = 0
     init_from: InitFrom | None = None

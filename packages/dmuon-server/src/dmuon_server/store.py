@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     cancel_requested_at REAL,
     failure TEXT,
     recipe_summary TEXT,
-    argv TEXT
+    argv TEXT,
+    slurm_job_id TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
 CREATE TABLE IF NOT EXISTS transitions (
@@ -72,6 +73,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     finished_at REAL,
     exit_code INTEGER,
     reason TEXT,
+    slurm_job_id TEXT,
     PRIMARY KEY (job_id, number)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS offsets (
@@ -81,6 +83,10 @@ CREATE TABLE IF NOT EXISTS offsets (
     PRIMARY KEY (job_id, stream)
 ) WITHOUT ROWID;
 """
+
+
+#: Columns added after the first schema: (table, column, declaration).
+_ADDED_COLUMNS = (("jobs", "slurm_job_id", "TEXT"), ("attempts", "slurm_job_id", "TEXT"))
 
 
 class IdempotencyConflict(Exception):
@@ -123,6 +129,7 @@ class Store:
             for stmt in _SCHEMA.strip().split(";"):
                 if stmt.strip():
                     self._conn.execute(stmt)
+            self._add_missing_columns()
             self._conn.execute(
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
                 (str(SCHEMA_VERSION),),
@@ -133,6 +140,13 @@ class Store:
                 f"cannot use the database {path}: {e}; restore it from a backup or move it "
                 "away to start with an empty one"
             ) from None
+
+    def _add_missing_columns(self) -> None:
+        """Add the columns later versions introduced to a database an older one created."""
+        for table, column, decl in _ADDED_COLUMNS:
+            have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
     def close(self) -> None:
         """Close the connection."""
@@ -320,7 +334,8 @@ class Store:
             c.execute(
                 "UPDATE jobs SET state = 'queued', reason = ?, spec = ?, finished_at = NULL,"
                 " exit_code = NULL, failure = NULL, cancel_requested_at = NULL, pid = NULL,"
-                " pgid = NULL, create_time = NULL, recipe_summary = NULL WHERE id = ?",
+                " pgid = NULL, create_time = NULL, recipe_summary = NULL, slurm_job_id = NULL"
+                " WHERE id = ?",
                 (reason, spec, job_id),
             )
             c.execute(
@@ -361,6 +376,15 @@ class Store:
                 " WHERE job_id = ? AND number = ? AND finished_at IS NULL",
                 (time.time(), exit_code, reason, job_id, number),
             )
+
+    def set_attempt_slurm_job(self, job_id: str, number: int, slurm_job_id: str) -> None:
+        """Record the Slurm job id of attempt ``number``, and on the job as its latest."""
+        with self._tx() as c:
+            c.execute(
+                "UPDATE attempts SET slurm_job_id = ? WHERE job_id = ? AND number = ?",
+                (slurm_job_id, job_id, number),
+            )
+            c.execute("UPDATE jobs SET slurm_job_id = ? WHERE id = ?", (slurm_job_id, job_id))
 
     def attempts(self, job_id: str) -> list[dict[str, Any]]:
         """Return a job's attempts, oldest first."""

@@ -21,6 +21,9 @@ Jobs run with stdout and stderr going to ``<job-dir>/job.log``, not to pipes, in
 of their own, so they neither notice nor die when the server stops. How a job is launched
 is :mod:`dmuon_server.launch`, how its processes are found :mod:`dmuon_server.procs`, and
 what its files say :mod:`dmuon_server.jobfiles`.
+
+With ``--launcher slurm`` the same thread hands every round, the recovery and the
+cancellations to :class:`dmuon_server.launchers.slurm_jobs.SlurmJobs` instead.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from dmuon_server.jobfiles import (
     restartable,
 )
 from dmuon_server.launch import attempt_argv, job_env, launch_env
+from dmuon_server.launchers.slurm_jobs import SlurmJobs
 from dmuon_server.lifecycle import move_job
 from dmuon_server.metrics import Hub, MetricsTailer, metrics_stream
 from dmuon_server.paths import PublicPaths
@@ -82,6 +86,14 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.launched_total = 0
+        self.slurm: SlurmJobs | None = None
+        if settings.launcher == "slurm":
+            self.slurm = SlurmJobs(
+                settings, store, hub, tailer, self._move, on_submitted=self._count_launch
+            )
+
+    def _count_launch(self) -> None:
+        self.launched_total += 1
 
     def _move(self, job_id: str, state: str, reason: str, **kw: Any) -> bool:
         return move_job(self.store, self.hub, job_id, state, reason, **kw)
@@ -97,7 +109,10 @@ class Supervisor:
             return
         self.settings.jobs_dir.mkdir(parents=True, exist_ok=True)
         with self._lock:
-            self._recover()
+            if self.slurm is not None:
+                self.slurm.recover()
+            else:
+                self._recover()
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="dmuon-supervisor", daemon=True)
         self._thread.start()
@@ -126,6 +141,9 @@ class Supervisor:
     def tick(self) -> None:
         """One round: watch active jobs, then start queued ones."""
         with self._lock:
+            if self.slurm is not None:
+                self.slurm.tick()
+                return
             for job in self.store.jobs_in_states(ACTIVE_STATES):
                 self._watch(job)
             self._dispatch()
@@ -373,7 +391,9 @@ class Supervisor:
                 return job
             job = self.store.request_cancel(job_id)
             assert job is not None
-            if job["state"] == "queued":
+            if self.slurm is not None and job["slurm_job_id"] is not None:
+                self.slurm.cancel(job)
+            elif job["state"] == "queued":
                 self._move(job_id, "cancelled", "cancelled while queued", from_states=["queued"])
             elif job_id not in self._cancel_deadline:
                 self._cancel_deadline[job_id] = time.time() + self.settings.cancel_grace_s

@@ -108,6 +108,7 @@ def job_view(store: Store, row: dict[str, Any]) -> Job:
             finished_at=ts(a["finished_at"]),
             exit_code=a["exit_code"],
             reason=a["reason"],
+            slurm_job_id=a["slurm_job_id"],
         )
         for a in store.attempts(row["id"])
     ]
@@ -118,6 +119,11 @@ def job_view(store: Store, row: dict[str, Any]) -> Job:
         name=row["name"],
         state=row["state"],
         nproc_per_node=row["nproc"],
+        nnodes=spec.nnodes,
+        partition=spec.partition,
+        time_limit=spec.time_limit,
+        account=spec.account,
+        slurm_job_id=row["slurm_job_id"],
         train=spec.train,
         max_restarts=spec.max_restarts,
         init_from=spec.init_from,
