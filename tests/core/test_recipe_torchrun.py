@@ -104,3 +104,5 @@ def test_two_ranks_match_one_process_on_the_global_batch(
         torch.testing.assert_close(
             momentum, one["optim"]["state"][stack]["momentum_buffer"], rtol=0, atol=1e-5
         )
+        router = two["optim"]["state"]["layers.1.mlp.gate.weight"]
+        assert "exp_avg" in router and "momentum_buffer" not in router  # AdamW
