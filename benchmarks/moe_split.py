@@ -14,14 +14,20 @@ batches. Printed:
 * for both, the mean training loss of the last 10 steps and the validation loss after
   training, at the best of three Muon learning rates, and their difference.
 
-    python benchmarks/moe_split.py --steps 100
+Writes ``benchmarks/results/moe_split.json`` (settings, every run, the best learning rate
+of each, the machine), which the compatibility page renders::
+
+    python benchmarks/moe_split.py
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import transformers
@@ -30,22 +36,26 @@ from torch import nn
 import dmuon
 from dmuon.train.data import GlobalBatchSampler, load_corpus, validation_windows
 
+sys.path.insert(0, str(Path(__file__).parent))
+from machine import machine_info
+
+RESULTS = Path(__file__).parent / "results"
 SEQ, BATCH, MOMENTUM = 64, 8, 0.95
+MIXTRAL = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
 
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    config = transformers.MixtralConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    return transformers.MixtralForCausalLM(config)
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**MIXTRAL))
 
 
 def loss_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -101,23 +111,48 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=RESULTS / "moe_split.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     corpus = load_corpus()
     start = time.perf_counter()
     best: dict[str, tuple[float, float, dict[str, float]]] = {}
+    runs: list[dict[str, object]] = []
     for lr in args.lrs:
         for split in (None, "auto"):
             label = "split" if split else "whole"
             result = train(split, lr, args.steps, corpus, measure=split is None)
             print(f"{label:5s} lr={lr:<5g} " + " ".join(f"{k}={v:.4f}" for k, v in result.items()))
+            runs.append({"split": label, "lr": lr, **result})
             if label not in best or result["val"] < best[label][1]:
                 best[label] = (lr, result["val"], result)
     print(f"best of {len(args.lrs)} learning rates, {args.steps} steps:")
     for label, (lr, val, result) in best.items():
         print(f"  {label}: lr={lr:g} train={result['train']:.4f} val={val:.4f}")
     print(f"  val(split) - val(whole) = {best['split'][1] - best['whole'][1]:+.4f}")
-    print(f"({time.perf_counter() - start:.0f} s)")
+    seconds = time.perf_counter() - start
+    print(f"({seconds:.0f} s)")
+    record = {
+        "benchmark": "moe_split",
+        "model": {"transformers": transformers.__version__, "mixtral": MIXTRAL},
+        "settings": {
+            "steps": args.steps,
+            "lrs": args.lrs,
+            "seq_len": SEQ,
+            "batch": BATCH,
+            "momentum": MOMENTUM,
+            "adamw_lr": 3e-3,
+            "seed": 0,
+            "threads": args.threads,
+        },
+        "runs": runs,
+        "best": {label: {"lr": lr, "val": val} for label, (lr, val, _) in best.items()},
+        "seconds": seconds,
+        "machine": machine_info(),
+    }
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,15 @@ A page asks for a table with a marker on a line of its own:
     ``benchmarks/results/NAME.json``: step time and counted traffic per contender.
 ``<!-- benchmark: checkpoint-io -->``
     ``benchmarks/results/checkpoint_io.json``: DCP save, load, size and export per contender.
+``<!-- benchmark: moe-split -->``
+    ``benchmarks/results/moe_split.json``: a fused ``gate_up_proj`` orthogonalized whole or
+    split, validation loss per learning rate and the gate/up update ratio.
+``<!-- benchmark: moe-quality -->``
+    ``benchmarks/results/moe_quality.json``: the ``moe`` preset with Muon on the expert
+    stacks, with the experts on AdamW and with AdamW only; the sweep and the best rates.
+``<!-- benchmark: figure NAME -->``
+    ``benchmarks/results/NAME.png``, which this hook copies into the site (under
+    ``assets/benchmarks/`` of each language).
 ``<!-- benchmark: machine NAME -->``
     One line: the machine, torch version and load average a result was taken under.
 
@@ -24,7 +33,7 @@ from typing import Any
 
 from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.plugins import get_plugin_logger
-from mkdocs.structure.files import Files
+from mkdocs.structure.files import File, Files
 from mkdocs.structure.pages import Page
 
 log = get_plugin_logger("dmuon-benchmarks")
@@ -33,8 +42,10 @@ MARKER = re.compile(
     r"^<!-- benchmark: (?P<kind>[a-z-]+)(?: (?P<name>[A-Za-z0-9_.-]+))? -->[ \t]*$", re.MULTILINE
 )
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+#: Where the figures of benchmarks/results/ appear in the site, relative to each language.
+FIGURES = "assets/benchmarks"
 
-LABELS: dict[str, dict[str, str]] = {
+LABELS: dict[str, dict[str, Any]] = {
     "en": {
         "matrices": "Matrices",
         "torch": "torch.optim.Muon + AdamW (ms)",
@@ -59,6 +70,33 @@ LABELS: dict[str, dict[str, str]] = {
         "load_rss": "Load, extra RSS (MiB)",
         "export": "Export: command / in process (s)",
         "ratio": "DMuon / AdamW",
+        "muon_lr": "Muon learning rate",
+        "val_whole": "validation loss, whole",
+        "val_split": "validation loss, split",
+        "split_minus_whole": "split − whole",
+        "train_both": "training loss (last 10 steps), whole / split",
+        "gate_up": "RMS of the gate half over the up half of each expert's whole update, "
+        "at the best learning rate ({lr}) over all steps, layers and experts: median "
+        "{median:.2f}, 5th to 95th percentile {p5:.2f} to {p95:.2f}",
+        "split_settings": "{steps} steps, micro-batch {batch} × {seq} tokens, one process, "
+        "seed 0; best learning rate per column in bold",
+        "swept": "learning rate swept",
+        "sweep": "validation loss at each rate",
+        "on_muon": "share on Muon",
+        "best_lr": "best rate",
+        "best_val": "validation loss",
+        "vs_adamw": "vs AdamW",
+        "train_last": "training loss (last 10 steps)",
+        "quality_settings": "{steps} steps of {batch} × {seq} tokens, one process, seed 0, "
+        "warm-up {warmup} steps then cosine to {min_ratio:g} of the peak, clipping at "
+        "{clip:g}; validation on {evals} fixed windows of the held-out files",
+        "muon_lr_swept": "Muon ({adamw} AdamW)",
+        "adamw_lr_swept": "AdamW ({muon} Muon)",
+        "adamw_only": "AdamW",
+        "figure": "Training and validation loss of the {what} at the best learning rate of each",
+        "figure_what": {"moe_quality": "moe preset"},
+        "then": "; ",
+        "end": ".",
     },
     "zh": {
         "matrices": "矩阵",
@@ -84,6 +122,33 @@ LABELS: dict[str, dict[str, str]] = {
         "load_rss": "加载时额外 RSS（MiB）",
         "export": "导出：命令 / 进程内（秒）",
         "ratio": "DMuon / AdamW",
+        "muon_lr": "Muon 学习率",
+        "val_whole": "验证损失，整体",
+        "val_split": "验证损失，切分",
+        "split_minus_whole": "切分 − 整体",
+        "train_both": "训练损失（最后 10 步），整体 / 切分",
+        "gate_up": "在最佳学习率（{lr}）下，对所有步、层和专家，整体正交化时每个专家更新中 gate "
+        "半部分与 up 半部分的 RMS 之比：中位数 {median:.2f}，第 5 到第 95 百分位为 {p5:.2f} 到 "
+        "{p95:.2f}",
+        "split_settings": "{steps} 步，微批次 {batch} × {seq} 个 token，单进程，种子 0；"
+        "每列的最佳学习率以粗体标出",
+        "swept": "扫描的学习率",
+        "sweep": "各学习率下的验证损失",
+        "on_muon": "Muon 训练的参数占比",
+        "best_lr": "最佳学习率",
+        "best_val": "验证损失",
+        "vs_adamw": "相对 AdamW",
+        "train_last": "训练损失（最后 10 步）",
+        "quality_settings": "{steps} 步，每步 {batch} × {seq} 个 token，单进程，种子 0，"
+        "预热 {warmup} 步后余弦衰减到峰值的 {min_ratio:g}，梯度裁剪到 {clip:g}；"
+        "在留出文件的 {evals} 个固定窗口上验证",
+        "muon_lr_swept": "Muon（AdamW 为 {adamw}）",
+        "adamw_lr_swept": "AdamW（Muon 为 {muon}）",
+        "adamw_only": "AdamW",
+        "figure": "{what}在各自最佳学习率下的训练损失和验证损失",
+        "figure_what": {"moe_quality": "moe 预设"},
+        "then": "；",
+        "end": "。",
     },
 }
 
@@ -182,6 +247,96 @@ def _checkpoint_io(labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def _bold_if(text: str, bold: bool) -> str:
+    return f"**{text}**" if bold else text
+
+
+def _moe_split(labels: dict[str, Any]) -> str:
+    result = _load("moe_split")
+    settings = result["settings"]
+    by = {(r["split"], r["lr"]): r for r in result["runs"]}
+    best = {label: result["best"][label]["lr"] for label in ("whole", "split")}
+    lines = [
+        f"| {labels['muon_lr']} | {labels['val_whole']} | {labels['val_split']} | "
+        f"{labels['split_minus_whole']} | {labels['train_both']} |",
+        "|--:|--:|--:|--:|--:|",
+    ]
+    for lr in settings["lrs"]:
+        whole, split = by[("whole", lr)], by[("split", lr)]
+        whole_val = _bold_if(f"{whole['val']:.3f}", lr == best["whole"])
+        split_val = _bold_if(f"{split['val']:.3f}", lr == best["split"])
+        lines.append(
+            f"| {lr:g} | {whole_val} | {split_val} | {split['val'] - whole['val']:+.3f} | "
+            f"{whole['train']:.3f} / {split['train']:.3f} |"
+        )
+    ratio = by[("whole", best["whole"])]
+    lines += [
+        "",
+        labels["gate_up"].format(
+            lr=f"{best['whole']:g}",
+            median=ratio["ratio_median"],
+            p5=ratio["ratio_p5"],
+            p95=ratio["ratio_p95"],
+        )
+        + labels["then"]
+        + labels["split_settings"].format(
+            steps=settings["steps"], batch=settings["batch"], seq=settings["seq_len"]
+        )
+        + labels["end"],
+    ]
+    return "\n".join(lines)
+
+
+def _moe_quality(labels: dict[str, Any]) -> str:
+    result = _load("moe_quality")
+    defaults = result["defaults"]
+    lines = [
+        f"| {labels['contender']} | {labels['on_muon']} | {labels['swept']} | "
+        f"{labels['sweep']} | {labels['best_lr']} | {labels['best_val']} | "
+        f"{labels['vs_adamw']} | {labels['train_last']} |",
+        "|---|--:|---|---|--:|--:|--:|--:|",
+    ]
+    for contender, best in result["best"].items():
+        swept = result["sweeps"][contender]["swept"]
+        if contender == "adamw":
+            what = labels["adamw_only"]
+        elif swept == "muon_lr":
+            what = labels["muon_lr_swept"].format(adamw=f"{defaults['adamw_lr']:g}")
+        else:
+            what = labels["adamw_lr_swept"].format(muon=f"{defaults['muon_lr']:g}")
+        sweep = " · ".join(
+            f"{float(lr):g}: " + _bold_if(f"{val:.3f}", float(lr) == best["lr"])
+            for lr, val in result["sweep"][contender].items()
+        )
+        lines.append(
+            f"| `{contender}` | {best['muon_share'] * 100:.0f} % | {what} | {sweep} | "
+            f"{best['lr']:g} | {best['final_val_loss']:.3f} | {best['val_minus_adamw']:+.3f} | "
+            f"{best['train_loss_last10']:.3f} |"
+        )
+    s = result["settings"]
+    lines += [
+        "",
+        labels["quality_settings"].format(
+            steps=s["steps"],
+            batch=s["batch"],
+            seq=s["seq_len"],
+            warmup=s["warmup_steps"],
+            min_ratio=s["min_lr_ratio"],
+            clip=s["clip_grad"],
+            evals=s["eval_sequences"],
+        )
+        + labels["end"],
+    ]
+    return "\n".join(lines)
+
+
+def _figure(name: str, labels: dict[str, Any]) -> str:
+    if not (RESULTS / f"{name}.png").is_file():
+        raise OSError(f"no {RESULTS / name}.png")
+    what = labels["figure_what"].get(name, name)
+    return f"![{labels['figure'].format(what=what)}]({FIGURES}/{name}.png)"
+
+
 def _machine(name: str, labels: dict[str, str]) -> str:
     data = _load(name)
     if isinstance(data, list):  # optimizer_step.json holds one record per preset
@@ -197,12 +352,22 @@ def _machine(name: str, labels: dict[str, str]) -> str:
     return f"*{labels['machine']}:* " + ", ".join(p for p in parts if p)
 
 
+def on_files(files: Files, config: MkDocsConfig) -> Files:
+    """Add every figure of benchmarks/results/ to the site, once per language."""
+    for png in sorted(RESULTS.glob("*.png")):
+        for prefix in ("", "zh/"):
+            uri = f"{prefix}{FIGURES}/{png.name}"
+            if files.get_file_from_path(uri) is None:
+                files.append(File.generated(config, uri, abs_src_path=str(png)))
+    return files
+
+
 def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Files) -> str:
     """Replace every benchmark marker of the page with its table or line."""
     if "<!-- benchmark:" not in markdown:
         return markdown
     lang = "zh" if page.file.src_uri.startswith("zh/") else "en"
-    labels = LABELS[lang]
+    labels: dict[str, Any] = LABELS[lang]
 
     def render(match: re.Match[str]) -> str:
         kind, name = match["kind"], match["name"]
@@ -213,6 +378,12 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _distributed(name, labels)
             if kind == "checkpoint-io":
                 return _checkpoint_io(labels)
+            if kind == "moe-split":
+                return _moe_split(labels)
+            if kind == "moe-quality":
+                return _moe_quality(labels)
+            if kind == "figure" and name:
+                return _figure(name, labels)
             if kind == "machine" and name:
                 return _machine(name, labels)
         except (OSError, ValueError, KeyError, IndexError) as e:

@@ -29,8 +29,9 @@ MEANING: dict[str, dict[str, str]] = {
         "--device": "`auto` = CUDA if available, else CPU",
         "--threads": "intra-op CPU threads per process",
         "--dtype": "parameter and compute dtype (`float64` for exactness checks)",
-        "--optimizer": "`dmuon` = DMuon on 2-D `Linear` weights plus AdamW on the rest; "
-        "`adamw` = `torch.optim.AdamW` on everything",
+        "--optimizer": "`dmuon` = DMuon on the hidden matrices (2-D `Linear` weights, and the "
+        "expert stacks of `moe`) plus AdamW on the rest; `adamw` = `torch.optim.AdamW` on "
+        "everything",
         "--mode": "[Z2 or Z3](z2-vs-z3.md), for DMuon's buffers and FSDP2's parameters alike "
         "(`reshard_after_forward` of both)",
         "--hsdp": "replicate degree R of an [HSDP](hsdp.md) mesh: R replicas of world size / R "
@@ -73,8 +74,8 @@ MEANING: dict[str, dict[str, str]] = {
         "--device": "`auto` = 有 CUDA 就用，否则用 CPU",
         "--threads": "每个进程的算子内 CPU 线程数",
         "--dtype": "参数和计算的数据类型（`float64` 用于精确性检查）",
-        "--optimizer": "`dmuon` = 二维 `Linear` 权重用 DMuon，其余用 AdamW；"
-        "`adamw` = 全部用 `torch.optim.AdamW`",
+        "--optimizer": "`dmuon` = 隐藏层矩阵（二维 `Linear` 权重，以及 `moe` 的专家堆叠）用 "
+        "DMuon，其余用 AdamW；`adamw` = 全部用 `torch.optim.AdamW`",
         "--mode": "[Z2 或 Z3](z2-vs-z3.md)，同时作用于 DMuon 的缓冲区和 FSDP2 的参数"
         "（两者的 `reshard_after_forward`）",
         "--hsdp": "[HSDP](hsdp.md) 网格的复制度 R：R 个副本，每个副本 world size / R 个分片"
@@ -135,6 +136,9 @@ LABELS: dict[str, dict[str, str]] = {
         "width": "width",
         "heads": "heads",
         "mlp": "MLP width",
+        "experts": "experts",
+        "dense": "none (dense MLP)",
+        "top": "top",
         "params": "parameters",
     },
     "zh": {
@@ -147,6 +151,9 @@ LABELS: dict[str, dict[str, str]] = {
         "width": "宽度",
         "heads": "注意力头",
         "mlp": "MLP 宽度",
+        "experts": "专家",
+        "dense": "无（稠密 MLP）",
+        "top": "top",
         "params": "参数量",
     },
 }
@@ -220,18 +227,27 @@ def count_millions(n: int) -> str:
     return f"{millions:.2f} M" if millions < 10 else f"{millions:.1f} M"
 
 
+def experts_text(n_experts: int, top_k: int, labels: Mapping[str, str]) -> str:
+    """The experts cell: ``4, top 2`` for a mixture of experts, else the dense label."""
+    return f"{n_experts}, {labels['top']} {top_k}" if n_experts > 0 else labels["dense"]
+
+
 def render_presets(lang: str) -> str:
-    """The model preset table in ``lang``: shapes and parameter counts from ``PRESETS``."""
+    """The model preset table in ``lang``: shapes and parameter counts from ``PRESETS``.
+
+    For a mixture-of-experts preset the MLP width is that of one expert.
+    """
     labels = LABELS[lang]
     presets: Mapping[str, Any] = importlib.import_module("dmuon.train.model").PRESETS
     rows = [
         f"| {labels['preset']} | {labels['layers']} | {labels['width']} | {labels['heads']} | "
-        f"{labels['mlp']} | {labels['params']} |",
-        "|---|--:|--:|--:|--:|--:|",
+        f"{labels['mlp']} | {labels['experts']} | {labels['params']} |",
+        "|---|--:|--:|--:|--:|--:|--:|",
     ]
     for name, config in presets.items():
+        experts = experts_text(config.n_experts, config.top_k, labels)
         rows.append(
             f"| `{name}` | {config.n_layers} | {config.dim} | {config.n_heads} | "
-            f"{config.ffn_dim} | {count_millions(config.num_params)} |"
+            f"{config.ffn_dim} | {experts} | {count_millions(config.num_params)} |"
         )
     return "\n".join(rows)

@@ -12,20 +12,24 @@ from dmuon.train import PRESETS, ModelConfig, build_model, lm_loss
 from dmuon.train.model import _apply_rope
 
 # The table in dmuon.train.model's docstring, computed by hand:
-# 2*256*dim (embed + lm_head) + L * (4*dim^2 + 3*dim*ffn + 2*dim) + dim.
+# 2*256*dim (embed + lm_head) + L * (4*dim^2 + mlp + 2*dim) + dim, where the MLP has
+# 3*dim*ffn parameters, or experts * (3*dim*ffn + dim) with the router.
 DOCUMENTED = {
-    "tiny": (2, 64, 4, 192, 139_584),
-    "small": (4, 256, 4, 768, 3_541_248),
-    "base": (8, 512, 8, 1536, 27_533_824),
+    "tiny": (2, 64, 4, 192, 0, 139_584),
+    "small": (4, 256, 4, 768, 0, 3_541_248),
+    "base": (8, 512, 8, 1536, 0, 27_533_824),
+    "moe": (2, 64, 4, 128, 4, 262_976),
 }
 
 
 @pytest.mark.parametrize("name", sorted(DOCUMENTED))
 def test_preset_sizes_match_documentation(name: str) -> None:
-    layers, dim, heads, ffn, params = DOCUMENTED[name]
+    layers, dim, heads, ffn, experts, params = DOCUMENTED[name]
     cfg = PRESETS[name]
     assert (cfg.n_layers, cfg.dim, cfg.n_heads, cfg.ffn_dim) == (layers, dim, heads, ffn)
-    by_formula = 2 * 256 * dim + layers * (4 * dim * dim + 3 * dim * ffn + 2 * dim) + dim
+    assert cfg.n_experts == experts
+    mlp = experts * (3 * dim * ffn + dim) if experts else 3 * dim * ffn
+    by_formula = 2 * 256 * dim + layers * (4 * dim * dim + mlp + 2 * dim) + dim
     assert cfg.num_params == by_formula == params
 
 
@@ -35,17 +39,18 @@ def test_docstring_table_is_the_documented_one() -> None:
     rows = {}
     for line in (module.__doc__ or "").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 6 and cells[0] in DOCUMENTED:
+        if len(cells) == 7 and cells[0] in DOCUMENTED:
             layers, dim, heads, ffn = (int(c) for c in cells[1:5])
-            count = int(cells[5].split("(")[1].rstrip(")").replace(",", ""))
-            rows[cells[0]] = (layers, dim, heads, ffn, count)
+            experts = 0 if cells[5] == "-" else int(cells[5].split(",")[0])
+            count = int(cells[6].split("(")[1].rstrip(")").replace(",", ""))
+            rows[cells[0]] = (layers, dim, heads, ffn, experts, count)
     assert rows == DOCUMENTED
 
 
-@pytest.mark.parametrize("name", ["tiny", "small"])
+@pytest.mark.parametrize("name", ["tiny", "small", "moe"])
 def test_built_model_has_documented_parameter_count(name: str) -> None:
     model = build_model(name)
-    assert sum(p.numel() for p in model.parameters()) == DOCUMENTED[name][4]
+    assert sum(p.numel() for p in model.parameters()) == DOCUMENTED[name][5]
 
 
 def test_parameter_names_follow_llama() -> None:
@@ -83,6 +88,51 @@ def test_default_predicate_of_dedicate_params_selects_the_projections() -> None:
     assert set(owners) == {f"layers.{i}.{m}_proj.weight" for i in range(2) for m in [
         "attn.q", "attn.k", "attn.v", "attn.o", "mlp.gate", "mlp.up", "mlp.down"]}  # fmt: skip
     assert set(owners.values()) == {0}
+
+
+def test_moe_preset_layout_and_what_the_default_predicate_selects() -> None:
+    """Fused 3-D stacks in transformers' layout, dedicated whole; the router stays out."""
+    import dmuon
+
+    model = build_model("moe")
+    cfg = PRESETS["moe"]
+    experts = model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (cfg.n_experts, 2 * cfg.ffn_dim, cfg.dim)
+    assert experts.down_proj.shape == (cfg.n_experts, cfg.dim, cfg.ffn_dim)
+    assert model.layers[0].mlp.gate.weight.shape == (cfg.n_experts, cfg.dim)
+    owners = dmuon.dedicate_params(model)
+    stacks = {
+        f"layers.{i}.mlp.experts.{p}" for i in range(2) for p in ("gate_up_proj", "down_proj")
+    }
+    attention = {f"layers.{i}.attn.{m}_proj.weight" for i in range(2) for m in "qkvo"}
+    assert set(owners) == stacks | attention
+
+
+def test_moe_forward_equals_a_per_token_reference() -> None:
+    """Oracle: every token's output written out by hand from its top-k experts."""
+    cfg = ModelConfig(n_layers=1, dim=8, n_heads=2, ffn_dim=6, n_experts=3, top_k=2)
+    moe = build_model(cfg, seed=4).layers[0].mlp
+    x = torch.randn(2, 5, 8, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        out = moe(x)
+        gate_up, down = moe.experts.gate_up_proj, moe.experts.down_proj
+        for b in range(2):
+            for t in range(5):
+                token = x[b, t]
+                probs = torch.softmax(moe.gate.weight @ token, dim=0)
+                top = sorted(range(3), key=lambda e: -probs[e].item())[:2]
+                expected = torch.zeros(8)
+                for e in top:
+                    h = gate_up[e] @ token
+                    g, u = h[:6], h[6:]
+                    weight = probs[e] / sum(probs[i] for i in top)
+                    expected += weight * (down[e] @ (g * torch.sigmoid(g) * u))
+                torch.testing.assert_close(out[b, t], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_moe_config_errors() -> None:
+    with pytest.raises(ValueError, match="top_k"):
+        ModelConfig(n_layers=1, dim=8, n_heads=2, ffn_dim=4, n_experts=2, top_k=3)
 
 
 def test_forward_shapes_and_initial_loss_near_uniform() -> None:

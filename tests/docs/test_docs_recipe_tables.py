@@ -87,7 +87,7 @@ def test_preset_table_cells_match_the_models(lang: str, site: Path) -> None:
 
     rows = _table_with_header(site, lang, PRESET_HEADER[lang])[1:]
     assert [row[0] for row in rows] == list(PRESETS)
-    for name, layers, width, heads, mlp, params in rows:
+    for name, layers, width, heads, mlp, experts, params in rows:
         config = PRESETS[name]
         assert [int(layers), int(width), int(heads), int(mlp)] == [
             config.n_layers,
@@ -95,6 +95,11 @@ def test_preset_table_cells_match_the_models(lang: str, site: Path) -> None:
             config.n_heads,
             config.ffn_dim,
         ], name
+        if config.n_experts:
+            count, top = experts.split(",")
+            assert (int(count), int(top.split()[-1])) == (config.n_experts, config.top_k), name
+        else:
+            assert not any(c.isdigit() for c in experts), f"{name}: {experts!r}"
         assert params.endswith(" M"), params
         shown = float(params[:-2]) * 1e6
         decimals = len(params[:-2].partition(".")[2])

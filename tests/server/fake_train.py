@@ -42,7 +42,7 @@ from pathlib import Path
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fake_train")
-    p.add_argument("--model", choices=["tiny", "small", "base"], required=True)
+    p.add_argument("--model", choices=["tiny", "small", "base", "moe"], required=True)
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--micro-batch-size", type=int, required=True)
     p.add_argument("--accum-steps", type=int, required=True)

@@ -27,7 +27,8 @@ def test_the_servers_preset_table_is_the_recipes() -> None:
     assert set(RECIPE_MODELS) == set(train.PRESETS)
     for name, shape in RECIPE_MODELS.items():
         preset = train.PRESETS[name]
-        for field in ("n_layers", "dim", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        fields = ("n_layers", "dim", "n_heads", "ffn_dim", "vocab_size", "max_seq_len")
+        for field in (*fields, "n_experts", "top_k"):
             assert getattr(shape, field) == getattr(preset, field), (name, field)
         assert shape.num_params == preset.num_params
 

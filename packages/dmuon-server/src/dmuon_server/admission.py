@@ -13,7 +13,8 @@ Memory per rank (bytes; float32 parameters and activations, int64 token windows)
     runtime     = 512 MiB                    interpreter, torch, gloo, allocator slack
 
 with ``P`` parameters, micro-batch ``B``, sequence length ``T``, ``L`` layers of width
-``d`` and MLP width ``f``, vocabulary ``V``, accumulation ``A``, ``N`` ranks, and ``C``
+``d`` and MLP width ``f`` (for a mixture of experts, one expert's width times the experts
+each token goes to), vocabulary ``V``, accumulation ``A``, ``N`` ranks, and ``C``
 bytes of text. The parameter term ignores sharding (every rank builds the whole model
 before FSDP2 shards it), the activation term counts what autograd keeps per token and
 layer (norm inputs and outputs, q/k/v, attention output, SwiGLU's four tensors) plus the
@@ -60,12 +61,22 @@ class ModelShape:
     ffn_dim: int
     vocab_size: int = 256
     max_seq_len: int = 1024
+    n_experts: int = 0
+    top_k: int = 2
 
     @property
     def num_params(self) -> int:
-        """Parameters: embedding, blocks, final norm and the untied head."""
-        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        """Parameters: embedding, blocks (experts and routers too), final norm, untied head."""
+        mlp = 3 * self.dim * self.ffn_dim
+        if self.n_experts > 0:
+            mlp = self.n_experts * (mlp + self.dim)
+        per_layer = 4 * self.dim * self.dim + mlp + 2 * self.dim
         return 2 * self.vocab_size * self.dim + self.n_layers * per_layer + self.dim
+
+    @property
+    def active_ffn_dim(self) -> int:
+        """MLP width one token passes through: ``ffn_dim``, times ``top_k`` with experts."""
+        return self.ffn_dim * (self.top_k if self.n_experts > 0 else 1)
 
 
 #: The recipe's presets (``dmuon.train.PRESETS``), restated so the server needs no torch.
@@ -73,6 +84,7 @@ RECIPE_MODELS: dict[str, ModelShape] = {
     "tiny": ModelShape(n_layers=2, dim=64, n_heads=4, ffn_dim=192),
     "small": ModelShape(n_layers=4, dim=256, n_heads=4, ffn_dim=768),
     "base": ModelShape(n_layers=8, dim=512, n_heads=8, ffn_dim=1536),
+    "moe": ModelShape(n_layers=2, dim=64, n_heads=4, ffn_dim=128, n_experts=4, top_k=2),
 }
 
 
@@ -154,7 +166,7 @@ def estimate_memory(train: TrainSpec, nproc: int, corpus_bytes: int, limit: int)
     m = RECIPE_MODELS[train.model]
     b, t = train.micro_batch_size, train.seq_len
     params = 16 * m.num_params
-    per_token = m.n_layers * (12 * m.dim + 4 * m.ffn_dim) + 2 * m.dim + 3 * m.vocab_size
+    per_token = m.n_layers * (12 * m.dim + 4 * m.active_ffn_dim) + 2 * m.dim + 3 * m.vocab_size
     activations = 4 * b * t * per_token
     batch = 8 * (t + 1) * (train.accum_steps * b + math.ceil(EVAL_SEQUENCES / nproc))
     corpus = 3 * corpus_bytes

@@ -59,7 +59,7 @@ PositiveLR = Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)]
 class TrainSpec(_Strict):
     """The recipe's settings; each maps to one ``python -m dmuon.train`` flag."""
 
-    model: Literal["tiny", "small", "base"] = Field(description="Model preset (`--model`).")
+    model: Literal["tiny", "small", "base", "moe"] = Field(description="Model preset (`--model`).")
     steps: int = Field(ge=1, le=1_000_000, description="Optimizer steps (`--steps`).")
     micro_batch_size: int = Field(
         ge=1, le=4096, description="Sequences per rank per micro-batch (`--micro-batch-size`)."

@@ -17,13 +17,29 @@ Blocks are pre-norm with rotary position embeddings (RoPE) on queries and keys, 
 scaled-dot-product attention, a SwiGLU MLP, no biases and no dropout. The vocabulary is
 256 (raw bytes).
 
-Presets (``PRESETS``; parameter counts for vocabulary 256, all parameters included):
+A config with ``n_experts > 0`` (the ``moe`` preset) replaces every dense MLP by a
+mixture of experts, laid out as transformers lays out Mixtral's, so that the default
+predicate of ``dmuon.dedicate_params`` selects the expert stacks and leaves the router
+to AdamW:
 
-| preset | layers | dim | heads | ffn  | parameters              |
-|--------|--------|-----|-------|------|-------------------------|
-| tiny   | 2      | 64  | 4     | 192  | 0.14 M  (139,584)       |
-| small  | 4      | 256 | 4     | 768  | 3.54 M  (3,541,248)     |
-| base   | 8      | 512 | 8     | 1536 | 27.5 M  (27,533,824)    |
+```text
+layers.N.mlp.gate.weight                   nn.Linear     (AdamW: the router, experts x dim)
+layers.N.mlp.experts.gate_up_proj          3-D stack     (Muon, dedicated: experts x 2ffn x dim)
+layers.N.mlp.experts.down_proj             3-D stack     (Muon, dedicated: experts x dim x ffn)
+```
+
+Each token goes to the ``top_k`` experts of highest router probability, weighted by
+those probabilities renormalized to sum to one; there is no auxiliary load-balancing loss.
+
+Presets (``PRESETS``; parameter counts for vocabulary 256, all parameters included;
+``ffn`` is the width of one expert in ``moe``):
+
+| preset | layers | dim | heads | ffn  | experts  | parameters              |
+|--------|--------|-----|-------|------|----------|-------------------------|
+| tiny   | 2      | 64  | 4     | 192  | -        | 0.14 M  (139,584)       |
+| small  | 4      | 256 | 4     | 768  | -        | 3.54 M  (3,541,248)     |
+| base   | 8      | 512 | 8     | 1536 | -        | 27.5 M  (27,533,824)    |
+| moe    | 2      | 64  | 4     | 128  | 4, top 2 | 0.26 M  (262,976)       |
 
 (``tests/core/test_model.py`` checks the table against ``ModelConfig.num_params``.)
 
@@ -46,6 +62,8 @@ __all__ = [
     "PRESETS",
     "Attention",
     "Block",
+    "Experts",
+    "MoE",
     "ModelConfig",
     "Transformer",
     "build_model",
@@ -67,6 +85,9 @@ class ModelConfig:
         max_seq_len: longest sequence the rotary tables cover.
         rope_theta: rotary base frequency.
         norm_eps: RMSNorm epsilon.
+        n_experts: 0 for a dense SwiGLU MLP; otherwise the number of experts of the
+            mixture-of-experts MLP of every block (``ffn_dim`` is then one expert's width).
+        top_k: experts per token (mixture of experts only); at most ``n_experts``.
     """
 
     n_layers: int
@@ -77,11 +98,20 @@ class ModelConfig:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    n_experts: int = 0
+    top_k: int = 2
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "dim", "n_heads", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_experts < 0:
+            raise ValueError(f"ModelConfig.n_experts must be >= 0, got {self.n_experts}")
+        if self.n_experts > 0 and not 1 <= self.top_k <= self.n_experts:
+            raise ValueError(
+                f"ModelConfig.top_k must be between 1 and n_experts ({self.n_experts}), "
+                f"got {self.top_k}"
+            )
         if self.dim % self.n_heads != 0:
             raise ValueError(
                 f"ModelConfig.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})"
@@ -100,7 +130,10 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Total parameter count (embedding, blocks, final norm, untied head)."""
-        per_layer = 4 * self.dim * self.dim + 3 * self.dim * self.ffn_dim + 2 * self.dim
+        mlp = 3 * self.dim * self.ffn_dim
+        if self.n_experts > 0:  # the experts and the router
+            mlp = self.n_experts * (mlp + self.dim)
+        per_layer = 4 * self.dim * self.dim + mlp + 2 * self.dim
         return 2 * self.vocab_size * self.dim + self.n_layers * per_layer + self.dim
 
 
@@ -108,6 +141,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(n_layers=2, dim=64, n_heads=4, ffn_dim=192),
     "small": ModelConfig(n_layers=4, dim=256, n_heads=4, ffn_dim=768),
     "base": ModelConfig(n_layers=8, dim=512, n_heads=8, ffn_dim=1536),
+    "moe": ModelConfig(n_layers=2, dim=64, n_heads=4, ffn_dim=128, n_experts=4, top_k=2),
 }
 """Named model sizes for ``--model``; see the module docstring for the table."""
 
@@ -169,6 +203,59 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """The experts of a mixture-of-experts MLP, as two fused 3-D stacks.
+
+    ``gate_up_proj`` (experts, 2 * ffn, dim) holds every expert's gate and up projections
+    concatenated along the output dimension, ``down_proj`` (experts, dim, ffn) its down
+    projection; each expert's matrix is stored ``(out, in)``, as ``nn.Linear`` stores it.
+    This is transformers' layout for Mixtral and Qwen2/3-MoE experts.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Create the two stacks (uninitialized; `Transformer.init_weights` fills them)."""
+        super().__init__()
+        experts, dim, ffn = config.n_experts, config.dim, config.ffn_dim
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * ffn, dim))
+        self.down_proj = nn.Parameter(torch.empty(experts, dim, ffn))
+
+    def forward(self, x: Tensor, chosen: Tensor, weights: Tensor) -> Tensor:
+        """Mix the chosen experts' SwiGLU outputs for the tokens ``x`` (tokens, dim).
+
+        ``chosen`` (tokens, k) holds expert indices and ``weights`` (tokens, k) their
+        mixing weights. An expert that no token chose is skipped; its slice of the
+        stacks then gets a zero gradient.
+        """
+        out = torch.zeros_like(x)
+        for expert in range(self.gate_up_proj.shape[0]):
+            token, slot = torch.where(chosen == expert)
+            if token.numel() == 0:
+                continue
+            gate, up = F.linear(x[token], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            out = out.index_add(0, token, y * weights[token, slot, None])
+        return out
+
+
+class MoE(nn.Module):
+    """Mixture-of-experts MLP: a router (``gate``) picks ``top_k`` experts per token."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        """Create the router and the expert stacks."""
+        super().__init__()
+        self.top_k = config.top_k
+        self.gate = nn.Linear(config.dim, config.n_experts, bias=False)
+        self.experts = Experts(config)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Route every token of ``x`` (..., dim) to its experts and mix their outputs."""
+        flat = x.reshape(-1, x.shape[-1])
+        probs = F.softmax(self.gate(flat), dim=-1, dtype=torch.float32)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(flat.dtype)
+        return self.experts(flat, chosen, weights).view_as(x)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(attn_norm(x))``, then ``+ mlp(mlp_norm(.))``."""
 
@@ -178,7 +265,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.attn = Attention(config)
         self.mlp_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MoE(config) if config.n_experts > 0 else MLP(config)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """Run one block on ``x`` of shape (batch, seq, dim)."""
@@ -210,15 +297,16 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Fill every parameter and buffer deterministically from ``seed``.
 
-        Linear and embedding weights are normal with std 0.02; the residual output
-        projections (``o_proj``, ``down_proj``) use ``0.02 / sqrt(2 * n_layers)``;
-        norm weights are one. Uses a private generator on the CPU (then copies), so the
-        result does not depend on the device or on the global RNG state.
+        Linear and embedding weights, routers and ``gate_up_proj`` stacks are normal with
+        std 0.02; the residual output projections (``o_proj``, ``down_proj``, a
+        ``down_proj`` stack too) use ``0.02 / sqrt(2 * n_layers)``; norm weights are one.
+        Uses a private generator on the CPU (then copies), so the result does not depend
+        on the device or on the global RNG state.
         """
         gen = torch.Generator(device="cpu").manual_seed(seed)
         out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
         for name, param in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 values = torch.randn(param.shape, generator=gen) * out_std
             elif name.endswith("norm.weight"):
                 values = torch.ones(param.shape)
@@ -267,7 +355,7 @@ def build_model(
     """Build and deterministically initialize a `Transformer`.
 
     Args:
-        preset: a name in `PRESETS` (``tiny``, ``small``, ``base``) or a config.
+        preset: a name in `PRESETS` (``tiny``, ``small``, ``base``, ``moe``) or a config.
         seed: initialization seed; equal seeds give bit-identical weights on any rank.
         max_seq_len: override the preset's rotary table length (must cover ``--seq-len``).
         device: where the parameters live.
