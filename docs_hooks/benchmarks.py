@@ -8,6 +8,11 @@ A page asks for a table with a marker on a line of its own:
     ``benchmarks/results/NAME.json``: step time and counted traffic per contender.
 ``<!-- benchmark: checkpoint-io -->``
     ``benchmarks/results/checkpoint_io.json``: DCP save, load, size and export per contender.
+``<!-- benchmark: quality -->``
+    ``benchmarks/results/quality.json``: final validation loss per optimizer and rate, and
+    the steps DMuon needs to reach AdamW's best.
+``<!-- benchmark: scaling -->``
+    ``benchmarks/results/scaling.json``: step time and traffic per preset and rank count.
 ``<!-- benchmark: machine NAME -->``
     One line: the machine, torch version and load average a result was taken under.
 
@@ -59,6 +64,24 @@ LABELS: dict[str, dict[str, str]] = {
         "load_rss": "Load, extra RSS (MiB)",
         "export": "Export: command / in process (s)",
         "ratio": "DMuon / AdamW",
+        "optim": "Optimizer step (s)",
+        "vs_naive": "vs naive (optimizer step)",
+        "optimizer": "Optimizer",
+        "lr": "Learning rate",
+        "final_val": "Final validation loss",
+        "best": "best",
+        "default": "recipe default",
+        "reach": (
+            "DMuon's best run reaches AdamW's best final validation loss ({target:.4f}) at "
+            "step **{steps}** of {total}: **{ratio}** of the steps."
+        ),
+        "never": (
+            "DMuon's best run does not reach AdamW's best final validation loss ({target:.4f})."
+        ),
+        "model": "Model",
+        "ranks": "Ranks",
+        "elements": "Elements per rank (M)",
+        "skipped": "Not run (time budget)",
     },
     "zh": {
         "matrices": "矩阵",
@@ -84,6 +107,22 @@ LABELS: dict[str, dict[str, str]] = {
         "load_rss": "加载时额外 RSS（MiB）",
         "export": "导出：命令 / 进程内（秒）",
         "ratio": "DMuon / AdamW",
+        "optim": "优化器步（秒）",
+        "vs_naive": "相对 naive（优化器步）",
+        "optimizer": "优化器",
+        "lr": "学习率",
+        "final_val": "最终验证损失",
+        "best": "最佳",
+        "default": "配方默认值",
+        "reach": (
+            "DMuon 的最佳运行在第 **{steps}** 步（共 {total} 步）达到 AdamW 的最佳最终验证损失"
+            "（{target:.4f}）：用了 **{ratio}** 的步数。"
+        ),
+        "never": "DMuon 的最佳运行没有达到 AdamW 的最佳最终验证损失（{target:.4f}）。",
+        "model": "模型",
+        "ranks": "Rank 数",
+        "elements": "每个 rank 的元素数（M）",
+        "skipped": "未运行（时间预算）",
     },
 }
 
@@ -111,22 +150,90 @@ def _optimizer_step(labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def _cell(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
 def _distributed(name: str, labels: dict[str, str]) -> str:
     result = _load(name)
     lines = [
         f"| {labels['contender']} | {labels['accum']} | {labels['step']} | {labels['vs']} | "
-        f"{labels['units']} | {labels['formula']} |",
-        "|---|---|---|---|---|---|",
+        f"{labels['optim']} | {labels['vs_naive']} | {labels['units']} | {labels['formula']} |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        units = "-" if r["muon_units"] is None else f"{r['muon_units']:.2f}"
-        formula = "-" if r["formula_units"] is None else f"{r['formula_units']:.0f}"
         lines.append(
             f"| `{r['contender']}` | {r['accum']} | {r['median_step_s']:.3f} | "
-            f"{r['vs_adamw_same_mode']:.2f}x | {units} | {formula} |"
+            f"{_cell(r['vs_adamw_same_mode'], '.2f', 'x')} | "
+            f"{r['median_optim_step_s']:.3f} | {_cell(r['optim_vs_naive'], '.2f', 'x')} | "
+            f"{_cell(r['muon_units'], '.2f')} | {_cell(r['formula_units'], '.2f')} |"
         )
-    for peer, why in result.get("peers", {}).items():
-        lines.append(f"| `{peer}` | - | - | - | - | {labels['not_run']}: {why} |")
+    for peer, info in result.get("peers", {}).items():
+        for accum, why in info["not_run"].items():
+            version = info.get("installed") or info["pinned"]
+            shown = why.replace("|", "\\|")
+            lines.append(
+                f"| `{peer}` ({info['distribution']} {version}) | {accum} | - | - | - | - | - | "
+                f"{labels['not_run']}: `{shown}` |"
+            )
+    return "\n".join(lines)
+
+
+def _quality(labels: dict[str, str]) -> str:
+    result = _load("quality")
+    lines = [
+        f"| {labels['optimizer']} | {labels['lr']} | {labels['final_val']} |",
+        "|---|---|---|",
+    ]
+    for r in result["runs"]:
+        notes = []
+        if result["best_lr"][r["optimizer"]] == r["lr"]:
+            notes.append(labels["best"])
+        if result["defaults"][r["optimizer"]] == r["lr"]:
+            notes.append(labels["default"])
+        lr = f"{r['lr']:g}" + (f" ({', '.join(notes)})" if notes else "")
+        val = f"{r['final_val_loss']:.4f}"
+        if labels["best"] in notes:
+            val = f"**{val}**"
+        lines.append(f"| `{r['optimizer']}` | {lr} | {val} |")
+    target = result["best_final_val_loss"]["adamw"]
+    reached = result["dmuon_steps_to_adamw_best"]
+    if reached is None:
+        summary = labels["never"].format(target=target)
+    else:
+        summary = labels["reach"].format(
+            target=target,
+            steps=f"{reached:.0f}",
+            total=result["steps"],
+            ratio=f"{result['dmuon_steps_ratio']:.2f}x",
+        )
+    return "\n".join(lines) + "\n\n" + summary
+
+
+def _scaling(labels: dict[str, str]) -> str:
+    result = _load("scaling")
+    contenders = sorted({row["contender"] for r in result["runs"] for row in r["rows"]})
+    lines = [
+        f"| {labels['model']} | {labels['ranks']} | "
+        + " | ".join(f"`{c}` {labels['step']}" for c in contenders)
+        + f" | {labels['elements']} |",
+        "|" + "---|" * (3 + len(contenders)),
+    ]
+    for r in result["runs"]:
+        rows = {row["contender"]: row for row in r["rows"]}
+        cells = [_cell(rows[c]["median_step_s"], ".3f") if c in rows else "-" for c in contenders]
+        moved = ", ".join(
+            f"{c}: {sum(rows[c]['elements_per_rank'].values()) / 1e6:.2f}"
+            for c in contenders
+            if c in rows
+        )
+        lines.append(f"| `{r['model']}` | {r['nproc']} | " + " | ".join(cells) + f" | {moved} |")
+    for skip in result["skipped"]:
+        lines.append(
+            f"| `{skip['model']}` | {skip['nproc']} | "
+            + " | ".join("-" for _ in contenders)
+            + f" | {labels['skipped']} |"
+        )
     return "\n".join(lines)
 
 
@@ -213,6 +320,10 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _distributed(name, labels)
             if kind == "checkpoint-io":
                 return _checkpoint_io(labels)
+            if kind == "quality":
+                return _quality(labels)
+            if kind == "scaling":
+                return _scaling(labels)
             if kind == "machine" and name:
                 return _machine(name, labels)
         except (OSError, ValueError, KeyError, IndexError) as e:
