@@ -265,6 +265,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                 }
             )
         del built
+        if rank == 0 and args.save_partial:
+            # A long run keeps what it measured so far if it is stopped.
+            _save(_record(args, rows, not_run))
     if rank == 0:
         out.put((rows, not_run))
     dist.destroy_process_group()
@@ -339,12 +342,10 @@ def _installed(distribution: str) -> str | None:
         return None
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Spawn ``args.nproc`` ranks, run every contender, return the result record."""
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.spawn(_worker, args=(args.nproc, _free_port(), args, queue), nprocs=args.nproc)
-    rows, not_run = queue.get()
+def _record(
+    args: argparse.Namespace, rows: list[dict[str, Any]], not_run: dict[str, dict[str, str]]
+) -> dict[str, Any]:
+    rows = sorted(rows, key=lambda r: (r["accum"], args.contenders.index(r["contender"])))
     _ratios(rows)
     peers = {
         name: {
@@ -364,12 +365,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
         "steps": args.steps,
-        "accum": args.accum,
+        "accum": sorted({r["accum"] for r in rows}),
         "contenders": list(args.contenders),
         "machine": machine_info(),
         "peers": peers,
         "rows": rows,
     }
+
+
+def _save(result: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn ``args.nproc`` ranks, run every contender, return the result record."""
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.spawn(_worker, args=(args.nproc, _free_port(), args, queue), nprocs=args.nproc)
+    rows, not_run = queue.get()
+    return _record(args, rows, not_run)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -386,6 +401,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per contender")
     parser.add_argument("--cuda", action="store_true", help="NCCL on GPUs instead of gloo")
     parser.add_argument("--name", default=None, help="results/<name>.json")
+    parser.add_argument(
+        "--save-partial", action="store_true", help="rewrite the JSON after each accumulation"
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.model = args.model or ("tiny" if quick else "small")
@@ -401,8 +419,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     result = run(args)
     print(format_table(result))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    _save(result)
     if args.check:
         problems = check(result)
         for problem in problems:

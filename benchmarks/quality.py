@@ -24,19 +24,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dmuon.train import run as train
-from dmuon.train.cli import TrainConfig
-
-sys.path.insert(0, str(Path(__file__).parent))
-from machine import machine_info
-
 RESULTS = Path(__file__).parent / "results"
-DEFAULTS = TrainConfig()
-SWEEPS: dict[str, tuple[str, list[float]]] = {
-    # optimizer -> (flag of its rate, the rates: half, the recipe's default, double)
-    "dmuon": ("--lr", [DEFAULTS.lr / 2, DEFAULTS.lr, DEFAULTS.lr * 2]),
-    "adamw": ("--adamw-lr", [DEFAULTS.adamw_lr / 2, DEFAULTS.adamw_lr, DEFAULTS.adamw_lr * 2]),
-}
+
+
+def sweeps() -> dict[str, tuple[str, list[float]]]:
+    """optimizer -> (flag of its rate, the rates: half the recipe's default, it, double)."""
+    from dmuon.train.cli import TrainConfig
+
+    d = TrainConfig()
+    return {
+        "dmuon": ("--lr", [d.lr / 2, d.lr, d.lr * 2]),
+        "adamw": ("--adamw-lr", [d.adamw_lr / 2, d.adamw_lr, d.adamw_lr * 2]),
+    }
 
 
 def _curve(metrics_file: Path) -> list[tuple[int, float]]:
@@ -60,9 +59,16 @@ def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | Non
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Train every (optimizer, rate) pair; return the record with curves and the ratio."""
+    from dmuon.train import run as train
+    from dmuon.train.cli import TrainConfig
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from machine import machine_info
+
+    defaults = TrainConfig()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for optimizer, (flag, rates) in SWEEPS.items():
+        for optimizer, (flag, rates) in sweeps().items():
             for rate in rates:
                 metrics = Path(tmp) / f"{optimizer}-{rate}.jsonl"
                 summary = train(
@@ -91,7 +97,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 )
     best = {
         o: min((r for r in runs if r["optimizer"] == o), key=lambda r: r["final_val_loss"])
-        for o in SWEEPS
+        for o in ("dmuon", "adamw")
     }
     target = best["adamw"]["final_val_loss"]
     reached = steps_to_reach(best["dmuon"]["curve"], target)
@@ -102,11 +108,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eval_every": args.eval_every,
         "eval_sequences": args.eval_sequences,
         "threads": args.threads,
-        "defaults": {"dmuon": DEFAULTS.lr, "adamw": DEFAULTS.adamw_lr},
+        "defaults": {"dmuon": defaults.lr, "adamw": defaults.adamw_lr},
         "machine": machine_info(),
         "runs": runs,
-        "best_lr": {o: best[o]["lr"] for o in SWEEPS},
-        "best_final_val_loss": {o: best[o]["final_val_loss"] for o in SWEEPS},
+        "best_lr": {o: best[o]["lr"] for o in best},
+        "best_final_val_loss": {o: best[o]["final_val_loss"] for o in best},
         "dmuon_steps_to_adamw_best": reached,
         "dmuon_steps_ratio": None if reached is None else reached / args.steps,
     }

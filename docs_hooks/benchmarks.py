@@ -13,6 +13,9 @@ A page asks for a table with a marker on a line of its own:
     the steps DMuon needs to reach AdamW's best.
 ``<!-- benchmark: scaling -->``
     ``benchmarks/results/scaling.json``: step time and traffic per preset and rank count.
+``<!-- benchmark: targets NAME -->``
+    The step-time, traffic and quality targets, measured value and met or missed, from
+    ``benchmarks/results/NAME.json`` and ``quality.json``.
 ``<!-- benchmark: machine NAME -->``
     One line: the machine, torch version and load average a result was taken under.
 
@@ -70,7 +73,7 @@ LABELS: dict[str, dict[str, str]] = {
         "lr": "Learning rate",
         "final_val": "Final validation loss",
         "best": "best",
-        "default": "recipe default",
+        "default": "the recipe's default when measured",
         "reach": (
             "DMuon's best run reaches AdamW's best final validation loss ({target:.4f}) at "
             "step **{steps}** of {total}: **{ratio}** of the steps."
@@ -82,6 +85,18 @@ LABELS: dict[str, dict[str, str]] = {
         "ranks": "Ranks",
         "elements": "Elements per rank (M)",
         "skipped": "Not run (time budget)",
+        "target": "Target",
+        "measured": "Measured",
+        "verdict": "Met",
+        "yes": "yes",
+        "no": "**no**",
+        "t_accum1": "{c} step time ≤ 1.00x FSDP2 + AdamW (same mode), accumulation 1",
+        "t_accum8": "{c} step time ≤ 0.95x FSDP2 + AdamW (same mode), accumulation 8",
+        "t_naive": "{c} optimizer step ≤ 0.5x naive's, every accumulation (worst shown)",
+        "t_peer": "{c} faster than {p} with less traffic, every accumulation (worst shown)",
+        "t_quality": "DMuon reaches AdamW's best final validation loss in ≤ 0.7x the steps",
+        "peer_not_run": "not measured: the peer did not run",
+        "not_reached": "not reached",
     },
     "zh": {
         "matrices": "矩阵",
@@ -113,7 +128,7 @@ LABELS: dict[str, dict[str, str]] = {
         "lr": "学习率",
         "final_val": "最终验证损失",
         "best": "最佳",
-        "default": "配方默认值",
+        "default": "测量时的配方默认值",
         "reach": (
             "DMuon 的最佳运行在第 **{steps}** 步（共 {total} 步）达到 AdamW 的最佳最终验证损失"
             "（{target:.4f}）：用了 **{ratio}** 的步数。"
@@ -123,6 +138,18 @@ LABELS: dict[str, dict[str, str]] = {
         "ranks": "Rank 数",
         "elements": "每个 rank 的元素数（M）",
         "skipped": "未运行（时间预算）",
+        "target": "目标",
+        "measured": "实测",
+        "verdict": "达成",
+        "yes": "是",
+        "no": "**否**",
+        "t_accum1": "{c} 步时 ≤ 1.00x FSDP2 + AdamW（同一模式），梯度累积 1",
+        "t_accum8": "{c} 步时 ≤ 0.95x FSDP2 + AdamW（同一模式），梯度累积 8",
+        "t_naive": "{c} 优化器步 ≤ 0.5x naive，每个梯度累积（取最差值）",
+        "t_peer": "{c} 比 {p} 更快且通信更少，每个梯度累积（取最差值）",
+        "t_quality": "DMuon 以 ≤ 0.7x 的步数达到 AdamW 的最佳最终验证损失",
+        "peer_not_run": "未测量：该同类实现没有运行",
+        "not_reached": "未达到",
     },
 }
 
@@ -237,6 +264,45 @@ def _scaling(labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def _targets(name: str, labels: dict[str, str]) -> str:
+    result = _load(name)
+    rows = {(r["contender"], r["accum"]): r for r in result["rows"]}
+    accums = sorted({a for _, a in rows})
+    head = f"| {labels['target']} | {labels['measured']} | {labels['verdict']} |"
+    lines = [head, "|---|---|---|"]
+
+    def add(text: str, value: float | None, limit: float, shown: str | None = None) -> None:
+        met = value is not None and value <= limit
+        cell = shown or ("-" if value is None else f"{value:.2f}x")
+        lines.append(f"| {text} | {cell} | {labels['yes'] if met else labels['no']} |")
+
+    for c in ("dmuon-z2", "dmuon-z3"):
+        for accum, key, limit in ((1, "t_accum1", 1.0), (8, "t_accum8", 0.95)):
+            row = rows.get((c, accum))
+            add(labels[key].format(c=f"`{c}`"), row and row["vs_adamw_same_mode"], limit)
+    for c in ("dmuon-z2", "dmuon-z3"):
+        ratios = [rows[(c, a)]["optim_vs_naive"] for a in accums if (c, a) in rows]
+        add(labels["t_naive"].format(c=f"`{c}`"), max(ratios) if ratios else None, 0.5)
+    for peer in ("muon-fsdp2-z3", "dtensor-muon-z3"):
+        for c in ("dmuon-z2", "dmuon-z3"):
+            text = labels["t_peer"].format(c=f"`{c}`", p=f"`{peer}`")
+            pairs = [(rows[(c, a)], rows[(peer, a)]) for a in accums if (peer, a) in rows]
+            if not pairs:
+                lines.append(f"| {text} | {labels['peer_not_run']} | - |")
+                continue
+            time_ratio = max(d["median_step_s"] / p["median_step_s"] for d, p in pairs)
+            traffic_ratio = max(d["muon_units"] / p["muon_units"] for d, p in pairs)
+            met = time_ratio < 1.0 and traffic_ratio < 1.0
+            lines.append(
+                f"| {text} | {time_ratio:.2f}x, {traffic_ratio:.2f}x | "
+                f"{labels['yes'] if met else labels['no']} |"
+            )
+    quality = _load("quality")
+    ratio = quality["dmuon_steps_ratio"]
+    add(labels["t_quality"], ratio, 0.7, None if ratio is not None else labels["not_reached"])
+    return "\n".join(lines)
+
+
 def _mib(value: float) -> str:
     return f"{value / 2**20:.1f}"
 
@@ -324,6 +390,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _quality(labels)
             if kind == "scaling":
                 return _scaling(labels)
+            if kind == "targets" and name:
+                return _targets(name, labels)
             if kind == "machine" and name:
                 return _machine(name, labels)
         except (OSError, ValueError, KeyError, IndexError) as e:

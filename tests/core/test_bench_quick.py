@@ -54,3 +54,16 @@ def test_adamw_traffic_is_fsdp2s_only(quick_result: dict) -> None:
             assert r["elements_per_rank"]["dmuon"] == 0
             assert r["elements_per_rank"]["peer"] == 0
             assert r["elements_per_rank"]["torch"] > 0
+
+
+def test_steps_to_reach_interpolates_between_evaluations() -> None:
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        from quality import steps_to_reach
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    curve = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.5)]
+    # 3.5 lies halfway between the evaluations at steps 10 (4.0) and 20 (3.0).
+    assert steps_to_reach(curve, 3.5) == pytest.approx(15.0)
+    assert steps_to_reach(curve, 3.0) == pytest.approx(20.0)
+    assert steps_to_reach(curve, 2.0) is None
