@@ -41,10 +41,12 @@ def step_ratios(result: dict[str, Any], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     for i, name in enumerate(names):
         by_accum = {r["accum"]: r for r in result["rows"] if r["contender"] == name}
-        ratios = [by_accum[a]["vs_adamw_same_mode"] if a in by_accum else 0.0 for a in accums]
+        missing = {"vs_adamw_same_mode": float("nan")}
+        ratios = [by_accum.get(a, missing)["vs_adamw_same_mode"] for a in accums]
         xs = [j + (i - (len(names) - 1) / 2) * width for j in range(len(accums))]
         ax.bar(xs, ratios, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_yscale("log")  # the slowest peer is tens of times AdamW's step
     ax.set_xticks(range(len(accums)), [f"accumulation {a}" for a in accums])
     ax.set_ylabel("step time / FSDP2 + AdamW (same mode)")
     ax.set_title(f"{result['model']}, N={result['nproc']}, {result['device']} (medians, one run)")

@@ -12,12 +12,12 @@ ring, over (N-1)/N:
 
 Dividing by P_M, the elements of the Muon-target matrices, gives the units of (N-1)/N x P_M
 that DMuon's formula is stated in. Code that imported a collective by name
-(``from torch.distributed import gather``) holds its own reference, so every loaded module's
-alias of a wrapped function is replaced too; a collective that calls another (the
-functional ``all_gather_tensor`` calls ``all_gather_single``) is counted once. Each call is
-attributed to ``"dmuon"`` when code of the ``dmuon`` package called it directly, to
-``"peer"`` when a peer optimizer (``muon_fsdp2``, ``dtensor_muon``) is on the stack, and to
-``"torch"`` (FSDP2, DTensor) otherwise.
+(``from torch.distributed import gather``) holds its own reference, so the aliases in
+torch.distributed's, dmuon's and the peers' modules are replaced too; a collective that
+calls another (the functional ``all_gather_tensor`` calls ``all_gather_single``) is counted
+once. Each call is attributed to ``"dmuon"`` when code of the ``dmuon`` package called it
+directly, to ``"peer"`` when a peer optimizer (``muon_fsdp2``, ``dtensor_muon``) is on the
+stack, and to ``"torch"`` (FSDP2, DTensor) otherwise.
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ import dmuon
 _DMUON_DIR = str(Path(dmuon.__file__).parent)
 PEER_MODULES = ("muon_fsdp2", "dtensor_muon")
 """Top-level modules of the peer optimizers; their collectives count as ``"peer"``."""
+_CALLER_PACKAGES = ("torch.distributed", "dmuon", *PEER_MODULES)
+"""Modules whose aliases of the collectives are replaced (scanning every module is slow)."""
 
 
 def _numel(t: Any) -> int:
@@ -143,7 +145,9 @@ class TrafficCounter:
 
     def _wrap_everywhere(self, wrapped: dict[int, Any]) -> None:
         # Replace the function in its own module and every alias of it in loaded modules.
-        for module in list(sys.modules.values()):
+        for module_name, module in list(sys.modules.items()):
+            if not module_name.startswith(_CALLER_PACKAGES):
+                continue
             names = getattr(module, "__dict__", None)
             if not isinstance(names, dict):
                 continue

@@ -55,6 +55,7 @@ LABELS: dict[str, dict[str, str]] = {
         "formula": "Formula (units)",
         "machine": "Machine",
         "threads": "threads",
+        "timed": "timed steps per contender after a warm-up",
         "load": "load average",
         "not_run": "Not run",
         "save": "Save (s)",
@@ -110,6 +111,7 @@ LABELS: dict[str, dict[str, str]] = {
         "formula": "公式（单位）",
         "machine": "机器",
         "threads": "线程",
+        "timed": "每个参与者在预热后计时的步数",
         "load": "负载均值",
         "not_run": "未运行",
         "save": "保存（秒）",
@@ -365,6 +367,8 @@ def _machine(name: str, labels: dict[str, str]) -> str:
     parts += [f"torch {m['torch']}" if "torch" in m else ""]
     if "threads" in data:
         parts.append(f"{data['threads']} {labels['threads']}")
+    if "rows" in data and isinstance(data["rows"], list) and "steps" in data:
+        parts.append(f"{labels['timed']}: {data['steps']}")
     if load:
         parts.append(f"{labels['load']} {load[0]:.1f}")
     return f"*{labels['machine']}:* " + ", ".join(p for p in parts if p)
