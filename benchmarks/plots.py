@@ -7,7 +7,8 @@
 * ``scaling.png``: step time and counted traffic per rank as the model and the ranks grow
   (``results/scaling.json``).
 
-Written to ``docs/assets/benchmarks/`` for the results page. A missing result is skipped.
+Written to ``docs/assets/benchmarks/`` for the results page, with a copy in
+``docs/zh/assets/benchmarks/`` for its Chinese mirror. A missing result is skipped.
 
     python benchmarks/plots.py
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,8 @@ import matplotlib.pyplot as plt
 
 RESULTS = Path(__file__).parent / "results"
 OUT = Path(__file__).resolve().parents[1] / "docs" / "assets" / "benchmarks"
+OUT_ZH = Path(__file__).resolve().parents[1] / "docs" / "zh" / "assets" / "benchmarks"
+"""The Chinese pages resolve images under their own folder, so they get a copy."""
 
 
 def _load(name: str) -> Any | None:
@@ -112,6 +116,7 @@ def main() -> None:
     parser.add_argument("--distributed", default="small-n2", help="results/<name>.json")
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    OUT_ZH.mkdir(parents=True, exist_ok=True)
     for name, draw, filename in (
         (args.distributed, step_ratios, "step-ratios.png"),
         ("quality", loss_curves, "loss-curves.png"),
@@ -122,7 +127,8 @@ def main() -> None:
             print(f"skipped {filename}: no results/{name}.json")
             continue
         draw(result, OUT / filename)
-        print(f"wrote {OUT / filename}")
+        shutil.copyfile(OUT / filename, OUT_ZH / filename)
+        print(f"wrote {OUT / filename} and its copy in {OUT_ZH}")
 
 
 if __name__ == "__main__":
