@@ -286,6 +286,8 @@ def _targets(name: str, labels: dict[str, str]) -> str:
         ratios = [rows[(c, a)]["optim_vs_naive"] for a in accums if (c, a) in rows]
         add(labels["t_naive"].format(c=f"`{c}`"), max(ratios) if ratios else None, 0.5)
     for peer in ("muon-fsdp2-z3", "dtensor-muon-z3"):
+        if peer not in result.get("contenders", ()):
+            continue  # a run of DMuon's own contenders only
         for c in ("dmuon-z2", "dmuon-z3"):
             text = labels["t_peer"].format(c=f"`{c}`", p=f"`{peer}`")
             pairs = [(rows[(c, a)], rows[(peer, a)]) for a in accums if (peer, a) in rows]
