@@ -5,11 +5,12 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.bench-installed
 # Machines that keep wheels on local disk (torch among them) expose them in /opt/wheels.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --constraint constraints.txt $(FIND_LINKS)
 
-.PHONY: setup demo test test-core test-server test-docs lint format docs docs-serve bench bench-quick bench-optimizer clean
+.PHONY: setup demo test test-core test-server test-docs lint format docs docs-serve bench bench-setup bench-quick bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -49,17 +50,29 @@ docs: setup
 docs-serve: setup
 	$(BIN)/mkdocs serve --dev-addr 127.0.0.1:8001
 
-# Full side-by-side benchmarks (minutes; writes benchmarks/results/*.json): optimizer
-# step, distributed step time and traffic, DCP checkpoint save and load against FSDP2 +
-# AdamW. Peers come in through the optional extra: $(BIN)/python -m pip install -e 'packages/dmuon-core[bench]'.
-bench: setup
+# The peers (muon-fsdp2, dtensor-muon, pinned) and matplotlib: the optional `bench` extra.
+bench-setup: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PIP_INSTALL) -e 'packages/dmuon-core[bench]'
+	touch $(BENCH_STAMP)
+
+# Full side-by-side benchmarks (about an hour on 2 cores; writes benchmarks/results/*.json
+# and the plots in docs/assets/benchmarks/): optimizer step, distributed step time and
+# counted traffic of every contender, quality (learning-rate sweeps), scaling, DCP
+# checkpoint save and load against FSDP2 + AdamW.
+bench: bench-setup
 	$(BIN)/python benchmarks/optimizer_step.py --model small --json benchmarks/results/optimizer_step.json
 	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python benchmarks/quality.py
+	$(BIN)/python benchmarks/scaling.py
+	$(BIN)/python benchmarks/plots.py
 	$(BIN)/python benchmarks/checkpoint_io.py
 
-# CI: tiny model, asserts only deterministic things (counted traffic against the formulas).
-bench-quick: setup
-	$(BIN)/python -m pytest tests/core/test_bench_quick.py -q
+# CI: tiny model, every contender (the peers included); asserts only deterministic things
+# (counted traffic against the formulas). A few minutes.
+bench-quick: bench-setup
+	$(BIN)/python benchmarks/bench.py --quick --check
 
 clean:
 	rm -rf $(VENV) site .pytest_cache .ruff_cache

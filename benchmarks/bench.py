@@ -3,11 +3,14 @@
 Contenders train the same model on the same batches on N ranks (gloo on CPU, NCCL with
 ``--cuda``), interleaved round-robin in one process group so drift hits them alike:
 FSDP2 + AdamW at Z2 and Z3 (FSDP2 ``reshard_after_forward`` False/True), DMuon Z2 and Z3,
-and naive FSDP2 + Muon (`dmuon.optim.naive.NaiveMuon`, Z3). Traffic is counted by
+naive FSDP2 + Muon (`dmuon.optim.naive.NaiveMuon`, Z3), and the two published peers on
+FSDP2 (Z3), driven through their public API and never patched: ``muon-fsdp2`` 0.3.0 and
+``dtensor-muon`` 0.1.0 (``pip install -e 'packages/dmuon-core[bench]'``). A peer that cannot
+run in a configuration is recorded with the exception it raised. Traffic is counted by
 intercepting torch.distributed (`traffic.TrafficCounter`), never from a library's audit.
 
     python benchmarks/bench.py                 # full: small, accumulation 1/4/8
-    python benchmarks/bench.py --quick         # CI: tiny, accumulation 1/2, traffic only
+    python benchmarks/bench.py --quick --check # CI: tiny, accumulation 1/2, asserts traffic
 
 Results go to ``benchmarks/results/<name>.json`` and a Markdown table is printed.
 """
@@ -33,23 +36,64 @@ sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info
 from traffic import TrafficCounter
 
-CONTENDERS = ("adamw-z2", "adamw-z3", "dmuon-z2", "dmuon-z3", "naive-z3")
-PEERS_NOT_RUN = {
-    "muon-fsdp2": "not run: pinned (0.3.0) in the bench extra, not yet driven by this harness",
-    "dtensor-muon": "not run: pinned (0.1.0) in the bench extra, not yet driven by this harness",
-}
+OWN = ("adamw-z2", "adamw-z3", "dmuon-z2", "dmuon-z3", "naive-z3")
+PEERS = {"muon-fsdp2-z3": ("muon-fsdp2", "0.3.0"), "dtensor-muon-z3": ("dtensor-muon", "0.1.0")}
+"""Peer contender -> (distribution, pinned version)."""
+CONTENDERS = (*OWN, *PEERS)
 RESULTS = Path(__file__).parent / "results"
 
 
-def formula_units(contender: str, accum: int) -> float | None:
-    """Muon-target traffic per optimizer step in units of (N-1)/N x P_M (DESIGN.md)."""
-    if contender == "dmuon-z2":
-        return 2.0
-    if contender == "dmuon-z3":
-        return 2.0 * accum + 1.0
-    if contender == "naive-z3":
-        return 2.0 * accum + 2.0
-    return None
+def formula_units(contender: str, accum: int, nproc: int) -> float | None:
+    """Muon-target traffic per optimizer step in units of (N-1)/N x P_M.
+
+    FSDP2 at Z3 with ``no_sync`` accumulation moves 2k + 1 units (an all-gather for each
+    forward and backward, one reduce-scatter); DMuon's are in DESIGN.md. On top of FSDP2:
+    naive all-gathers the gradient (+1); ``muon-fsdp2`` gathers each gradient to one rank
+    and scatters the update back (+2); ``dtensor-muon`` all-to-alls the stacked gradients
+    to shards of whole matrices and back (+2/N).
+    """
+    fsdp_z3 = 2.0 * accum + 1.0
+    return {
+        "dmuon-z2": 2.0,
+        "dmuon-z3": 2.0 * accum + 1.0,
+        "naive-z3": fsdp_z3 + 1.0,
+        "muon-fsdp2-z3": fsdp_z3 + 2.0,
+        "dtensor-muon-z3": fsdp_z3 + 2.0 / nproc,
+    }.get(contender)
+
+
+def _muon_split(model: Any) -> tuple[list[Any], list[Any]]:
+    """The matrices DMuon would dedicate (``nn.Linear`` weights, heads excluded), the rest."""
+    from torch import nn
+
+    import dmuon
+
+    linear = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    muon, rest = [], []
+    for name, param in model.named_parameters():
+        chosen = id(param) in linear and dmuon.default_predicate(name, param)
+        (muon if chosen else rest).append(param)
+    return muon, rest
+
+
+def _peer_optimizer(contender: str, model: Any) -> Any:
+    """A peer's optimizer over the FSDP2 model, built as its documentation shows."""
+    muon, rest = _muon_split(model)
+    if contender.startswith("muon-fsdp2"):
+        import muon_fsdp2
+
+        # Moonlight RMS scaling (its default) makes the AdamW rate the Muon rate as well.
+        return muon_fsdp2.Muon(
+            [
+                {"params": muon, "use_muon": True, "lr": 3e-3},
+                {"params": rest, "use_muon": False, "lr": 3e-3},
+            ]
+        )
+    import dtensor_muon
+
+    return dtensor_muon.MuonForeach(
+        [{"params": muon, "lr": 0.02}, {"params": rest, "algorithm": "adamw", "lr": 3e-3}]
+    )
 
 
 def _free_port() -> int:
@@ -81,12 +125,15 @@ def _build(contender: str, args: argparse.Namespace, device: str) -> tuple[Any, 
         optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
     elif contender.startswith("dmuon"):
         optimizer = dmuon.Muon(model)
-    else:
+    elif contender.startswith("naive"):
         optimizer = NaiveMuon(model)
+    else:
+        optimizer = _peer_optimizer(contender, model)
     return model, optimizer, p_m
 
 
-def _train_step(model: Any, optimizer: Any, args: argparse.Namespace, accum: int) -> None:
+def _train_step(model: Any, optimizer: Any, args: argparse.Namespace, accum: int) -> float:
+    """One optimizer step over ``accum`` micro-batches; returns the seconds of ``step()``."""
     import dmuon
     from dmuon.train import lm_loss
 
@@ -98,14 +145,39 @@ def _train_step(model: Any, optimizer: Any, args: argparse.Namespace, accum: int
         with dmuon.no_sync(model) if micro + 1 < accum else nullcontext():
             loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:]) / accum
             loss.backward()
+    _sync(args.cuda)
+    start = time.perf_counter()
     optimizer.step()
+    _sync(args.cuda)
+    elapsed = time.perf_counter() - start
     optimizer.zero_grad()
+    return elapsed
 
 
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
     dist.barrier()
+
+
+def _agree(failure: str | None) -> str | None:
+    """Every rank's verdict on a contender: the first rank's error, or None if all ran."""
+    verdicts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, failure)
+    return next((v for v in verdicts if v is not None), None)
+
+
+def _error_text(error: BaseException) -> str:
+    return f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error) else ''}"
+
+
+def _try_build(contender: str, args: argparse.Namespace, device: str) -> tuple[Any, str | None]:
+    try:
+        return _build(contender, args, device), None
+    except Exception as error:  # a peer that cannot run here: recorded, not fatal
+        if contender not in PEERS:
+            raise
+        return None, _error_text(error)
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
@@ -119,87 +191,172 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
         rank=rank,
         world_size=world,
     )
+    device = "cuda" if args.cuda else "cpu"
     rows = []
+    not_run: dict[str, dict[str, str]] = {}
     for accum in args.accum:
-        built = {c: _build(c, args, "cuda" if args.cuda else "cpu") for c in CONTENDERS}
-        times: dict[str, list[float]] = {c: [] for c in CONTENDERS}
+        built: dict[str, Any] = {}
+        for contender in args.contenders:
+            model_and_optimizer, failure = _try_build(contender, args, device)
+            failure = _agree(failure)
+            if failure is None:
+                built[contender] = model_and_optimizer
+            else:
+                not_run.setdefault(contender, {})[str(accum)] = failure
+        times: dict[str, list[float]] = {c: [] for c in built}
+        optim_times: dict[str, list[float]] = {c: [] for c in built}
+        peak: dict[str, int | None] = {c: None for c in built}
         traffic: dict[str, dict[str, int]] = {}
         for round_index in range(1 + args.steps):
-            for contender in CONTENDERS:
+            for contender in list(built):
                 model, optimizer, _ = built[contender]
                 _sync(args.cuda)
                 counted = round_index == 1
-                with TrafficCounter() if counted else nullcontext() as counter:
-                    start = time.perf_counter()
-                    _train_step(model, optimizer, args, accum)
-                    _sync(args.cuda)
-                    elapsed = time.perf_counter() - start
+                if args.cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                try:
+                    with TrafficCounter() if counted else nullcontext() as counter:
+                        start = time.perf_counter()
+                        optim_elapsed = _train_step(model, optimizer, args, accum)
+                        _sync(args.cuda)
+                        elapsed = time.perf_counter() - start
+                    failure = None
+                except Exception as error:  # the warm-up step of a peer that cannot run
+                    if contender not in PEERS or round_index > 0:
+                        raise
+                    failure = _error_text(error)
+                if round_index == 0 and contender in PEERS:
+                    verdict = _agree(failure)
+                    if verdict is not None:
+                        not_run.setdefault(contender, {})[str(accum)] = verdict
+                        del built[contender]
+                        continue
                 if counter is not None:
                     traffic[contender] = {
-                        "dmuon": counter.total("dmuon"),
-                        "torch": counter.total("torch"),
+                        issuer: counter.total(issuer) for issuer in ("dmuon", "torch", "peer")
                     }
+                if args.cuda:
+                    peak[contender] = torch.cuda.max_memory_allocated()
                 if round_index >= 1:
                     times[contender].append(elapsed)
-        p_m = built["dmuon-z3"][2]
-        for contender in CONTENDERS:
+                    optim_times[contender].append(optim_elapsed)
+        p_m = built["dmuon-z3"][2] if "dmuon-z3" in built else None
+        rest_z3 = traffic["dmuon-z3"]["torch"] if "dmuon-z3" in built else None
+        for contender in built:
             t = traffic[contender]
-            if contender.startswith("dmuon"):
+            measured: float | None = None
+            if p_m and contender.startswith("dmuon"):
                 measured = t["dmuon"] / p_m
-            elif contender.startswith("naive"):
+            elif p_m and rest_z3 is not None and formula_units(contender, accum, world):
                 # FSDP2 moves the matrices' elements on top of what it moves for the rest,
                 # which is exactly DMuon Z3's torch-issued traffic (same FSDP2 setting).
-                measured = (t["torch"] - traffic["dmuon-z3"]["torch"] + t["dmuon"]) / p_m
-            else:
-                measured = None
+                measured = (t["torch"] - rest_z3 + t["dmuon"] + t["peer"]) / p_m
             rows.append(
                 {
                     "contender": contender,
                     "accum": accum,
                     "median_step_s": statistics.median(times[contender]),
+                    "median_optim_step_s": statistics.median(optim_times[contender]),
+                    "peak_memory_bytes": peak[contender],
                     "elements_per_rank": t,
+                    "muon_elements": p_m,
                     "muon_units": measured,
-                    "formula_units": formula_units(contender, accum),
+                    "formula_units": formula_units(contender, accum, world),
                 }
             )
         del built
+        if rank == 0 and args.save_partial:
+            # A long run keeps what it measured so far if it is stopped.
+            _save(_record(args, rows, not_run))
     if rank == 0:
-        out.put(rows)
+        out.put((rows, not_run))
     dist.destroy_process_group()
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:
+    """Step time over AdamW's at the same FSDP2 mode; optimizer step over naive's."""
     for row in rows:
         mode = row["contender"][-2:]
-        base = next(
-            r for r in rows if r["contender"] == f"adamw-{mode}" and r["accum"] == row["accum"]
-        )
-        row["vs_adamw_same_mode"] = row["median_step_s"] / base["median_step_s"]
+        same = [r for r in rows if r["accum"] == row["accum"]]
+        base = next((r for r in same if r["contender"] == f"adamw-{mode}"), None)
+        naive = next((r for r in same if r["contender"] == "naive-z3"), None)
+        row["vs_adamw_same_mode"] = base and row["median_step_s"] / base["median_step_s"]
+        row["optim_vs_naive"] = naive and row["median_optim_step_s"] / naive["median_optim_step_s"]
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
 def format_table(result: dict[str, Any]) -> str:
-    """The Markdown table of one run."""
+    """The Markdown table of one run, then the peers that could not run and why."""
     lines = [
-        "| contender | accum | step (s) | vs AdamW (same mode) | Muon units | formula |",
-        "|---|---|---|---|---|---|",
+        "| contender | accum | step (s) | vs AdamW (same mode) | optimizer step (s) "
+        "| vs naive | Muon units | formula |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        units = "-" if r["muon_units"] is None else f"{r['muon_units']:.2f}"
-        formula = "-" if r["formula_units"] is None else f"{r['formula_units']:.0f}"
         lines.append(
             f"| {r['contender']} | {r['accum']} | {r['median_step_s']:.3f} | "
-            f"{r['vs_adamw_same_mode']:.2f}x | {units} | {formula} |"
+            f"{_fmt(r['vs_adamw_same_mode'], '.2f', 'x')} | {r['median_optim_step_s']:.3f} | "
+            f"{_fmt(r['optim_vs_naive'], '.2f', 'x')} | {_fmt(r['muon_units'], '.2f')} | "
+            f"{_fmt(r['formula_units'], '.2f')} |"
         )
+    for name, peer in result["peers"].items():
+        for accum, why in peer["not_run"].items():
+            lines.append(f"| {name} | {accum} | not run: {why} |")
     return "\n".join(lines)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Spawn ``args.nproc`` ranks, run every contender, return the result record."""
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.spawn(_worker, args=(args.nproc, _free_port(), args, queue), nprocs=args.nproc)
-    rows = queue.get()
+def check(result: dict[str, Any]) -> list[str]:
+    """What ``--check`` asserts (deterministic only): every counted Muon traffic equals its
+    formula, AdamW moves nothing outside FSDP2, and every peer either ran or says why."""
+    problems = []
+    for r in result["rows"]:
+        where = f"{r['contender']} at accumulation {r['accum']}"
+        if r["formula_units"] is not None:
+            if r["muon_units"] is None:
+                problems.append(f"{where}: traffic not counted")
+            elif abs(r["muon_units"] - r["formula_units"]) > 1e-6 * r["formula_units"]:
+                problems.append(
+                    f"{where}: counted {r['muon_units']:.6f} units, formula {r['formula_units']}"
+                )
+        if r["contender"].startswith("adamw"):
+            counted = r["elements_per_rank"]
+            if counted["dmuon"] or counted["peer"] or not counted["torch"]:
+                problems.append(f"{where}: traffic outside FSDP2 {counted}")
+    ran = {(r["contender"], r["accum"]) for r in result["rows"]}
+    for name, peer in result["peers"].items():
+        for accum in result["accum"]:
+            if (name, accum) not in ran and not peer["not_run"].get(str(accum)):
+                problems.append(f"{name} at accumulation {accum}: neither ran nor says why")
+    return problems
+
+
+def _installed(distribution: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def _record(
+    args: argparse.Namespace, rows: list[dict[str, Any]], not_run: dict[str, dict[str, str]]
+) -> dict[str, Any]:
+    rows = sorted(rows, key=lambda r: (r["accum"], args.contenders.index(r["contender"])))
     _ratios(rows)
+    peers = {
+        name: {
+            "distribution": distribution,
+            "pinned": pinned,
+            "installed": _installed(distribution),
+            "not_run": not_run.get(name, {}),
+        }
+        for name, (distribution, pinned) in PEERS.items()
+        if name in args.contenders
+    }
     return {
         "name": args.name,
         "model": args.model,
@@ -208,24 +365,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
         "steps": args.steps,
+        "accum": sorted({r["accum"] for r in rows}),
+        "contenders": list(args.contenders),
         "machine": machine_info(),
-        "peers": PEERS_NOT_RUN,
+        "peers": peers,
         "rows": rows,
     }
+
+
+def _save(result: dict[str, Any]) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{result['name']}.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn ``args.nproc`` ranks, run every contender, return the result record."""
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    mp.spawn(_worker, args=(args.nproc, _free_port(), args, queue), nprocs=args.nproc)
+    rows, not_run = queue.get()
+    return _record(args, rows, not_run)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; ``--quick`` picks the CI configuration."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, traffic only (CI)")
+    parser.add_argument("--check", action="store_true", help="exit 1 if traffic != formulas")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--model", default=None)
     parser.add_argument("--accum", type=int, nargs="+", default=None)
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per contender")
     parser.add_argument("--cuda", action="store_true", help="NCCL on GPUs instead of gloo")
     parser.add_argument("--name", default=None, help="results/<name>.json")
+    parser.add_argument(
+        "--save-partial", action="store_true", help="rewrite the JSON after each accumulation"
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.model = args.model or ("tiny" if quick else "small")
@@ -237,12 +415,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    """Run, print the table, write ``results/<name>.json``."""
+    """Run, print the table, write ``results/<name>.json``; with ``--check``, assert."""
     args = parse_args(argv)
     result = run(args)
     print(format_table(result))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    _save(result)
+    if args.check:
+        problems = check(result)
+        for problem in problems:
+            print(f"FAIL {problem}", file=sys.stderr)
+        if problems:
+            raise SystemExit(1)
+        print(f"check: {len(result['rows'])} rows match their formulas")
     return result
 
 

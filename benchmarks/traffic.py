@@ -1,15 +1,23 @@
 """Count what every collective moves, by intercepting torch.distributed itself.
 
 No library's own accounting is used (DMuon's audit included): while a `TrafficCounter` is
-active, the collectives of ``torch.distributed`` and of its functional collectives are
-wrapped, and each call adds the elements it moves per rank on a ring, over (N-1)/N:
+active, the collectives of ``torch.distributed``, of its functional collectives and
+DTensor's all-to-all are wrapped, and each call adds the elements it moves per rank on a
+ring, over (N-1)/N:
 
-* broadcast, reduce, all-gather (output size), reduce-scatter (input size): 1 x elements;
-* all-reduce: 2 x elements (a reduce-scatter plus an all-gather).
+* broadcast, reduce, all-gather (output size), reduce-scatter (input size), gather and
+  scatter (the full, N-piece size): 1 x elements;
+* all-reduce: 2 x elements (a reduce-scatter plus an all-gather);
+* all-to-all: the input's elements (each rank sends all but its own 1/N of them).
 
 Dividing by P_M, the elements of the Muon-target matrices, gives the units of (N-1)/N x P_M
-that DMuon's formula is stated in. Each call is attributed to ``"dmuon"`` when code of the
-``dmuon`` package called it directly, and to ``"torch"`` (FSDP2, DTensor) otherwise.
+that DMuon's formula is stated in. Code that imported a collective by name
+(``from torch.distributed import gather``) holds its own reference, so the aliases in
+torch.distributed's, dmuon's and the peers' modules are replaced too; a collective that
+calls another (the functional ``all_gather_tensor`` calls ``all_gather_single``) is counted
+once. Each call is attributed to ``"dmuon"`` when code of the ``dmuon`` package called it
+directly, to ``"peer"`` when a peer optimizer (``muon_fsdp2``, ``dtensor_muon``) is on the
+stack, and to ``"torch"`` (FSDP2, DTensor) otherwise.
 """
 
 from __future__ import annotations
@@ -24,10 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.distributed.tensor._collective_utils as dtensor_collectives
 
 import dmuon
 
 _DMUON_DIR = str(Path(dmuon.__file__).parent)
+PEER_MODULES = ("muon_fsdp2", "dtensor_muon")
+"""Top-level modules of the peer optimizers; their collectives count as ``"peer"``."""
+_CALLER_PACKAGES = ("torch.distributed", "dmuon", *PEER_MODULES)
+"""Modules whose aliases of the collectives are replaced (scanning every module is slow)."""
 
 
 def _numel(t: Any) -> int:
@@ -44,6 +57,11 @@ def _world(group: Any) -> int:
     return dist.get_world_size()
 
 
+def _group_world(*args: Any, **kwargs: Any) -> int:
+    # gather/scatter: (tensor, list, dst/src, group, ...)
+    return dist.get_world_size(args[3] if len(args) > 3 else None)
+
+
 # name -> (module, elements moved per rank for the call's arguments)
 _OPS: dict[str, tuple[Any, Callable[..., int]]] = {
     "broadcast": (dist, lambda t, *a, **k: _numel(t)),
@@ -54,21 +72,43 @@ _OPS: dict[str, tuple[Any, Callable[..., int]]] = {
     "all_gather_single": (dist, lambda out, t, *a, **k: _numel(out)),
     "reduce_scatter_tensor": (dist, lambda out, t, *a, **k: _numel(t)),
     "reduce_scatter_single": (dist, lambda out, t, *a, **k: _numel(t)),
+    # Every rank passes its equal piece; the full tensor is N pieces.
+    "gather": (dist, lambda t, *a, **k: _numel(t) * _group_world(t, *a)),
+    "scatter": (dist, lambda t, *a, **k: _numel(t) * _group_world(t, *a)),
+    "all_to_all_single": (dist, lambda out, t, *a, **k: _numel(t)),
+    "all_to_all": (dist, lambda outs, ts, *a, **k: sum(_numel(t) for t in ts)),
+    "shard_dim_alltoall": (dtensor_collectives, lambda t, *a, **k: _numel(t)),
 }
 _FUNCOL_OPS: dict[str, Callable[..., int]] = {
     "all_gather_tensor": lambda t, dim, group, *a, **k: _numel(t) * _world(group),
     "all_gather_single": lambda t, dim, group, *a, **k: _numel(t) * _world(group),
     "reduce_scatter_tensor": lambda t, *a, **k: _numel(t),
+    "reduce_scatter_single": lambda t, *a, **k: _numel(t),
     "all_reduce": lambda t, *a, **k: 2 * _numel(t),
+    "all_to_all_single": lambda t, *a, **k: _numel(t),
 }
 
 
+def _is_peer_file(filename: str) -> bool:
+    parts = Path(filename).parts
+    return any(p in PEER_MODULES or p in (f"{m}.py" for m in PEER_MODULES) for p in parts)
+
+
 def _issuer() -> str:
-    # The frame that called the collective decides: the dmuon library issues its own
-    # collectives; FSDP2 and DTensor issue theirs from torch, even inside a dmuon model's
-    # forward, so walking further up the stack would misattribute them.
+    # The frame that called the collective decides for dmuon: the dmuon library issues its
+    # own collectives; FSDP2 and DTensor issue theirs from torch, even inside a dmuon
+    # model's forward, so walking further up the stack would misattribute them. A peer's
+    # collectives go through DTensor's code, so a peer frame anywhere on the stack decides
+    # (peers run only in optimizer.step(), where no FSDP2 hook fires).
     caller = sys._getframe(2)
-    return "dmuon" if caller.f_code.co_filename.startswith(_DMUON_DIR) else "torch"
+    if caller.f_code.co_filename.startswith(_DMUON_DIR):
+        return "dmuon"
+    frame: Any = caller
+    while frame is not None:
+        if _is_peer_file(frame.f_code.co_filename):
+            return "peer"
+        frame = frame.f_back
+    return "torch"
 
 
 class TrafficCounter:
@@ -78,15 +118,14 @@ class TrafficCounter:
         self.elements: dict[tuple[str, str], int] = defaultdict(int)
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self._saved: list[tuple[Any, str, Any]] = []
+        self._depth = 0
 
-    def _wrap(self, module: Any, name: str, cost: Callable[..., int]) -> None:
-        original = getattr(module, name, None)
-        if original is None:
-            return
-
+    def _counted(self, original: Any, name: str, cost: Callable[..., int]) -> Any:
         signature = inspect.signature(original)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._depth:  # called by another wrapped collective: counted there
+                return original(*args, **kwargs)
             key = (_issuer(), name)
             bound = signature.bind(*args, **kwargs).args  # keywords to positions
             n = cost(*bound)
@@ -96,16 +135,39 @@ class TrafficCounter:
                 first = first[0]
             size = first.element_size() if isinstance(first, torch.Tensor) else 4
             self.bytes[key] += n * size
-            return original(*args, **kwargs)
+            self._depth += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self._depth -= 1
 
-        self._saved.append((module, name, original))
-        setattr(module, name, counted)
+        return counted
+
+    def _wrap_everywhere(self, wrapped: dict[int, Any]) -> None:
+        # Replace the function in its own module and every alias of it in loaded modules.
+        for module_name, module in list(sys.modules.items()):
+            if not module_name.startswith(_CALLER_PACKAGES):
+                continue
+            names = getattr(module, "__dict__", None)
+            if not isinstance(names, dict):
+                continue
+            for attr, value in list(names.items()):
+                replacement = wrapped.get(id(value))
+                if replacement is not None and callable(value):
+                    self._saved.append((module, attr, value))
+                    setattr(module, attr, replacement)
 
     def __enter__(self) -> TrafficCounter:
+        wrapped: dict[int, Any] = {}
         for name, (module, cost) in _OPS.items():
-            self._wrap(module, name, cost)
+            original = getattr(module, name, None)
+            if original is not None:
+                wrapped[id(original)] = self._counted(original, name, cost)
         for name, cost in _FUNCOL_OPS.items():
-            self._wrap(funcol, name, cost)
+            original = getattr(funcol, name, None)
+            if original is not None:
+                wrapped[id(original)] = self._counted(original, f"funcol.{name}", cost)
+        self._wrap_everywhere(wrapped)
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,6 +17,14 @@ A page asks for a table with a marker on a line of its own:
 ``<!-- benchmark: figure NAME -->``
     ``benchmarks/results/NAME.png``, which this hook copies into the site (under
     ``assets/benchmarks/`` of each language).
+``<!-- benchmark: quality -->``
+    ``benchmarks/results/quality.json``: final validation loss per optimizer and rate, and
+    the steps DMuon needs to reach AdamW's best.
+``<!-- benchmark: scaling -->``
+    ``benchmarks/results/scaling.json``: step time and traffic per preset and rank count.
+``<!-- benchmark: targets NAME -->``
+    The step-time, traffic and quality targets, measured value and met or missed, from
+    ``benchmarks/results/NAME.json`` and ``quality.json``.
 ``<!-- benchmark: machine NAME -->``
     One line: the machine, torch version and load average a result was taken under.
 
@@ -58,6 +66,7 @@ LABELS: dict[str, dict[str, Any]] = {
         "formula": "Formula (units)",
         "machine": "Machine",
         "threads": "threads",
+        "timed": "timed steps per contender after a warm-up",
         "load": "load average",
         "not_run": "Not run",
         "save": "Save (s)",
@@ -97,6 +106,36 @@ LABELS: dict[str, dict[str, Any]] = {
         "figure_what": {"moe_quality": "moe preset"},
         "then": "; ",
         "end": ".",
+        "optim": "Optimizer step (s)",
+        "vs_naive": "vs naive (optimizer step)",
+        "optimizer": "Optimizer",
+        "lr": "Learning rate",
+        "final_val": "Final validation loss",
+        "best": "best",
+        "default": "the recipe's default when measured",
+        "reach": (
+            "DMuon's best run reaches AdamW's best final validation loss ({target:.4f}) at "
+            "step **{steps}** of {total}: **{ratio}** of the steps."
+        ),
+        "never": (
+            "DMuon's best run does not reach AdamW's best final validation loss ({target:.4f})."
+        ),
+        "model": "Model",
+        "ranks": "Ranks",
+        "elements": "Elements per rank (M)",
+        "skipped": "Not run (time budget)",
+        "target": "Target",
+        "measured": "Measured",
+        "verdict": "Met",
+        "yes": "yes",
+        "no": "**no**",
+        "t_accum1": "{c} step time ≤ 1.00x FSDP2 + AdamW (same mode), accumulation 1",
+        "t_accum8": "{c} step time ≤ 0.95x FSDP2 + AdamW (same mode), accumulation 8",
+        "t_naive": "{c} optimizer step ≤ 0.5x naive's, every accumulation (worst shown)",
+        "t_peer": "{c} faster than {p} with less traffic, every accumulation (worst shown)",
+        "t_quality": "DMuon reaches AdamW's best final validation loss in ≤ 0.7x the steps",
+        "peer_not_run": "not measured: the peer did not run",
+        "not_reached": "not reached",
     },
     "zh": {
         "matrices": "矩阵",
@@ -110,6 +149,7 @@ LABELS: dict[str, dict[str, Any]] = {
         "formula": "公式（单位）",
         "machine": "机器",
         "threads": "线程",
+        "timed": "每个参与者在预热后计时的步数",
         "load": "负载均值",
         "not_run": "未运行",
         "save": "保存（秒）",
@@ -149,6 +189,34 @@ LABELS: dict[str, dict[str, Any]] = {
         "figure_what": {"moe_quality": "moe 预设"},
         "then": "；",
         "end": "。",
+        "optim": "优化器步（秒）",
+        "vs_naive": "相对 naive（优化器步）",
+        "optimizer": "优化器",
+        "lr": "学习率",
+        "final_val": "最终验证损失",
+        "best": "最佳",
+        "default": "测量时的配方默认值",
+        "reach": (
+            "DMuon 的最佳运行在第 **{steps}** 步（共 {total} 步）达到 AdamW 的最佳最终验证损失"
+            "（{target:.4f}）：用了 **{ratio}** 的步数。"
+        ),
+        "never": "DMuon 的最佳运行没有达到 AdamW 的最佳最终验证损失（{target:.4f}）。",
+        "model": "模型",
+        "ranks": "Rank 数",
+        "elements": "每个 rank 的元素数（M）",
+        "skipped": "未运行（时间预算）",
+        "target": "目标",
+        "measured": "实测",
+        "verdict": "达成",
+        "yes": "是",
+        "no": "**否**",
+        "t_accum1": "{c} 步时 ≤ 1.00x FSDP2 + AdamW（同一模式），梯度累积 1",
+        "t_accum8": "{c} 步时 ≤ 0.95x FSDP2 + AdamW（同一模式），梯度累积 8",
+        "t_naive": "{c} 优化器步 ≤ 0.5x naive，每个梯度累积（取最差值）",
+        "t_peer": "{c} 比 {p} 更快且通信更少，每个梯度累积（取最差值）",
+        "t_quality": "DMuon 以 ≤ 0.7x 的步数达到 AdamW 的最佳最终验证损失",
+        "peer_not_run": "未测量：该同类实现没有运行",
+        "not_reached": "未达到",
     },
 }
 
@@ -176,22 +244,131 @@ def _optimizer_step(labels: dict[str, str]) -> str:
     return "\n".join(lines)
 
 
+def _cell(value: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
 def _distributed(name: str, labels: dict[str, str]) -> str:
     result = _load(name)
     lines = [
         f"| {labels['contender']} | {labels['accum']} | {labels['step']} | {labels['vs']} | "
-        f"{labels['units']} | {labels['formula']} |",
-        "|---|---|---|---|---|---|",
+        f"{labels['optim']} | {labels['vs_naive']} | {labels['units']} | {labels['formula']} |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        units = "-" if r["muon_units"] is None else f"{r['muon_units']:.2f}"
-        formula = "-" if r["formula_units"] is None else f"{r['formula_units']:.0f}"
         lines.append(
             f"| `{r['contender']}` | {r['accum']} | {r['median_step_s']:.3f} | "
-            f"{r['vs_adamw_same_mode']:.2f}x | {units} | {formula} |"
+            f"{_cell(r['vs_adamw_same_mode'], '.2f', 'x')} | "
+            f"{r['median_optim_step_s']:.3f} | {_cell(r['optim_vs_naive'], '.2f', 'x')} | "
+            f"{_cell(r['muon_units'], '.2f')} | {_cell(r['formula_units'], '.2f')} |"
         )
-    for peer, why in result.get("peers", {}).items():
-        lines.append(f"| `{peer}` | - | - | - | - | {labels['not_run']}: {why} |")
+    for peer, info in result.get("peers", {}).items():
+        for accum, why in info["not_run"].items():
+            version = info.get("installed") or info["pinned"]
+            shown = why.replace("|", "\\|")
+            lines.append(
+                f"| `{peer}` ({info['distribution']} {version}) | {accum} | - | - | - | - | - | "
+                f"{labels['not_run']}: `{shown}` |"
+            )
+    return "\n".join(lines)
+
+
+def _quality(labels: dict[str, str]) -> str:
+    result = _load("quality")
+    lines = [
+        f"| {labels['optimizer']} | {labels['lr']} | {labels['final_val']} |",
+        "|---|---|---|",
+    ]
+    for r in result["runs"]:
+        notes = []
+        if result["best_lr"][r["optimizer"]] == r["lr"]:
+            notes.append(labels["best"])
+        if result["defaults"][r["optimizer"]] == r["lr"]:
+            notes.append(labels["default"])
+        lr = f"{r['lr']:g}" + (f" ({', '.join(notes)})" if notes else "")
+        val = f"{r['final_val_loss']:.4f}"
+        if labels["best"] in notes:
+            val = f"**{val}**"
+        lines.append(f"| `{r['optimizer']}` | {lr} | {val} |")
+    target = result["best_final_val_loss"]["adamw"]
+    reached = result["dmuon_steps_to_adamw_best"]
+    if reached is None:
+        summary = labels["never"].format(target=target)
+    else:
+        summary = labels["reach"].format(
+            target=target,
+            steps=f"{reached:.0f}",
+            total=result["steps"],
+            ratio=f"{result['dmuon_steps_ratio']:.2f}x",
+        )
+    return "\n".join(lines) + "\n\n" + summary
+
+
+def _scaling(labels: dict[str, str]) -> str:
+    result = _load("scaling")
+    contenders = sorted({row["contender"] for r in result["runs"] for row in r["rows"]})
+    lines = [
+        f"| {labels['model']} | {labels['ranks']} | "
+        + " | ".join(f"`{c}` {labels['step']}" for c in contenders)
+        + f" | {labels['elements']} |",
+        "|" + "---|" * (3 + len(contenders)),
+    ]
+    for r in result["runs"]:
+        rows = {row["contender"]: row for row in r["rows"]}
+        cells = [_cell(rows[c]["median_step_s"], ".3f") if c in rows else "-" for c in contenders]
+        moved = ", ".join(
+            f"{c}: {sum(rows[c]['elements_per_rank'].values()) / 1e6:.2f}"
+            for c in contenders
+            if c in rows
+        )
+        lines.append(f"| `{r['model']}` | {r['nproc']} | " + " | ".join(cells) + f" | {moved} |")
+    for skip in result["skipped"]:
+        lines.append(
+            f"| `{skip['model']}` | {skip['nproc']} | "
+            + " | ".join("-" for _ in contenders)
+            + f" | {labels['skipped']} |"
+        )
+    return "\n".join(lines)
+
+
+def _targets(name: str, labels: dict[str, str]) -> str:
+    result = _load(name)
+    rows = {(r["contender"], r["accum"]): r for r in result["rows"]}
+    accums = sorted({a for _, a in rows})
+    head = f"| {labels['target']} | {labels['measured']} | {labels['verdict']} |"
+    lines = [head, "|---|---|---|"]
+
+    def add(text: str, value: float | None, limit: float, shown: str | None = None) -> None:
+        met = value is not None and value <= limit
+        cell = shown or ("-" if value is None else f"{value:.2f}x")
+        lines.append(f"| {text} | {cell} | {labels['yes'] if met else labels['no']} |")
+
+    for c in ("dmuon-z2", "dmuon-z3"):
+        for accum, key, limit in ((1, "t_accum1", 1.0), (8, "t_accum8", 0.95)):
+            row = rows.get((c, accum))
+            add(labels[key].format(c=f"`{c}`"), row and row["vs_adamw_same_mode"], limit)
+    for c in ("dmuon-z2", "dmuon-z3"):
+        ratios = [rows[(c, a)]["optim_vs_naive"] for a in accums if (c, a) in rows]
+        add(labels["t_naive"].format(c=f"`{c}`"), max(ratios) if ratios else None, 0.5)
+    for peer in ("muon-fsdp2-z3", "dtensor-muon-z3"):
+        if peer not in result.get("contenders", ()):
+            continue  # a run of DMuon's own contenders only
+        for c in ("dmuon-z2", "dmuon-z3"):
+            text = labels["t_peer"].format(c=f"`{c}`", p=f"`{peer}`")
+            pairs = [(rows[(c, a)], rows[(peer, a)]) for a in accums if (peer, a) in rows]
+            if not pairs:
+                lines.append(f"| {text} | {labels['peer_not_run']} | - |")
+                continue
+            time_ratio = max(d["median_step_s"] / p["median_step_s"] for d, p in pairs)
+            traffic_ratio = max(d["muon_units"] / p["muon_units"] for d, p in pairs)
+            met = time_ratio < 1.0 and traffic_ratio < 1.0
+            lines.append(
+                f"| {text} | {time_ratio:.2f}x, {traffic_ratio:.2f}x | "
+                f"{labels['yes'] if met else labels['no']} |"
+            )
+    quality = _load("quality")
+    ratio = quality["dmuon_steps_ratio"]
+    add(labels["t_quality"], ratio, 0.7, None if ratio is not None else labels["not_reached"])
     return "\n".join(lines)
 
 
@@ -347,6 +524,8 @@ def _machine(name: str, labels: dict[str, str]) -> str:
     parts += [f"torch {m['torch']}" if "torch" in m else ""]
     if "threads" in data:
         parts.append(f"{data['threads']} {labels['threads']}")
+    if "rows" in data and isinstance(data["rows"], list) and "steps" in data:
+        parts.append(f"{labels['timed']}: {data['steps']}")
     if load:
         parts.append(f"{labels['load']} {load[0]:.1f}")
     return f"*{labels['machine']}:* " + ", ".join(p for p in parts if p)
@@ -384,6 +563,12 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _moe_quality(labels)
             if kind == "figure" and name:
                 return _figure(name, labels)
+            if kind == "quality":
+                return _quality(labels)
+            if kind == "scaling":
+                return _scaling(labels)
+            if kind == "targets" and name:
+                return _targets(name, labels)
             if kind == "machine" and name:
                 return _machine(name, labels)
         except (OSError, ValueError, KeyError, IndexError) as e:

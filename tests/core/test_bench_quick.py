@@ -24,7 +24,8 @@ def quick_result() -> dict:
         import bench
     finally:
         sys.path.remove(str(BENCH_DIR))
-    return bench.run(bench.parse_args(["--quick"]))
+    # DMuon's own contenders only: the peers' traffic is checked by `make bench-quick`.
+    return bench.run(bench.parse_args(["--quick", "--contenders", *bench.OWN]))
 
 
 def test_counted_traffic_matches_the_formulas(quick_result: dict) -> None:
@@ -51,4 +52,18 @@ def test_adamw_traffic_is_fsdp2s_only(quick_result: dict) -> None:
     for r in quick_result["rows"]:
         if r["contender"].startswith("adamw"):
             assert r["elements_per_rank"]["dmuon"] == 0
+            assert r["elements_per_rank"]["peer"] == 0
             assert r["elements_per_rank"]["torch"] > 0
+
+
+def test_steps_to_reach_interpolates_between_evaluations() -> None:
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        from quality import steps_to_reach
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    curve = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.5)]
+    # 3.5 lies halfway between the evaluations at steps 10 (4.0) and 20 (3.0).
+    assert steps_to_reach(curve, 3.5) == pytest.approx(15.0)
+    assert steps_to_reach(curve, 3.0) == pytest.approx(20.0)
+    assert steps_to_reach(curve, 2.0) is None

@@ -198,7 +198,7 @@ def test_flags_map_to_config_and_demo_args_parse() -> None:
     assert (cfg.lr, cfg.adamw_lr, cfg.optimizer, cfg.mode) == (0.01, 0.002, "adamw", "z2")
     assert (cfg.seed, cfg.warmup_steps, cfg.eval_every, cfg.metrics_file) == (4, 2, 5, "m.jsonl")
     assert cfg.dtype == "float64"
-    assert parse_args([]).effective_lr == 0.02
+    assert parse_args([]).effective_lr == 0.01
     assert parse_args(["--optimizer", "adamw"]).effective_lr == TrainConfig().adamw_lr
     demo = parse_args(list(DEMO_ARGS))
     assert demo.model == "small" and demo.accum_steps == 4 and demo.eval_every > 0

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 #: Processes of the demo job (``dmuon.train.demo.DEMO_NPROC``).
 DEMO_NPROC = 2
-#: The demo job's recipe settings (``dmuon.train.demo.DEMO_ARGS``, plus the default rates).
+#: The demo job's recipe settings (``dmuon.train.demo.DEMO_ARGS``, its rates included).
 DEMO_TRAIN: dict[str, Any] = {
     "model": "small",
     "optimizer": "dmuon",

@@ -37,8 +37,8 @@ class TrainConfig:
     micro_batch_size: int = 4
     accum_steps: int = 1
     seq_len: int = 128
-    lr: float = 0.02
-    adamw_lr: float = 3e-3
+    lr: float = 0.01
+    adamw_lr: float = 1.5e-3
     optimizer: str = "dmuon"
     mode: str = "z3"
     hsdp: int = 1

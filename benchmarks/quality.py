@@ -1,0 +1,146 @@
+"""Quality: validation loss of DMuon and AdamW after the same tokens, from learning-rate sweeps.
+
+Each optimizer trains the recipe's model (``python -m dmuon.train``) on the default corpus
+at three learning rates, with the same seed, so every run sees the same batches in the same
+order and is evaluated on the same validation windows. One process: the distributed runs
+compute the same global-batch mean gradients, so they follow the same curve (the recipe's
+tests check that N ranks match one process). Reported:
+
+* the final validation loss per learning rate, and each optimizer's best;
+* the validation-loss curves (``--plot``);
+* the steps DMuon's best run needs to reach AdamW's best final validation loss, over the
+  steps of the run (linear interpolation between evaluations).
+
+    python benchmarks/quality.py             # tiny, 3 + 3 runs of 240 steps, ~10 minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def sweeps() -> dict[str, tuple[str, list[float]]]:
+    """optimizer -> (flag of its rate, the rates: half the recipe's default, it, double)."""
+    from dmuon.train.cli import TrainConfig
+
+    d = TrainConfig()
+    return {
+        "dmuon": ("--lr", [d.lr / 2, d.lr, d.lr * 2]),
+        "adamw": ("--adamw-lr", [d.adamw_lr / 2, d.adamw_lr, d.adamw_lr * 2]),
+    }
+
+
+def _curve(metrics_file: Path) -> list[tuple[int, float]]:
+    points = []
+    for line in metrics_file.read_text().splitlines():
+        record = json.loads(line)
+        if "val_loss" in record:
+            points.append((int(record["step"]), float(record["val_loss"])))
+    return points
+
+
+def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
+    """The first step at which ``curve`` reaches ``target``, interpolated between points."""
+    for (s0, v0), (s1, v1) in itertools.pairwise(curve):
+        if v1 <= target:
+            if v0 <= target:
+                return float(s0)
+            return s0 + (s1 - s0) * (v0 - target) / (v0 - v1)
+    return None
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Train every (optimizer, rate) pair; return the record with curves and the ratio."""
+    from dmuon.train import run as train
+    from dmuon.train.cli import TrainConfig
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from machine import machine_info
+
+    defaults = TrainConfig()
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for optimizer, (flag, rates) in sweeps().items():
+            for rate in rates:
+                metrics = Path(tmp) / f"{optimizer}-{rate}.jsonl"
+                summary = train(
+                    [
+                        "--model", args.model, "--steps", str(args.steps),
+                        "--optimizer", optimizer, flag, str(rate),
+                        "--seq-len", str(args.seq_len), "--micro-batch-size", "4",
+                        "--eval-every", str(args.eval_every),
+                        "--eval-sequences", str(args.eval_sequences),
+                        "--warmup-steps", str(args.warmup_steps),
+                        "--threads", str(args.threads), "--device", "cpu",
+                        "--progress", "plain", "--log-every", "1000", "--seed", "0",
+                        "--metrics-file", str(metrics),
+                    ]
+                )  # fmt: skip
+                runs.append(
+                    {
+                        "optimizer": optimizer,
+                        "lr": rate,
+                        "final_val_loss": summary["end_val_loss"],
+                        "tokens": summary["tokens"],
+                        "train_time_s": summary["train_time_s"],
+                        "stopped_by": summary["stopped_by"],
+                        "curve": _curve(metrics),
+                    }
+                )
+    best = {
+        o: min((r for r in runs if r["optimizer"] == o), key=lambda r: r["final_val_loss"])
+        for o in ("dmuon", "adamw")
+    }
+    target = best["adamw"]["final_val_loss"]
+    reached = steps_to_reach(best["dmuon"]["curve"], target)
+    return {
+        "model": args.model,
+        "steps": args.steps,
+        "seq_len": args.seq_len,
+        "eval_every": args.eval_every,
+        "eval_sequences": args.eval_sequences,
+        "threads": args.threads,
+        "defaults": {"dmuon": defaults.lr, "adamw": defaults.adamw_lr},
+        "machine": machine_info(),
+        "runs": runs,
+        "best_lr": {o: best[o]["lr"] for o in best},
+        "best_final_val_loss": {o: best[o]["final_val_loss"] for o in best},
+        "dmuon_steps_to_adamw_best": reached,
+        "dmuon_steps_ratio": None if reached is None else reached / args.steps,
+    }
+
+
+def main() -> None:
+    """Parse flags, run the sweeps, print a summary, write ``results/quality.json``."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny")
+    parser.add_argument("--steps", type=int, default=240)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--eval-sequences", type=int, default=32)
+    parser.add_argument("--warmup-steps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", type=Path, default=RESULTS / "quality.json")
+    args = parser.parse_args()
+    result = run(args)
+    for r in result["runs"]:
+        print(f"{r['optimizer']:>6} lr {r['lr']:<8g} final val loss {r['final_val_loss']:.4f}")
+    print(
+        f"best: {result['best_lr']}; DMuon reaches AdamW's best final val loss at step "
+        f"{result['dmuon_steps_to_adamw_best']} of {args.steps} "
+        f"(ratio {result['dmuon_steps_ratio']})"
+    )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
