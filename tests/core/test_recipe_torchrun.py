@@ -4,10 +4,12 @@ Oracle: `python -m dmuon.train` in one process on the same global batch (micro-b
 instead of m on each of 2 ranks). Tolerance 1e-4 per step on the logged loss, validation
 loss and gradient norm. Only rank 0 prints its summary and writes metrics.
 
-Z3 runs the mixture-of-experts preset (fused 3-D expert stacks dedicated whole, the router
-with FSDP2 and AdamW), which also writes a final checkpoint in both runs: the 2-rank
-checkpoint holds every stack at its full shape with its Muon momentum, equal to the
-one-process run's.
+The run is Z3 on the mixture-of-experts preset (fused 3-D expert stacks dedicated whole,
+the router with FSDP2 and AdamW; its attention matrices are dense 2-D Linear weights
+dedicated like those of `tiny`), which also writes a final checkpoint in both runs: the
+2-rank checkpoint holds every stack at its full shape with its Muon momentum, equal to the
+one-process run's. Z2 under torchrun is checked by ``test_recipe_multinode.py`` (two
+agents as HSDP 2x1, against one process).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -31,12 +32,7 @@ COMMON = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("corpus-cache")  # the corpus is tokenized once
-
-
-def _run(tmp_path: Path, cache: Path, name: str, nproc: int, extra: list[str]) -> list[dict]:
+def _run(tmp_path: Path, cache: str, name: str, nproc: int, extra: list[str]) -> list[dict]:
     metrics = tmp_path / f"{name}.jsonl"
     env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=str(cache))
     if nproc == 1:
@@ -66,18 +62,10 @@ def _checkpoint(run_dir: Path, tmp_path: Path) -> dict[str, Any]:
     return torch.load(out, weights_only=False)
 
 
-# Z3 runs on the mixture-of-experts preset, whose attention matrices are dense 2-D
-# Linear weights dedicated like those of `tiny`: one launch pair covers both layouts.
-@pytest.mark.parametrize(("mode", "model"), [("z2", "tiny"), ("z3", "moe")])
-def test_two_ranks_match_one_process_on_the_global_batch(
-    tmp_path: Path, cache_dir: Path, mode: str, model: str
-) -> None:
-    args = ["--model", model, "--optimizer", "dmuon", "--mode", mode, "--eval-every", "10"]
-    if model == "moe":
-        single_args = ["--checkpoint-dir", str(tmp_path / "single-ckpt")]
-        double_args = ["--checkpoint-dir", str(tmp_path / "double-ckpt")]
-    else:
-        single_args = double_args = []
+def test_two_ranks_match_one_process_on_the_global_batch(tmp_path: Path, cache_dir: str) -> None:
+    args = ["--model", "moe", "--optimizer", "dmuon", "--mode", "z3", "--eval-every", "10"]
+    single_args = ["--checkpoint-dir", str(tmp_path / "single-ckpt")]
+    double_args = ["--checkpoint-dir", str(tmp_path / "double-ckpt")]
     single = _run(
         tmp_path, cache_dir, "single", 1, [*args, *single_args, "--micro-batch-size", "4"]
     )
@@ -91,18 +79,17 @@ def test_two_ranks_match_one_process_on_the_global_batch(
             if one.get(key) is not None or two.get(key) is not None:
                 assert abs(one[key] - two[key]) <= 1e-4, (key, one, two)
     assert double[-1]["loss"] < double[0]["loss"] - 0.3  # it trained
-    if model == "moe":
-        one = _checkpoint(tmp_path / "single-ckpt", tmp_path)
-        two = _checkpoint(tmp_path / "double-ckpt", tmp_path)
-        assert one["model"].keys() == two["model"].keys()
-        for name, want in one["model"].items():
-            torch.testing.assert_close(two["model"][name], want, rtol=0, atol=1e-5, msg=name)
-        stack = "layers.1.mlp.experts.gate_up_proj"
-        assert two["model"][stack].shape == (4, 256, 64)
-        momentum = two["optim"]["state"][stack]["momentum_buffer"]
-        assert momentum.shape == (4, 256, 64) and momentum.abs().sum() > 0
-        torch.testing.assert_close(
-            momentum, one["optim"]["state"][stack]["momentum_buffer"], rtol=0, atol=1e-5
-        )
-        router = two["optim"]["state"]["layers.1.mlp.gate.weight"]
-        assert "exp_avg" in router and "momentum_buffer" not in router  # AdamW
+    one = _checkpoint(tmp_path / "single-ckpt", tmp_path)
+    two = _checkpoint(tmp_path / "double-ckpt", tmp_path)
+    assert one["model"].keys() == two["model"].keys()
+    for name, want in one["model"].items():
+        torch.testing.assert_close(two["model"][name], want, rtol=0, atol=1e-5, msg=name)
+    stack = "layers.1.mlp.experts.gate_up_proj"
+    assert two["model"][stack].shape == (4, 256, 64)
+    momentum = two["optim"]["state"][stack]["momentum_buffer"]
+    assert momentum.shape == (4, 256, 64) and momentum.abs().sum() > 0
+    torch.testing.assert_close(
+        momentum, one["optim"]["state"][stack]["momentum_buffer"], rtol=0, atol=1e-5
+    )
+    router = two["optim"]["state"]["layers.1.mlp.gate.weight"]
+    assert "exp_avg" in router and "momentum_buffer" not in router  # AdamW
