@@ -35,6 +35,19 @@ GRID = [
 """(preset, ranks), cheapest first."""
 
 
+def _write(
+    args: argparse.Namespace, runs: list[dict[str, Any]], skipped: list[dict[str, Any]]
+) -> None:
+    record = {
+        "machine": machine_info(),
+        "steps": args.steps,
+        "budget_s": args.budget_s,
+        "runs": runs,
+        "skipped": skipped,
+    }
+    args.json.write_text(json.dumps(record, indent=2) + "\n")
+
+
 def main() -> None:
     """Run the grid within the budget; write ``results/scaling.json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -62,22 +75,8 @@ def main() -> None:
             }
         )
         print(f"{preset} N={nproc}: {runs[-1]['wall_s']:.0f} s", flush=True)
-        record = {
-            "machine": machine_info(),
-            "steps": args.steps,
-            "budget_s": args.budget_s,
-            "runs": runs,
-            "skipped": skipped,
-        }
-        args.json.write_text(json.dumps(record, indent=2) + "\n")
-    record = {
-        "machine": machine_info(),
-        "steps": args.steps,
-        "budget_s": args.budget_s,
-        "runs": runs,
-        "skipped": skipped,
-    }
-    args.json.write_text(json.dumps(record, indent=2) + "\n")
+        _write(args, runs, skipped)  # after each run, so a stopped grid keeps its results
+    _write(args, runs, skipped)
 
 
 if __name__ == "__main__":
