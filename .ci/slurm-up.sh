@@ -19,8 +19,10 @@ die() { echo "slurm-up: $*" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || die "must run as root (it installs packages and starts daemons)"
 
 # One run at a time (parallel test workers may all call this).
+# The daemons started below must not inherit fd 9: they would hold the lock for as long as
+# they run, and every later call would wait on it forever.
 exec 9>/run/dmuon-slurm-up.lock
-flock 9
+flock -w 300 9 || die "another slurm-up.sh has held /run/dmuon-slurm-up.lock for 300 s"
 
 if ! command -v slurmctld >/dev/null || ! command -v munged >/dev/null; then
     export DEBIAN_FRONTEND=noninteractive
@@ -77,7 +79,7 @@ fi
 chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge 2>/dev/null || true
 chmod 0400 /etc/munge/munge.key
 if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
-    runuser -u munge -- /usr/sbin/munged --force
+    runuser -u munge -- /usr/sbin/munged --force 9>&-
     for _ in $(seq 50); do munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.2; done
     munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 || die "munged did not start"
 fi
@@ -95,8 +97,8 @@ if [ "$config_changed" = 1 ]; then  # plugins change only with a restart
     stop /run/slurmd.pid slurmd
     stop /run/slurmctld.pid slurmctld
 fi
-running /run/slurmctld.pid || slurmctld
-running /run/slurmd.pid || slurmd
+running /run/slurmctld.pid || slurmctld 9>&-
+running /run/slurmd.pid || slurmd 9>&-
 
 state=""
 for _ in $(seq 60); do

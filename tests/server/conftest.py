@@ -64,7 +64,7 @@ def slurm_cluster() -> str:
     if not in_ci and shutil.which("slurmctld") is None:
         unavailable(f"Slurm is not installed (run {script} as root, or apt-get install slurm-wlm)")
     try:
-        out = subprocess.run([str(script)], capture_output=True, text=True, timeout=600)
+        out = subprocess.run([str(script)], capture_output=True, text=True, timeout=360)
     except (OSError, subprocess.TimeoutExpired) as e:
         unavailable(f"{script} did not finish: {e}")
     if out.returncode != 0:
