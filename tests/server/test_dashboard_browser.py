@@ -258,6 +258,26 @@ def test_submit_through_form_and_watch_it_run(page: Page, service: Service) -> N
     expect(page.locator("#resume-job")).to_be_hidden()
 
 
+def assert_form_holds(page: Page, job: dict[str, Any]) -> None:
+    """Every field of the submit form shows ``job``'s value of that spec field."""
+    shown = page.eval_on_selector_all(
+        "#submit-form [id^=field-]", "els => Object.fromEntries(els.map(e => [e.id, e.value]))"
+    )
+    assert "field-max_restarts" in shown and "field-train-steps" in shown, shown
+    for field_id, value in shown.items():
+        expected: Any = job
+        for key in field_id.removeprefix("field-").split("-"):
+            expected = expected.get(key) if isinstance(expected, dict) else None
+        if expected is None:
+            assert value == "", (field_id, value)
+        elif isinstance(expected, bool):
+            assert value == str(expected).lower(), (field_id, value, expected)
+        elif isinstance(expected, int | float):
+            assert float(value) == expected, (field_id, value, expected)
+        else:
+            assert value == str(expected), (field_id, value, expected)
+
+
 def api_errors(service: Service, body: dict[str, Any]) -> dict[str, str]:
     """The field errors the API itself gives for ``body``: {field: message}."""
     with service.client() as c:
@@ -272,6 +292,9 @@ def test_invalid_spec_shows_the_field_error(page: Page, service: Service) -> Non
     open_hash(page, service, "#/submit")
     expect(page.locator("#field-train-steps")).to_be_visible()
     expect(page.locator("#prefill-note")).to_contain_text("form-tiny")  # the newest job
+    with service.client() as c:
+        newest = c.get("/v1/jobs", params={"limit": 1}).json()["items"][0]
+    assert_form_holds(page, newest)
     # A bound of the schema (steps >= 1), then a limit of this server (--max-nproc 2).
     bad = tiny_spec("bad", steps=0)
     fill_form(page, bad)

@@ -280,7 +280,9 @@ export function renderSubmit(main, params) {
         ? await api("GET", `/v1/jobs/${encodeURIComponent(from)}`)
         : (await api("GET", "/v1/jobs?limit=1")).items[0];
       if (source) {
-        start = { name: source.name, nproc_per_node: source.nproc_per_node, train: source.train };
+        // Every field of the form takes the source job's value (the job record holds the
+        // whole spec next to its status; the form reads only the spec's fields).
+        start = source;
         note.textContent = t("submit.from", { name: jobLabel(source) });
         note.hidden = false;
       }
