@@ -117,22 +117,19 @@ def _open_fraction(text: str) -> float:
     return value
 
 
-def _resume_target(text: str) -> str:
-    if text in ("auto", "never"):
+def _checkpoint_path(flag: str, *keywords: str) -> Callable[[str], str]:
+    """A parser for ``flag``: one of ``keywords``, or a complete checkpoint folder."""
+
+    def parse(text: str) -> str:
+        if text in keywords:
+            return text
+        try:
+            require_checkpoint(text, flag)
+        except CheckpointError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
         return text
-    try:
-        require_checkpoint(text, "--resume")
-    except CheckpointError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
 
-
-def _init_source(text: str) -> str:
-    try:
-        require_checkpoint(text, "--init-from")
-    except CheckpointError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return text
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -323,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ckpt.add_argument(
         "--resume",
-        type=_resume_target,
+        type=_checkpoint_path("--resume", "auto", "never"),
         metavar="{auto,never,PATH}",
         default=d.resume,
         help="auto = continue from the latest checkpoint in --checkpoint-dir if there is "
@@ -331,7 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ckpt.add_argument(
         "--init-from",
-        type=_init_source,
+        type=_checkpoint_path("--init-from"),
         metavar="PATH",
         default=d.init_from,
         help="start from the weights of this checkpoint (optimizer, schedule and step "
