@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --constraint constraints.txt $(FIND_LINKS)
 
-.PHONY: setup demo test test-core test-server test-docs lint format docs docs-serve bench bench-setup bench-quick bench-optimizer clean
+.PHONY: setup demo test test-core test-server test-docs lint format docs docs-serve bench bench-setup bench-quick bench-moe bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -62,12 +62,24 @@ $(BENCH_STAMP): $(STAMP)
 # counted traffic of every contender, quality (learning-rate sweeps), scaling, DCP
 # checkpoint save and load against FSDP2 + AdamW.
 bench: bench-setup
-	$(BIN)/python benchmarks/optimizer_step.py --model small --json benchmarks/results/optimizer_step.json
+	$(MAKE) bench-optimizer
 	$(BIN)/python benchmarks/bench.py
 	$(BIN)/python benchmarks/quality.py
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/plots.py
 	$(BIN)/python benchmarks/checkpoint_io.py
+	$(MAKE) bench-moe
+
+# `dmuon.Muon.step()` against torch.optim.Muon + AdamW, one process (a few minutes).
+bench-optimizer: bench-setup
+	$(BIN)/python benchmarks/optimizer_step.py --model small --json benchmarks/results/optimizer_step.json
+
+# Mixture of experts (about 20 minutes on 2 cores): the `moe` preset with its expert stacks
+# on Muon, on AdamW, and AdamW alone; and whole against split `gate_up_proj` on a tiny
+# Mixtral (needs the `transformers` test dependency).
+bench-moe: bench-setup
+	$(BIN)/python benchmarks/moe_quality.py
+	$(BIN)/python benchmarks/moe_split.py
 
 # CI: tiny model, every contender (the peers included); asserts only deterministic things
 # (counted traffic against the formulas). A few minutes.
