@@ -197,3 +197,73 @@ def test_each_launcher_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     spec = JobCreate.model_validate({**job_spec(1), "nnodes": 2, "partition": "debug"})
     plan = plan_view(ok, spec, review(ok, spec), 0)
     assert plan.world_size == 2 and any("sbatch" in w for w in plan.warnings)
+
+
+def _store_with(tmp_path: Path, **launched: str) -> tuple[Path, dict[str, str]]:
+    """A data directory whose store holds one job per entry of ``launched``:
+    ``name=slurm`` (running in Slurm), ``name=local`` (running on the host) or
+    ``name=queued`` (waiting in the service's queue). Returns the settings' data dir and
+    the job ids by name."""
+    from dmuon_server.store import Store
+
+    settings = make_settings(tmp_path)
+    settings.jobs_dir.mkdir(parents=True)
+    store = Store(settings.db_path)
+    ids = {}
+    for name, how in launched.items():
+        job, _ = store.create_job(
+            job_id=f"job-{name}",
+            name=name,
+            nproc=1,
+            spec="{}",
+            spec_hash=name,
+            idempotency_key=None,
+            argv=[],
+        )
+        ids[name] = job["id"]
+        if how == "queued":
+            continue
+        store.transition(job["id"], "running", "started")
+        if how == "slurm":
+            number = store.start_attempt(job["id"], "submitted", None)
+            store.set_attempt_slurm_job(job["id"], number, "4242")
+        else:
+            store.update_job(job["id"], pid=os.getpid(), create_time=0.0)
+    store.close()
+    return settings.data_dir, ids
+
+
+def test_a_data_dir_with_slurm_jobs_is_not_reopened_by_the_local_launcher(
+    tmp_path: Path,
+) -> None:
+    from dmuon_server.app import create_app
+    from dmuon_server.datadir import StartupError
+    from dmuon_server.store import Store
+
+    data_dir, ids = _store_with(tmp_path, a="slurm", b="queued", c="slurm")
+    settings = make_settings(tmp_path, data_dir=data_dir, launcher="local")
+    with pytest.raises(StartupError) as err:
+        create_app(settings)
+    message = str(err.value)
+    assert message.startswith("2 job(s)") and "--launcher slurm" in message
+    assert ids["a"] in message and ids["c"] in message and ids["b"] not in message
+    # Nothing was changed: the Slurm jobs still run as far as the store knows.
+    store = Store(settings.db_path)
+    assert [j["state"] for j in store.jobs_in_states(["running"])] == ["running"] * 2
+    store.close()
+    # A queue of never-launched jobs opens under either launcher.
+    data_dir, _ = _store_with(tmp_path / "queue", q="queued")
+    create_app(make_settings(tmp_path / "queue", data_dir=data_dir, launcher="local"))
+
+
+def test_local_jobs_block_the_slurm_launcher(tmp_path: Path) -> None:
+    from dmuon_server.datadir import StartupError
+    from dmuon_server.launchers.handover import check_launcher_matches
+    from dmuon_server.store import Store
+
+    data_dir, ids = _store_with(tmp_path, here="local", waiting="queued")
+    store = Store(make_settings(tmp_path, data_dir=data_dir).db_path)
+    check_launcher_matches(store, "local")
+    with pytest.raises(StartupError, match=f"--launcher local .*{ids['here']}"):
+        check_launcher_matches(store, "slurm")
+    store.close()

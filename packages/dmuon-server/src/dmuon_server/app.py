@@ -14,6 +14,7 @@ from dmuon_server.config import Settings
 from dmuon_server.dashboard import mount_dashboard
 from dmuon_server.datadir import DataDirLock, StartupError, check_data_dir
 from dmuon_server.errors import install_error_handlers
+from dmuon_server.launchers.handover import check_launcher_matches
 from dmuon_server.launchers.slurm_jobs import check_slurm
 from dmuon_server.limits import BodySizeLimitMiddleware
 from dmuon_server.metrics import Hub, MetricsTailer
@@ -38,6 +39,7 @@ def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = N
         store = Store(settings.db_path)
     except StoreError as e:
         raise StartupError(str(e)) from None
+    check_launcher_matches(store, settings.launcher)
     hub = Hub()
     tailer = MetricsTailer(store, hub)
     supervisor = Supervisor(settings, store, hub, tailer)
