@@ -269,6 +269,45 @@ def test_idempotency_key_same_spec_200_other_spec_409(client: TestClient) -> Non
     _problem(client.post("/v1/jobs", json=job_spec(), headers={"Idempotency-Key": "a b"}), 422)
 
 
+def test_idempotency_key_survives_an_upgrade_that_adds_spec_fields(
+    tmp_path: Path, data_dir: Path, fake_env: None
+) -> None:
+    """A job an older server stored (its spec without the fields added since, hashed
+    whole) is found again by its key when the same body is posted to this server."""
+    import hashlib
+
+    from dmuon_server.schemas import JobCreate
+    from dmuon_server.store import Store
+
+    body = job_spec(steps=3)
+    settings = make_settings(tmp_path, data_dir=data_dir)
+    older = JobCreate.model_validate(body).model_dump(mode="json")
+    for added in ("max_restarts", "init_from", "nnodes", "partition", "time_limit", "account"):
+        del older[added]
+    stored = json.dumps(older, sort_keys=True, separators=(",", ":"))
+    store = Store(settings.db_path)
+    store.create_job(
+        job_id="older",
+        name=None,
+        nproc=2,
+        spec=stored,
+        spec_hash=hashlib.sha256(stored.encode()).hexdigest(),
+        idempotency_key="k-older",
+        argv=[],
+    )
+    store.transition("older", "cancelled", "cancelled while queued")
+    store.close()
+    with TestClient(create_app(settings)) as c:
+        again = c.post("/v1/jobs", json=body, headers={"Idempotency-Key": "k-older"})
+        assert again.status_code == 200 and again.json()["id"] == "older", again.text
+        explicit = dict(body, max_restarts=0)  # a default written out is the same spec
+        same = c.post("/v1/jobs", json=explicit, headers={"Idempotency-Key": "k-older"})
+        assert same.status_code == 200 and same.json()["id"] == "older", same.text
+        other = c.post("/v1/jobs", json=job_spec(steps=4), headers={"Idempotency-Key": "k-older"})
+        assert _problem(other, 409)["job_id"] == "older"
+        assert [j["id"] for j in c.get("/v1/jobs").json()["items"]] == ["older"]
+
+
 def test_concurrent_submissions_with_one_key_create_one_job(
     tmp_path: Path, data_dir: Path, fake_env: None
 ) -> None:

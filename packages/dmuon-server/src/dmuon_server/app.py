@@ -14,6 +14,8 @@ from dmuon_server.config import Settings
 from dmuon_server.dashboard import mount_dashboard
 from dmuon_server.datadir import DataDirLock, StartupError, check_data_dir
 from dmuon_server.errors import install_error_handlers
+from dmuon_server.fingerprint import PREFIX as FINGERPRINT_PREFIX
+from dmuon_server.fingerprint import stored_spec_fingerprint
 from dmuon_server.launchers.handover import check_launcher_matches
 from dmuon_server.launchers.slurm_jobs import check_slurm
 from dmuon_server.limits import BodySizeLimitMiddleware
@@ -40,6 +42,7 @@ def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = N
     except StoreError as e:
         raise StartupError(str(e)) from None
     check_launcher_matches(store, settings.launcher)
+    store.refresh_spec_hashes(stored_spec_fingerprint, FINGERPRINT_PREFIX)
     hub = Hub()
     tailer = MetricsTailer(store, hub)
     supervisor = Supervisor(settings, store, hub, tailer)

@@ -13,7 +13,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,24 @@ class Store:
             have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
             if column not in have:
                 self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+
+    def refresh_spec_hashes(self, fingerprint: Callable[[str], str | None], prefix: str) -> int:
+        """Recompute the spec hash of every job with an idempotency key whose hash does not
+        start with ``prefix`` (written by an older server), as ``fingerprint(spec JSON)``;
+        a ``None`` fingerprint leaves the row alone. Returns the number of rows changed."""
+        changed = 0
+        with self._tx() as c:
+            rows = c.execute(
+                "SELECT id, spec FROM jobs WHERE idempotency_key IS NOT NULL"
+                " AND substr(spec_hash, 1, ?) != ?",
+                (len(prefix), prefix),
+            ).fetchall()
+            for row in rows:
+                new = fingerprint(row["spec"])
+                if new is not None:
+                    c.execute("UPDATE jobs SET spec_hash = ? WHERE id = ?", (new, row["id"]))
+                    changed += 1
+        return changed
 
     def close(self) -> None:
         """Close the connection."""

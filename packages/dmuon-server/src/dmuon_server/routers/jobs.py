@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import json
 import shutil
 import uuid
@@ -14,6 +13,7 @@ from fastapi import APIRouter, Header, Query, Response
 
 from dmuon_server.dependencies import JobRow, SettingsDep, StoreDep, SupervisorDep
 from dmuon_server.errors import ApiError, error_responses, field_error
+from dmuon_server.fingerprint import spec_fingerprint
 from dmuon_server.jobfiles import (
     CHECKPOINT_DIR,
     LOG_FILE,
@@ -131,7 +131,7 @@ def create_job(
             name=body.name,
             nproc=body.nproc_per_node,
             spec=canonical,
-            spec_hash=hashlib.sha256(canonical.encode()).hexdigest(),
+            spec_hash=spec_fingerprint(body),
             idempotency_key=idempotency_key,
             argv=command.argv,
         )
