@@ -1,10 +1,11 @@
-"""The recipe across two torchrun agents (c10d rendezvous over loopback) as HSDP 2x1.
+"""The recipe across two torchrun agents (c10d rendezvous over loopback) as HSDP.
 
-Two ``torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d`` agents on this machine
-stand for two nodes; ``--hsdp 2`` makes each one a replica. Oracle: the recipe in
-one process (this one) on the same global batch (micro-batch 2m instead of m on each
-of 2 ranks). Its final checkpoint's weights must match within 1e-5 per parameter. The
-run is Z2 (``test_recipe_torchrun.py`` runs Z3 under ``torchrun --standalone``).
+Two ``torchrun --nnodes 2 --nproc-per-node P --rdzv-backend c10d`` agents on this machine
+stand for two nodes; ``--hsdp 2`` makes each one a replica: a 2x1 mesh with one process
+per agent and a 2x2 mesh with two. Oracle: the recipe in one process (this one) on the
+same global batch of 4 (micro-batch 4 instead of 4 / (2P) on each of 2P ranks). Its final
+checkpoint's weights must match within 1e-5 per parameter. The runs are Z2
+(``test_recipe_torchrun.py`` runs Z3 under ``torchrun --standalone``).
 """
 
 from __future__ import annotations
@@ -47,19 +48,30 @@ def _final_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
     return load_full_weights(final)
 
 
-def test_two_torchrun_agents_as_hsdp_match_one_process(
-    tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The oracle runs in this process (torch is imported already).
-    monkeypatch.setenv("DMUON_CACHE_DIR", cache_dir)
-    single = [*COMMON, "--micro-batch-size", "4", "--checkpoint-dir", str(tmp_path / "single")]
-    assert main([*single, "--threads", "1"]) == 0
+@pytest.fixture(scope="module")
+def one_process_weights(
+    tmp_path_factory: pytest.TempPathFactory, cache_dir: str
+) -> dict[str, torch.Tensor]:
+    """The oracle: the recipe in this process (torch is imported already), global batch 4."""
+    checkpoints = tmp_path_factory.mktemp("single")
+    single = [*COMMON, "--micro-batch-size", "4", "--checkpoint-dir", str(checkpoints)]
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("DMUON_CACHE_DIR", cache_dir)
+        assert main([*single, "--threads", "1"]) == 0
+    return _final_weights(checkpoints)
 
+
+@pytest.mark.parametrize("per_agent", [1, 2], ids=["2x1", "2x2"])
+def test_two_torchrun_agents_as_hsdp_match_one_process(
+    tmp_path: Path, cache_dir: str, one_process_weights: dict[str, torch.Tensor], per_agent: int
+) -> None:
     endpoint = f"127.0.0.1:{_free_port()}"
     agent = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "hsdp-test",
-        "--max-restarts", "0", "-m", "dmuon.train", *COMMON, "--micro-batch-size", "2",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+        "--nproc-per-node", str(per_agent), "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", endpoint, "--rdzv-id", f"hsdp-test-{per_agent}",
+        "--max-restarts", "0", "-m", "dmuon.train", *COMMON,
+        "--micro-batch-size", str(4 // (2 * per_agent)),
         "--hsdp", "2", "--checkpoint-dir", str(tmp_path / "hsdp"),
     ]  # fmt: skip
     started = time.monotonic()
@@ -73,10 +85,10 @@ def test_two_torchrun_agents_as_hsdp_match_one_process(
     wall = time.monotonic() - started
     for a, (_, err) in zip(agents, outputs, strict=True):
         assert a.returncode == 0, err[-4000:]
-    print(f"two torchrun agents, HSDP 2x1, {STEPS} steps: {wall:.1f} s wall")
+    print(f"two torchrun agents, HSDP 2x{per_agent}, {STEPS} steps: {wall:.1f} s wall")
     assert sum(out.count("done:") for out, _ in outputs) == 1  # rank 0 alone reports
 
-    expected = _final_weights(tmp_path / "single")
+    expected = one_process_weights
     got = _final_weights(tmp_path / "hsdp")
     assert got.keys() == expected.keys()
     worst = max((got[k] - expected[k]).abs().max().item() for k in expected)
