@@ -6,6 +6,7 @@ world size to see what a run would do before launching it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
@@ -190,11 +191,13 @@ def plan_owners(
     of its matrices' costs, unless it is split by experts: its experts are then cut into
     contiguous ranges of nearly equal size, each range an item of its own, and the ranges
     of one stack go to different ranks. With ``split_expert_stacks="auto"`` a stack is a
-    candidate when its cost exceeds the per-rank share (total cost / ``world_size``), so
-    one owner would carry more than its share; for each candidate, largest first, the
-    planner tries every number of ranges from 1 (whole) to ``min(experts, world_size)``
-    and keeps the one with the smallest maximum load (the fewest ranges on a tie).
-    ``True`` splits every stack (at least 2 ranges, same search); ``False`` never splits.
+    candidate when its cost exceeds the per-rank share ``S`` (total cost /
+    ``world_size``), so one owner would carry more than its share. The planner compares
+    the plan without splits with plans that cut every candidate of cost ``C`` into
+    ``ceil(C / S)``, one more, or two more ranges (at most ``min(experts, world_size)``),
+    and keeps the one whose heaviest rank is lightest (the fewest items on a tie).
+    ``True`` splits every stack into at least 2 ranges the same way; ``False`` never
+    splits.
 
     Args:
         shapes: ``{fqn: (rows, cols)}`` of the dedicated matrices, or ``(matrices, rows,
@@ -226,19 +229,25 @@ def plan_owners(
     boundaries = boundaries or {}
     candidates = _split_candidates(shapes, world_size, split_expert_stacks)
     fewest = 2 if split_expert_stacks is True else 1
-    pieces: dict[str, int] = {fqn: fewest for fqn in candidates}
-    costs = {fqn: newton_schulz_cost(shapes[fqn]) for fqn in candidates}
-    for fqn in sorted(candidates, key=lambda f: (-costs[f], candidates.index(f))):
-        best: tuple[int, int] | None = None  # (max load, pieces)
-        for count in range(fewest, min(int(shapes[fqn][0]), world_size) + 1):
-            pieces[fqn] = count
-            _, loads = _assign(_items(shapes, boundaries, pieces), world_size)
-            if best is None or max(loads) < best[0]:
-                best = (max(loads), count)
-        assert best is not None
-        pieces[fqn] = best[1]
-    items = _items(shapes, boundaries, pieces)
-    assigned, loads = _assign(items, world_size)
+    share = sum(newton_schulz_cost(shape) for shape in shapes.values()) / world_size
+    options: list[dict[str, int]] = [{}] if split_expert_stacks == "auto" else []
+    for extra in (0, 1, 2):
+        pieces = {}
+        for fqn in candidates:
+            most = min(int(shapes[fqn][0]), world_size)
+            wanted = math.ceil(newton_schulz_cost(shapes[fqn]) / share) + extra
+            pieces[fqn] = max(fewest, min(most, wanted))
+        if pieces not in options:
+            options.append(pieces)
+    best: tuple[tuple[int, int], list[_Item], dict[str, int], list[int]] | None = None
+    for pieces in options:
+        items = _items(shapes, boundaries, pieces)
+        assigned, loads = _assign(items, world_size)
+        score = (max(loads), len(items))  # the lightest heaviest rank, then fewest items
+        if best is None or score < best[0]:
+            best = (score, items, assigned, loads)
+    assert best is not None
+    _, items, assigned, loads = best
     ranges: dict[str, list[ExpertRange]] = {}
     for item in items:
         if item.experts is not None:
