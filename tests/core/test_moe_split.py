@@ -179,9 +179,9 @@ def _train(rank: int, world: int, z3: bool) -> dict[str, Any]:
 
     for layer in model.model.layers:
         layer.mlp.experts.register_forward_pre_hook(count_idle)
-    units, elements = [], []
+    units, elements, norms = [], [], []
     for step in range(STEPS):
-        _step(model, optimizer, step, rank, world)
+        norms.append(_step(model, optimizer, step, rank, world))
         audit = dmuon.comm_audit(model)
         units.append(audit.last_step().units)
         elements.append(audit.dedicated_elements)
@@ -190,8 +190,9 @@ def _train(rank: int, world: int, z3: bool) -> dict[str, Any]:
         for dp in dmuon.dedicated_parameters(model)
         if dp.is_range and dp.is_owned
     }
-    return {
+    result = {
         "params": full_parameters(model),
+        "norms": norms,
         "plan": plan,
         "records": records,
         "momentum_shapes": momentum_shapes,
@@ -200,6 +201,11 @@ def _train(rank: int, world: int, z3: bool) -> dict[str, Any]:
         "idle": idle,
         "checkpoint": _round_trip(world, z3, model, optimizer) if not z3 else None,
     }
+    if not z3:  # nn.Module.load_state_dict: each owner takes its experts of the full stack
+        doubled = result["params"][STACK] * 2
+        model.load_state_dict({STACK: doubled}, strict=False)
+        result["plain_load_diff"] = (full_parameters(model)[STACK] - doubled).abs().max().item()
+    return result
 
 
 #: (ranks, Z3): 3 ranks in Z3, then 2 of them in Z2 with the checkpoint round trip.
@@ -238,7 +244,8 @@ def test_split_stacks_match_per_expert_newton_schulz(split_results, world: int, 
     for rank, result in enumerate(per_rank):
         assert "error" not in result, f"rank {rank}:\n{result['error']}"
     muon = expected_muon_names("mixtral")
-    reference = _by_hand(tiny_mixtral(), muon, False, world)["params"]
+    by_hand = _by_hand(tiny_mixtral(), muon, False, world)
+    reference = by_hand["params"]
     initial = dict(tiny_mixtral().named_parameters())
     stacks = sorted(n for n in muon if "experts" in n)
     assert sum(result["idle"] for result in per_rank) > 0, "every expert saw tokens everywhere"
@@ -271,6 +278,8 @@ def test_split_stacks_match_per_expert_newton_schulz(split_results, world: int, 
         assert result["units"] == [pytest.approx(expected_units)] * STEPS
 
     for rank, result in enumerate(per_rank):
+        # The global gradient norm (dmuon's clipping norm) counts each range once.
+        assert result["norms"] == pytest.approx(by_hand["norms"], rel=1e-5), rank
         for name, expected in reference.items():
             diff = (result["params"][name] - expected).abs().max().item()
             assert diff <= TOLERANCE, f"rank {rank} {name}: max |diff| {diff:.3g}"
@@ -287,3 +296,4 @@ def test_split_checkpoint_loads_unsplit_and_back(split_results) -> None:
         assert saved["shape"] == saved["momentum_shape"] == (EXPERTS, 96, 32)
         assert saved["to_unsplit"] == (0.0, 0.0), f"rank {rank}: split -> unsplit differs"
         assert saved["to_split"] == (0.0, 0.0), f"rank {rank}: unsplit -> split differs"
+        assert result["plain_load_diff"] == 0.0, f"rank {rank}: load_state_dict differs"
