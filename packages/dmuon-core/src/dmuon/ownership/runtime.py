@@ -19,6 +19,10 @@ Per hook boundary (usually one transformer layer):
   owners of the same matrices in the other replicas, so every replica's owner holds the
   same average and steps the matrix alike (no broadcast after the step).
 
+An expert stack split across owners (`SplitStack`) takes part like a packed group: one
+stack-wide buffer, one broadcast and one reduce per range of experts, issued after the
+boundary's packed groups.
+
 Every trigger above is an event every rank sees in the same order (the model's structure,
 not its data), so every rank issues the same collectives in the same order even when
 routing leaves a matrix without a gradient on some ranks.
