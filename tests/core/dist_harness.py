@@ -152,21 +152,25 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
     from dmuon.ownership.state import get_dedication
 
-    owners = {dp.fqn: dp for dp in _dedicated(model)}
+    records: dict[str, list[Any]] = {}
+    for dp in _dedicated(model):
+        records.setdefault(dp.fqn, []).append(dp)  # a stack split by experts: its ranges
     state = get_dedication(model)
     group = state.runtime.comm.group if state is not None else None  # owners' shard group
     full = {}
     for name, param in model.named_parameters():
-        if name in owners:
-            dp = owners[name]
-            tensor = (
-                param.detach().clone()
-                if dp.is_owned
-                else torch.empty(dp.shape, dtype=param.dtype, device=param.device)
-            )
-            if group is not None:
-                dist.broadcast(tensor, src=dist.get_global_rank(group, dp.owner), group=group)
-            full[name] = tensor.cpu()
+        if name in records:
+            pieces = []
+            for dp in records[name]:
+                tensor = (
+                    dp.param.detach().clone()
+                    if dp.is_owned
+                    else torch.empty(dp.shape, dtype=dp.param.dtype, device=dp.param.device)
+                )
+                if group is not None:
+                    dist.broadcast(tensor, src=dist.get_global_rank(group, dp.owner), group=group)
+                pieces.append(tensor.cpu())
+            full[name] = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         elif isinstance(param, DTensor):
             full[name] = param.full_tensor().detach().cpu()
         else:

@@ -23,12 +23,13 @@ from dmuon.comm import CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
 from dmuon.ownership.dedicate import dedicate_params
 from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
-from dmuon.ownership.planner import OwnerPlan, default_predicate, plan_owners
+from dmuon.ownership.planner import ExpertRange, OwnerPlan, default_predicate, plan_owners
 from dmuon.updates import parameters_updated
 
 __all__ = [
     "CollectiveTally",
     "CommAudit",
+    "ExpertRange",
     "Muon",
     "NonFiniteGradientError",
     "OwnerPlan",

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from dmuon.ownership.fsdp_integration import is_dedicated
 from dmuon.ownership.state import get_dedication
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
@@ -50,18 +51,18 @@ def _local_parts(model: nn.Module, world: int) -> list[tuple[Tensor, float]]:
     # Every replica's owner holds the same averaged gradient of its matrices.
     owner_copies = float(state.runtime.comm.replicas) if state is not None else 1.0
     parts: list[tuple[Tensor, float]] = []
+    # Dedicated gradients come from the dedication's records (a stack split by experts
+    # has one per range, each on its owner), not from the module's parameters.
+    for dp in dedicated.values():
+        assert state is not None
+        grad = state.runtime.reduced_grad(dp) if dp.is_owned else None
+        if grad is not None:
+            parts.append((grad, owner_copies))
     seen: set[int] = set()
     for param in model.parameters():
-        if id(param) in seen:
+        if id(param) in seen or id(param) in dedicated or is_dedicated(param):
             continue
         seen.add(id(param))
-        dp = dedicated.get(id(param))
-        if dp is not None:
-            assert state is not None
-            grad = state.runtime.reduced_grad(dp) if dp.is_owned else None
-            if grad is not None:
-                parts.append((grad, owner_copies))
-            continue
         grad = param.grad
         if grad is None:
             continue

@@ -14,6 +14,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from dmuon.checkpoint.dedicated_values import gather_to_owners
 from dmuon.checkpoint.layout import DedicatedLayout
+from dmuon.checkpoint.split_stacks import (
+    checkpoint_items,
+    collect_on_lead,
+    owner_pieces,
+    ranges_by_stack,
+)
 from dmuon.ownership.state import DedicationState
 
 
@@ -29,10 +35,14 @@ def reshard_fsdp(model: nn.Module) -> None:
 
 
 def included(state: DedicationState, options: StateDictOptions) -> list[Any]:
-    """The dedicated parameters a state dict with ``options`` holds (the same on every rank)."""
+    """The dedicated entries a state dict with ``options`` holds (the same on every rank).
+
+    A stack split by experts is one entry (see `dmuon.checkpoint.split_stacks`).
+    """
+    items = checkpoint_items(state)
     if options.ignore_frozen_params:
-        return [dp for dp in state.params if dp.param.requires_grad]
-    return list(state.params)
+        return [dp for dp in items if dp.param.requires_grad]
+    return items
 
 
 def get_dedicated_model_state_dict(
@@ -43,8 +53,12 @@ def get_dedicated_model_state_dict(
     result = torch_sd.get_model_state_dict(model, options=options)
     layout = DedicatedLayout(state)
     rank0_only = options.full_state_dict and options.cpu_offload
+    ranges = ranges_by_stack(state)
     for dp in included(state, options):
-        owned = dp.param.detach() if dp.is_owned else None
+        if dp.fqn in ranges:
+            owned = collect_on_lead(layout.comm, ranges[dp.fqn], lambda r: r.param.detach())
+        else:
+            owned = dp.param.detach() if dp.is_owned else None
         value = layout.export(dp, owned, options.full_state_dict, rank0_only)
         if value is not None:
             result[dp.fqn] = value
@@ -108,10 +122,12 @@ def set_dedicated_model_state_dict(
     torch_keys = torch_sd.set_model_state_dict(
         model, remaining, options=replace(options, strict=False)
     )
+    pieces = owner_pieces(comm, state, loaded)
+    wanted_names = {dp.fqn for dp in wanted}
     with torch.no_grad():
-        for dp in wanted:
-            value = loaded.get(dp.fqn)
-            if dp.is_owned and value is not None:
+        for dp in state.params:
+            value = pieces.get(dp.name)
+            if dp.fqn in wanted_names and dp.is_owned and value is not None:
                 dp.param.copy_(value)
     state.runtime.invalidate_buffers()
     torch_missing = [k for k in torch_keys.missing_keys if k not in dedicated_names]

@@ -22,6 +22,12 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dmuon.checkpoint.dedicated_values import gather_to_owners
 from dmuon.checkpoint.layout import DedicatedLayout
+from dmuon.checkpoint.split_stacks import (
+    checkpoint_items,
+    collect_on_lead,
+    owner_pieces,
+    ranges_by_stack,
+)
 from dmuon.ownership.state import DedicationState
 
 MOMENTUM = "momentum_buffer"
@@ -34,8 +40,16 @@ def as_tuple(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
     return tuple(optimizers)
 
 
-def _names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
+def _names(model: nn.Module, state: DedicationState) -> dict[int, str]:
+    """``{id(param): fqn}``; every range of a split stack goes by the stack's name."""
+    names = {id(p): name for name, p in model.named_parameters()}
+    names.update({id(dp.param): dp.fqn for dp in state.params})
+    return names
+
+
+def _unique(names: list[str]) -> list[str]:
+    """``names`` without repeats (a split stack's ranges), in order."""
+    return list(dict.fromkeys(names))
 
 
 def _check_optimizers(state: DedicationState, optimizers: tuple) -> None:
@@ -79,32 +93,37 @@ def get_dedicated_optimizer_state_dict(
 ) -> dict[str, Any]:
     """The FQN-keyed optimizer state dict of ``optimizers`` on a dedicated model."""
     _check_optimizers(state, optimizers)
-    names = _names(model)
+    names = _names(model, state)
     layout = DedicatedLayout(state)
     is_rank0 = layout.comm.is_rank0
     rank0_only = options.full_state_dict and options.cpu_offload
     result: dict[str, Any] = {"state": {}, "param_groups": []}
-    momentum_of: dict[str, torch.Tensor] = {}
+    momentum_of: dict[str, torch.Tensor] = {}  # by record name: ranges apart
+    record_names = {id(dp.param): dp.name for dp in state.params}
     for optim in optimizers:
         _ensure_state(optim)
         params = [p for g in optim.param_groups for p in g["params"]]
         for p in params:
             if p in optim.state and MOMENTUM in optim.state[p] and id(p) in names:
-                momentum_of[names[id(p)]] = optim.state[p][MOMENTUM]
+                momentum_of[record_names.get(id(p), names[id(p)])] = optim.state[p][MOMENTUM]
         raw = optim.state_dict()
         for index, entry in raw["state"].items():
             result["state"][names[id(params[index])]] = dict(entry)
         for group in raw["param_groups"]:
             named = {k: v for k, v in group.items() if k != "params"}
-            named["params"] = [names[id(params[i])] for i in group["params"]]
+            named["params"] = _unique([names[id(params[i])] for i in group["params"]])
             result["param_groups"].append(named)
     dedicated_names = {dp.fqn for dp in state.params}
     if options.full_state_dict:
         for fqn, entry in result["state"].items():
             if fqn not in dedicated_names:
                 result["state"][fqn] = {k: _full_value(v, options) for k, v in entry.items()}
-    for dp in state.params:
-        owned = momentum_of.get(dp.fqn) if dp.is_owned else None
+    ranges = ranges_by_stack(state)
+    for dp in checkpoint_items(state):
+        if dp.fqn in ranges:
+            owned = collect_on_lead(layout.comm, ranges[dp.fqn], lambda r: momentum_of.get(r.name))
+        else:
+            owned = momentum_of.get(dp.fqn) if dp.is_owned else None
         value = layout.export(dp, owned, options.full_state_dict, rank0_only)
         if value is not None:
             result["state"].setdefault(dp.fqn, {})[MOMENTUM] = value
@@ -203,7 +222,7 @@ def set_dedicated_optimizer_state_dict(
 ) -> None:
     """Load an FQN-keyed optimizer state dict into ``optimizers`` of a dedicated model."""
     _check_optimizers(state, optimizers)
-    names = _names(model)
+    names = _names(model, state)
     layout = DedicatedLayout(state)
     osd = optim_state_dict
     if "state" not in osd and osd:
@@ -214,12 +233,13 @@ def set_dedicated_optimizer_state_dict(
     loaded_state: dict[str, dict[str, Any]] = osd.get("state", {})
     momentum = gather_to_owners(
         layout,
-        list(state.params),
+        checkpoint_items(state),
         lambda dp: loaded_state.get(dp.fqn, {}).get(MOMENTUM),
         False,
         "optimizer",
     )
-    missing = [dp.fqn for dp in state.params if dp.fqn not in momentum]
+    pieces = owner_pieces(layout.comm, state, momentum)
+    missing = _unique([dp.fqn for dp in state.params if dp.fqn not in momentum])
     if missing and options.strict:
         raise ValueError(
             f"the optimizer state dict has no Muon momentum for {missing[:5]}; it does not "
@@ -260,8 +280,8 @@ def set_dedicated_optimizer_state_dict(
             for p, fqn in zip(group["params"], fqns, strict=True):
                 dp = dedicated.get(id(p))
                 if dp is not None:
-                    if dp.is_owned and momentum.get(fqn) is not None:
-                        index_state[position] = {MOMENTUM: momentum[fqn]}
+                    if dp.is_owned and pieces.get(dp.name) is not None:
+                        index_state[position] = {MOMENTUM: pieces[dp.name]}
                 elif fqn in loaded_state:
                     index_state[position] = {
                         k: _local_value(p, v) for k, v in loaded_state[fqn].items()

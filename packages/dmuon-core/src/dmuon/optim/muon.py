@@ -43,7 +43,7 @@ from dmuon.optim.orthogonalize import (
     resolve_coefficients,
 )
 from dmuon.optim.split import Split, matrix_pieces, resolve_split
-from dmuon.ownership.fsdp_integration import verify_not_sharded
+from dmuon.ownership.fsdp_integration import is_dedicated, verify_not_sharded
 from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.state import DedicationState, get_dedication
 
@@ -291,7 +291,7 @@ class Muon(torch.optim.Optimizer):
         others: list[nn.Parameter] = []
         seen: set[int] = set()
         for p in model.parameters():
-            if not p.requires_grad or id(p) in dedicated_ids or id(p) in seen:
+            if not p.requires_grad or id(p) in dedicated_ids or id(p) in seen or is_dedicated(p):
                 continue
             seen.add(id(p))
             others.append(p)

@@ -23,13 +23,16 @@ from dmuon.ownership.fsdp_integration import install_fsdp_filter, is_fsdp_module
 from dmuon.ownership.packed_group import PackedGroup
 from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.planner import (
+    ExpertRange,
     ModulePredicate,
     ParamPredicate,
+    SplitStacks,
     default_predicate,
     find_hook_boundary,
     plan_owners,
 )
 from dmuon.ownership.runtime import Boundary, DedicationRuntime
+from dmuon.ownership.split_stack import SplitStack
 from dmuon.ownership.state import STATE_ATTR, DedicationState
 
 ROOT_BOUNDARY = ""
@@ -189,6 +192,56 @@ def _select(
     return selected
 
 
+def _split_ranges(
+    fqn: str,
+    module: nn.Module,
+    attr: str,
+    param: nn.Parameter,
+    ranges: tuple[ExpertRange, ...],
+    comm_rank: int,
+    device: torch.device,
+    boundary: str,
+    transposed: bool,
+) -> list[DedicatedParam]:
+    """One record per range of a stack split by experts; the stack becomes a placeholder.
+
+    A range's owner keeps a float32 master of its experts; every other rank, and the
+    module itself on every rank, a 0-element placeholder.
+    """
+    stack_shape = param.shape
+    records = []
+    for start, stop, owner in ranges:
+        is_owned = owner == comm_rank
+        with torch.no_grad():
+            if is_owned:
+                data = param.data[start:stop].to(device=device, dtype=torch.float32).clone()
+            else:
+                data = torch.empty(0, dtype=torch.float32, device=device)
+        master = nn.Parameter(data, requires_grad=param.requires_grad)
+        mark_dedicated(master, fqn)
+        records.append(
+            DedicatedParam(
+                fqn=fqn,
+                module=module,
+                attr=attr,
+                owner=owner,
+                shape=torch.Size((stop - start, *stack_shape[1:])),
+                param=master,
+                boundary=boundary,
+                is_owned=is_owned,
+                transposed=transposed,
+                fused_parts=fused_gate_up_parts(fqn, module, attr),
+                experts=(start, stop),
+                registered=param,
+                stack_shape=stack_shape,
+            )
+        )
+    with torch.no_grad():
+        param.data = torch.empty(0, dtype=torch.float32, device=device)
+    mark_dedicated(param, fqn)
+    return records
+
+
 def dedicate_params(
     model: nn.Module,
     mesh: DeviceMesh | None = None,
@@ -199,6 +252,7 @@ def dedicate_params(
     hook_boundary_strict: bool = True,
     param_dtype: torch.dtype | None = None,
     check_collectives: bool | None = None,
+    split_expert_stacks: SplitStacks = "auto",
 ) -> dict[str, int]:
     """Give every Muon-target matrix of ``model`` to exactly one owner rank.
 
@@ -238,16 +292,23 @@ def dedicate_params(
             every rank if the ranks disagree (a debugging aid that costs one small
             collective each). ``None`` reads the environment variable
             ``DMUON_CHECK_COLLECTIVES`` (``1`` turns it on).
+        split_expert_stacks: Whether a 3-D expert stack may be split by experts across
+            owners. ``"auto"`` lets the planner split a stack whose Newton-Schulz cost
+            exceeds the per-rank share (total / ranks) when that lowers the largest
+            per-rank load; ``True`` splits every stack; ``False`` keeps every stack whole
+            on one owner. See `dmuon.plan_owners`.
 
     Returns:
-        ``{fqn: owner_rank}`` for every dedicated parameter; on a 2-D mesh the owner's
-        rank inside its shard group.
+        ``{name: owner_rank}`` for every dedicated parameter; on a 2-D mesh the owner's
+        rank inside its shard group. A stack split by experts appears once per range, as
+        ``fqn[start:stop]`` (experts ``start`` to ``stop - 1``).
 
     Raises:
         ValueError: Called twice, after ``fully_shard``, with a mesh that is neither 1-D
             nor a 2-D ``(replicate, shard)`` mesh, a predicate that matches nothing or
-            selects a tied parameter or one that is neither 2-D nor 3-D, or a parameter
-            without a hook boundary in strict mode.
+            selects a tied parameter or one that is neither 2-D nor 3-D, a parameter
+            without a hook boundary in strict mode, or a ``split_expert_stacks`` other than
+            ``"auto"``, ``True`` or ``False``.
 
     The default predicate selects the weights of ``nn.Linear`` modules and of
     transformers' ``Conv1D`` modules (GPT-2 style, stored as ``(in, out)``; the learning-rate
@@ -255,7 +316,10 @@ def dedicate_params(
     modules: the 3-D ``gate_up_proj`` / ``down_proj`` (and ``gate_proj`` / ``up_proj``)
     parameters of any module holding such a ``gate_up_proj`` or ``down_proj`` (transformers'
     Mixtral, Qwen2-MoE, Qwen3-MoE experts and modules of the same layout). A stack is one
-    dedicated tensor with one owner, broadcast and reduced as a whole. Routers and the
+    dedicated tensor with one owner, broadcast and reduced as a whole, unless the planner
+    splits it by experts (``split_expert_stacks``): each contiguous range of experts then
+    has its own owner, which keeps the master and the Muon momentum of those experts, and
+    broadcasts and reduces its range as an item of its own. Routers and the
     other gates next to an experts module (a router's ``experts x hidden`` matrix,
     Qwen2-MoE's ``shared_expert_gate``) stay with AdamW: the top-k choice depends on the
     relative scale of the router's rows, which Muon's equal-size orthogonalized update
@@ -287,10 +351,30 @@ def dedicate_params(
         boundaries[fqn] = boundary
     comm_rank = dist.get_rank(group) if group is not None else 0
     world_size = dist.get_world_size(group) if group is not None else 1
-    plan = plan_owners({fqn: p.shape for fqn, _, _, p, _ in selected}, world_size, boundaries)
+    plan = plan_owners(
+        {fqn: p.shape for fqn, _, _, p, _ in selected},
+        world_size,
+        boundaries,
+        split_expert_stacks=split_expert_stacks,
+    )
 
     dedicated: list[DedicatedParam] = []
     for fqn, module, attr, param, transposed in selected:
+        if fqn in plan.expert_ranges:
+            dedicated.extend(
+                _split_ranges(
+                    fqn,
+                    module,
+                    attr,
+                    param,
+                    plan.expert_ranges[fqn],
+                    comm_rank,
+                    device,
+                    boundaries[fqn],
+                    transposed,
+                )
+            )
+            continue
         owner = plan.owners[fqn]
         is_owned = owner == comm_rank
         shape = param.shape
@@ -334,12 +418,18 @@ def dedicate_params(
     runtime_boundaries = []
     for name in sorted(by_boundary, key=lambda n: module_order[n]):
         by_owner: dict[int, list[DedicatedParam]] = defaultdict(list)
+        by_stack: dict[str, list[DedicatedParam]] = defaultdict(list)
         for dp in by_boundary[name]:
-            by_owner[dp.owner].append(dp)
-        groups = [
+            if dp.is_range:
+                by_stack[dp.fqn].append(dp)
+            else:
+                by_owner[dp.owner].append(dp)
+        groups: list[PackedGroup | SplitStack] = [
             PackedGroup(by_owner[owner], owner, buffer_dtype, device, comm)
             for owner in sorted(by_owner)
         ]
+        # Then each split stack, in parameter order: the same order on every rank.
+        groups += [SplitStack(ranges, buffer_dtype, device, comm) for ranges in by_stack.values()]
         runtime_boundaries.append(Boundary(name, model.get_submodule(name), groups))
     runtime = DedicationRuntime(
         model, dedicated, runtime_boundaries, comm, reshard_after_forward, param_dtype

@@ -69,7 +69,7 @@ def verify_not_sharded(state: DedicationState) -> None:
     taken = []
     for dp in state.params:
         registered = dp.module._parameters.get(dp.attr)
-        if isinstance(registered, DTensor) or registered is not dp.param:
+        if isinstance(registered, DTensor) or registered is not dp.module_param:
             taken.append(dp.fqn)
     if taken:
         raise ValueError(

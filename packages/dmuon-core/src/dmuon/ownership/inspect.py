@@ -13,17 +13,21 @@ from dmuon.ownership.state import require_dedication as _require_state
 class DedicatedParameters(tuple[DedicatedParam, ...]):
     """The dedicated parameters of a model, in order; also usable as FSDP2's ``ignored_params``.
 
-    Iterating yields `DedicatedParam` records (name, owner, shape, boundary). ``x in it``
+    Iterating yields `DedicatedParam` records (name, owner, shape, boundary); a stack split
+    by experts yields one record per range (``dp.experts``, ``dp.name``). ``x in it``
     is true for a record and for the ``nn.Parameter`` it describes, which is what
     ``fully_shard(..., ignored_params=...)`` asks.
     """
 
     def __contains__(self, item: object) -> bool:
-        return any(item is dp or item is dp.param for dp in self)
+        return any(item is dp or item is dp.param or item is dp.registered for dp in self)
 
     def parameters(self) -> set[nn.Parameter]:
-        """The registered ``nn.Parameter`` objects (masters on owners, placeholders elsewhere)."""
-        return {dp.param for dp in self}
+        """The registered ``nn.Parameter`` objects (masters on owners, placeholders elsewhere).
+
+        A stack split by experts adds its placeholder and every range's master.
+        """
+        return {p for dp in self for p in (dp.param, dp.registered) if p is not None}
 
 
 def comm_audit(model: nn.Module) -> CommAudit:
@@ -56,6 +60,9 @@ def dedicated_parameters(model: nn.Module) -> DedicatedParameters:
 
 def owner_plan(model: nn.Module) -> OwnerPlan:
     """The owner plan `dmuon.dedicate_params` used: owners, per-rank loads, imbalance.
+
+    A stack split by experts shows one owner per range, named ``fqn[start:stop]``
+    (``owners``), and its ranges in ``expert_ranges[fqn]``.
 
     Raises:
         ValueError: If ``model`` was never passed to `dmuon.dedicate_params`.

@@ -48,6 +48,21 @@ class PackedGroup:
         self._replica_reduce: Pending | None = None
         self._broadcast_versions: list[int] = []
 
+    # ----- what the boundary registers ----------------------------------------------------
+    def views(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """``(module, attribute, full-matrix view)`` for forward and backward."""
+        return [
+            (dp.module, dp.attr, leaf) for dp, leaf in zip(self.params, self.leaves, strict=True)
+        ]
+
+    def placeholders(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """``(module, attribute, registered parameter)`` between forwards."""
+        return [(dp.module, dp.attr, dp.param) for dp in self.params]
+
+    def grad_leaves(self) -> list[tuple[str, nn.Parameter]]:
+        """``(fqn, leaf)`` whose gradients this group reduces."""
+        return [(dp.fqn, leaf) for dp, leaf in zip(self.params, self.leaves, strict=True)]
+
     # ----- forward / backward parameters -------------------------------------------------
     @property
     def allocated(self) -> bool:

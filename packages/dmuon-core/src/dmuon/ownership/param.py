@@ -28,6 +28,12 @@ class DedicatedParam:
     reduced as a whole, orthogonalized matrix by matrix. ``transposed`` then says that each
     matrix is stored as ``(in, out)``.
 
+    A stack the planner split by experts is several records, one per contiguous range of
+    experts (``experts = (start, stop)``), each with its own owner: ``param`` is then the
+    owner's master of that range (``shape`` is the range's), and ``registered`` is the
+    stack's own parameter, a 0-element placeholder on every rank, which the module holds
+    between forwards. ``stack_shape`` is the whole stack's shape.
+
     ``fused_parts`` is the number of equal parts a known fused layout concatenates along
     each matrix's output dimension (2 for transformers' ``gate_up_proj``, else 1): what
     ``dmuon.Muon(split="auto")`` splits by.
@@ -43,10 +49,30 @@ class DedicatedParam:
     is_owned: bool
     transposed: bool = False
     fused_parts: int = 1
+    experts: tuple[int, int] | None = None
+    registered: nn.Parameter | None = None
+    stack_shape: torch.Size | None = None
+
+    @property
+    def name(self) -> str:
+        """``fqn``, or ``fqn[start:stop]`` for a range of a split stack (`OwnerPlan`'s name)."""
+        if self.experts is None:
+            return self.fqn
+        return f"{self.fqn}[{self.experts[0]}:{self.experts[1]}]"
+
+    @property
+    def is_range(self) -> bool:
+        """Whether this is one range of experts of a stack split across owners."""
+        return self.experts is not None
+
+    @property
+    def module_param(self) -> nn.Parameter:
+        """The parameter the module holds between forwards (``registered`` or ``param``)."""
+        return self.registered if self.registered is not None else self.param
 
     @property
     def numel(self) -> int:
-        """Number of elements of the full matrix."""
+        """Number of elements of the full matrix (of the range, for a split stack)."""
         return self.shape.numel()
 
     @property

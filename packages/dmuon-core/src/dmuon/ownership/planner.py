@@ -6,8 +6,10 @@ world size to see what a run would do before launching it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
 
 from torch import nn
 
@@ -55,25 +57,127 @@ def newton_schulz_cost(shape: Sequence[int]) -> int:
     return count * min(m, n) ** 2 * max(m, n)
 
 
+#: ``split_expert_stacks`` values: always split stacks, never, or when it balances better.
+SplitStacks = Literal["auto"] | bool
+
+
+class ExpertRange(NamedTuple):
+    """Experts ``start`` to ``stop - 1`` of a split stack, and the rank that owns them."""
+
+    start: int
+    stop: int
+    owner: int
+
+
+def range_name(fqn: str, start: int, stop: int) -> str:
+    """The name a plan gives experts ``start:stop`` of the stack ``fqn``: ``fqn[start:stop]``."""
+    return f"{fqn}[{start}:{stop}]"
+
+
 @dataclass(frozen=True)
 class OwnerPlan:
     """The result of `plan_owners`.
 
     Attributes:
-        owners: ``{fqn: owner_rank}`` in the order the parameters were given.
+        owners: ``{name: owner_rank}`` in the order the parameters were given. A stack
+            split by experts appears as one entry per range, named ``fqn[start:stop]``
+            (experts ``start`` to ``stop - 1``), in expert order.
         loads: Newton-Schulz cost assigned to each rank.
         imbalance: ``max(loads) / mean(loads)``; 1.0 is perfect balance.
+        expert_ranges: ``{fqn: (ExpertRange, ...)}`` of every stack split by experts;
+            empty when no stack is split.
     """
 
     owners: dict[str, int]
     loads: tuple[int, ...]
     imbalance: float
+    expert_ranges: dict[str, tuple[ExpertRange, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One unit of ownership: a whole tensor, or a range of a split stack's experts."""
+
+    name: str
+    fqn: str
+    cost: int
+    boundary: str
+    experts: tuple[int, int] | None = None
+
+
+def _expert_ranges(experts: int, pieces: int) -> list[tuple[int, int]]:
+    """``pieces`` contiguous ranges of ``experts`` whose sizes differ by at most one."""
+    base, extra = divmod(experts, pieces)
+    ranges, start = [], 0
+    for index in range(pieces):
+        stop = start + base + (1 if index < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def _items(
+    shapes: Mapping[str, Sequence[int]],
+    boundaries: Mapping[str, str],
+    pieces: Mapping[str, int],
+) -> list[_Item]:
+    items = []
+    for fqn, shape in shapes.items():
+        boundary = boundaries.get(fqn, "")
+        count = pieces.get(fqn, 1)
+        if count == 1:
+            items.append(_Item(fqn, fqn, newton_schulz_cost(shape), boundary))
+            continue
+        per_expert = newton_schulz_cost(tuple(shape)[1:])
+        for start, stop in _expert_ranges(int(shape[0]), count):
+            name = range_name(fqn, start, stop)
+            cost = (stop - start) * per_expert
+            items.append(_Item(name, fqn, cost, boundary, (start, stop)))
+    return items
+
+
+def _assign(items: list[_Item], world_size: int) -> tuple[dict[str, int], list[int]]:
+    """Longest-processing-time first; the ranges of one stack go to different ranks."""
+    order = {item.name: index for index, item in enumerate(items)}
+    loads = [0] * world_size
+    per_boundary: dict[tuple[str, int], int] = {}
+    holders: dict[str, set[int]] = {}
+    assigned: dict[str, int] = {}
+    for item in sorted(items, key=lambda i: (-i.cost, order[i.name])):
+        taken = holders.setdefault(item.fqn, set()) if item.experts is not None else set()
+        candidates = [rank for rank in range(world_size) if rank not in taken]
+        lightest = min(loads[rank] for rank in candidates)
+        eligible = [rank for rank in candidates if loads[rank] <= lightest + item.cost]
+        rank = min(
+            eligible,
+            key=lambda r: (per_boundary.get((item.boundary, r), 0), loads[r], r),
+        )
+        assigned[item.name] = rank
+        taken.add(rank)
+        loads[rank] += item.cost
+        key = (item.boundary, rank)
+        per_boundary[key] = per_boundary.get(key, 0) + 1
+    return assigned, loads
+
+
+def _split_candidates(
+    shapes: Mapping[str, Sequence[int]], world_size: int, split: SplitStacks
+) -> list[str]:
+    """Stacks the planner may split: every stack (``True``), dominant ones (``"auto"``)."""
+    if split is False or world_size < 2:
+        return []
+    stacks = [fqn for fqn, shape in shapes.items() if len(shape) == 3 and int(shape[0]) >= 2]
+    if split is True:
+        return stacks
+    share = sum(newton_schulz_cost(shape) for shape in shapes.values()) / world_size
+    return [fqn for fqn in stacks if newton_schulz_cost(shapes[fqn]) > share]
 
 
 def plan_owners(
     shapes: Mapping[str, Sequence[int]],
     world_size: int,
     boundaries: Mapping[str, str] | None = None,
+    split_expert_stacks: SplitStacks = "auto",
 ) -> OwnerPlan:
     """Assign every matrix to exactly one rank, balancing Newton-Schulz cost.
 
@@ -84,22 +188,38 @@ def plan_owners(
     deterministic and identical on every rank.
 
     A 3-D stack of matrices (fused experts) is one item with one owner, its cost the sum
-    of its matrices' costs; stacks are not split across ranks.
+    of its matrices' costs, unless it is split by experts: its experts are then cut into
+    contiguous ranges of nearly equal size, each range an item of its own, and the ranges
+    of one stack go to different ranks. With ``split_expert_stacks="auto"`` a stack is a
+    candidate when its cost exceeds the per-rank share ``S`` (total cost /
+    ``world_size``), so one owner would carry more than its share. The planner compares
+    the plan without splits with plans that cut every candidate of cost ``C`` into
+    ``ceil(C / S)``, one more, or two more ranges (at most ``min(experts, world_size)``),
+    and keeps the one whose heaviest rank is lightest (the fewest items on a tie).
+    ``True`` splits every stack into at least 2 ranges the same way; ``False`` never
+    splits.
 
     Args:
         shapes: ``{fqn: (rows, cols)}`` of the dedicated matrices, or ``(matrices, rows,
             cols)`` of dedicated stacks.
         world_size: Number of ranks (at least 1).
         boundaries: Optional ``{fqn: boundary_name}``; matrices of one boundary are spread.
+        split_expert_stacks: ``"auto"`` (default), ``True`` or ``False``; see above.
 
     Returns:
         The `OwnerPlan`.
 
     Raises:
-        ValueError: If ``world_size < 1`` or a shape is neither 2-D nor 3-D.
+        ValueError: If ``world_size < 1``, a shape is neither 2-D nor 3-D, or
+            ``split_expert_stacks`` is not ``"auto"``, ``True`` or ``False``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not (split_expert_stacks == "auto" or isinstance(split_expert_stacks, bool)):
+        raise ValueError(
+            'split_expert_stacks must be "auto", True (split every expert stack across '
+            f"owners) or False (one owner per stack), got {split_expert_stacks!r}"
+        )
     for fqn, shape in shapes.items():
         if len(shape) not in (2, 3):
             raise ValueError(
@@ -107,27 +227,39 @@ def plan_owners(
                 f"{tuple(shape)}"
             )
     boundaries = boundaries or {}
-    order = {fqn: index for index, fqn in enumerate(shapes)}
-    costs = {fqn: newton_schulz_cost(shape) for fqn, shape in shapes.items()}
-    loads = [0] * world_size
-    per_boundary: dict[tuple[str, int], int] = {}
-    assigned: dict[str, int] = {}
-    for fqn in sorted(shapes, key=lambda f: (-costs[f], order[f])):
-        cost = costs[fqn]
-        boundary = boundaries.get(fqn, "")
-        lightest = min(loads)
-        eligible = [rank for rank in range(world_size) if loads[rank] <= lightest + cost]
-        rank = min(
-            eligible,
-            key=lambda r: (per_boundary.get((boundary, r), 0), loads[r], r),
-        )
-        assigned[fqn] = rank
-        loads[rank] += cost
-        per_boundary[(boundary, rank)] = per_boundary.get((boundary, rank), 0) + 1
+    candidates = _split_candidates(shapes, world_size, split_expert_stacks)
+    fewest = 2 if split_expert_stacks is True else 1
+    share = sum(newton_schulz_cost(shape) for shape in shapes.values()) / world_size
+    options: list[dict[str, int]] = [{}] if split_expert_stacks == "auto" else []
+    for extra in (0, 1, 2):
+        pieces = {}
+        for fqn in candidates:
+            most = min(int(shapes[fqn][0]), world_size)
+            wanted = math.ceil(newton_schulz_cost(shapes[fqn]) / share) + extra
+            pieces[fqn] = max(fewest, min(most, wanted))
+        if pieces not in options:
+            options.append(pieces)
+    best: tuple[tuple[int, int], list[_Item], dict[str, int], list[int]] | None = None
+    for pieces in options:
+        items = _items(shapes, boundaries, pieces)
+        assigned, loads = _assign(items, world_size)
+        score = (max(loads), len(items))  # the lightest heaviest rank, then fewest items
+        if best is None or score < best[0]:
+            best = (score, items, assigned, loads)
+    assert best is not None
+    _, items, assigned, loads = best
+    ranges: dict[str, list[ExpertRange]] = {}
+    for item in items:
+        if item.experts is not None:
+            start, stop = item.experts
+            ranges.setdefault(item.fqn, []).append(ExpertRange(start, stop, assigned[item.name]))
     mean = sum(loads) / world_size
     imbalance = max(loads) / mean if mean > 0 else 1.0
     return OwnerPlan(
-        owners={fqn: assigned[fqn] for fqn in shapes}, loads=tuple(loads), imbalance=imbalance
+        owners={item.name: assigned[item.name] for item in items},
+        loads=tuple(loads),
+        imbalance=imbalance,
+        expert_ranges={fqn: tuple(r) for fqn, r in ranges.items()},
     )
 
 

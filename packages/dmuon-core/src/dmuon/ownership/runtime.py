@@ -19,6 +19,10 @@ Per hook boundary (usually one transformer layer):
   owners of the same matrices in the other replicas, so every replica's owner holds the
   same average and steps the matrix alike (no broadcast after the step).
 
+An expert stack split across owners (`SplitStack`) takes part like a packed group: one
+stack-wide buffer, one broadcast and one reduce per range of experts, issued after the
+boundary's packed groups.
+
 Every trigger above is an event every rank sees in the same order (the model's structure,
 not its data), so every rank issues the same collectives in the same order even when
 routing leaves a matrix without a gradient on some ranks.
@@ -42,6 +46,7 @@ from dmuon.comm import Communicator
 from dmuon.ownership.fsdp_integration import is_fsdp_module
 from dmuon.ownership.packed_group import PackedGroup
 from dmuon.ownership.param import DedicatedParam
+from dmuon.ownership.split_stack import SplitStack
 
 _GRAD_ATTRS = ("_reduced_grad", "_accumulated_grad")
 
@@ -92,34 +97,51 @@ class _BoundaryInputsGrad(torch.autograd.Function):
         return (None, None, *grads)
 
 
+def _load_range(dp: DedicatedParam, full: Any) -> bool:
+    """The owner of a split stack's range copies its experts of ``full`` into its master.
+
+    Returns ``False`` when ``full`` is not a tensor of the stack's shape.
+    """
+    if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(dp.stack_shape or ()):
+        return False
+    if dp.is_owned and dp.experts is not None:
+        with torch.no_grad():
+            dp.param.copy_(full[dp.experts[0] : dp.experts[1]])
+    return True
+
+
 class Boundary:
     """One hook boundary: its module, its packed groups and its backward bookkeeping."""
 
-    def __init__(self, name: str, module: nn.Module, groups: list[PackedGroup]) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, groups: list[PackedGroup | SplitStack]
+    ) -> None:
         self.name = name
         self.module = module
         self.groups = groups
-        self.needs_grads = any(leaf.requires_grad for g in groups for leaf in g.leaves)
+        self.needs_grads = any(leaf.requires_grad for _, leaf in self.grad_leaves())
         # Forward passes of this backward whose gradients are not reduced yet; forwards
         # whose inputs carry no gradient are reduced at the end of backward instead.
         self.pending_by_inputs = 0
         self.pending_at_end = 0
         self.pre_backward_done = False
 
-    def pairs(self) -> Iterator[tuple[DedicatedParam, nn.Parameter]]:
-        """(dedicated parameter, full-matrix view) pairs of this boundary."""
+    def grad_leaves(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(fqn, full-tensor view) pairs whose gradients this boundary reduces."""
         for group in self.groups:
-            yield from zip(group.params, group.leaves, strict=True)
+            yield from group.grad_leaves()
 
     def register_views(self) -> None:
         """Put the full-matrix views on their modules (forward and recomputation use them)."""
-        for dp, leaf in self.pairs():
-            dp.module._parameters[dp.attr] = leaf
+        for group in self.groups:
+            for module, attr, leaf in group.views():
+                module._parameters[attr] = leaf
 
     def register_params(self) -> None:
         """Put the registered parameters (master / placeholder) back on their modules."""
-        for dp, _ in self.pairs():
-            dp.module._parameters[dp.attr] = dp.param
+        for group in self.groups:
+            for module, attr, param in group.placeholders():
+                module._parameters[attr] = param
 
     def covered_by_fsdp(self, root: nn.Module) -> bool:
         """Whether ``fully_shard`` wraps this boundary's module or one of its ancestors."""
@@ -168,17 +190,19 @@ class DedicationRuntime:
         module.register_forward_hook(
             lambda _m, _args, out: self._post_forward(index, out), always_call=True
         )
-        for dp, leaf in boundary.pairs():
+        for fqn, leaf in boundary.grad_leaves():
             if leaf.requires_grad:
                 leaf.register_post_accumulate_grad_hook(
-                    lambda _t, fqn=dp.fqn: self._grad_arrived(index, fqn)
+                    lambda _t, fqn=fqn: self._grad_arrived(index, fqn)
                 )
 
     def _install_state_dict_hooks(self, model: nn.Module) -> None:
         """``model.load_state_dict`` works on every rank and refreshes the buffers.
 
         Non-owners hold 0-element placeholders: a full tensor for one of them is replaced by
-        an empty one before loading (the owner loads the value and broadcasts it).
+        an empty one before loading (the owner loads the value and broadcasts it). For a
+        stack split by experts every rank holds a placeholder; each range's owner copies
+        its experts from the full tensor into its master.
         """
         by_module: dict[int, list[DedicatedParam]] = {}
         for dp in self.params:
@@ -192,10 +216,14 @@ class DedicationRuntime:
                 *_: Any,
                 dps: list[DedicatedParam] = dps,
             ) -> None:
+                given = {dp.attr: state_dict.get(prefix + dp.attr) for dp in dps}
                 for dp in dps:
-                    key = prefix + dp.attr
-                    if not dp.is_owned and key in state_dict:
-                        state_dict[key] = dp.param.detach().new_empty(0)
+                    value = given[dp.attr]
+                    if value is None or (dp.is_owned and not dp.is_range):
+                        continue
+                    if dp.is_range and not _load_range(dp, value):
+                        continue  # wrong shape: load_state_dict reports it
+                    state_dict[prefix + dp.attr] = dp.module_param.detach().new_empty(0)
 
             dps[0].module.register_load_state_dict_pre_hook(keep_owned_only)
         model.register_load_state_dict_post_hook(lambda _module, _keys: self.invalidate_buffers())
@@ -386,17 +414,20 @@ class DedicationRuntime:
 
     def clear_gradients(self, set_to_none: bool = True) -> None:
         """Clear ``_reduced_grad`` and ``_accumulated_grad`` of every dedicated parameter."""
-        for dp in self.params:
+        holders = {
+            id(p): p for dp in self.params for p in (dp.param, dp.registered) if p is not None
+        }
+        for param in holders.values():
             for attr in _GRAD_ATTRS:
-                grad = getattr(dp.param, attr, None)
+                grad = getattr(param, attr, None)
                 if grad is None:
                     continue
                 if set_to_none:
-                    setattr(dp.param, attr, None)
+                    setattr(param, attr, None)
                 else:
                     grad.zero_()
 
-    def groups(self) -> Iterator[PackedGroup]:
+    def groups(self) -> Iterator[PackedGroup | SplitStack]:
         """Every packed group, boundary by boundary."""
         for boundary in self.boundaries:
             yield from boundary.groups
