@@ -18,7 +18,7 @@ only at the step's edges and before ``optimizer.step()``:
 * ``total``: from the first barrier to the last, as `bench.py` times a step;
 * ``cpu``, ``ns_cpu``: the process's CPU time (``time.process_time``: every thread of the
   rank, gloo's included) over the step and inside Newton-Schulz. Other processes on a
-  shared machine stretch wall times but not CPU times, so these compare work.
+  shared machine stretch wall times much more than CPU times, so these compare work.
 
 Medians over the timed steps, per rank. ``--levers`` adds DMuon variants (``-gram``: the
 Gram Newton-Schulz iteration, ``ns_gram=True``; ``-2threads``: two threads per rank during
