@@ -59,11 +59,13 @@ $(BENCH_STAMP): $(STAMP)
 
 # Full side-by-side benchmarks (about an hour on 2 cores; writes benchmarks/results/*.json
 # and the plots in docs/assets/benchmarks/): optimizer step, distributed step time and
-# counted traffic of every contender, quality (learning-rate sweeps), scaling, DCP
+# counted traffic and memory of every contender, where the step time goes (profile_step),
+# quality (learning-rate sweeps), scaling, DCP
 # checkpoint save and load against FSDP2 + AdamW.
 bench: bench-setup
 	$(MAKE) bench-optimizer
 	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python benchmarks/profile_step.py --levers
 	$(BIN)/python benchmarks/quality.py
 	$(BIN)/python benchmarks/scaling.py
 	$(BIN)/python benchmarks/plots.py

@@ -24,6 +24,7 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
 from machine import machine_info
+from memory import PeakTensorMemory, dedicated_bytes_formula, dedicated_bytes_held
 from traffic import TrafficCounter
 
 OWN = ("adamw-z2", "adamw-z3", "dmuon-z2", "dmuon-z3", "naive-z3")
@@ -132,18 +134,40 @@ def _build(contender: str, args: argparse.Namespace, device: str) -> tuple[Any, 
     return model, optimizer, p_m
 
 
-def _train_step(model: Any, optimizer: Any, args: argparse.Namespace, accum: int) -> float:
-    """One optimizer step over ``accum`` micro-batches; returns the seconds of ``step()``."""
-    import dmuon
-    from dmuon.train import lm_loss
-
+def micro_batches(args: argparse.Namespace, accum: int) -> Iterator[torch.Tensor]:
+    """The ``accum`` micro-batches of one step on this rank: the same tokens every step."""
     device = "cuda" if args.cuda else "cpu"
     gen = torch.Generator().manual_seed(dist.get_rank())
-    for micro in range(accum):
+    for _ in range(accum):
         tokens = torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=gen)
-        tokens = tokens.to(device)
-        with dmuon.no_sync(model) if micro + 1 < accum else nullcontext():
+        yield tokens.to(device)
+
+
+def sync_context(model: Any, micro: int, accum: int) -> Any:
+    """``dmuon.no_sync`` on every micro-batch but the last, as a training loop would."""
+    import dmuon
+
+    return dmuon.no_sync(model) if micro + 1 < accum else nullcontext()
+
+
+def _train_step(
+    model: Any,
+    optimizer: Any,
+    args: argparse.Namespace,
+    accum: int,
+    after_forward: Callable[[], None] | None = None,
+) -> float:
+    """One optimizer step over ``accum`` micro-batches; returns the seconds of ``step()``.
+
+    ``after_forward`` is called after each forward, before its backward.
+    """
+    from dmuon.train import lm_loss
+
+    for micro, tokens in enumerate(micro_batches(args, accum)):
+        with sync_context(model, micro, accum):
             loss = lm_loss(model(tokens[:, :-1]), tokens[:, 1:]) / accum
+            if after_forward is not None:
+                after_forward()
             loss.backward()
     _sync(args.cuda)
     start = time.perf_counter()
@@ -180,6 +204,35 @@ def _try_build(contender: str, args: argparse.Namespace, device: str) -> tuple[A
         return None, _error_text(error)
 
 
+def _memory_round(
+    contender: str, args: argparse.Namespace, device: str, accum: int
+) -> dict[str, int | None]:
+    """Peak tensor bytes of a freshly built contender during its second step, and for DMuon
+    the packed-buffer bytes held after each forward of that step (the largest) next to
+    their formula (``memory.py`` says what is counted)."""
+    held: list[int] = []
+    with PeakTensorMemory(cuda=args.cuda) as memory:
+        model, optimizer, p_m = _build(contender, args, device)
+        _train_step(model, optimizer, args, accum)  # creates the optimizer state
+        _sync(args.cuda)
+
+        def after_forward(model: Any = model) -> None:
+            count = dedicated_bytes_held(model)
+            if count is not None:
+                held.append(count)
+
+        with memory.window():
+            _train_step(model, optimizer, args, accum, after_forward)
+        _sync(args.cuda)
+        element_size = next(model.parameters()).element_size()
+        del model, optimizer
+    return {
+        "peak_memory_bytes": memory.peak,
+        "dedicated_bytes_after_forward": max(held) if held else None,
+        "dedicated_bytes_formula": dedicated_bytes_formula(contender, p_m, element_size),
+    }
+
+
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
     if args.cuda:
         torch.cuda.set_device(rank)
@@ -205,15 +258,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                 not_run.setdefault(contender, {})[str(accum)] = failure
         times: dict[str, list[float]] = {c: [] for c in built}
         optim_times: dict[str, list[float]] = {c: [] for c in built}
-        peak: dict[str, int | None] = {c: None for c in built}
         traffic: dict[str, dict[str, int]] = {}
         for round_index in range(1 + args.steps):
             for contender in list(built):
                 model, optimizer, _ = built[contender]
                 _sync(args.cuda)
                 counted = round_index == 1
-                if args.cuda:
-                    torch.cuda.reset_peak_memory_stats()
                 try:
                     with TrafficCounter() if counted else nullcontext() as counter:
                         start = time.perf_counter()
@@ -235,14 +285,15 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                     traffic[contender] = {
                         issuer: counter.total(issuer) for issuer in ("dmuon", "torch", "peer")
                     }
-                if args.cuda:
-                    peak[contender] = torch.cuda.max_memory_allocated()
                 if round_index >= 1:
                     times[contender].append(elapsed)
                     optim_times[contender].append(optim_elapsed)
         p_m = built["dmuon-z3"][2] if "dmuon-z3" in built else None
         rest_z3 = traffic["dmuon-z3"]["torch"] if "dmuon-z3" in built else None
-        for contender in built:
+        ran = list(built)
+        model = optimizer = built = None  # the memory rounds count each contender alone
+        memory = {c: _memory_round(c, args, device, accum) for c in ran}
+        for contender in ran:
             t = traffic[contender]
             measured: float | None = None
             if p_m and contender.startswith("dmuon"):
@@ -257,14 +308,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                     "accum": accum,
                     "median_step_s": statistics.median(times[contender]),
                     "median_optim_step_s": statistics.median(optim_times[contender]),
-                    "peak_memory_bytes": peak[contender],
+                    **memory[contender],
                     "elements_per_rank": t,
                     "muon_elements": p_m,
                     "muon_units": measured,
                     "formula_units": formula_units(contender, accum, world),
                 }
             )
-        del built
         if rank == 0 and args.save_partial:
             # A long run keeps what it measured so far if it is stopped.
             _save(_record(args, rows, not_run))
@@ -288,19 +338,27 @@ def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _mib(nbytes: int | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**20
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The Markdown table of one run, then the peers that could not run and why."""
     lines = [
         "| contender | accum | step (s) | vs AdamW (same mode) | optimizer step (s) "
-        "| vs naive | Muon units | formula |",
-        "|---|---|---|---|---|---|---|---|",
+        "| vs naive | Muon units | formula | peak (MiB) | dedicated after forward (MiB) "
+        "| formula (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['contender']} | {r['accum']} | {r['median_step_s']:.3f} | "
             f"{_fmt(r['vs_adamw_same_mode'], '.2f', 'x')} | {r['median_optim_step_s']:.3f} | "
             f"{_fmt(r['optim_vs_naive'], '.2f', 'x')} | {_fmt(r['muon_units'], '.2f')} | "
-            f"{_fmt(r['formula_units'], '.2f')} |"
+            f"{_fmt(r['formula_units'], '.2f')} | "
+            f"{_fmt(_mib(r.get('peak_memory_bytes')), '.1f')} | "
+            f"{_fmt(_mib(r.get('dedicated_bytes_after_forward')), '.2f')} | "
+            f"{_fmt(_mib(r.get('dedicated_bytes_formula')), '.2f')} |"
         )
     for name, peer in result["peers"].items():
         for accum, why in peer["not_run"].items():
@@ -310,10 +368,17 @@ def format_table(result: dict[str, Any]) -> str:
 
 def check(result: dict[str, Any]) -> list[str]:
     """What ``--check`` asserts (deterministic only): every counted Muon traffic equals its
-    formula, AdamW moves nothing outside FSDP2, and every peer either ran or says why."""
+    formula, DMuon's packed-buffer bytes after forward equal theirs, AdamW moves nothing
+    outside FSDP2, and every peer either ran or says why."""
     problems = []
     for r in result["rows"]:
         where = f"{r['contender']} at accumulation {r['accum']}"
+        formula_bytes = r.get("dedicated_bytes_formula")
+        if formula_bytes is not None and r.get("dedicated_bytes_after_forward") != formula_bytes:
+            problems.append(
+                f"{where}: {r.get('dedicated_bytes_after_forward')} bytes of packed buffers "
+                f"after forward, formula {formula_bytes}"
+            )
         if r["formula_units"] is not None:
             if r["muon_units"] is None:
                 problems.append(f"{where}: traffic not counted")
@@ -391,7 +456,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags; ``--quick`` picks the CI configuration."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, traffic only (CI)")
-    parser.add_argument("--check", action="store_true", help="exit 1 if traffic != formulas")
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if traffic or memory != formulas"
+    )
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--model", default=None)
     parser.add_argument("--accum", type=int, nargs="+", default=None)
@@ -426,7 +493,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"FAIL {problem}", file=sys.stderr)
         if problems:
             raise SystemExit(1)
-        print(f"check: {len(result['rows'])} rows match their formulas")
+        print(f"check: {len(result['rows'])} rows match their traffic and memory formulas")
     return result
 
 

@@ -25,6 +25,15 @@ A page asks for a table with a marker on a line of its own:
 ``<!-- benchmark: targets NAME -->``
     The step-time, traffic and quality targets, measured value and met or missed, from
     ``benchmarks/results/NAME.json`` and ``quality.json``.
+``<!-- benchmark: profile NAME -->``
+    ``benchmarks/results/NAME.json`` (from ``benchmarks/profile_step.py``): where the time
+    of one optimizer step goes, per contender and accumulation (mean of the ranks).
+``<!-- benchmark: profile-limit NAME -->``
+    The same file: DMuon's extra time over AdamW next to each rank's Newton-Schulz time,
+    its rate and the rate of a float32 batched product alone at the same shapes.
+``<!-- benchmark: profile-step NAME -->``
+    The same file: inside one ``optimizer.step()`` on rank 0 under torch.profiler, the
+    allocations and the share of operator time in matrix products and in copies.
 ``<!-- benchmark: machine NAME -->``
     One line: the machine, torch version and load average a result was taken under.
 
@@ -136,6 +145,28 @@ LABELS: dict[str, dict[str, Any]] = {
         "t_quality": "DMuon reaches AdamW's best final validation loss in ≤ 0.7x the steps",
         "peer_not_run": "not measured: the peer did not run",
         "not_reached": "not reached",
+        "peak": "Peak tensor memory per rank (MiB)",
+        "held": "Dedicated buffers after forward, counted / formula (MiB)",
+        "forward": "Forward (s)",
+        "backward": "Backward (s)",
+        "comm": "of which blocked on communication (s)",
+        "ns": "Newton-Schulz (s)",
+        "optim_rest": "Rest of the optimizer step (s)",
+        "wait": "Waiting for the other rank (s)",
+        "total": "Total (s)",
+        "cpu": "Process CPU time (s)",
+        "vs_wall_cpu": "vs AdamW (same FSDP2 mode): wall / CPU",
+        "extra": "Extra over AdamW, same mode: wall / CPU (s)",
+        "ns_rank": "Newton-Schulz CPU time, rank {rank} (s)",
+        "ns_rate": "Newton-Schulz rate per rank (GFLOP/s of CPU time)",
+        "bmm_rate": "float32 bmm alone at the same shapes (GFLOP/s of CPU time)",
+        "ns_share": "Newton-Schulz / extra CPU time",
+        "without_ns": "Extra CPU time without Newton-Schulz (s)",
+        "ns_floor": "Newton-Schulz at the bmm rate (s)",
+        "allocations": "Allocations in step()",
+        "allocated": "Allocated in step() (MiB)",
+        "matmul_share": "Operator time in matrix products",
+        "copy_share": "Operator time in copies",
     },
     "zh": {
         "matrices": "矩阵",
@@ -217,6 +248,28 @@ LABELS: dict[str, dict[str, Any]] = {
         "t_quality": "DMuon 以 ≤ 0.7x 的步数达到 AdamW 的最佳最终验证损失",
         "peer_not_run": "未测量：该同类实现没有运行",
         "not_reached": "未达到",
+        "peak": "每个 rank 的张量内存峰值（MiB）",
+        "held": "前向后的专属缓冲区，实测 / 公式（MiB）",
+        "forward": "前向（秒）",
+        "backward": "反向（秒）",
+        "comm": "其中阻塞于通信（秒）",
+        "ns": "Newton-Schulz（秒）",
+        "optim_rest": "优化器步的其余部分（秒）",
+        "wait": "等待另一个 rank（秒）",
+        "total": "合计（秒）",
+        "cpu": "进程 CPU 时间（秒）",
+        "vs_wall_cpu": "相对 AdamW（同一 FSDP2 模式）：墙钟 / CPU",
+        "extra": "比同一模式的 AdamW 多出：墙钟 / CPU（秒）",
+        "ns_rank": "Newton-Schulz CPU 时间，rank {rank}（秒）",
+        "ns_rate": "每个 rank 的 Newton-Schulz 速率（每 CPU 秒 GFLOP）",
+        "bmm_rate": "相同形状下单独的 float32 bmm（每 CPU 秒 GFLOP）",
+        "ns_share": "Newton-Schulz / 多出的 CPU 时间",
+        "without_ns": "除去 Newton-Schulz 后多出的 CPU 时间（秒）",
+        "ns_floor": "按 bmm 速率计算的 Newton-Schulz（秒）",
+        "allocations": "step() 中的分配次数",
+        "allocated": "step() 中分配的内存（MiB）",
+        "matmul_share": "矩阵乘法占算子时间的比例",
+        "copy_share": "复制占算子时间的比例",
     },
 }
 
@@ -252,15 +305,17 @@ def _distributed(name: str, labels: dict[str, str]) -> str:
     result = _load(name)
     lines = [
         f"| {labels['contender']} | {labels['accum']} | {labels['step']} | {labels['vs']} | "
-        f"{labels['optim']} | {labels['vs_naive']} | {labels['units']} | {labels['formula']} |",
-        "|---|---|---|---|---|---|---|---|",
+        f"{labels['optim']} | {labels['vs_naive']} | {labels['units']} | {labels['formula']} | "
+        f"{labels['peak']} | {labels['held']} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| `{r['contender']}` | {r['accum']} | {r['median_step_s']:.3f} | "
             f"{_cell(r['vs_adamw_same_mode'], '.2f', 'x')} | "
             f"{r['median_optim_step_s']:.3f} | {_cell(r['optim_vs_naive'], '.2f', 'x')} | "
-            f"{_cell(r['muon_units'], '.2f')} | {_cell(r['formula_units'], '.2f')} |"
+            f"{_cell(r['muon_units'], '.2f')} | {_cell(r['formula_units'], '.2f')} | "
+            f"{_cell(_in_mib(r.get('peak_memory_bytes')), '.1f')} | {_held(r)} |"
         )
     for peer, info in result.get("peers", {}).items():
         for accum, why in info["not_run"].items():
@@ -268,8 +323,91 @@ def _distributed(name: str, labels: dict[str, str]) -> str:
             shown = why.replace("|", "\\|")
             lines.append(
                 f"| `{peer}` ({info['distribution']} {version}) | {accum} | - | - | - | - | - | "
-                f"{labels['not_run']}: `{shown}` |"
+                f"{labels['not_run']}: `{shown}` | - | - |"
             )
+    return "\n".join(lines)
+
+
+def _in_mib(nbytes: float | None) -> float | None:
+    return None if nbytes is None else nbytes / 2**20
+
+
+def _held(row: dict[str, Any]) -> str:
+    counted, formula = row.get("dedicated_bytes_after_forward"), row.get("dedicated_bytes_formula")
+    if counted is None and formula is None:
+        return "-"
+    return f"{_cell(_in_mib(counted), '.2f')} / {_cell(_in_mib(formula), '.2f')}"
+
+
+_PROFILE_PHASES = ("forward", "backward", "comm", "ns", "optim_rest", "wait", "total", "cpu")
+
+
+def _profile(name: str, labels: dict[str, str]) -> str:
+    result = _load(name)
+    lines = [
+        f"| {labels['contender']} | {labels['accum']} | "
+        + " | ".join(labels[p] for p in _PROFILE_PHASES)
+        + f" | {labels['vs_wall_cpu']} |",
+        "|---|---|" + "---|" * (len(_PROFILE_PHASES) + 1),
+    ]
+    for r in result["rows"]:
+        cells = " | ".join(f"{r['mean'][p]:.3f}" for p in _PROFILE_PHASES)
+        lines.append(
+            f"| `{r['contender']}` | {r['accum']} | {cells} | "
+            f"{_cell(r['vs_adamw_same_mode'], '.2f', 'x')} / "
+            f"{_cell(r['cpu_vs_adamw_same_mode'], '.2f', 'x')} |"
+        )
+    return "\n".join(lines)
+
+
+def _profile_limit(name: str, labels: dict[str, str]) -> str:
+    result = _load(name)
+    rows = [r for r in result["rows"] if r["contender"].startswith("dmuon")]
+    ranks = range(len(rows[0]["per_rank"]))
+    lines = [
+        f"| {labels['contender']} | {labels['accum']} | {labels['extra']} | "
+        + " | ".join(labels["ns_rank"].format(rank=k) for k in ranks)
+        + f" | {labels['without_ns']} | {labels['ns_rate']} | {labels['bmm_rate']} | "
+        f"{labels['ns_floor']} |",
+        "|---|---|---|" + "---|" * (len(ranks) + 4),
+    ]
+    for r in rows:
+        per_rank = r["per_rank"]
+        extra, extra_cpu = r["extra_over_adamw_s"], r["extra_cpu_over_adamw_s"]
+        without = None if extra_cpu is None else extra_cpu - r["mean"]["ns_cpu"]
+        rates = " / ".join(
+            f"{p['ns_flops'] / p['ns_cpu'] / 1e9:.1f}" if p["ns_cpu"] else "-" for p in per_rank
+        )
+        bmm = " / ".join(
+            f"{p['bmm_flops_per_s'] / 1e9:.1f}" if p["bmm_flops_per_s"] else "-" for p in per_rank
+        )
+        floor = " / ".join(
+            f"{p['ns_flops'] / p['bmm_flops_per_s']:.3f}" if p["bmm_flops_per_s"] else "-"
+            for p in per_rank
+        )
+        lines.append(
+            f"| `{r['contender']}` | {r['accum']} | "
+            f"{_cell(extra, '.3f')} / {_cell(extra_cpu, '.3f')} | "
+            + " | ".join(f"{p['ns_cpu']:.3f}" for p in per_rank)
+            + f" | {_cell(without, '+.3f')} | {rates} | {bmm} | {floor} |"
+        )
+    return "\n".join(lines)
+
+
+def _profile_step(name: str, labels: dict[str, str]) -> str:
+    result = _load(name)
+    lines = [
+        f"| {labels['contender']} | {labels['accum']} | {labels['allocations']} | "
+        f"{labels['allocated']} | {labels['matmul_share']} | {labels['copy_share']} |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        inside = r["optimizer_step_profile_rank0"]
+        lines.append(
+            f"| `{r['contender']}` | {r['accum']} | {inside['allocations']} | "
+            f"{inside['allocated_bytes'] / 2**20:.2f} | {inside['matmul_share'] * 100:.0f} % | "
+            f"{inside['copy_share'] * 100:.0f} % |"
+        )
     return "\n".join(lines)
 
 
@@ -569,6 +707,12 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _scaling(labels)
             if kind == "targets" and name:
                 return _targets(name, labels)
+            if kind == "profile" and name:
+                return _profile(name, labels)
+            if kind == "profile-limit" and name:
+                return _profile_limit(name, labels)
+            if kind == "profile-step" and name:
+                return _profile_step(name, labels)
             if kind == "machine" and name:
                 return _machine(name, labels)
         except (OSError, ValueError, KeyError, IndexError) as e:

@@ -1,0 +1,53 @@
+"""The step-time breakdown and the memory columns on the built pages are the committed
+results, in both languages.
+
+Oracle: ``benchmarks/results/profile_small-n2.json`` and ``quick.json``, read here directly;
+the pages get them through the docs build (``docs_hooks/benchmarks.py``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from docs_md import built_page, html_tables
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _tables_with_first_cells(site: Path, lang: str, first: list[str]) -> list[list[list[str]]]:
+    tables = html_tables(built_page(site, "benchmarks.md", lang))
+    return [t for t in tables if t and [row[0] for row in t[1:]] == first]
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_where_the_time_goes_is_the_committed_profile(lang: str, site: Path) -> None:
+    result = json.loads((RESULTS / "profile_small-n2.json").read_text())
+    names = [r["contender"] for r in result["rows"]]
+    breakdown, _inside = _tables_with_first_cells(site, lang, names)
+    for row, measured in zip(breakdown[1:], result["rows"], strict=True):
+        assert int(row[1]) == measured["accum"]
+        assert float(row[5]) == pytest.approx(measured["mean"]["ns"], abs=5e-4)
+        assert float(row[8]) == pytest.approx(measured["mean"]["total"], abs=5e-4)
+    dmuon = [r for r in result["rows"] if r["contender"].startswith("dmuon")]
+    (limit,) = _tables_with_first_cells(site, lang, [r["contender"] for r in dmuon])
+    for row, measured in zip(limit[1:], dmuon, strict=True):
+        for rank, cell in enumerate(row[3:5]):
+            assert float(cell) == pytest.approx(measured["per_rank"][rank]["ns_cpu"], abs=5e-4)
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_memory_columns_are_the_committed_quick_run(lang: str, site: Path) -> None:
+    result = json.loads((RESULTS / "quick.json").read_text())
+    ran = [[r["contender"], str(r["accum"])] for r in result["rows"]]
+    tables = html_tables(built_page(site, "benchmarks.md", lang))
+    (table,) = [t for t in tables if t and [row[:2] for row in t[1 : 1 + len(ran)]] == ran]
+    for row, measured in zip(table[1:], result["rows"], strict=False):
+        assert float(row[8]) == pytest.approx(measured["peak_memory_bytes"] / 2**20, abs=0.05)
+        if measured["dedicated_bytes_formula"] is None:
+            assert row[9] == "-"
+            continue
+        counted, formula = (float(x) for x in row[9].split(" / "))
+        assert counted == pytest.approx(measured["dedicated_bytes_after_forward"] / 2**20, abs=5e-3)
+        assert formula == pytest.approx(measured["dedicated_bytes_formula"] / 2**20, abs=5e-3)
