@@ -1,10 +1,10 @@
 """The one multi-process harness of the core tests, and the DMuon scenarios run on it.
 
-`spawn_ranks(world, fn, *args)` starts ``world`` fresh processes (``torch.multiprocessing``
-spawn), joins them in a gloo (or NCCL) process group through a file store (no TCP port to
-race for), runs ``fn(rank, world, *args)`` on each and returns the per-rank results. An
-exception on a rank comes back as ``{"error": traceback}`` for that rank, so one failing
-check fails its own test instead of the whole module.
+`spawn_ranks(world, fn, *args)` starts ``world`` fresh processes (forked from a fork server
+on CPU, spawned on CUDA), joins them in a gloo (or NCCL) process group through a file store
+(no TCP port to race for), runs ``fn(rank, world, *args)`` on each and returns the per-rank
+results. An exception on a rank comes back as ``{"error": traceback}`` for that rank, so one
+failing check fails its own test instead of the whole module.
 
 A scenario trains `TinyLlama` for a few optimizer steps on a fixed global batch. The
 distributed run uses the three-line integration (dedicate_params, fully_shard, Muon,
@@ -30,6 +30,10 @@ import torch.multiprocessing as mp
 from tiny_llama import TinyLlama
 
 from dmuon.optim.naive import NaiveMuon
+
+#: Modules the CPU ranks' fork server imports once, so that each rank starts in well under a
+#: second instead of importing torch (several seconds of CPU on a 2-core machine) itself.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed.fsdp", "dmuon", "transformers"]
 
 #: How long a collective may wait before the ranks give up (a hang becomes an error).
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
@@ -419,7 +423,11 @@ def _rank_main(
     device_type: str,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
+    environ: dict[str, str],
 ) -> None:
+    # A fork server's children inherit its environment, not the test's current one.
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     if device_type == "cuda":
@@ -443,13 +451,21 @@ def _rank_main(
 def spawn_ranks(
     world: int, fn: Callable[..., Any], *args: Any, device_type: str = "cpu"
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return their results."""
+    """Run ``fn(rank, world, *args)`` on ``world`` fresh processes; return their results.
+
+    CPU ranks are forked from a fork server that has imported torch and dmuon (a process
+    without threads or a process group, so a fork of it is as clean as a new interpreter);
+    CUDA ranks are spawned.
+    """
+    if device_type == "cpu":
+        mp.set_forkserver_preload(FORKSERVER_PRELOAD)
     with tempfile.TemporaryDirectory() as out_dir:
         store_file = os.path.join(out_dir, "store")
-        mp.spawn(
+        mp.start_processes(
             _rank_main,
-            args=(world, store_file, out_dir, device_type, fn, args),
+            args=(world, store_file, out_dir, device_type, fn, args, dict(os.environ)),
             nprocs=world,
+            start_method="forkserver" if device_type == "cpu" else "spawn",
         )
         return [
             torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
