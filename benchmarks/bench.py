@@ -52,8 +52,11 @@ def formula_units(contender: str, accum: int, nproc: int) -> float | None:
     forward and backward, one reduce-scatter); DMuon's are in DESIGN.md. On top of FSDP2:
     naive all-gathers the gradient (+1); ``muon-fsdp2`` gathers each gradient to one rank
     and scatters the update back (+2); ``dtensor-muon`` all-to-alls the stacked gradients
-    to shards of whole matrices and back (+2/N).
+    to shards of whole matrices and back (+2/N). At one rank the unit is zero and nothing is
+    compared (None).
     """
+    if nproc == 1:
+        return None
     fsdp_z3 = 2.0 * accum + 1.0
     return {
         "dmuon-z2": 2.0,
@@ -296,7 +299,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
         for contender in ran:
             t = traffic[contender]
             measured: float | None = None
-            if p_m and contender.startswith("dmuon"):
+            if world == 1:
+                pass  # (N-1)/N x P_M is zero: there is no unit to count in
+            elif p_m and contender.startswith("dmuon"):
                 measured = t["dmuon"] / p_m
             elif p_m and rest_z3 is not None and formula_units(contender, accum, world):
                 # FSDP2 moves the matrices' elements on top of what it moves for the rest,

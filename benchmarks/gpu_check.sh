@@ -1,10 +1,57 @@
 #!/usr/bin/env bash
-# One GPU, under 8 minutes: the CUDA tests, then a short CUDA/NCCL benchmark run.
+# One GPU machine, under 8 minutes: the CUDA tests, a short CUDA/NCCL side-by-side benchmark
+# (`small` and `base`) and the optimizer step alone on the GPU.
+#
 #   bash benchmarks/gpu_check.sh
-set -euo pipefail
+#
+# Results: benchmarks/results/cuda-small-nN.json, cuda-base-nN.json and
+# optimizer_step_cuda.json (N = GPUs used, at most 2); each stage's output also goes to
+# $LOG_DIR (default benchmarks/results/gpu-logs). PY picks the interpreter (default
+# .venv/bin/python if it exists, else python3). Where `dmuon` is not installed (a machine
+# with its own torch), the sources are put on PYTHONPATH. Each stage runs under its own time
+# limit and a failed stage does not stop the next; the exit status is 1 if any failed.
+set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
-"$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device visible'"
-timeout 300 "$PY" -m pytest tests/core/test_cuda.py -q
+if [[ -z "${PY:-}" ]]; then
+    if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi
+fi
+if ! "$PY" -c "import dmuon" 2>/dev/null; then
+    export PYTHONPATH="$PWD/packages/dmuon-core/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1
+LOG_DIR=${LOG_DIR:-benchmarks/results/gpu-logs}
+mkdir -p "$LOG_DIR"
+failed=()
+
+stage() {  # stage NAME SECONDS COMMAND...
+    local name=$1 limit=$2 start=$SECONDS status
+    shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
+    status=${PIPESTATUS[0]}
+    echo "=== $name: exit $status after $((SECONDS - start))s"
+    if [[ $status -ne 0 ]]; then failed+=("$name"); fi
+}
+
+"$PY" - <<'EOF' || exit 1
+import torch
+assert torch.cuda.is_available(), "no CUDA device visible"
+print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+      f"{torch.cuda.device_count()} x {torch.cuda.get_device_name()}")
+EOF
 NPROC=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
-timeout 180 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --accum 1 4 --steps 3 --name "cuda-n$NPROC"
+
+stage tests 120 "$PY" -m pytest tests/core/test_cuda.py -q -p no:cacheprovider
+stage bench-small 120 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model small \
+    --accum 1 4 8 --steps 5 --save-partial --name "cuda-small-n$NPROC"
+stage bench-base 100 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model base \
+    --accum 1 8 --steps 5 --save-partial --name "cuda-base-n$NPROC"
+stage optimizer-step 80 "$PY" benchmarks/optimizer_step.py --device cuda --model small,base \
+    --rounds 20 --warmup 3 --json benchmarks/results/optimizer_step_cuda.json
+
+if [[ ${#failed[@]} -gt 0 ]]; then
+    echo "failed stages: ${failed[*]}"
+    exit 1
+fi
+echo "all stages passed"

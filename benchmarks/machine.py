@@ -12,7 +12,7 @@ from dmuon.optim import cpu_has_native_bf16
 
 
 def machine_info() -> dict[str, Any]:
-    """The CPU, torch version, thread count and load average the numbers were taken under."""
+    """The CPU (and GPU, where CUDA sees one), torch version and load average of a run."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
@@ -20,7 +20,7 @@ def machine_info() -> dict[str, Any]:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    return {
+    info: dict[str, Any] = {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
@@ -28,3 +28,8 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "load_average": list(os.getloadavg()),
     }
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+        info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    return info

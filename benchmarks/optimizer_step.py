@@ -12,6 +12,7 @@ are compared within this run. Reported per shape bucket and for the whole model,
 * dmuon in float32 with and without the Gram iteration (what the Gram iteration gains).
 
     python benchmarks/optimizer_step.py --model small --threads 1
+    python benchmarks/optimizer_step.py --model small,base --device cuda --rounds 20
 """
 
 from __future__ import annotations
@@ -55,25 +56,27 @@ class _Bucket(nn.Module):
         return sum(layer(x).square().mean() for layer in self.layers)  # type: ignore[return-value]
 
 
-def _model_and_loss(spec: dict[str, Any]) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
+def _model_and_loss(
+    spec: dict[str, Any], device: torch.device
+) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     if spec["kind"] == "preset":
         torch.manual_seed(0)
-        model = build_model(spec["preset"], seed=0, max_seq_len=64)
-        tokens = torch.randint(0, 256, (2, 65), generator=gen)
+        model = build_model(spec["preset"], seed=0, max_seq_len=64, device=device)
+        tokens = torch.randint(0, 256, (2, 65), generator=gen).to(device)
         return model, lambda m: lm_loss(m(tokens[:, :-1]), tokens[:, 1:])
     torch.manual_seed(0)
     rows, cols, count = spec["rows"], spec["cols"], spec["count"]
-    model = _Bucket(rows, cols, count)
-    x = torch.randn(8, cols, generator=gen)
+    model = _Bucket(rows, cols, count).to(device)
+    x = torch.randn(8, cols, generator=gen).to(device)
     return model, lambda m: m(x)
 
 
-def _make_step(name: str, spec: dict[str, Any]) -> Callable[[], None]:
-    """Build a model, one backward, and an optimizer; return its ``step``."""
-    model, loss_fn = _model_and_loss(spec)
+def _make_step(name: str, spec: dict[str, Any], device: torch.device) -> Callable[[], None]:
+    """Build a model on ``device``, one backward, and an optimizer; return its ``step``."""
+    model, loss_fn = _model_and_loss(spec, device)
     if name == "torch":
-        dedicated = {n for n, _ in _muon_targets(spec)}
+        dedicated = {n for n, _ in _muon_targets(spec, device)}
         params = dict(model.named_parameters())
         muon = torch.optim.Muon([params[n] for n in sorted(dedicated)])
         rest = [p for n, p in params.items() if n not in dedicated]
@@ -92,29 +95,37 @@ def _make_step(name: str, spec: dict[str, Any]) -> Callable[[], None]:
     return optimizer.step
 
 
-def _muon_targets(spec: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+def _muon_targets(spec: dict[str, Any], device: torch.device) -> list[tuple[str, tuple[int, ...]]]:
     """Names and shapes of the matrices ``dmuon.dedicate_params`` selects for this model."""
-    model, _ = _model_and_loss(spec)
+    model, _ = _model_and_loss(spec, device)
     return [(fqn, tuple(model.get_parameter(fqn).shape)) for fqn in dmuon.dedicate_params(model)]
 
 
-def _time(steps: dict[str, Callable[[], None]], rounds: int, warmup: int) -> dict[str, float]:
+def _time(
+    steps: dict[str, Callable[[], None]], rounds: int, warmup: int, device: torch.device
+) -> dict[str, float]:
+    def sync() -> None:
+        if device.type == "cuda":  # GPU work is asynchronous: time it to completion
+            torch.cuda.synchronize(device)
+
     times: dict[str, list[float]] = {n: [] for n in steps}
     for r in range(warmup + rounds):
         for name, step in steps.items():
+            sync()
             start = time.perf_counter()
             step()
+            sync()
             elapsed = time.perf_counter() - start
             if r >= warmup:
                 times[name].append(elapsed)
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def run(preset: str, rounds: int, warmup: int) -> dict[str, Any]:
+def run(preset: str, rounds: int, warmup: int, device: torch.device) -> dict[str, Any]:
     """Time every contender on ``preset``'s matrices: whole model, then each shape bucket."""
     whole = {"kind": "preset", "preset": preset}
     shapes: dict[tuple[int, ...], int] = {}
-    for _, shape in _muon_targets(whole):
+    for _, shape in _muon_targets(whole, device):
         shapes[shape] = shapes.get(shape, 0) + 1
     specs = {"all": whole} | {
         f"{r}x{c} (x{n})": {"kind": "bucket", "rows": r, "cols": c, "count": n}
@@ -123,7 +134,7 @@ def run(preset: str, rounds: int, warmup: int) -> dict[str, Any]:
     rows = {}
     for label, spec in specs.items():
         names = ["torch", *CONTENDERS]
-        medians = _time({n: _make_step(n, spec) for n in names}, rounds, warmup)
+        medians = _time({n: _make_step(n, spec, device) for n in names}, rounds, warmup, device)
         rows[label] = {
             "median_s": medians,
             "speedup_vs_torch": {n: medians["torch"] / medians[n] for n in CONTENDERS},
@@ -131,8 +142,9 @@ def run(preset: str, rounds: int, warmup: int) -> dict[str, Any]:
     return {
         "machine": machine_info(),
         "preset": preset,
+        "device": device.type,
         "threads": torch.get_num_threads(),
-        "default_ns_dtype": str(default_ns_dtype(torch.device("cpu"))),
+        "default_ns_dtype": str(default_ns_dtype(device)),
         "rounds": rounds,
         "rows": rows,
     }
@@ -158,15 +170,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for the current GPU")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
     results = []
     for preset in args.model.split(","):
-        results.append(run(preset, args.rounds, args.warmup))
+        results.append(run(preset, args.rounds, args.warmup, device))
         result = results[-1]
         print(
-            f"preset={result['preset']} threads={result['threads']} "
+            f"preset={result['preset']} device={result['device']} threads={result['threads']} "
             f"default_ns_dtype={result['default_ns_dtype']} rounds={result['rounds']}"
         )
         print("speedup = torch.optim.Muon + AdamW (defaults) time / dmuon.Muon time\n")

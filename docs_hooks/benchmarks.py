@@ -2,8 +2,9 @@
 
 A page asks for a table with a marker on a line of its own:
 
-``<!-- benchmark: optimizer-step -->``
-    ``benchmarks/results/optimizer_step.json``: the optimizer step alone, single process.
+``<!-- benchmark: optimizer-step [NAME] -->``
+    ``benchmarks/results/NAME.json`` (default ``optimizer_step``): the optimizer step alone,
+    single process.
 ``<!-- benchmark: distributed NAME -->``
     ``benchmarks/results/NAME.json``: step time and counted traffic per contender.
 ``<!-- benchmark: checkpoint-io -->``
@@ -278,8 +279,14 @@ def _load(name: str) -> Any:
     return json.loads((RESULTS / f"{name}.json").read_text(encoding="utf-8"))
 
 
-def _optimizer_step(labels: dict[str, str]) -> str:
-    result = _load("optimizer_step")[0]
+def _ms(seconds: float) -> str:
+    """Milliseconds with three significant digits: CPU steps take hundreds, GPU steps one."""
+    ms = seconds * 1e3
+    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+
+
+def _optimizer_step(name: str, labels: dict[str, str]) -> str:
+    result = _load(name)[0]
     names = list(next(iter(result["rows"].values()))["speedup_vs_torch"])
     lines = [
         f"| {labels['matrices']} | {labels['torch']} | "
@@ -289,8 +296,8 @@ def _optimizer_step(labels: dict[str, str]) -> str:
     ]
     for label, row in result["rows"].items():
         shown = labels["all"] if label == "all" else label
-        cells = [f"{row['median_s']['torch'] * 1e3:.0f}"] + [
-            f"{row['median_s'][n] * 1e3:.0f} ms, **{row['speedup_vs_torch'][n]:.2f}x**"
+        cells = [_ms(row["median_s"]["torch"])] + [
+            f"{_ms(row['median_s'][n])} ms, **{row['speedup_vs_torch'][n]:.2f}x**"
             for n in names
         ]
         lines.append(f"| {shown} | " + " | ".join(cells) + " |")
@@ -311,9 +318,9 @@ def _distributed(name: str, labels: dict[str, str]) -> str:
     ]
     for r in result["rows"]:
         lines.append(
-            f"| `{r['contender']}` | {r['accum']} | {r['median_step_s']:.3f} | "
+            f"| `{r['contender']}` | {r['accum']} | {r['median_step_s']:.3g} | "
             f"{_cell(r['vs_adamw_same_mode'], '.2f', 'x')} | "
-            f"{r['median_optim_step_s']:.3f} | {_cell(r['optim_vs_naive'], '.2f', 'x')} | "
+            f"{r['median_optim_step_s']:.3g} | {_cell(r['optim_vs_naive'], '.2f', 'x')} | "
             f"{_cell(r['muon_units'], '.2f')} | {_cell(r['formula_units'], '.2f')} | "
             f"{_cell(_in_mib(r.get('peak_memory_bytes')), '.1f')} | {_held(r)} |"
         )
@@ -658,7 +665,7 @@ def _machine(name: str, labels: dict[str, str]) -> str:
         data = data[0]
     m = data.get("machine", {})
     load = data.get("load_average") or m.get("load_average") or []
-    parts = [m.get("cpu", ""), f"{m.get('cores', '?')} cores" if m else ""]
+    parts = [m.get("gpu", ""), m.get("cpu", ""), f"{m.get('cores', '?')} cores" if m else ""]
     parts += [f"torch {m['torch']}" if "torch" in m else ""]
     if "threads" in data:
         parts.append(f"{data['threads']} {labels['threads']}")
@@ -690,7 +697,7 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
         kind, name = match["kind"], match["name"]
         try:
             if kind == "optimizer-step":
-                return _optimizer_step(labels)
+                return _optimizer_step(name or "optimizer_step", labels)
             if kind == "distributed" and name:
                 return _distributed(name, labels)
             if kind == "checkpoint-io":

@@ -1,14 +1,24 @@
-"""The CUDA / NCCL transport: the same scenarios on GPUs (skipped without CUDA).
+"""DMuon on CUDA (skipped without a GPU).
 
-Oracle: the single-process CPU run on the global batch (`dist_harness.reference_run`).
-GPU kernels sum in other orders than the CPU ones, so the tolerance is 1e-4.
+* The NCCL transport: the distributed scenarios on one rank per GPU, against the
+  single-process CPU run on the global batch (`dist_harness.reference_run`). GPU kernels
+  sum in other orders than the CPU ones, so the tolerance is 1e-4.
+* The optimizer on one GPU at its CUDA default (bfloat16 Newton-Schulz) against
+  ``torch.optim.Muon`` + ``torch.optim.AdamW`` on the same GPU.
 """
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 from dist_harness import Scenario, reference_run, run_distributed
+from tiny_llama import TinyLlama
+
+import dmuon
+from dmuon.optim import default_ns_dtype
 
 pytestmark = [
     pytest.mark.cuda,
@@ -42,3 +52,51 @@ def test_nccl_matches_single_process(cuda_results, scenario: Scenario) -> None:
         if world > 1:
             expected_units = 2.0 if scenario.mode == "z2" else 2 * scenario.accum + 1.0
             assert units == [pytest.approx(expected_units)] * scenario.steps
+
+
+def _tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # 8 x 12 = 96 tokens per step, more than any matrix side: the gradients are full rank,
+    # so the two bfloat16 iterations are compared where bfloat16 noise is not amplified.
+    gen = torch.Generator().manual_seed(500 + step)
+    tokens = torch.randint(0, 64, (8, 13), generator=gen).cuda()
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def test_default_muon_on_cuda_matches_torch_muon() -> None:
+    """One GPU, no process group: ``dmuon.Muon`` at its CUDA default (bfloat16, here with
+    torch's Keller coefficients and scaling) against ``torch.optim.Muon`` + AdamW."""
+    assert default_ns_dtype(torch.device("cuda")) == torch.bfloat16
+    hp = {"lr": 0.02, "momentum": 0.95, "nesterov": True, "weight_decay": 0.1}
+    torch.manual_seed(0)
+    ours = TinyLlama().cuda()
+    ref = copy.deepcopy(ours)
+    dedicated = dmuon.dedicate_params(ours)
+    opt = dmuon.Muon(
+        ours, **hp, ns_steps=5, ns_coefficients="keller", adjust_lr_fn="original", adamw_lr=1e-3
+    )
+    params = dict(ref.named_parameters())
+    muon = torch.optim.Muon(
+        [params[n] for n in dedicated], **hp, ns_coefficients=(3.4445, -4.7750, 2.0315)
+    )
+    adamw = torch.optim.AdamW([p for n, p in params.items() if n not in dedicated], lr=1e-3)
+    for step in range(5):
+        ours(*_tokens(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        ref(*_tokens(step)).backward()
+        muon.step()
+        adamw.step()
+        muon.zero_grad()
+        adamw.zero_grad()
+    ours_params = dict(ours.named_parameters())
+    for fqn in dedicated:
+        rows, cols = params[fqn].shape
+        # The CPU test's bound (test_muon_optimizer.py): the two bf16 iterations start one
+        # rounding apart; 0.02 of the scaled rate per step, over 5 steps.
+        bound = 0.1 * hp["lr"] * math.sqrt(max(1, rows / cols))
+        diff = (ours_params[fqn] - params[fqn]).abs().max().item()
+        assert diff <= bound, f"{fqn}: {diff} > {bound}"
+    rest = max(
+        (ours_params[n] - p).abs().max().item() for n, p in params.items() if n not in dedicated
+    )
+    assert rest <= 1e-4, rest
