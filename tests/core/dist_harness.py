@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny_llama import TinyLlama
 
+from dmuon.accumulation import fsdp_param_groups
 from dmuon.optim.naive import NaiveMuon
 
 #: Modules the CPU ranks' fork server imports once, so that each rank starts in well under a
@@ -400,7 +401,7 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
             group.reduce_grads
             for module in model.modules()
             if hasattr(module, "_get_fsdp_state")
-            for group in module._get_fsdp_state()._fsdp_param_groups
+            for group in fsdp_param_groups(module)
         ] + [runtime.sync_grads]
 
     before = flags()
