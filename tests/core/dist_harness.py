@@ -258,7 +258,8 @@ def count_collectives() -> Iterator[list[tuple[str, int]]]:
                 seen.append((name, numel))
             return func(*args, **(kwargs or {}))
 
-    originals = {name: getattr(dist, name) for name in _PYTHON_COLLECTIVES}
+    # Older torch releases lack some of these (torch 2.11 has no ``all_gather_single``).
+    originals = {name: getattr(dist, name) for name in _PYTHON_COLLECTIVES if hasattr(dist, name)}
 
     def counting(name: str) -> Callable[..., Any]:
         def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
@@ -268,7 +269,7 @@ def count_collectives() -> Iterator[list[tuple[str, int]]]:
 
         return call
 
-    for name in _PYTHON_COLLECTIVES:
+    for name in originals:
         setattr(dist, name, counting(name))
     try:
         with _Ops():
