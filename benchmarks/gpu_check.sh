@@ -42,12 +42,12 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
 EOF
 NPROC=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
 
-stage tests 120 "$PY" -m pytest tests/core/test_cuda.py -q -p no:cacheprovider
-stage bench-small 120 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model small \
+stage tests 90 "$PY" -m pytest tests/core/test_cuda.py -q -p no:cacheprovider
+stage bench-small 200 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model small \
     --accum 1 4 8 --steps 5 --save-partial --name "cuda-small-n$NPROC"
 stage bench-base 100 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model base \
     --accum 1 8 --steps 5 --save-partial --name "cuda-base-n$NPROC"
-stage optimizer-step 80 "$PY" benchmarks/optimizer_step.py --device cuda --model small,base \
+stage optimizer-step 60 "$PY" benchmarks/optimizer_step.py --device cuda --model small,base \
     --rounds 20 --warmup 3 --json benchmarks/results/optimizer_step_cuda.json
 
 if [[ ${#failed[@]} -gt 0 ]]; then

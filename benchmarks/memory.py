@@ -19,6 +19,7 @@ boundary's buffers when its forward ends, so 0.
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -40,6 +41,9 @@ class PeakTensorMemory:
 
     def __enter__(self) -> PeakTensorMemory:
         if self.cuda:
+            # Free what earlier contenders left in reference cycles first: freed during the
+            # window, it would be subtracted from this contender's peak.
+            gc.collect()
             torch.cuda.synchronize()
             self._base = torch.cuda.memory_allocated()
         else:

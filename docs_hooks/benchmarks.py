@@ -286,7 +286,17 @@ def _ms(seconds: float) -> str:
 
 
 def _optimizer_step(name: str, labels: dict[str, str]) -> str:
-    result = _load(name)[0]
+    """One table per preset of the file, each headed by its preset when there are several."""
+    results = _load(name)
+    tables = [_optimizer_step_table(result, labels) for result in results]
+    if len(results) == 1:
+        return tables[0]
+    return "\n\n".join(
+        f"*`{result['preset']}`*\n\n{table}" for result, table in zip(results, tables, strict=True)
+    )
+
+
+def _optimizer_step_table(result: dict[str, Any], labels: dict[str, str]) -> str:
     names = list(next(iter(result["rows"].values()))["speedup_vs_torch"])
     lines = [
         f"| {labels['matrices']} | {labels['torch']} | "
@@ -297,8 +307,7 @@ def _optimizer_step(name: str, labels: dict[str, str]) -> str:
     for label, row in result["rows"].items():
         shown = labels["all"] if label == "all" else label
         cells = [_ms(row["median_s"]["torch"])] + [
-            f"{_ms(row['median_s'][n])} ms, **{row['speedup_vs_torch'][n]:.2f}x**"
-            for n in names
+            f"{_ms(row['median_s'][n])} ms, **{row['speedup_vs_torch'][n]:.2f}x**" for n in names
         ]
         lines.append(f"| {shown} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -322,7 +331,7 @@ def _distributed(name: str, labels: dict[str, str]) -> str:
             f"{_cell(r['vs_adamw_same_mode'], '.2f', 'x')} | "
             f"{r['median_optim_step_s']:.3g} | {_cell(r['optim_vs_naive'], '.2f', 'x')} | "
             f"{_cell(r['muon_units'], '.2f')} | {_cell(r['formula_units'], '.2f')} | "
-            f"{_cell(_in_mib(r.get('peak_memory_bytes')), '.1f')} | {_held(r)} |"
+            f"{_cell(_in_mib(_peak(r)), '.1f')} | {_held(r)} |"
         )
     for peer, info in result.get("peers", {}).items():
         for accum, why in info["not_run"].items():
@@ -337,6 +346,12 @@ def _distributed(name: str, labels: dict[str, str]) -> str:
 
 def _in_mib(nbytes: float | None) -> float | None:
     return None if nbytes is None else nbytes / 2**20
+
+
+def _peak(row: dict[str, Any]) -> int | None:
+    """The peak bytes, or None where the run recorded an impossible (negative) value."""
+    peak = row.get("peak_memory_bytes")
+    return peak if peak is None or peak >= 0 else None
 
 
 def _held(row: dict[str, Any]) -> str:

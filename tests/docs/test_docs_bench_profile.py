@@ -51,3 +51,34 @@ def test_memory_columns_are_the_committed_quick_run(lang: str, site: Path) -> No
         counted, formula = (float(x) for x in row[9].split(" / "))
         assert counted == pytest.approx(measured["dedicated_bytes_after_forward"] / 2**20, abs=5e-3)
         assert formula == pytest.approx(measured["dedicated_bytes_formula"] / 2**20, abs=5e-3)
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+@pytest.mark.parametrize("name", ["cuda-small-n1", "cuda-base-n1"])
+def test_gpu_tables_are_the_committed_cuda_runs(lang: str, name: str, site: Path) -> None:
+    result = json.loads((RESULTS / name).with_suffix(".json").read_text())
+    assert result["device"] == "cuda" and "gpu" in result["machine"]
+    ran = [[f"{r['contender']}", str(r["accum"])] for r in result["rows"]]
+    tables = html_tables(built_page(site, "benchmarks.md", lang))
+    (table,) = [t for t in tables if t and [row[:2] for row in t[1:]] == ran]
+    for row, measured in zip(table[1:], result["rows"], strict=True):
+        assert float(row[2]) == pytest.approx(measured["median_step_s"], rel=5e-3)
+        assert row[3] == f"{measured['vs_adamw_same_mode']:.2f}x"
+        assert row[6] == row[7] == "-"  # one rank: no traffic unit to count in
+        peak = measured["peak_memory_bytes"]
+        assert row[8] == ("-" if peak < 0 else f"{peak / 2**20:.1f}")
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_gpu_optimizer_step_tables_are_the_committed_run(lang: str, site: Path) -> None:
+    results = json.loads((RESULTS / "optimizer_step_cuda.json").read_text())
+    tables = html_tables(built_page(site, "benchmarks.md", lang))
+    for result in results:
+        buckets = [label for label in result["rows"] if label != "all"]
+        (table,) = [t for t in tables if t and [row[0] for row in t[2:]] == buckets]
+        for row, (label, measured) in zip(table[1:], result["rows"].items(), strict=True):
+            assert float(row[1]) == pytest.approx(measured["median_s"]["torch"] * 1e3, rel=6e-3)
+            for cell, (contender, speedup) in zip(
+                row[2:], measured["speedup_vs_torch"].items(), strict=True
+            ):
+                assert cell.endswith(f"{speedup:.2f}x"), (label, contender, cell)
