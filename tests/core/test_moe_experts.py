@@ -214,27 +214,41 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def _build(case: MoECase, world: int) -> tuple[nn.Module, dmuon.Muon]:
-    from torch.distributed.device_mesh import init_device_mesh
+def dedicate_and_shard(
+    model: nn.Module,
+    mesh: Any,
+    z3: bool,
+    split_expert_stacks: bool | str = "auto",
+    split: str | None = None,
+) -> dmuon.Muon:
+    """The three-line integration on a transformers MoE model: dedicate, FSDP2 on every
+    decoder layer and the root, and `dmuon.Muon` with float32 Newton-Schulz."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (world,))
-    model = MODELS[case.kind]()
-    z3 = case.mode == "z3"
-    dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)
+    dmuon.dedicate_params(
+        model, mesh, reshard_after_forward=z3, split_expert_stacks=split_expert_stacks
+    )
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
     fully_shard(model, mesh=mesh, reshard_after_forward=z3)
     model.set_reduce_scatter_unused_params(True)
-    optimizer = dmuon.Muon(
+    return dmuon.Muon(
         model,
         lr=LR,
         ns_dtype=torch.float32,
         adamw_lr=ADAMW_LR,
         adamw_weight_decay=ADAMW_WD,
-        split="auto" if case.split else None,
+        split=split,
     )
-    return model, optimizer
+
+
+def _build(case: MoECase, world: int) -> tuple[nn.Module, dmuon.Muon]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = MODELS[case.kind]()
+    mesh = init_device_mesh("cpu", (world,))
+    split = "auto" if case.split else None
+    return model, dedicate_and_shard(model, mesh, case.mode == "z3", split=split)
 
 
 def _step(model: nn.Module, optimizer: dmuon.Muon, step: int, rank: int, world: int) -> float:

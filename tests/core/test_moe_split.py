@@ -34,12 +34,10 @@ transformers = pytest.importorskip("transformers")
 
 from test_moe_experts import (  # noqa: E402
     ACCUM,
-    ADAMW_LR,
-    ADAMW_WD,
-    LR,
     STEPS,
     _by_hand,
     _step,
+    dedicate_and_shard,
     expected_muon_names,
     tiny_mixtral,
 )
@@ -101,23 +99,8 @@ _PAIR: list[dist.ProcessGroup] = []
 
 
 def _build(world: int, z3: bool, split: bool) -> tuple[nn.Module, dmuon.Muon]:
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = _mesh(world)
     model = tiny_mixtral()
-    dmuon.dedicate_params(model, mesh, reshard_after_forward=z3, split_expert_stacks=split)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=mesh, reshard_after_forward=z3)
-    model.set_reduce_scatter_unused_params(True)
-    optimizer = dmuon.Muon(
-        model,
-        lr=LR,
-        ns_dtype=torch.float32,
-        adamw_lr=ADAMW_LR,
-        adamw_weight_decay=ADAMW_WD,
-    )
-    return model, optimizer
+    return model, dedicate_and_shard(model, _mesh(world), z3, split_expert_stacks=split)
 
 
 def _full_momenta(model: nn.Module, optimizer: dmuon.Muon) -> dict[str, torch.Tensor]:

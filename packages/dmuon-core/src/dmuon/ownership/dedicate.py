@@ -192,6 +192,15 @@ def _select(
     return selected
 
 
+def _master_data(
+    data: torch.Tensor, is_owned: bool, device: torch.device, copy: bool = False
+) -> torch.Tensor:
+    """The owner's float32 master values on ``device``; a 0-element placeholder elsewhere."""
+    if is_owned:
+        return data.detach().to(device=device, dtype=torch.float32, copy=copy)
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
 def _split_ranges(
     fqn: str,
     module: nn.Module,
@@ -212,11 +221,8 @@ def _split_ranges(
     records = []
     for start, stop, owner in ranges:
         is_owned = owner == comm_rank
-        with torch.no_grad():
-            if is_owned:
-                data = param.data[start:stop].to(device=device, dtype=torch.float32).clone()
-            else:
-                data = torch.empty(0, dtype=torch.float32, device=device)
+        # A copy: a view of the slice would keep the whole stack's storage alive.
+        data = _master_data(param.data[start:stop], is_owned, device, copy=True)
         master = nn.Parameter(data, requires_grad=param.requires_grad)
         mark_dedicated(master, fqn)
         records.append(
@@ -379,10 +385,7 @@ def dedicate_params(
         is_owned = owner == comm_rank
         shape = param.shape
         with torch.no_grad():
-            if is_owned:
-                param.data = param.data.to(device=device, dtype=torch.float32)
-            else:
-                param.data = torch.empty(0, dtype=torch.float32, device=device)
+            param.data = _master_data(param.data, is_owned, device)
         mark_dedicated(param, fqn)
         dedicated.append(
             DedicatedParam(

@@ -14,6 +14,36 @@ from dmuon.comm import Communicator, Pending
 from dmuon.ownership.param import DedicatedParam
 
 
+def accumulate_into(holder: nn.Parameter, grad: torch.Tensor) -> None:
+    """Add ``grad`` (as float32) to ``holder._accumulated_grad``, the ``no_sync`` total."""
+    grad = grad.detach().to(torch.float32)
+    acc = getattr(holder, "_accumulated_grad", None)
+    if acc is None:
+        holder._accumulated_grad = grad
+    else:
+        acc.add_(grad)
+
+
+def merge_into(piece: torch.Tensor, grad: torch.Tensor | None, holder: nn.Parameter) -> None:
+    """Fill the zeroed flat ``piece`` with the local ``grad`` plus the holder's accumulated
+    gradient, and clear the accumulation. With neither, ``piece`` stays zero."""
+    if grad is not None:
+        piece.copy_(grad.detach().reshape(-1))
+    acc = getattr(holder, "_accumulated_grad", None)
+    if acc is not None:
+        piece.add_(acc.reshape(-1))
+        holder._accumulated_grad = None
+
+
+def add_reduced(param: nn.Parameter, piece: torch.Tensor) -> None:
+    """Add an averaged gradient to ``param._reduced_grad``, what the optimizer steps on."""
+    current = getattr(param, "_reduced_grad", None)
+    if current is None:
+        param._reduced_grad = piece
+    else:
+        current.add_(piece)
+
+
 class PackedGroup:
     """Broadcast buffer and gradient reduction for one (boundary, owner) pair."""
 
@@ -123,14 +153,8 @@ class PackedGroup:
     def accumulate_locally(self) -> None:
         """``no_sync``: add this backward's gradients to ``_accumulated_grad`` (no comm)."""
         for dp, grad in zip(self.params, self._take_local_grads(), strict=True):
-            if grad is None:
-                continue
-            grad = grad.detach().to(torch.float32)
-            acc = getattr(dp.param, "_accumulated_grad", None)
-            if acc is None:
-                dp.param._accumulated_grad = grad
-            else:
-                acc.add_(grad)
+            if grad is not None:
+                accumulate_into(dp.param, grad)
 
     def reduce_async(self) -> None:
         """Merge local and accumulated gradients and SUM-reduce them to the owner.
@@ -142,13 +166,7 @@ class PackedGroup:
         for dp, offset, grad in zip(
             self.params, self.offsets, self._take_local_grads(), strict=True
         ):
-            piece = flat[offset : offset + dp.numel]
-            if grad is not None:
-                piece.copy_(grad.detach().reshape(-1))
-            acc = getattr(dp.param, "_accumulated_grad", None)
-            if acc is not None:
-                piece.add_(acc.reshape(-1))
-                dp.param._accumulated_grad = None
+            merge_into(flat[offset : offset + dp.numel], grad, dp.param)
         self._reduce_flat = flat
         self._reduce = self.comm.reduce_sum(flat, self.owner)
 
@@ -178,9 +196,4 @@ class PackedGroup:
         assert flat is not None
         flat.div_(self.comm.world_size * self.comm.replicas)
         for dp, offset in zip(self.params, self.offsets, strict=True):
-            piece = flat[offset : offset + dp.numel].view(dp.shape)
-            current = getattr(dp.param, "_reduced_grad", None)
-            if current is None:
-                dp.param._reduced_grad = piece
-            else:
-                current.add_(piece)
+            add_reduced(dp.param, flat[offset : offset + dp.numel].view(dp.shape))

@@ -15,10 +15,13 @@ like any dedicated gradient.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from dmuon.comm import Communicator, Pending
+from dmuon.ownership.packed_group import accumulate_into, add_reduced, merge_into
 from dmuon.ownership.param import DedicatedParam
 
 
@@ -131,25 +134,13 @@ class SplitStack:
     def accumulate_locally(self) -> None:
         """``no_sync``: add this backward's stack gradient to the local accumulation."""
         grad = self._take_local_grad()
-        if grad is None:
-            return
-        grad = grad.detach().to(torch.float32)
-        acc = getattr(self.registered, "_accumulated_grad", None)
-        if acc is None:
-            self.registered._accumulated_grad = grad
-        else:
-            acc.add_(grad)
+        if grad is not None:
+            accumulate_into(self.registered, grad)
 
     def reduce_async(self) -> None:
         """Merge local and accumulated gradients; SUM-reduce each range to its owner."""
         flat = torch.zeros(self.numel, dtype=torch.float32, device=self.buffer.device)
-        grad = self._take_local_grad()
-        if grad is not None:
-            flat.copy_(grad.detach().reshape(-1))
-        acc = getattr(self.registered, "_accumulated_grad", None)
-        if acc is not None:
-            flat.add_(acc.reshape(-1))
-            self.registered._accumulated_grad = None
+        merge_into(flat, self._take_local_grad(), self.registered)
         self._reduce_flat = flat
         self._reduces = [
             self.comm.reduce_sum(flat[lo:hi], dp.owner)
@@ -166,8 +157,7 @@ class SplitStack:
         assert self._reduce_flat is not None
         self._replica_reduces = [
             self.comm.all_reduce_replicas(self._reduce_flat[lo:hi])
-            for dp, (lo, hi) in zip(self.params, self.bounds, strict=True)
-            if dp.is_owned
+            for _, lo, hi in self._owned_ranges()
         ]
         if not self._replica_reduces:
             self._reduce_flat = None
@@ -182,13 +172,12 @@ class SplitStack:
         flat, self._reduce_flat = self._reduce_flat, None
         assert flat is not None
         divisor = self.comm.world_size * self.comm.replicas
-        for dp, (lo, hi) in zip(self.params, self.bounds, strict=True):
-            if not dp.is_owned:
-                continue
+        for dp, lo, hi in self._owned_ranges():
             # A copy: a view would keep the whole stack's gradient alive on the owner.
-            piece = flat[lo:hi].div(divisor).view(dp.shape)
-            current = getattr(dp.param, "_reduced_grad", None)
-            if current is None:
-                dp.param._reduced_grad = piece
-            else:
-                current.add_(piece)
+            add_reduced(dp.param, flat[lo:hi].div(divisor).view(dp.shape))
+
+    def _owned_ranges(self) -> Iterator[tuple[DedicatedParam, int, int]]:
+        """``(range, start, stop)`` in the flat stack, for the ranges this rank owns."""
+        for dp, (lo, hi) in zip(self.params, self.bounds, strict=True):
+            if dp.is_owned:
+                yield dp, lo, hi
