@@ -69,16 +69,23 @@ def test_gpu_tables_are_the_committed_cuda_runs(lang: str, name: str, site: Path
         assert row[8] == ("-" if peak < 0 else f"{peak / 2**20:.1f}")
 
 
+def _shows(table: list[list[str]], result: dict) -> bool:
+    """Whether an optimizer-step table shows this result: torch's time and every speedup."""
+    for row, measured in zip(table[1:], result["rows"].values(), strict=True):
+        if float(row[1]) != pytest.approx(measured["median_s"]["torch"] * 1e3, rel=6e-3):
+            return False
+        speedups = measured["speedup_vs_torch"].values()
+        if any(not c.endswith(f"{x:.2f}x") for c, x in zip(row[2:], speedups, strict=True)):
+            return False
+    return True
+
+
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_gpu_optimizer_step_tables_are_the_committed_run(lang: str, site: Path) -> None:
     results = json.loads((RESULTS / "optimizer_step_cuda.json").read_text())
     tables = html_tables(built_page(site, "benchmarks.md", lang))
     for result in results:
+        # The CPU table has the same buckets for `small`: exactly one table shows this run.
         buckets = [label for label in result["rows"] if label != "all"]
-        (table,) = [t for t in tables if t and [row[0] for row in t[2:]] == buckets]
-        for row, (label, measured) in zip(table[1:], result["rows"].items(), strict=True):
-            assert float(row[1]) == pytest.approx(measured["median_s"]["torch"] * 1e3, rel=6e-3)
-            for cell, (contender, speedup) in zip(
-                row[2:], measured["speedup_vs_torch"].items(), strict=True
-            ):
-                assert cell.endswith(f"{speedup:.2f}x"), (label, contender, cell)
+        candidates = [t for t in tables if t and [row[0] for row in t[2:]] == buckets]
+        assert sum(_shows(t, result) for t in candidates) == 1, result["preset"]
