@@ -4,8 +4,8 @@
 #
 #   bash benchmarks/gpu_check.sh
 #
-# Results: benchmarks/results/cuda-small-nN.json, cuda-base-nN.json and
-# optimizer_step_cuda.json (N = GPUs used, at most 2); each stage's output also goes to
+# Results: benchmarks/results/cuda-small-nN.json, cuda-base-nN.json,
+# optimizer_step_cuda.json and cuda-tests.log (the CUDA tests' pytest output) (N = GPUs used, at most 2); each stage's output also goes to
 # $LOG_DIR (default benchmarks/results/gpu-logs). PY picks the interpreter (default
 # .venv/bin/python if it exists, else python3). Where `dmuon` is not installed (a machine
 # with its own torch), the sources are put on PYTHONPATH. Each stage runs under its own time
@@ -43,6 +43,7 @@ EOF
 NPROC=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
 
 stage tests 90 "$PY" -m pytest tests/core/test_cuda.py -q -p no:cacheprovider
+cp "$LOG_DIR/tests.log" benchmarks/results/cuda-tests.log  # the docs cite its summary line
 stage bench-small 200 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model small \
     --accum 1 4 8 --steps 5 --save-partial --name "cuda-small-n$NPROC"
 stage bench-base 100 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model base \

@@ -8,6 +8,7 @@ the pages get them through the docs build (``docs_hooks/benchmarks.py``).
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,29 @@ def test_gpu_optimizer_step_tables_are_the_committed_run(lang: str, site: Path) 
         buckets = [label for label in result["rows"] if label != "all"]
         candidates = [t for t in tables if t and [row[0] for row in t[2:]] == buckets]
         assert sum(_shows(t, result) for t in candidates) == 1, result["preset"]
+
+
+GPU_CHECK = RESULTS.parents[1] / "benchmarks" / "gpu_check.sh"
+DOCS = RESULTS.parents[1] / "docs"
+
+
+@pytest.mark.parametrize(
+    ("page", "limits", "tests"),
+    [
+        ("benchmarks.md", "({} minutes in all)", "The {} CUDA tests passed"),
+        ("zh/benchmarks.md", "（合计 {} 分钟）", "{} 个 CUDA 测试全部通过"),
+    ],
+)
+def test_gpu_section_numbers_come_from_the_script_and_its_log(
+    page: str, limits: str, tests: str
+) -> None:
+    text = (DOCS / page).read_text()
+    stage_limits = [
+        int(m.group(1)) for m in re.finditer(r"^stage \S+ (\d+) ", GPU_CHECK.read_text(), re.M)
+    ]
+    assert len(stage_limits) == 4 and sum(stage_limits) <= 8 * 60  # the 8 minutes
+    assert limits.format(f"{sum(stage_limits) / 60:g}") in text
+    summary = (RESULTS / "cuda-tests.log").read_text().strip().splitlines()[-1]
+    passed = re.fullmatch(r"(\d+) passed in [\d.]+s", summary)
+    assert passed, f"the committed CUDA test log ends in {summary!r}, not all passed"
+    assert tests.format(passed.group(1)) in text
