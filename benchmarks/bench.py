@@ -298,12 +298,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
         memory = {c: _memory_round(c, args, device, accum) for c in ran}
         for contender in ran:
             t = traffic[contender]
+            formula = formula_units(contender, accum, world)
             measured: float | None = None
-            if world == 1:
-                pass  # (N-1)/N x P_M is zero: there is no unit to count in
-            elif p_m and contender.startswith("dmuon"):
+            if formula is None or not p_m:
+                pass  # one rank: (N-1)/N x P_M is zero, there is no unit to count in
+            elif contender.startswith("dmuon"):
                 measured = t["dmuon"] / p_m
-            elif p_m and rest_z3 is not None and formula_units(contender, accum, world):
+            elif rest_z3 is not None:
                 # FSDP2 moves the matrices' elements on top of what it moves for the rest,
                 # which is exactly DMuon Z3's torch-issued traffic (same FSDP2 setting).
                 measured = (t["torch"] - rest_z3 + t["dmuon"] + t["peer"]) / p_m
@@ -317,7 +318,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                     "elements_per_rank": t,
                     "muon_elements": p_m,
                     "muon_units": measured,
-                    "formula_units": formula_units(contender, accum, world),
+                    "formula_units": formula,
                 }
             )
         if rank == 0 and args.save_partial:

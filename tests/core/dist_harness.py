@@ -29,8 +29,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny_llama import TinyLlama
 
-from dmuon.accumulation import fsdp_param_groups
 from dmuon.optim.naive import NaiveMuon
+from dmuon.ownership.fsdp_integration import fsdp_param_groups
 
 #: Modules the CPU ranks' fork server imports once, so that each rank starts in well under a
 #: second instead of importing torch (several seconds of CPU on a 2-core machine) itself.

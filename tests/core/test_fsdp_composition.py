@@ -118,3 +118,28 @@ def test_a_sharded_dedicated_parameter_is_a_clear_error() -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fully_shard sharded the dedicated parameters" in done.stdout
     assert "ignored_params=dmuon.dedicated_parameters(model)" in done.stdout
+
+
+class _FakeFSDPModule:
+    """Just the private surface `fsdp_param_groups` reads: ``_get_fsdp_state()``."""
+
+    def __init__(self, **state: object) -> None:
+        self._state = type("FSDPState", (), state)()
+
+    def _get_fsdp_state(self) -> object:
+        return self._state
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        ({"_fsdp_param_groups": ("g1", "g2")}, ["g1", "g2"]),  # torch 2.13: a list
+        ({"_fsdp_param_groups": []}, []),
+        ({"_fsdp_param_group": "g"}, ["g"]),  # torch 2.11: one group
+        ({"_fsdp_param_group": None}, []),  # a module that manages no parameters
+    ],
+)
+def test_fsdp_param_groups_reads_both_torch_layouts(state: dict, expected: list) -> None:
+    from dmuon.ownership.fsdp_integration import fsdp_param_groups
+
+    assert fsdp_param_groups(_FakeFSDPModule(**state)) == expected

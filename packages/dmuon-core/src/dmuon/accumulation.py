@@ -4,24 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from typing import Any
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from dmuon.ownership.fsdp_integration import is_fsdp_module
+from dmuon.ownership.fsdp_integration import fsdp_param_groups, is_fsdp_module
 from dmuon.ownership.state import get_dedication
-
-
-def fsdp_param_groups(module: FSDPModule) -> list[Any]:
-    """The FSDP2 parameter groups of one ``fully_shard`` module (private state: torch 2.13
-    keeps a list, earlier releases a single group or ``None``)."""
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
 
 
 def _requires_gradient_sync(module: FSDPModule) -> bool:

@@ -40,6 +40,17 @@ def is_dedicated(param: nn.Parameter) -> bool:
     return getattr(param, DEDICATED_FLAG, None) is not None
 
 
+def fsdp_param_groups(module: FSDPModule) -> list[Any]:
+    """The FSDP2 parameter groups of one ``fully_shard`` module (private state: torch 2.13
+    keeps a list, earlier releases a single group or ``None``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
 def is_fsdp_module(module: nn.Module) -> bool:
     """Whether ``fully_shard`` has been applied to ``module``."""
     return isinstance(module, FSDPModule)
