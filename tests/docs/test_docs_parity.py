@@ -76,3 +76,34 @@ def test_chinese_prose_has_no_hard_breaks_between_characters() -> None:
         for match in pattern.finditer(prose):
             problems.append(f"zh/{rel(path)}: {match.group(0)!r}")
     assert not problems, "\n".join(problems[:20])
+
+
+def _list_items_per_section(path: Path) -> list[tuple[str, int]]:
+    """(heading anchor or text, top-level list items under it), outside code blocks."""
+    sections: list[tuple[str, int]] = [("(top)", 0)]
+    in_code = False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            in_code = not in_code
+        elif in_code:
+            continue
+        elif heading := re.match(r"#+ .*?(\{#([\w-]+)\})?\s*$", line):
+            sections.append((heading.group(2) or line, 0))
+        elif re.match(r"(-|\*|\d+\.) ", line):
+            name, count = sections[-1]
+            sections[-1] = (name, count + 1)
+    return sections
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_same_list_items(page: str) -> None:
+    """Every section has as many top-level list items in Chinese as in English: a
+    changelog entry or a bullet of a guide is not left untranslated."""
+    en = [count for _, count in _list_items_per_section(DOCS / page)]
+    zh = _list_items_per_section(ZH / page)
+    differ = [
+        f"{name}: {e} in English, {z} in Chinese"
+        for e, (name, z) in zip(en, zh, strict=False)
+        if e != z
+    ]
+    assert not differ, f"{page}:\n" + "\n".join(differ)
