@@ -59,12 +59,16 @@ $(BENCH_STAMP): $(STAMP)
 
 # Full side-by-side benchmarks (about an hour on 2 cores; writes benchmarks/results/*.json
 # and the plots in docs/assets/benchmarks/): optimizer step, distributed step time and
-# counted traffic and memory of every contender, where the step time goes (profile_step),
-# quality (learning-rate sweeps), scaling, DCP
-# checkpoint save and load against FSDP2 + AdamW.
+# counted traffic and memory of every contender (small at N=2 and 4; base at N=2 without
+# muon-fsdp2, whose emulated-bfloat16 step takes minutes on a CPU), where the step time
+# goes (profile_step), quality (learning-rate sweeps), scaling, DCP checkpoint save and
+# load against FSDP2 + AdamW.
 bench: bench-setup
 	$(MAKE) bench-optimizer
 	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python benchmarks/bench.py --nproc 4 --steps 3
+	$(BIN)/python benchmarks/bench.py --model base --steps 3 \
+		--contenders adamw-z2 adamw-z3 dmuon-z2 dmuon-z3 naive-z3
 	$(BIN)/python benchmarks/profile_step.py --levers
 	$(BIN)/python benchmarks/quality.py
 	$(BIN)/python benchmarks/scaling.py
