@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_types import positive_int
 from machine import machine_info
 from memory import PeakTensorMemory, dedicated_bytes_formula, dedicated_bytes_held
 from traffic import TrafficCounter
@@ -465,13 +466,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--check", action="store_true", help="exit 1 if traffic or memory != formulas"
     )
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--nproc", type=positive_int, default=2)
     parser.add_argument("--model", default=None)
-    parser.add_argument("--accum", type=int, nargs="+", default=None)
+    parser.add_argument("--accum", type=positive_int, nargs="+", default=None)
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
-    parser.add_argument("--seq-len", type=int, default=None)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=None, help="timed steps per contender")
+    parser.add_argument("--seq-len", type=positive_int, default=None)
+    parser.add_argument("--micro-batch", type=positive_int, default=4)
+    parser.add_argument(
+        "--steps", type=positive_int, default=None, help="timed steps per contender"
+    )
     parser.add_argument("--cuda", action="store_true", help="NCCL on GPUs instead of gloo")
     parser.add_argument("--name", default=None, help="results/<name>.json")
     parser.add_argument(

@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_types import positive_int
 from machine import machine_info
 
 CONTENDERS = ("dmuon-z2", "fsdp2-adamw")
@@ -381,10 +382,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="base", help="a preset of dmuon.train.model")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved save/load rounds")
+    parser.add_argument("--nproc", type=positive_int, default=2)
+    parser.add_argument("--seq-len", type=positive_int, default=64)
+    parser.add_argument("--micro-batch", type=positive_int, default=2)
+    parser.add_argument(
+        "--repeats", type=positive_int, default=5, help="interleaved save/load rounds"
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "checkpoint_io.json")
     return parser.parse_args(argv)
 

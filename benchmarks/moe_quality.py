@@ -59,6 +59,7 @@ from dmuon.train.loop import lr_lambda
 from dmuon.train.model import PRESETS, build_model, lm_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_types import positive_int
 from machine import machine_info
 
 RESULTS = Path(__file__).parent / "results"
@@ -225,8 +226,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=Settings.steps)
-    parser.add_argument("--threads", type=int, default=Settings.threads)
+    parser.add_argument("--steps", type=positive_int, default=Settings.steps)
+    parser.add_argument("--threads", type=positive_int, default=Settings.threads)
     parser.add_argument("--json", type=Path, default=RESULTS / "moe_quality.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "moe_quality.png")
     args = parser.parse_args()

@@ -37,6 +37,7 @@ import dmuon
 from dmuon.train.data import GlobalBatchSampler, load_corpus, validation_windows
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_types import positive_int
 from machine import machine_info
 
 RESULTS = Path(__file__).parent / "results"
@@ -108,9 +109,9 @@ def train(split: str | None, lr: float, steps: int, corpus, measure: bool) -> di
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=positive_int, default=100)
     parser.add_argument("--lrs", type=float, nargs="+", default=[0.01, 0.02, 0.04])
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--json", type=Path, default=RESULTS / "moe_split.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -34,6 +34,7 @@ from dmuon.optim import default_ns_dtype
 from dmuon.train import build_model, lm_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
+from cli_types import non_negative_int, positive_int
 from machine import machine_info
 
 CONTENDERS: dict[str, dict[str, Any]] = {
@@ -167,9 +168,9 @@ def main() -> None:
     """Parse flags, time the contenders, print the table, optionally write JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small", help="preset(s), comma-separated")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
+    parser.add_argument("--rounds", type=positive_int, default=5)
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the current GPU")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()

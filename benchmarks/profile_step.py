@@ -49,6 +49,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench
+from cli_types import positive_int
 from machine import machine_info
 from traffic import TrafficCounter
 
@@ -325,9 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """bench.py's settings (model, micro-batch, sequence length) plus this script's."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="small")
-    parser.add_argument("--accum", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per contender")
-    parser.add_argument("--threads", type=int, default=None, help="threads per rank")
+    parser.add_argument("--accum", type=positive_int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=positive_int, default=3, help="timed steps per contender")
+    parser.add_argument("--threads", type=positive_int, default=None, help="threads per rank")
     parser.add_argument("--levers", action="store_true", help="add the -gram DMuon variants")
     parser.add_argument("--name", default=None, help="results/<name>.json")
     own = parser.parse_args(argv)

@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from cli_types import non_negative_int, positive_int
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -122,12 +124,12 @@ def main() -> None:
     """Parse flags, run the sweeps, print a summary, write ``results/quality.json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
-    parser.add_argument("--steps", type=int, default=240)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--eval-sequences", type=int, default=32)
-    parser.add_argument("--warmup-steps", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=240)
+    parser.add_argument("--seq-len", type=positive_int, default=128)
+    parser.add_argument("--eval-every", type=positive_int, default=10)
+    parser.add_argument("--eval-sequences", type=positive_int, default=32)
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=10)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--json", type=Path, default=RESULTS / "quality.json")
     args = parser.parse_args()
     result = run(args)

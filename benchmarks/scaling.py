@@ -18,6 +18,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench
+from cli_types import positive_int
 from machine import machine_info
 
 CONTENDERS = ("adamw-z2", "adamw-z3", "dmuon-z2", "dmuon-z3")
@@ -52,7 +53,7 @@ def main() -> None:
     """Run the grid within the budget; write ``results/scaling.json``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=1800.0)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=positive_int, default=2)
     parser.add_argument("--json", type=Path, default=bench.RESULTS / "scaling.json")
     args = parser.parse_args()
     start = time.perf_counter()

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
+from cli_types import positive_int
 
 
 def start_server(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
@@ -66,8 +67,8 @@ def new_connection_rate(url: str, path: str, n: int) -> float:
 def main() -> None:
     """Run the rounds and print the rates and their ratio."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--requests", type=int, default=200, help="requests per mode and round")
-    p.add_argument("--rounds", type=int, default=3, help="alternating rounds")
+    p.add_argument("--requests", type=positive_int, default=200, help="requests per mode and round")
+    p.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds")
     p.add_argument("--path", default="/healthz", help="endpoint to request")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="dmuon-rps-") as tmp:

@@ -12,21 +12,46 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-@pytest.fixture(scope="module")
-def quick_result() -> dict:
+def _import_bench() -> ModuleType:
     sys.path.insert(0, str(BENCH_DIR))
     try:
         import bench
     finally:
         sys.path.remove(str(BENCH_DIR))
+    return bench
+
+
+@pytest.fixture(scope="module")
+def quick_result() -> dict:
+    bench = _import_bench()
     # DMuon's own contenders only: the peers' traffic is checked by `make bench-quick`.
     return bench.run(bench.parse_args(["--quick", "--contenders", *bench.OWN]))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--accum", "1", "0"], "argument --accum: 0 is less than 1"),
+        (["--nproc", "-2"], "argument --nproc: -2 is less than 1"),
+        (["--steps", "0"], "argument --steps: 0 is less than 1"),
+        (["--micro-batch", "two"], "argument --micro-batch: 'two' is not a whole number"),
+    ],
+)
+def test_a_count_below_one_is_refused_naming_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bench = _import_bench()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(flags)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_counted_traffic_matches_the_formulas(quick_result: dict) -> None:
