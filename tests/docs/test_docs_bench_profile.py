@@ -116,3 +116,16 @@ def test_gpu_section_numbers_come_from_the_script_and_its_log(
     passed = re.fullmatch(r"(\d+) passed in [\d.]+s", summary)
     assert passed, f"the committed CUDA test log ends in {summary!r}, not all passed"
     assert tests.format(passed.group(1)) in text
+
+
+def test_base_section_claims_hold_in_the_committed_run() -> None:
+    """The `base` section says DMuon's optimizer step stays under 0.6x naive's and that its
+    step-time ratio to AdamW falls as the accumulation grows."""
+    rows = json.loads((RESULTS / "base-n2.json").read_text())["rows"]
+    naive = {r["accum"]: r["median_optim_step_s"] for r in rows if r["contender"] == "naive-z3"}
+    for mode in ("dmuon-z2", "dmuon-z3"):
+        ours = sorted((r["accum"], r) for r in rows if r["contender"] == mode)
+        assert [accum for accum, _ in ours] == [1, 4, 8]
+        assert all(r["median_optim_step_s"] < 0.6 * naive[accum] for accum, r in ours)
+        ratios = [r["vs_adamw_same_mode"] for _, r in ours]
+        assert ratios == sorted(ratios, reverse=True), (mode, ratios)
