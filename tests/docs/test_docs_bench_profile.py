@@ -129,3 +129,11 @@ def test_base_section_claims_hold_in_the_committed_run() -> None:
         assert all(r["median_optim_step_s"] < 0.6 * naive[accum] for accum, r in ours)
         ratios = [r["vs_adamw_same_mode"] for _, r in ours]
         assert ratios == sorted(ratios, reverse=True), (mode, ratios)
+
+
+def test_small_n4_section_claim_holds_in_the_committed_run() -> None:
+    """The four-rank section says both DMuon modes beat AdamW at the same mode at
+    accumulation 8."""
+    rows = json.loads((RESULTS / "small-n4.json").read_text())["rows"]
+    at_8 = {r["contender"]: r["vs_adamw_same_mode"] for r in rows if r["accum"] == 8}
+    assert at_8["dmuon-z2"] < 1.0 and at_8["dmuon-z3"] < 1.0, at_8
