@@ -19,9 +19,10 @@ import math
 import os
 import tempfile
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -475,22 +476,31 @@ def spawn_ranks(
         ]
 
 
+def run_in_order(cases: Iterable[tuple[Hashable, Callable[[], Any]]]) -> dict[Hashable, Any]:
+    """Run each ``(key, case)`` in turn on this rank; a case that raises gets ``{"error":
+    traceback}`` and the ones after it ``{"error": "not run: ..."}``, since the ranks may now
+    disagree on the collective schedule."""
+    results: dict[Hashable, Any] = {}
+    failed: Hashable | None = None
+    for key, case in cases:
+        if failed is not None:
+            results[key] = {"error": f"not run: {failed!r} failed before it"}
+            continue
+        try:
+            results[key] = case()
+        except Exception:
+            results[key] = {"error": f"{key}:\n{traceback.format_exc()}"}
+            failed = key
+    return results
+
+
 def _run_scenarios(
     rank: int, world: int, scenarios: list[Scenario], device_type: str
 ) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    failed: str | None = None
-    for scenario in scenarios:
-        if failed is not None:
-            results[scenario.name] = {"error": f"not run: scenario {failed!r} failed before it"}
-            continue
-        try:
-            results[scenario.name] = run_scenario(scenario, rank, world, device_type)
-        except Exception:
-            # The ranks may now disagree on the collective schedule: stop here.
-            results[scenario.name] = {"error": f"{scenario.name}:\n{traceback.format_exc()}"}
-            failed = scenario.name
-    if device_type == "cpu" and failed is None:
+    results = run_in_order(
+        (s.name, partial(run_scenario, s, rank, world, device_type)) for s in scenarios
+    )
+    if device_type == "cpu" and all("error" not in r for r in results.values()):
         try:
             results["__errors__"] = _error_checks(rank, world)
         except Exception:
@@ -514,5 +524,6 @@ __all__ = [
     "reference_run",
     "reference_train",
     "run_distributed",
+    "run_in_order",
     "spawn_ranks",
 ]

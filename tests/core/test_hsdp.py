@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import math
 import os
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from dist_harness import (
     global_batch,
     make_model,
     reference_run,
+    run_in_order,
     run_scenario,
     spawn_ranks,
 )
@@ -198,20 +198,12 @@ def _worker(rank: int, world: int, scenarios: list[Scenario], root: str) -> dict
     # Every run also checks that all ranks issue the same collectives, per dimension
     # (owners alone take part in the replicate dimension's).
     os.environ["DMUON_CHECK_COLLECTIVES"] = "1"
-    results: dict[str, Any] = {}
     steps: list[tuple[str, Callable[[], Any]]] = [
         (s.name, functools.partial(run_scenario, s, rank, world)) for s in scenarios
     ]
     steps.append(("__checkpoint__", lambda: _checkpoint_round_trips(rank, world, root)))
     steps.append(("__errors__", lambda: _mesh_errors(world)))
-    for name, run in steps:
-        try:
-            results[name] = run()
-        except Exception:
-            # The ranks may now disagree on the collective schedule: stop here.
-            results[name] = {"error": traceback.format_exc()}
-            break
-    return results
+    return run_in_order(steps)
 
 
 @pytest.fixture(scope="module")

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
-from dist_harness import full_parameters, spawn_ranks
+from dist_harness import full_parameters, run_in_order, spawn_ranks
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_map_only
@@ -327,16 +328,7 @@ def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
 
 
 def _run_cases(rank: int, world: int, cases: list[MoECase]) -> dict[str, Any]:
-    import traceback
-
-    results: dict[str, Any] = {}
-    for case in cases:
-        try:
-            results[case.name] = _train(rank, world, case)
-        except Exception:
-            results[case.name] = {"error": f"{case.name}:\n{traceback.format_exc()}"}
-            break  # the ranks may disagree from here on
-    return results
+    return run_in_order((case.name, partial(_train, rank, world, case)) for case in cases)
 
 
 @pytest.fixture(scope="module")

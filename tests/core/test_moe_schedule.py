@@ -15,11 +15,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
-from dist_harness import ADAMW_LR, LR, full_parameters, reference_train, spawn_ranks
+from dist_harness import ADAMW_LR, LR, full_parameters, reference_train, run_in_order, spawn_ranks
 from tiny_moe import TinyMoE
 
 VOCAB, DIM, EXPERTS, MICRO, SEQ = 48, 16, 3, 2, 8
@@ -124,15 +125,7 @@ def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
 
 
 def _run_cases(rank: int, world: int, cases: list[MoECase]) -> dict[str, Any]:
-    import traceback
-
-    results: dict[str, Any] = {}
-    for case in cases:
-        try:
-            results[case.name] = _train(rank, world, case)
-        except Exception:
-            results[case.name] = {"error": f"{case.name}:\n{traceback.format_exc()}"}
-            break  # the ranks may disagree from here on
+    results = run_in_order((case.name, partial(_train, rank, world, case)) for case in cases)
     if world == 2:
         results["mismatch"] = _mismatched_schedule(rank)
     return results

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import itertools
 import math
+from functools import partial
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from dist_harness import full_parameters, spawn_ranks
+from dist_harness import full_parameters, run_in_order, spawn_ranks
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
@@ -197,19 +198,10 @@ RUNS = [(3, True), (2, False)]
 
 def _run(rank: int, world: int) -> dict[tuple[int, bool], dict[str, Any]]:
     """Both runs in one spawn of 3 processes; the third one sits out the 2-rank run."""
-    import traceback
-
     _PAIR.append(dist.new_group([0, 1]))  # on every rank, as new_group requires
-    results: dict[tuple[int, bool], dict[str, Any]] = {}
-    for ranks, z3 in RUNS:
-        if rank >= ranks:
-            continue
-        try:
-            results[(ranks, z3)] = _train(rank, ranks, z3)
-        except Exception:
-            results[(ranks, z3)] = {"error": traceback.format_exc()}
-            break  # the ranks may disagree from here on
-    return results
+    return run_in_order(
+        ((ranks, z3), partial(_train, rank, ranks, z3)) for ranks, z3 in RUNS if rank < ranks
+    )
 
 
 @pytest.fixture(scope="module")
