@@ -76,9 +76,10 @@ bench: bench-setup
 	$(BIN)/python benchmarks/checkpoint_io.py
 	$(MAKE) bench-moe
 
-# `dmuon.Muon.step()` against torch.optim.Muon + AdamW, one process (a few minutes).
+# `dmuon.Muon.step()` against torch.optim.Muon + AdamW, one process, small and base (a few
+# minutes).
 bench-optimizer: bench-setup
-	$(BIN)/python benchmarks/optimizer_step.py --model small --json benchmarks/results/optimizer_step.json
+	$(BIN)/python benchmarks/optimizer_step.py --model small,base --json benchmarks/results/optimizer_step.json
 
 # Mixture of experts (about 20 minutes on 2 cores): the `moe` preset with its expert stacks
 # on Muon, on AdamW, and AdamW alone; and whole against split `gate_up_proj` on a tiny

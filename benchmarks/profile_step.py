@@ -135,8 +135,8 @@ class NewtonSchulzTimer:
             result = original(ws, triples, eps)
             self.seconds += time.perf_counter() - start
             self.cpu_seconds += time.process_time() - cpu_start
-            batch, short, long = ws.source.shape
-            self.shapes.add((batch, short, long, len(triples), ws.gram))
+            batch = ws.source.shape[0]
+            self.shapes.add((batch, ws.short, ws.long, len(triples), ws.gram))
             return result
 
         NewtonSchulzWorkspace.run = run  # type: ignore[method-assign]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from dmuon.optim import (
     POLAR_EXPRESS_COEFFICIENTS,
     default_ns_dtype,
     newton_schulz,
+    orthogonalize,
     resolve_coefficients,
     uses_gram,
 )
@@ -132,14 +134,21 @@ def test_close_to_torch_muon_on_random_input(shape: tuple) -> None:
     assert (ours - theirs).norm() / theirs.norm() <= 4e-2
 
 
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+@pytest.mark.parametrize("gram", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(5, 24, 40), (4, 40, 24)])
-def test_batched_equals_per_matrix(dtype: torch.dtype, shape: tuple) -> None:
+@pytest.mark.parametrize("shape", [(5, 24, 40), (4, 40, 24), (3, 16, 48), (3, 48, 16)])
+def test_batched_equals_per_matrix(
+    dtype: torch.dtype, shape: tuple, gram: bool, one_at_a_time: bool, monkeypatch: Any
+) -> None:
     # Per-matrix norms: scale each matrix differently to catch a shared norm.
     Gs = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
     Gs = Gs * torch.logspace(-2, 2, shape[0]).view(-1, 1, 1)
-    batched = newton_schulz(Gs, dtype=dtype)
-    single = torch.stack([newton_schulz(g, dtype=dtype) for g in Gs])
+    if one_at_a_time:  # the path large CPU matrices take
+        monkeypatch.setattr(orthogonalize, "CPU_ONE_AT_A_TIME_MIN_SIDE", 1)
+    batched = newton_schulz(Gs, dtype=dtype, gram=gram)
+    monkeypatch.undo()
+    single = torch.stack([newton_schulz(g, dtype=dtype, gram=gram) for g in Gs])
     # Measured bit-identical on CPU; allow one float32 rounding step if BLAS differs.
     torch.testing.assert_close(batched, single, rtol=0, atol=1e-6 if dtype == torch.float32 else 0)
 

@@ -554,12 +554,12 @@ class Muon(torch.optim.Optimizer):
                 for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
                     v.copy_(g.lerp(b, momentum) if group["nesterov"] else b)
             bucket_params = [p for _, _, p in members]
-            # Added in the weights' dtype; a bfloat16 result is widened once into a buffer.
+            # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
+            # (adding it directly would allocate a widened temporary per matrix).
             ortho = ws.cast(ws.run(triples, group["eps"]), bucket_params[0].dtype)
             rows, cols = (shape[1], shape[0]) if is_transposed else shape
             adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
-            updates = [o.mT for o in ortho.unbind(0)] if ws.transpose else list(ortho.unbind(0))
-            torch._foreach_add_(bucket_params, updates, alpha=-adjusted_lr)
+            torch._foreach_add_(bucket_params, list(ortho.unbind(0)), alpha=-adjusted_lr)
 
     def _workspace(
         self,
