@@ -32,6 +32,8 @@ MEANING: dict[str, dict[str, str]] = {
         "--optimizer": "`dmuon` = DMuon on the hidden matrices (2-D `Linear` weights, and the "
         "expert stacks of `moe`) plus AdamW on the rest; `adamw` = `torch.optim.AdamW` on "
         "everything",
+        "--ns-dtype": "[Newton-Schulz dtype](newton-schulz.md#iteration) of `dmuon`: `auto` "
+        "is bfloat16 on CUDA and on CPUs that multiply it natively, float32 elsewhere",
         "--mode": "[Z2 or Z3](z2-vs-z3.md), for DMuon's buffers and FSDP2's parameters alike "
         "(`reshard_after_forward` of both)",
         "--hsdp": "replicate degree R of an [HSDP](hsdp.md) mesh: R replicas of world size / R "
@@ -76,6 +78,8 @@ MEANING: dict[str, dict[str, str]] = {
         "--dtype": "参数和计算的数据类型（`float64` 用于精确性检查）",
         "--optimizer": "`dmuon` = 隐藏层矩阵（二维 `Linear` 权重，以及 `moe` 的专家堆叠）用 "
         "DMuon，其余用 AdamW；`adamw` = 全部用 `torch.optim.AdamW`",
+        "--ns-dtype": "`dmuon` 的 [Newton-Schulz 数据类型](newton-schulz.md#iteration)：`auto` "
+        "在 CUDA 和原生支持 bfloat16 乘法的 CPU 上为 bfloat16，其他情况为 float32",
         "--mode": "[Z2 或 Z3](z2-vs-z3.md)，同时作用于 DMuon 的缓冲区和 FSDP2 的参数"
         "（两者的 `reshard_after_forward`）",
         "--hsdp": "[HSDP](hsdp.md) 网格的复制度 R：R 个副本，每个副本 world size / R 个分片"
@@ -104,7 +108,8 @@ MEANING: dict[str, dict[str, str]] = {
     },
 }
 
-# What a default of ``None`` means for flags whose value is decided at run time.
+# What a default of ``None`` means for flags whose value is decided at run time; ``{NAME}``
+# is the value of the constant NAME of ``dmuon.train.cli``.
 RUNTIME_DEFAULT: dict[str, dict[str, str]] = {
     "en": {
         "--data": "the standard library source",
@@ -114,6 +119,7 @@ RUNTIME_DEFAULT: dict[str, dict[str, str]] = {
         "--metrics-file": "none",
         "--checkpoint-dir": "none (no checkpoints)",
         "--init-from": "none",
+        "--adamw-lr": "`--lr` under `dmuon`, `{ADAMW_BASELINE_LR!r}` under `adamw`",
     },
     "zh": {
         "--data": "标准库源代码",
@@ -122,6 +128,7 @@ RUNTIME_DEFAULT: dict[str, dict[str, str]] = {
         "--metrics-file": "无",
         "--checkpoint-dir": "无（不写检查点）",
         "--init-from": "无",
+        "--adamw-lr": "`dmuon` 下等于 `--lr`，`adamw` 下为 `{ADAMW_BASELINE_LR!r}`",
     },
 }
 
@@ -211,7 +218,11 @@ def render_flags(lang: str) -> str:
     for action in documented_actions(parser):
         flag = long_flag(action)
         if action.default is None:
-            default = RUNTIME_DEFAULT[lang].get(flag, labels["none"])
+            default = (
+                RUNTIME_DEFAULT[lang]
+                .get(flag, labels["none"])
+                .format_map(vars(importlib.import_module("dmuon.train.cli")))
+            )
         else:
             default = f"`{default_text(action.default)}`"
         meaning = MEANING[lang].get(flag) or str(action.help or "")

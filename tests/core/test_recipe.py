@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 import torch
 
-import dmuon
 from dmuon.train import (
     REQUIRED_KEYS,
     MetricsWriter,
@@ -22,6 +21,7 @@ from dmuon.train import (
     run,
 )
 from dmuon.train.__main__ import main
+from dmuon.train.cli import ADAMW_BASELINE_LR
 from dmuon.train.demo import DEMO_ARGS
 from dmuon.train.loop import lr_lambda
 
@@ -118,6 +118,45 @@ def test_lr_schedule_warmup_then_cosine() -> None:
     assert lr_lambda(0, 5, 0.0)(0) == 1.0
 
 
+@pytest.mark.parametrize(
+    ("flags", "muon_rate", "adamw_rate"),
+    [
+        ([], 0.05, 0.05),  # under dmuon the AdamW group follows --lr
+        (["--adamw-lr", "0.004"], 0.05, 0.004),
+        (["--optimizer", "adamw"], None, ADAMW_BASELINE_LR),
+        (["--optimizer", "adamw", "--adamw-lr", "0.004"], None, 0.004),
+    ],
+)
+def test_adamw_rate_defaults_per_optimizer_and_reaches_the_optimizer(
+    base: TrainConfig, flags: list[str], muon_rate: float | None, adamw_rate: float
+) -> None:
+    parsed = parse_args(["--lr", "0.05", *flags])
+    cfg = replace(base, optimizer=parsed.optimizer, lr=parsed.lr, adamw_lr=parsed.adamw_lr)
+    assert cfg.adamw_rate == adamw_rate
+    trainer = Trainer(cfg)
+    try:
+        peaks = [group["initial_lr"] for group in trainer.optimizer.param_groups]
+    finally:
+        trainer.close()
+    # dmuon.Muon keeps [Muon group, AdamW group]; the baseline has one AdamW group.
+    assert peaks == ([adamw_rate] if muon_rate is None else [muon_rate, adamw_rate])
+
+
+@pytest.mark.parametrize(
+    ("flag", "expected"), [("auto", None), ("float32", torch.float32), ("bfloat16", torch.bfloat16)]
+)
+def test_ns_dtype_flag_reaches_the_muon_group(
+    base: TrainConfig, flag: str, expected: torch.dtype | None
+) -> None:
+    cfg = replace(base, optimizer="dmuon", ns_dtype=parse_args(["--ns-dtype", flag]).ns_dtype)
+    trainer = Trainer(cfg)
+    try:
+        # None: dmuon.Muon decides per device (dmuon.optim.default_ns_dtype).
+        assert trainer.optimizer.param_groups[0]["ns_dtype"] is expected
+    finally:
+        trainer.close()
+
+
 def _params_after_first_step(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     trainer = Trainer(cfg)
     try:
@@ -152,10 +191,12 @@ def test_accumulation_matches_large_batch_first_update_adamw(base: TrainConfig) 
 
 
 def test_accumulation_matches_large_batch_first_update_dmuon(base: TrainConfig) -> None:
-    """Same for DMuon (Muon on the projections, AdamW on the rest), atol 1e-6, float32."""
-    if not hasattr(dmuon, "dedicate_params"):
-        pytest.skip("dmuon.dedicate_params is not implemented yet")
-    _assert_same_first_update(base, "dmuon")
+    """Same for DMuon (Muon on the projections, AdamW on the rest), atol 1e-6, float32.
+
+    Newton-Schulz runs in float32 too: on a CPU with native bfloat16 its default is
+    bfloat16, whose rounding turns the last-bit differences of the two summation orders
+    into differences far above 1e-6."""
+    _assert_same_first_update(replace(base, ns_dtype="float32"), "dmuon")
 
 
 @pytest.mark.parametrize(
@@ -198,8 +239,8 @@ def test_flags_map_to_config_and_demo_args_parse() -> None:
     assert (cfg.lr, cfg.adamw_lr, cfg.optimizer, cfg.mode) == (0.01, 0.002, "adamw", "z2")
     assert (cfg.seed, cfg.warmup_steps, cfg.eval_every, cfg.metrics_file) == (4, 2, 5, "m.jsonl")
     assert cfg.dtype == "float64"
-    assert parse_args([]).effective_lr == 0.01
-    assert parse_args(["--optimizer", "adamw"]).effective_lr == TrainConfig().adamw_lr
+    assert parse_args([]).effective_lr == TrainConfig().lr
+    assert parse_args(["--optimizer", "adamw"]).effective_lr == ADAMW_BASELINE_LR
     demo = parse_args(list(DEMO_ARGS))
     assert demo.model == "small" and demo.accum_steps == 4 and demo.eval_every > 0
 

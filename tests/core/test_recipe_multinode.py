@@ -28,6 +28,7 @@ STEPS = 4
 COMMON = [
     "--model", "tiny", "--steps", str(STEPS), "--seq-len", "32", "--accum-steps", "2",
     "--lr", "0.02", "--adamw-lr", "0.003", "--warmup-steps", "2", "--seed", "3",
+    "--ns-dtype", "float32",
     "--progress", "plain", "--device", "cpu", "--eval-every", "0", "--mode", "z2",
 ]  # fmt: skip
 TIMEOUT = 600

@@ -28,6 +28,7 @@ STEPS = 20
 COMMON = [
     "--steps", str(STEPS), "--seq-len", "32", "--accum-steps", "2",
     "--lr", "0.02", "--adamw-lr", "0.003", "--warmup-steps", "2", "--seed", "3",
+    "--ns-dtype", "float32",
     "--progress", "plain", "--device", "cpu",
 ]  # fmt: skip
 

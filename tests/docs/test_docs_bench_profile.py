@@ -82,11 +82,12 @@ def _shows(table: list[list[str]], result: dict) -> bool:
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
-def test_gpu_optimizer_step_tables_are_the_committed_run(lang: str, site: Path) -> None:
-    results = json.loads((RESULTS / "optimizer_step_cuda.json").read_text())
+@pytest.mark.parametrize("name", ["optimizer_step", "optimizer_step_cuda"])
+def test_optimizer_step_tables_are_the_committed_runs(lang: str, name: str, site: Path) -> None:
+    results = json.loads((RESULTS / f"{name}.json").read_text())
     tables = html_tables(built_page(site, "benchmarks.md", lang))
     for result in results:
-        # The CPU table has the same buckets for `small`: exactly one table shows this run.
+        # The CPU and GPU runs share `small`'s buckets: exactly one table shows this run.
         buckets = [label for label in result["rows"] if label != "all"]
         candidates = [t for t in tables if t and [row[0] for row in t[2:]] == buckets]
         assert sum(_shows(t, result) for t in candidates) == 1, result["preset"]
@@ -137,3 +138,27 @@ def test_small_n4_section_claim_holds_in_the_committed_run() -> None:
     rows = json.loads((RESULTS / "small-n4.json").read_text())["rows"]
     at_8 = {r["contender"]: r["vs_adamw_same_mode"] for r in rows if r["accum"] == 8}
     assert at_8["dmuon-z2"] < 1.0 and at_8["dmuon-z3"] < 1.0, at_8
+
+
+def test_quality_section_claims_hold_in_the_committed_sweep() -> None:
+    """The quality section says each sweep is centred on the recipe's current defaults and
+    that each optimizer's best rate is its default, the middle one."""
+    from dmuon.train.cli import TrainConfig
+
+    result = json.loads((RESULTS / "quality.json").read_text())
+    defaults = {"dmuon": TrainConfig().lr, "adamw": TrainConfig(optimizer="adamw").adamw_rate}
+    assert result["defaults"] == defaults
+    for optimizer, default in defaults.items():
+        rates = [r["lr"] for r in result["runs"] if r["optimizer"] == optimizer]
+        assert rates == [default / 2, default, default * 2], optimizer
+    assert result["best_lr"] == defaults
+
+
+def test_cpu_optimizer_step_section_claims_hold_in_the_committed_run() -> None:
+    """The CPU optimizer-step section says the run covers `small` and `base` on a CPU that
+    multiplies bfloat16 natively, so that `dmuon-default` iterates in bfloat16."""
+    results = json.loads((RESULTS / "optimizer_step.json").read_text())
+    assert [r["preset"] for r in results] == ["small", "base"]
+    for result in results:
+        assert result["device"] == "cpu" and result["machine"]["native_bf16"] is True
+        assert result["default_ns_dtype"] == "torch.bfloat16"

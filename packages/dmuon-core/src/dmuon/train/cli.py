@@ -20,13 +20,18 @@ __all__ = [
 ]
 
 
+ADAMW_BASELINE_LR = 1.5e-3
+"""Peak rate of the ``adamw`` baseline when ``--adamw-lr`` is not given."""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """All settings of a run; field names are the flag names with ``_`` for ``-``.
 
     ``lr`` is the Muon rate (used by ``optimizer="dmuon"`` only); ``adamw_lr`` is the
     AdamW rate: of the embedding, norms and ``lm_head`` under ``dmuon``, and of every
-    parameter under the ``adamw`` baseline. See `build_parser` for every field.
+    parameter under the ``adamw`` baseline. Left at ``None`` it depends on the optimizer
+    (`adamw_rate`). See `build_parser` for every field.
     """
 
     model: str = "small"
@@ -37,9 +42,10 @@ class TrainConfig:
     micro_batch_size: int = 4
     accum_steps: int = 1
     seq_len: int = 128
-    lr: float = 0.01
-    adamw_lr: float = 1.5e-3
+    lr: float = 0.02
+    adamw_lr: float | None = None
     optimizer: str = "dmuon"
+    ns_dtype: str = "auto"
     mode: str = "z3"
     hsdp: int = 1
     seed: int = 0
@@ -61,9 +67,22 @@ class TrainConfig:
     init_from: str | None = None
 
     @property
+    def adamw_rate(self) -> float:
+        """The peak AdamW rate of this run: ``adamw_lr`` when set, else the optimizer's default.
+
+        Under ``dmuon`` the default is ``lr``: with ``dmuon.Muon``'s default update scale
+        (``match_rms_adamw``) a Muon update has AdamW's RMS, so one rate suits both
+        groups. Under the ``adamw`` baseline it is `ADAMW_BASELINE_LR`. Both defaults are
+        the best rates of the quality sweep (``benchmarks/quality.py``).
+        """
+        if self.adamw_lr is not None:
+            return self.adamw_lr
+        return self.lr if self.optimizer == "dmuon" else ADAMW_BASELINE_LR
+
+    @property
     def effective_lr(self) -> float:
-        """The peak rate logged as ``lr``: ``lr`` (Muon) for dmuon, ``adamw_lr`` for adamw."""
-        return self.lr if self.optimizer == "dmuon" else self.adamw_lr
+        """The peak rate logged as ``lr``: ``lr`` (Muon) for dmuon, `adamw_rate` for adamw."""
+        return self.lr if self.optimizer == "dmuon" else self.adamw_rate
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -232,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
         "world_size / R shards each (usually R = number of nodes); 1 = a 1-D mesh",
     )
     opt.add_argument(
+        "--ns-dtype",
+        choices=("auto", "float32", "bfloat16"),
+        default=d.ns_dtype,
+        help="Newton-Schulz dtype of dmuon; auto = bfloat16 on CUDA and on CPUs that "
+        "multiply it natively (AMX-BF16, AVX512-BF16), float32 elsewhere",
+    )
+    opt.add_argument(
         "--lr",
         type=_positive_float,
         default=d.lr,
@@ -242,7 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=d.adamw_lr,
         help="peak AdamW rate: embeddings, norms and lm_head under dmuon; every "
-        "parameter under the adamw baseline",
+        f"parameter under the adamw baseline; default: --lr under dmuon, "
+        f"{ADAMW_BASELINE_LR:g} under adamw",
     )
     opt.add_argument(
         "--warmup-steps",

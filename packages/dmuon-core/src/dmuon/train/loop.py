@@ -241,13 +241,16 @@ class Trainer:
         self.lr = config.effective_lr  # the rate logged as ``lr``
         self.optimizer: torch.optim.Optimizer
         if config.optimizer == "dmuon":
-            self.optimizer = dmuon.Muon(model, lr=config.lr, adamw_lr=config.adamw_lr)
+            ns_dtype = None if config.ns_dtype == "auto" else getattr(torch, config.ns_dtype)
+            self.optimizer = dmuon.Muon(
+                model, lr=config.lr, adamw_lr=config.adamw_rate, ns_dtype=ns_dtype
+            )
         else:
             # The baseline: AdamW on everything, with the hyperparameters DMuon's
             # AdamW groups use by default.
             self.optimizer = torch.optim.AdamW(
                 model.parameters(),
-                lr=config.adamw_lr,
+                lr=config.adamw_rate,
                 betas=(0.9, 0.999),
                 eps=1e-8,
                 weight_decay=0.01,
