@@ -162,3 +162,20 @@ def test_cpu_optimizer_step_section_claims_hold_in_the_committed_run() -> None:
     for result in results:
         assert result["device"] == "cpu" and result["machine"]["native_bf16"] is True
         assert result["default_ns_dtype"] == "torch.bfloat16"
+
+
+def test_amx_section_claim_holds_in_the_committed_run() -> None:
+    """The native-bfloat16 section says every step-time target that could run is met, with
+    DMuon's Newton-Schulz in bfloat16 on a CPU that multiplies it natively."""
+    result = json.loads((RESULTS / "small-n2-amx.json").read_text())
+    assert result["machine"]["native_bf16"] is True
+    rows = {(r["contender"], r["accum"]): r for r in result["rows"]}
+    for mode in ("dmuon-z2", "dmuon-z3"):
+        assert rows[(mode, 1)]["vs_adamw_same_mode"] <= 1.0
+        assert rows[(mode, 8)]["vs_adamw_same_mode"] <= 0.95
+        for accum in (1, 4, 8):
+            ours, peer = rows[(mode, accum)], rows[("muon-fsdp2-z3", accum)]
+            assert ours["optim_vs_naive"] <= 0.5
+            assert ours["median_step_s"] < peer["median_step_s"]
+            assert ours["muon_units"] < peer["muon_units"]
+    assert set(result["peers"]["dtensor-muon-z3"]["not_run"]) == {"1", "4", "8"}  # no Triton
