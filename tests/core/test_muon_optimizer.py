@@ -218,7 +218,8 @@ def _newton_schulz_oracle(G: torch.Tensor, triples: list) -> torch.Tensor:
     return X.T if tall else X
 
 
-def test_matches_float32_algorithm_written_out() -> None:
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_matches_float32_algorithm_written_out(nesterov: bool) -> None:
     lr, mom, wd, alr = 0.02, 0.9, 0.05, 2e-3
     ours = make_model()
     dedicate_by_hand(ours)
@@ -226,6 +227,7 @@ def test_matches_float32_algorithm_written_out() -> None:
         ours,
         lr=lr,
         momentum=mom,
+        nesterov=nesterov,
         weight_decay=wd,
         ns_dtype=torch.float32,
         adjust_lr_fn="match_rms_adamw",
@@ -247,7 +249,7 @@ def test_matches_float32_algorithm_written_out() -> None:
             for n in DEDICATED:
                 g = pr[n].grad
                 bufs[n] = mom * bufs[n] + (1 - mom) * g
-                u = g + mom * (bufs[n] - g)  # Nesterov
+                u = g + mom * (bufs[n] - g) if nesterov else bufs[n]
                 o = _newton_schulz_oracle(u, PE_SAFE)
                 rows, cols = pr[n].shape
                 pr[n].mul_(1 - lr * wd)

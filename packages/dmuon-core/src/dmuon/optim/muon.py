@@ -545,9 +545,9 @@ class Muon(torch.optim.Optimizer):
             bucket_grads = [g for g, _, _ in members]
             bucket_bufs = [b for _, b, _ in members]
             if views[0].dtype == bucket_grads[0].dtype:
-                torch._foreach_copy_(views, bucket_grads)
-                if group["nesterov"]:  # U = lerp(G, buf, momentum)
-                    torch._foreach_lerp_(views, bucket_bufs, momentum)
+                if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
+                    for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
+                        torch.lerp(g, b, momentum, out=v)
                 else:
                     torch._foreach_copy_(views, bucket_bufs)
             else:
