@@ -30,7 +30,7 @@ audit: they move state between owners and state-dict layouts, not training traff
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 
 import torch
@@ -180,16 +180,32 @@ class CommAudit:
         return self.steps[-1]
 
 
-class Pending:
-    """A collective in flight. ``wait()`` makes its result visible to the caller."""
+RECENT_WORK_KEPT = 16
+"""Finished collectives whose work handles a `Communicator` keeps referenced (see `Pending`)."""
 
-    def __init__(self, work: dist.Work | None = None) -> None:
+
+class Pending:
+    """A collective in flight. ``wait()`` makes its result visible to the caller.
+
+    A finished work handle goes to ``recent`` (a bounded deque) instead of being dropped.
+    gloo's worker thread still holds the work for a moment after ``wait()`` returns; if it
+    dropped the last reference, the work's tensors would be freed on that thread, which
+    must then take the GIL for any tensor whose Python object was already released. Near
+    interpreter exit that aborts the process ("terminate called without an active
+    exception"). Kept here, the last reference is dropped by Python, on a Python thread,
+    some collectives later or at teardown.
+    """
+
+    def __init__(self, work: dist.Work | None = None, recent: deque[dist.Work] | None = None):
         self._work = work
+        self._recent = recent
 
     def wait(self) -> None:
         """Block (gloo) or order the current CUDA stream (NCCL) after the collective."""
         if self._work is not None:
             self._work.wait()
+            if self._recent is not None:
+                self._recent.append(self._work)
             self._work = None
 
 
@@ -221,6 +237,7 @@ class Communicator:
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._recent_work: deque[dist.Work] = deque(maxlen=RECENT_WORK_KEPT)
 
     def _global(self, group_rank: int) -> int:
         assert self.group is not None
@@ -261,13 +278,13 @@ class Communicator:
             self._check_same_everywhere(kind, tensor, root, dim)
         self.audit.record(kind, tensor, dim)
         if self._stream is None:
-            return Pending(call())
+            return Pending(call(), self._recent_work)
         ready = torch.cuda.Event()
         ready.record()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             work = call()
-        return Pending(work)
+        return Pending(work, self._recent_work)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
         """Broadcast ``tensor`` in place from group rank ``src`` to every rank."""

@@ -35,6 +35,13 @@ def merge_into(piece: torch.Tensor, grad: torch.Tensor | None, holder: nn.Parame
         holder._accumulated_grad = None
 
 
+def release_reduce_input(flat: torch.Tensor | None) -> None:
+    """Free a finished reduce's input now: its work handle, kept a little longer by the
+    `Communicator` (see `dmuon.comm.Pending`), would otherwise keep the memory too."""
+    if flat is not None:
+        flat.untyped_storage().resize_(0)
+
+
 def add_reduced(param: nn.Parameter, piece: torch.Tensor) -> None:
     """Add an averaged gradient to ``param._reduced_grad``, what the optimizer steps on."""
     current = getattr(param, "_reduced_grad", None)
@@ -184,6 +191,7 @@ class PackedGroup:
             assert self._reduce_flat is not None
             self._replica_reduce = self.comm.all_reduce_replicas(self._reduce_flat)
         else:
+            release_reduce_input(self._reduce_flat)
             self._reduce_flat = None
 
     def finish_replica_reduce(self) -> None:

@@ -21,7 +21,12 @@ import torch
 from torch import nn
 
 from dmuon.comm import Communicator, Pending
-from dmuon.ownership.packed_group import accumulate_into, add_reduced, merge_into
+from dmuon.ownership.packed_group import (
+    accumulate_into,
+    add_reduced,
+    merge_into,
+    release_reduce_input,
+)
 from dmuon.ownership.param import DedicatedParam
 
 
@@ -160,6 +165,7 @@ class SplitStack:
             for _, lo, hi in self._owned_ranges()
         ]
         if not self._replica_reduces:
+            release_reduce_input(self._reduce_flat)
             self._reduce_flat = None
 
     def finish_replica_reduce(self) -> None:
@@ -175,6 +181,7 @@ class SplitStack:
         for dp, lo, hi in self._owned_ranges():
             # A copy: a view would keep the whole stack's gradient alive on the owner.
             add_reduced(dp.param, flat[lo:hi].div(divisor).view(dp.shape))
+        release_reduce_input(flat)
 
     def _owned_ranges(self) -> Iterator[tuple[DedicatedParam, int, int]]:
         """``(range, start, stop)`` in the flat stack, for the ranges this rank owns."""
