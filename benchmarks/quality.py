@@ -71,9 +71,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(Path(__file__).parent))
     from machine import machine_info
 
+    plan = sweeps()
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        for optimizer, (flag, rates) in sweeps().items():
+        for optimizer, (flag, rates) in plan.items():
             for rate in rates:
                 metrics = Path(tmp) / f"{optimizer}-{rate}.jsonl"
                 summary = train(
@@ -113,7 +114,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eval_every": args.eval_every,
         "eval_sequences": args.eval_sequences,
         "threads": args.threads,
-        "defaults": {optimizer: rates[1] for optimizer, (_, rates) in sweeps().items()},
+        "defaults": {optimizer: rates[1] for optimizer, (_, rates) in plan.items()},
         "machine": machine_info(),
         "runs": runs,
         "best_lr": {o: best[o]["lr"] for o in best},

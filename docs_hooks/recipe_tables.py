@@ -211,6 +211,7 @@ def render_flags(lang: str) -> str:
     """The ``dmuon-train`` flag table in ``lang`` (``en`` or ``zh``)."""
     labels = LABELS[lang]
     parser = recipe_parser()
+    constants = vars(importlib.import_module("dmuon.train.cli"))
     rows = [
         f"| {labels['flag']} | {labels['default']} | {labels['meaning']} |",
         "|---|---|---|",
@@ -218,11 +219,7 @@ def render_flags(lang: str) -> str:
     for action in documented_actions(parser):
         flag = long_flag(action)
         if action.default is None:
-            default = (
-                RUNTIME_DEFAULT[lang]
-                .get(flag, labels["none"])
-                .format_map(vars(importlib.import_module("dmuon.train.cli")))
-            )
+            default = RUNTIME_DEFAULT[lang].get(flag, labels["none"]).format_map(constants)
         else:
             default = f"`{default_text(action.default)}`"
         meaning = MEANING[lang].get(flag) or str(action.help or "")

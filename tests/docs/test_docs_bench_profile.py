@@ -183,3 +183,20 @@ def test_amx_section_claim_holds_in_the_committed_run() -> None:
             assert ours["median_step_s"] < peer["median_step_s"]
             assert ours["muon_units"] < peer["muon_units"]
     assert set(result["peers"]["dtensor-muon-z3"]["not_run"]) == {"1", "4", "8"}  # no Triton
+
+
+@pytest.mark.parametrize(
+    ("page", "phrase"),
+    [
+        ("docs/newton-schulz.md", r"short side is (\d+) or more"),
+        ("docs/benchmarks.md", r"short side is (\d+) or more"),
+        ("docs/zh/newton-schulz.md", r"短边不小于 (\d+) 的矩阵"),
+        ("docs/zh/benchmarks.md", r"短边不小于 (\d+) 的矩阵"),
+    ],
+)
+def test_one_at_a_time_threshold_is_the_code_constant(page: str, phrase: str) -> None:
+    from dmuon.optim.orthogonalize import CPU_ONE_AT_A_TIME_MIN_SIDE
+
+    text = (RESULTS.parents[1] / page).read_text(encoding="utf-8")
+    stated = re.findall(phrase, " ".join(text.split()))
+    assert stated and all(int(n) == CPU_ONE_AT_A_TIME_MIN_SIDE for n in stated), page

@@ -544,15 +544,12 @@ class Muon(torch.optim.Optimizer):
             views = ws.source_views
             bucket_grads = [g for g, _, _ in members]
             bucket_bufs = [b for _, b, _ in members]
-            if views[0].dtype == bucket_grads[0].dtype:
-                if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
-                    for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
-                        torch.lerp(g, b, momentum, out=v)
-                else:
-                    torch._foreach_copy_(views, bucket_bufs)
-            else:
+            # Straight into the buffers, widened there when the gradients are 16-bit.
+            if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
                 for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
-                    v.copy_(g.lerp(b, momentum) if group["nesterov"] else b)
+                    torch.lerp(g, b, momentum, out=v)
+            else:
+                torch._foreach_copy_(views, bucket_bufs)
             bucket_params = [p for _, _, p in members]
             # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
             # (adding it directly would allocate a widened temporary per matrix).

@@ -310,6 +310,12 @@ class NewtonSchulzWorkspace:
         # saved per step. Only at 32 bits or more: in bfloat16 the rounded diagonal a + Bᵢᵢ
         # costs accuracy (measured: the smallest singular value fell below the band).
         self._fold_identity = torch.finfo(dtype).bits >= 32
+        if self.gram:
+            self._iterate = self._run_gram
+        elif self._long_first:
+            self._iterate = self._run_long_first
+        else:
+            self._iterate = self._run_standard
         square = (batch, self.short, self.short)
         count = 5 if self.gram else 2
         self._small = [torch.empty(square, dtype=dtype, device=device) for _ in range(count)]
@@ -342,14 +348,8 @@ class NewtonSchulzWorkspace:
         if self._x is not self.source:
             # (torch.div(..., out=) into another dtype would allocate a temporary.)
             self._x.copy_(self.source.mT if self._result_transposed else self.source)
-        if self.gram:
-            iterate = self._run_gram
-        elif self._long_first:
-            iterate = self._run_long_first
-        else:
-            iterate = self._run_standard
         for x, y, small in self._chunks:
-            last = iterate(x, y, small, triples)
+            last = self._iterate(x, y, small, triples)
         result = self._y if last is y else self._x  # every chunk ends in the same buffer
         return result.mT if self._result_transposed else result
 
