@@ -52,6 +52,16 @@ def recipe_without_checkpoints() -> str | None:
     return None
 
 
+def fake_recipe_env(**fake: str) -> dict[str, str]:
+    """Environment of a live server whose jobs run ``fake_train`` with the given knobs."""
+    pp = os.environ.get("PYTHONPATH")
+    return {
+        "PYTHONPATH": str(SERVER_TESTS) + (os.pathsep + pp if pp else ""),
+        "DMUON_SERVER_TRAIN_MODULE": "fake_train",
+        **fake,
+    }
+
+
 def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
     """Test settings: fake trainer, fast polling, short grace, data root under tmp."""
     kw: dict[str, Any] = {

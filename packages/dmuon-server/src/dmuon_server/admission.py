@@ -33,7 +33,7 @@ import functools
 import math
 import os
 import sysconfig
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -46,8 +46,12 @@ VAL_FRACTION = 0.05
 EVAL_SEQUENCES = 64
 #: Memory of one rank before the model: interpreter, torch, gloo, allocator slack.
 RUNTIME_BYTES = 512 << 20
-#: Folder entries the data check looks at before it stops counting.
+#: Folder entries the data check looks at before it stops counting file sizes.
 MAX_FILES_SCANNED = 20_000
+#: Folder entries the symbolic-link check looks at; a larger folder is refused.
+MAX_ENTRIES_CHECKED = 1_000_000
+#: Links outside the data roots a refusal names.
+MAX_ESCAPES_REPORTED = 3
 _BINARY_SNIFF_BYTES = 8192
 
 
@@ -104,28 +108,77 @@ def _is_binary(path: Path) -> bool:
         return True
 
 
-def scan_text(path: Path) -> tuple[list[int], bool]:
-    """Sizes of the files the recipe would read from ``path``, and whether all were seen."""
-    if path.is_file():
-        return [path.stat().st_size], True
-    sizes: list[int] = []
+@dataclass
+class TextScan:
+    """What :func:`scan_text` found under a data path.
+
+    Attributes:
+        sizes: Sizes of the files the recipe would read (at most ``MAX_FILES_SCANNED``).
+        complete: False when the folder had more entries than were counted.
+        escapes: Entries (relative to the data path) that are symbolic links resolving
+            outside every data root, at most ``MAX_ESCAPES_REPORTED`` of them.
+        unchecked: True when the folder had more entries than the link check looks at.
+    """
+
+    sizes: list[int] = field(default_factory=list)
+    complete: bool = True
+    escapes: list[str] = field(default_factory=list)
+    unchecked: bool = False
+
+
+def _inside(path: str, roots: tuple[Path, ...]) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real == r or real.is_relative_to(r) for r in roots)
+
+
+def scan_text(path: Path, roots: tuple[Path, ...]) -> TextScan:
+    """Sizes of the files the recipe would read from ``path``, and the symbolic links in
+    it that lead outside ``roots``.
+
+    Every entry of the folder is looked at, hidden ones too (``lstat`` only, so the count
+    of files does not limit the check), and a link is followed only to see where it ends:
+    a file or folder the recipe would reach through a link must lie inside a data root,
+    as ``path`` itself must. Hidden folders are not entered (the recipe skips them).
+    """
+    out = TextScan()
+    if not path.is_dir():
+        out.sizes = [path.stat().st_size]
+        return out
+    stack = [path]
     seen = 0
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in sorted(filenames):
+    while stack:
+        folder = stack.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
             seen += 1
-            if seen > MAX_FILES_SCANNED:
-                return sizes, False
-            if name.startswith("."):
-                continue
-            f = Path(dirpath) / name
+            if seen > MAX_ENTRIES_CHECKED:
+                out.unchecked = True
+                return out
+            hidden = entry.name.startswith(".")
             try:
+                if entry.is_symlink() and not _inside(entry.path, roots):
+                    if len(out.escapes) < MAX_ESCAPES_REPORTED:
+                        out.escapes.append(Path(entry.path).relative_to(path).as_posix())
+                    continue
+                if hidden:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+                    continue
+                if seen > MAX_FILES_SCANNED:
+                    out.complete = False
+                    continue
+                f = Path(entry.path)
                 if not f.is_file() or f.stat().st_size == 0 or _is_binary(f):
                     continue
-                sizes.append(f.stat().st_size)
+                out.sizes.append(f.stat().st_size)
             except OSError:
                 continue
-    return sizes, True
+    return out
 
 
 @functools.lru_cache(maxsize=1)
@@ -191,12 +244,17 @@ def _gib(n: int) -> str:
 
 
 def assess(
-    train: TrainSpec, nproc: int, data_path: Path | None, data_label: str | None, limit: int
+    train: TrainSpec,
+    nproc: int,
+    data_path: Path | None,
+    data_label: str | None,
+    limit: int,
+    roots: tuple[Path, ...] = (),
 ) -> tuple[Admission, list[Refusal], list[str]]:
     """Estimate what a job needs; return the figures, the refusals and the warnings.
 
-    ``data_path`` is the resolved ``train.data`` (None: the built-in corpus) and
-    ``data_label`` how clients see it.
+    ``data_path`` is the resolved ``train.data`` (None: the built-in corpus), inside one
+    of the data ``roots``, and ``data_label`` how clients see it.
     """
     m = RECIPE_MODELS[train.model]
     refusals: list[Refusal] = []
@@ -210,20 +268,42 @@ def assess(
                 f"model ({m.max_seq_len}); use seq_len <= {m.max_seq_len}",
             )
         )
+    data_refused = False
     if data_path is None:
         files, total = builtin_corpus()
         sizes, complete = [total // max(files, 1)] * files, True
         data = DataEstimate(source="built-in", files=files, bytes=total, complete=True)
     else:
-        sizes, complete = scan_text(data_path)
+        scan = scan_text(data_path, roots)
+        sizes, complete = scan.sizes, scan.complete
         data = DataEstimate(
             source=data_label or "", files=len(sizes), bytes=sum(sizes), complete=complete
         )
+        data_refused = bool(scan.escapes or scan.unchecked)
+        if scan.escapes:
+            shown = ", ".join(repr(e) for e in scan.escapes)
+            refusals.append(
+                Refusal(
+                    ("body", "train", "data"),
+                    f"{data.source} holds symbolic links that lead outside the data roots "
+                    f"({shown}); the recipe would read what they point to. Remove the "
+                    "links, or copy their files into a data root",
+                )
+            )
+        if scan.unchecked:
+            refusals.append(
+                Refusal(
+                    ("body", "train", "data"),
+                    f"{data.source} has more than {MAX_ENTRIES_CHECKED:,} entries, more than "
+                    "the server checks for links leading outside the data roots; point "
+                    "train.data at a smaller folder",
+                )
+            )
     train_tokens, val_tokens = split_tokens(sizes)
     data.train_tokens, data.val_tokens = train_tokens, val_tokens
     data_loc = ("body", "train", "data")
     exact = len(sizes) <= 1 or sum(sizes) < t + 1
-    if data_path is not None and not sizes:
+    if data_path is not None and not sizes and not data_refused:
         refusals.append(
             Refusal(
                 data_loc,
@@ -231,7 +311,7 @@ def assess(
                 "skipped); put text in it",
             )
         )
-    else:
+    elif not data_refused:
         for what, n in (("training", train_tokens), ("validation", val_tokens)):
             if n >= t + 1:
                 continue

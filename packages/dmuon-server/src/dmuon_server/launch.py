@@ -167,7 +167,12 @@ def review(settings: Settings, spec: JobCreate) -> Review:
     if errors:  # the estimates need a valid world size and data path
         raise invalid_request(errors)
     admission, refusals, warnings = assess(
-        spec.train, spec.nproc_per_node, data_path, label, settings.max_job_memory
+        spec.train,
+        spec.nproc_per_node,
+        data_path,
+        label,
+        settings.max_job_memory,
+        settings.data_roots,
     )
     if refusals:
         problem = invalid_request([field_error(r.loc, r.message, "admission") for r in refusals])
