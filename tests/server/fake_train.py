@@ -15,6 +15,8 @@ optimizer step, flushed per line; ``val_loss`` on eval steps and a step-0 eval l
 * ``FAKE_CRASH_ONCE=1``: crash only in a run that did not resume from a checkpoint.
 * ``FAKE_CRASH_SIGNAL``: instead of raising, the crashing rank kills itself with that
   signal number (9: as the out-of-memory killer would).
+* ``FAKE_POISON_SEED``: a run with that ``--seed`` writes, after step 2, the lines that
+  once froze supervision (:data:`POISON_LINES`), then goes on.
 
 Checkpoints follow the recipe's contract with ``--checkpoint-dir``: rank 0 writes
 ``.tmp_step_XXXXXXXX/state.json`` (step and a "weight" that each step updates
@@ -38,6 +40,16 @@ import signal
 import sys
 import time
 from pathlib import Path
+
+
+#: Lines no server may store: nested 5,000 deep, a 400-digit loss, a lone surrogate escape
+#: in a point and in a summary line.
+POISON_LINES = (
+    '{"step": 3, "x": ' + "[" * 5000 + "]" * 5000 + "}",
+    '{"step": 100, "loss": ' + "9" * 400 + "}",
+    '{"step": 101, "loss": 1.0, "note": "\\ud800"}',
+    '{"summary": {"name": "\\udfff"}}',
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -210,6 +222,9 @@ def main() -> int:
         if args.eval_every > 0 and (step % args.eval_every == 0 or step == steps):
             rec["val_loss"] = loss + 0.05
         write(rec)
+        if step == 2 and os.environ.get("FAKE_POISON_SEED") == str(args.seed) and out:
+            out.write("\n".join(POISON_LINES) + "\n")
+            out.flush()
         if rank == 0 and step % 10 == 0:
             print(f"step {step} loss {loss:.4f}", flush=True)
         every = args.checkpoint_every

@@ -90,7 +90,7 @@ def test_event_lines_are_not_points() -> None:
         b'{"event": "stopped", "step": 1, "signal": "SIGTERM", "checkpoint": "x", "loss": null}\n'
     )
     chunk = parse_lines(raw, final=True)
-    assert [step for step, _, _ in chunk.points] == [1]
+    assert [step for step, _ in chunk.points] == [1]
     assert chunk.points[0][1] == {"step": 1, "loss": 2.0}
     assert chunk.summary is None and chunk.events[0]["event"] == "stopped"
 

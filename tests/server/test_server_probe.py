@@ -8,8 +8,9 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
-from server_helpers import LiveServer, fake_recipe_env, job_spec
+from server_helpers import TERMINAL, LiveServer, fake_recipe_env, job_spec, wait_until
 
 Start = Callable[..., LiveServer]
 
@@ -73,3 +74,46 @@ def test_links_out_of_the_data_roots_are_refused(tmp_path: Path, start_server: S
         assert plan.json()["admission"]["data"]["bytes"] == 2 * size
         assert plan.json()["admission"]["data"]["files"] == 2
     assert os.path.islink(root / "dir" / "leak.txt")  # nothing was changed on disk
+
+
+def _wait_all(c: httpx.Client, ids: list[str], timeout: float = 90) -> list[dict]:
+    def done() -> list[dict] | None:
+        jobs = [c.get(f"/v1/jobs/{i}").json() for i in ids]
+        return jobs if all(j["state"] in TERMINAL for j in jobs) else None
+
+    return wait_until(done, timeout, f"jobs {ids} to finish", interval=0.1)
+
+
+def test_poisoned_metrics_lines_are_skipped_and_nothing_else_stops(
+    data_dir: Path, start_server: Start
+) -> None:
+    """A job whose metrics file holds lines no response could carry (nested 5,000 deep, a
+    400-digit loss, lone surrogates) next to a clean job and a queued one: the bad lines are
+    rejected once each and counted, every job runs to its end, across a restart too."""
+    flags = ("--max-concurrent-jobs", "2")
+    server = start_server(*flags, FAKE_POISON_SEED="7", FAKE_STEP_SECONDS="0.05")
+    with server.client() as c:
+        poisoned = c.post("/v1/jobs", json=job_spec(1, steps=6, seed=7)).json()["id"]
+        clean = c.post("/v1/jobs", json=job_spec(1, steps=3)).json()["id"]
+        queued = c.post("/v1/jobs", json=job_spec(1, steps=3, seed=1)).json()["id"]
+        jobs = _wait_all(c, [poisoned, clean, queued])
+        assert [j["state"] for j in jobs] == ["succeeded"] * 3, jobs
+        bad = jobs[0]
+        assert bad["summary"]["points"] == 6 and bad["summary"]["rejected_lines"] == 4
+        assert jobs[1]["summary"]["rejected_lines"] == 0
+        points = c.get(f"/v1/jobs/{poisoned}/metrics").json()["items"]
+        assert [p["step"] for p in points] == [1, 2, 3, 4, 5, 6]  # step 3 is the good one
+        assert "x" not in points[2]
+        assert c.get("/v1/jobs").status_code == 200
+        prom = c.get("/metrics").text
+        assert "dmuon_metric_lines_rejected_total 4" in prom
+        assert "dmuon_supervision_errors_total 0" in prom
+    server.stop()
+    server = start_server()  # the lines are not read again
+    with server.client() as c:
+        again = c.get(f"/v1/jobs/{poisoned}").json()
+        assert again["summary"]["rejected_lines"] == 4 and again["summary"]["points"] == 6
+        assert "dmuon_metric_lines_rejected_total 0" in c.get("/metrics").text
+    log = server.log_path.read_text()
+    assert log.count("rejected metrics line") == 4, log[-3000:]
+    assert "Traceback" not in log

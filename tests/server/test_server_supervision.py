@@ -228,10 +228,10 @@ def test_parse_lines_contract() -> None:
     chunk = parse_lines(buf, final=False)
     assert [p[0] for p in chunk.points] == [1, 2]
     assert chunk.points[0][1]["new_key"] == [1]
-    assert chunk.points[1][1]["loss"] == "Infinity" and chunk.points[1][2] is None
+    assert chunk.points[1][1]["loss"] == "Infinity"
     assert chunk.points[1][1]["lr"] is None and chunk.points[1][1]["invalid_lr"] == "oops"
     assert chunk.summary == {"final_loss": 1.0}
-    assert chunk.rejected == ["garbage"]
+    assert [(r.why, r.line) for r in chunk.rejected] == [("not JSON", "garbage")]
     assert chunk.consumed == buf.rfind(b"\n") + 1  # the partial line waits
     json.dumps(chunk.points[1][1], allow_nan=False)  # strict JSON from here on
     final = parse_lines(buf[chunk.consumed :] + b"5}", final=True)

@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,31 +36,63 @@ def metrics_stream(attempt: int) -> str:
     return METRICS_STREAM if attempt <= 1 else f"{METRICS_STREAM}-{attempt}"
 
 
+@dataclass(frozen=True)
+class RejectedLine:
+    """A line of a metrics file that was not stored: why, and its first 200 characters."""
+
+    why: str
+    line: str
+
+
 @dataclass
 class ParsedChunk:
     """What :func:`parse_lines` found in a chunk of a metrics file."""
 
-    points: list[tuple[int, dict[str, Any], float | None]] = field(default_factory=list)
+    points: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
     consumed: int = 0
-    rejected: list[str] = field(default_factory=list)
+    rejected: list[RejectedLine] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
-
-
-def _finite_float(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    try:
-        f = float(value)
-    except OverflowError:
-        return None
-    return f if math.isfinite(f) else None
 
 
 #: Numeric keys of the metrics contract; a value of another type is moved aside.
 NUMERIC_KEYS = ("loss", "lr", "tokens_per_s", "grad_norm", "time", "val_loss")
 _ENCODED = ("NaN", "Infinity", "-Infinity")
 _MAX_STEP = 2**62
+#: Deepest nesting of lists and objects a stored line may have (the contract's lines are
+#: flat; the API's serializer has a recursion limit of its own).
+MAX_DEPTH = 32
+#: Integers beyond 64 bits are no metric value, and neither SQLite nor JavaScript keeps
+#: them exactly.
+_MAX_INT = 2**63
+
+
+def unstorable(obj: Any) -> str | None:
+    """Why a parsed line cannot be stored and served as JSON, or None if it can.
+
+    Refused: nesting deeper than :data:`MAX_DEPTH`, integers outside 64 bits, and strings
+    that are not valid Unicode text (a lone surrogate, which JSON's ``\\ud800`` escape
+    can produce and no response can encode).
+    """
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > MAX_DEPTH:
+                return f"nested deeper than {MAX_DEPTH} levels"
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for k, v in items:
+                if isinstance(k, str):
+                    stack.append((k, depth))
+                stack.append((v, depth + 1))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return "a string that is not valid Unicode (a lone surrogate escape)"
+        elif isinstance(value, int) and not -_MAX_INT <= value < _MAX_INT:
+            return "an integer outside 64 bits"
+    return None
 
 
 def _sanitize(data: dict[str, Any]) -> None:
@@ -88,7 +119,8 @@ def parse_lines(buf: bytes, *, final: bool) -> ParsedChunk:
     never a point); any other object is the recipe's summary. Python's JSON reader accepts
     the ``NaN`` and ``Infinity`` tokens a PyTorch recipe may write; such values are stored
     encoded (see :func:`dmuon_server.schemas.encode_nonfinite`). Lines that are not JSON
-    objects are rejected (reported, never stored).
+    objects, or that :func:`unstorable` refuses, are rejected: reported and counted, never
+    stored, and read past like any other line.
     """
     out = ParsedChunk()
     end = len(buf) if final else buf.rfind(b"\n") + 1
@@ -97,13 +129,21 @@ def parse_lines(buf: bytes, *, final: bool) -> ParsedChunk:
         line = raw.strip()
         if not line:
             continue
+        excerpt = line[:200].decode("utf-8", "replace")
         try:
             obj = json.loads(line)
         except (ValueError, UnicodeDecodeError):
-            out.rejected.append(line[:200].decode("utf-8", "replace"))
+            out.rejected.append(RejectedLine("not JSON", excerpt))
+            continue
+        except RecursionError:
+            out.rejected.append(RejectedLine(f"nested deeper than {MAX_DEPTH} levels", excerpt))
             continue
         if not isinstance(obj, dict):
-            out.rejected.append(line[:200].decode("utf-8", "replace"))
+            out.rejected.append(RejectedLine("not a JSON object", excerpt))
+            continue
+        why = unstorable(obj)
+        if why is not None:
+            out.rejected.append(RejectedLine(why, excerpt))
             continue
         if "event" in obj:
             # Not a point: the recipe's notes such as {"event": "stopped", "step": k, ...}
@@ -114,7 +154,7 @@ def parse_lines(buf: bytes, *, final: bool) -> ParsedChunk:
         step = obj.get("step")
         if isinstance(step, int) and not isinstance(step, bool) and 0 <= step < _MAX_STEP:
             _sanitize(data)
-            out.points.append((step, data, _finite_float(obj.get("loss"))))
+            out.points.append((step, data))
             if isinstance(obj.get("summary"), dict):
                 out.summary = {**(out.summary or {}), **data["summary"]}
         else:
@@ -209,6 +249,9 @@ class MetricsTailer:
             f = path.open("rb")
         except FileNotFoundError:
             return 0
+        except OSError as e:
+            log.warning("job %s: cannot read its metrics file: %s", job_id, e.strerror or e)
+            return 0
         with f:
             size = path.stat().st_size
             if size < offset:
@@ -227,15 +270,38 @@ class MetricsTailer:
                     # One line longer than a chunk: no recipe writes that; skip it.
                     nl = buf.find(b"\n")
                     chunk.consumed = nl + 1 if nl >= 0 else len(buf)
-                    chunk.rejected.append("<line longer than 4 MiB>")
+                    excerpt = buf[:200].decode("utf-8", "replace")
+                    chunk.rejected.append(RejectedLine("longer than 4 MiB", excerpt))
                 for bad in chunk.rejected:
-                    log.warning("job %s: rejected metrics line: %r", job_id, bad)
+                    log.warning("job %s: rejected metrics line (%s): %r", job_id, bad.why, bad.line)
                 self.rejected_total += len(chunk.rejected)
                 offset += chunk.consumed
-                stored += self.store.ingest(job_id, stream, offset, chunk.points, chunk.summary)
+                stored += self._ingest(job_id, stream, offset, chunk)
                 if last_chunk:
                     break
         if stored:
             self.points_total += stored
             self.hub.notify(job_id)
+        return stored
+
+    def _ingest(self, job_id: str, stream: str, offset: int, chunk: ParsedChunk) -> int:
+        """Store a parsed chunk; if the store refuses it, store its points one at a time,
+        rejecting (and counting) those it refuses, so one bad point costs only itself."""
+        rejected = len(chunk.rejected)
+        try:
+            return self.store.ingest(
+                job_id, stream, offset, chunk.points, chunk.summary, rejected=rejected
+            )
+        except (ValueError, TypeError, OverflowError) as e:
+            log.warning("job %s: the store refused a chunk of points (%s); one by one", job_id, e)
+        stored = 0
+        old = self.store.get_offset(job_id, stream)
+        for point in chunk.points:
+            try:
+                stored += self.store.ingest(job_id, stream, old, [point])
+            except (ValueError, TypeError, OverflowError) as e:
+                log.warning("job %s: rejected the point of step %d: %s", job_id, point[0], e)
+                rejected += 1
+                self.rejected_total += 1
+        self.store.ingest(job_id, stream, offset, [], chunk.summary, rejected=rejected)
         return stored

@@ -284,6 +284,12 @@ class JobSummary(BaseModel):
 
     steps: int = Field(description="Optimizer steps the job was asked to run.")
     points: int = Field(description="Metric points stored.")
+    rejected_lines: int = Field(
+        default=0,
+        description="Lines of the metrics file that were not stored (not JSON, not an "
+        "object, nested too deep, a number or string no response can hold); the server's "
+        "log names each.",
+    )
     last_step: int | None = None
     last_loss: EncodedFloat | None = None
     last_val_loss: EncodedFloat | None = None

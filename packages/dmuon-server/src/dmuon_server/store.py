@@ -10,19 +10,40 @@ its first transition; a batch of metric points and the file offset after them) i
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
 from dmuon_server.schemas import TERMINAL_STATES
 
-SCHEMA_VERSION = 1
+log = logging.getLogger("dmuon_server.store")
 
-_SCHEMA = """
+#: Version 2: metric points in a rowid table (a point of 1 KB fits its page instead of
+#: spilling into overflow pages), a summary row per job kept current at ingest, and the
+#: queue order of a job apart from its creation order.
+SCHEMA_VERSION = 2
+
+#: Metric points: a rowid table, whose rows keep up to about 4 KB on their page (a
+#: WITHOUT ROWID row above about 1 KB spills into overflow pages of its own), keyed by the
+#: job's ``seq`` (a few bytes) rather than its 32-character id.
+_METRICS_TABLE = """
+CREATE TABLE IF NOT EXISTS metrics (
+    job INTEGER NOT NULL,
+    step INTEGER NOT NULL,
+    data TEXT NOT NULL,
+    received_at REAL NOT NULL,
+    PRIMARY KEY (job, step)
+)"""
+
+_SCHEMA = (
+    _METRICS_TABLE
+    + """;
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS jobs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -56,13 +77,23 @@ CREATE TABLE IF NOT EXISTS transitions (
     at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS transitions_by_job ON transitions (job_id, id);
-CREATE TABLE IF NOT EXISTS metrics (
-    job_id TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    data TEXT NOT NULL,
-    loss REAL,
-    received_at REAL NOT NULL,
-    PRIMARY KEY (job_id, step)
+CREATE TABLE IF NOT EXISTS summaries (
+    job_id TEXT PRIMARY KEY,
+    points INTEGER NOT NULL DEFAULT 0,
+    first_step INTEGER,
+    first_time,
+    first_received_at REAL,
+    last_step INTEGER,
+    last_time,
+    last_tokens_per_s,
+    last_received_at REAL,
+    last_loss,
+    last_loss_step INTEGER,
+    first_val_loss,
+    first_val_step INTEGER,
+    last_val_loss,
+    last_val_step INTEGER,
+    rejected_lines INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS attempts (
     job_id TEXT NOT NULL,
@@ -83,10 +114,101 @@ CREATE TABLE IF NOT EXISTS offsets (
     PRIMARY KEY (job_id, stream)
 ) WITHOUT ROWID;
 """
+)
 
 
 #: Columns added after the first schema: (table, column, declaration).
-_ADDED_COLUMNS = (("jobs", "slurm_job_id", "TEXT"), ("attempts", "slurm_job_id", "TEXT"))
+_ADDED_COLUMNS = (
+    ("jobs", "slurm_job_id", "TEXT"),
+    ("attempts", "slurm_job_id", "TEXT"),
+    ("jobs", "queue_seq", "INTEGER"),
+)
+#: The summary columns, in the order of :class:`MetricSummary`'s fields.
+_SUMMARY_COLUMNS = (
+    "points",
+    "first_step",
+    "first_time",
+    "first_received_at",
+    "last_step",
+    "last_time",
+    "last_tokens_per_s",
+    "last_received_at",
+    "last_loss",
+    "last_loss_step",
+    "first_val_loss",
+    "first_val_step",
+    "last_val_loss",
+    "last_val_step",
+    "rejected_lines",
+)
+
+
+@dataclass
+class MetricSummary:
+    """What a job's views show of its stored points, kept current at every ingest.
+
+    Values of the metrics contract (``time``, ``tokens_per_s``, ``loss``, ``val_loss``)
+    are as stored: a number, an encoded non-finite (``"NaN"``...), or None.
+    """
+
+    points: int = 0
+    first_step: int | None = None
+    first_time: Any = None
+    first_received_at: float | None = None
+    last_step: int | None = None
+    last_time: Any = None
+    last_tokens_per_s: Any = None
+    last_received_at: float | None = None
+    last_loss: Any = None
+    last_loss_step: int | None = None
+    first_val_loss: Any = None
+    first_val_step: int | None = None
+    last_val_loss: Any = None
+    last_val_step: int | None = None
+    rejected_lines: int = 0
+
+    def add(self, step: int, data: dict[str, Any], received_at: float, *, new: bool) -> bool:
+        """Take the (merged) point of ``step`` into account.
+
+        Returns False when the summary cannot follow incrementally (a merge made a
+        tracked value null) and must be recomputed from the stored points.
+        """
+        if new:
+            self.points += 1
+        if self.first_step is None or step < self.first_step:
+            self.first_step, self.first_received_at = step, received_at
+        if step == self.first_step:
+            self.first_time = data.get("time")
+        if self.last_step is None or step > self.last_step:
+            self.last_step, self.last_received_at = step, received_at
+        if step == self.last_step:
+            self.last_time, self.last_tokens_per_s = data.get("time"), data.get("tokens_per_s")
+        ok = True
+        loss, val = data.get("loss"), data.get("val_loss")
+        if loss is not None:
+            if self.last_loss_step is None or step >= self.last_loss_step:
+                self.last_loss, self.last_loss_step = loss, step
+        elif step == self.last_loss_step:
+            ok = False
+        if val is not None:
+            if self.last_val_step is None or step >= self.last_val_step:
+                self.last_val_loss, self.last_val_step = val, step
+            if self.first_val_step is None or step <= self.first_val_step:
+                self.first_val_loss, self.first_val_step = val, step
+        elif step in (self.first_val_step, self.last_val_step):
+            ok = False
+        return ok
+
+
+def _seq(c: sqlite3.Connection, job_id: str) -> int | None:
+    """The ``seq`` of a job (the key of its metric points), or None for an unknown job."""
+    row = c.execute("SELECT seq FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    return int(row[0]) if row else None
+
+
+def _next_queue_seq(c: sqlite3.Connection) -> int:
+    """The queue position after every job queued so far (a job joins at the end)."""
+    return int(c.execute("SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs").fetchone()[0])
 
 
 class IdempotencyConflict(Exception):
@@ -103,7 +225,12 @@ class StoreError(Exception):
 
 
 class Store:
-    """Thread-safe access to the server's SQLite database."""
+    """Thread-safe access to the server's SQLite database.
+
+    Writes go through one connection under a lock; reads use a connection per thread
+    (WAL lets them run while a write is in progress), so a view never waits for the
+    metrics ingester.
+    """
 
     def __init__(self, path: Path) -> None:
         """Open (and create or migrate) the database at ``path``.
@@ -113,6 +240,9 @@ class Store:
         """
         self.path = path
         self._lock = threading.RLock()
+        self._local = threading.local()
+        self._readers: list[sqlite3.Connection] = []
+        self._readers_lock = threading.Lock()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             self._conn = sqlite3.connect(
@@ -126,14 +256,19 @@ class Store:
             self._conn.execute("PRAGMA busy_timeout=30000")
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute("PRAGMA foreign_keys=ON")
+            fresh = not self._conn.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'jobs'"
+            ).fetchone()
             for stmt in _SCHEMA.strip().split(";"):
                 if stmt.strip():
                     self._conn.execute(stmt)
             self._add_missing_columns()
             self._conn.execute(
                 "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
-                (str(SCHEMA_VERSION),),
+                (str(SCHEMA_VERSION if fresh else 1),),
             )
+            if self._schema_version() < 2:
+                self._migrate_to_v2()
         except sqlite3.Error as e:
             self._conn.close()
             raise StoreError(
@@ -141,12 +276,53 @@ class Store:
                 "away to start with an empty one"
             ) from None
 
+    def _schema_version(self) -> int:
+        row = self._conn.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        return int(row[0]) if row else 1
+
     def _add_missing_columns(self) -> None:
         """Add the columns later versions introduced to a database an older one created."""
         for table, column, decl in _ADDED_COLUMNS:
             have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
             if column not in have:
                 self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
+        self._conn.execute("UPDATE jobs SET queue_seq = seq WHERE queue_seq IS NULL")
+
+    def _migrate_to_v2(self) -> None:
+        """Move the points of a version-1 database into the rowid table, summarise every
+        job, and give the freed pages back to the file system (``VACUUM``)."""
+        log.info("migrating %s to schema version 2 (once; may take a while)", self.path)
+        with self._tx() as c:
+            cols = {r[1] for r in c.execute("PRAGMA table_info(metrics)")}
+            if "loss" in cols:  # the version-1 table: WITHOUT ROWID, with a loss column
+                c.execute("ALTER TABLE metrics RENAME TO metrics_v1")
+                c.execute(_METRICS_TABLE)
+                c.execute(
+                    "INSERT INTO metrics (job, step, data, received_at)"
+                    " SELECT j.seq, m.step, m.data, m.received_at FROM metrics_v1 m"
+                    " JOIN jobs j ON j.id = m.job_id"
+                )
+                c.execute("DROP TABLE metrics_v1")
+            for (job_id,) in c.execute("SELECT id FROM jobs").fetchall():
+                self._write_summary(c, job_id, self._summary_from_points(c, job_id))
+            c.execute("UPDATE meta SET value = '2' WHERE key = 'schema_version'")
+        self._conn.execute("VACUUM")
+
+    def _reader(self) -> sqlite3.Connection:
+        """This thread's read connection (opened on first use)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            try:
+                conn = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None)
+            except sqlite3.Error as e:
+                raise StoreError(f"cannot open the database {self.path}: {e}") from None
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA busy_timeout=30000")
+            conn.execute("PRAGMA query_only=ON")
+            self._local.conn = conn
+            with self._readers_lock:
+                self._readers.append(conn)
+        return conn
 
     def refresh_spec_hashes(self, fingerprint: Callable[[str], str | None], prefix: str) -> int:
         """Recompute the spec hash of every job with an idempotency key whose hash does not
@@ -167,9 +343,13 @@ class Store:
         return changed
 
     def close(self) -> None:
-        """Close the connection."""
+        """Close the connections (the read connections of every thread too)."""
         with self._lock:
             self._conn.close()
+        with self._readers_lock:
+            for conn in self._readers:
+                conn.close()
+            self._readers.clear()
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
@@ -185,8 +365,7 @@ class Store:
                 self._conn.execute("COMMIT")
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        with self._lock:
-            return [dict(r) for r in self._conn.execute(sql, params).fetchall()]
+        return [dict(r) for r in self._reader().execute(sql, params).fetchall()]
 
     # ----------------------------------------------------------------------------- jobs
 
@@ -218,7 +397,8 @@ class Store:
                     return dict(row), False
             c.execute(
                 "INSERT INTO jobs (id, name, state, nproc, spec, spec_hash, idempotency_key,"
-                " created_at, reason, argv) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?)",
+                " created_at, reason, argv, queue_seq) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?,"
+                " ?, ?)",
                 (
                     job_id,
                     name,
@@ -229,6 +409,7 @@ class Store:
                     now,
                     "submitted",
                     json.dumps(argv),
+                    _next_queue_seq(c),
                 ),
             )
             c.execute(
@@ -261,10 +442,12 @@ class Store:
         return self._query(sql, params)
 
     def jobs_in_states(self, states: Iterable[str]) -> list[dict[str, Any]]:
-        """Return all jobs in the given states, oldest first (FIFO order)."""
+        """Return all jobs in the given states in queue order: the order in which they
+        were last queued (submitted, or resumed), oldest first."""
         state_list = list(states)
         return self._query(
-            f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(state_list))}) ORDER BY seq",
+            f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(state_list))})"
+            " ORDER BY queue_seq, seq",
             state_list,
         )
 
@@ -332,7 +515,8 @@ class Store:
             row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None or row["state"] not in TERMINAL_STATES:
                 return False
-            for table in ("metrics", "offsets", "transitions", "attempts"):
+            c.execute("DELETE FROM metrics WHERE job = ?", (_seq(c, job_id),))
+            for table in ("summaries", "offsets", "transitions", "attempts"):
                 c.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return True
@@ -352,9 +536,9 @@ class Store:
             c.execute(
                 "UPDATE jobs SET state = 'queued', reason = ?, spec = ?, finished_at = NULL,"
                 " exit_code = NULL, failure = NULL, cancel_requested_at = NULL, pid = NULL,"
-                " pgid = NULL, create_time = NULL, recipe_summary = NULL, slurm_job_id = NULL"
-                " WHERE id = ?",
-                (reason, spec, job_id),
+                " pgid = NULL, create_time = NULL, recipe_summary = NULL, slurm_job_id = NULL,"
+                " queue_seq = ? WHERE id = ?",
+                (reason, spec, _next_queue_seq(c), job_id),
             )
             c.execute(
                 "INSERT INTO transitions (job_id, state, reason, at) VALUES (?, 'queued', ?, ?)",
@@ -383,7 +567,13 @@ class Store:
                 (job_id, number, cause, resumed_from_step, now),
             )
             keep = -1 if resumed_from_step is None else resumed_from_step
-            c.execute("DELETE FROM metrics WHERE job_id = ? AND step > ?", (job_id, keep))
+            dropped = c.execute(
+                "DELETE FROM metrics WHERE job = ? AND step > ?", (_seq(c, job_id), keep)
+            ).rowcount
+            if dropped:
+                summary = self._summary_from_points(c, job_id)
+                summary.rejected_lines = self._read_summary(c, job_id).rejected_lines
+                self._write_summary(c, job_id, summary)
             return number
 
     def finish_attempt(self, job_id: str, number: int, exit_code: int | None, reason: str) -> None:
@@ -441,39 +631,51 @@ class Store:
         job_id: str,
         stream: str,
         new_offset: int,
-        points: Sequence[tuple[int, dict[str, Any], float | None]],
+        points: Sequence[tuple[int, dict[str, Any]]],
         recipe_summary: dict[str, Any] | None = None,
+        rejected: int = 0,
     ) -> int:
         """Store metric points and the file offset after them in one transaction.
 
-        ``points`` are ``(step, data, loss)``; ``data`` must already be strict JSON
+        ``points`` are ``(step, data)``; ``data`` must already be strict JSON
         (non-finite floats encoded). A step seen before is merged key by key (a recipe may
-        report the eval of a step on its own line), so re-reading never duplicates.
-        Returns the number of points written.
+        report the eval of a step on its own line), so re-reading never duplicates. The
+        job's summary (:meth:`metric_summary`) follows in the same transaction, with
+        ``rejected`` more lines counted as rejected. Returns the number of points written.
         """
         now = time.time()
         written = 0
         with self._tx() as c:
-            for step, data, loss in points:
+            seq = _seq(c, job_id)
+            if seq is None:  # deleted meanwhile
+                return 0
+            summary = self._read_summary(c, job_id)
+            exact = True
+            for step, data in points:
                 old = c.execute(
-                    "SELECT data FROM metrics WHERE job_id = ? AND step = ?", (job_id, step)
+                    "SELECT data, received_at FROM metrics WHERE job = ? AND step = ?",
+                    (seq, step),
                 ).fetchone()
                 if old is None:
                     c.execute(
-                        "INSERT INTO metrics (job_id, step, data, loss, received_at)"
-                        " VALUES (?, ?, ?, ?, ?)",
-                        (job_id, step, json.dumps(data, allow_nan=False), loss, now),
+                        "INSERT INTO metrics (job, step, data, received_at) VALUES (?, ?, ?, ?)",
+                        (seq, step, json.dumps(data, allow_nan=False), now),
                     )
-                    written += 1
+                    exact = summary.add(step, data, now, new=True) and exact
                 else:
                     merged = {**json.loads(old["data"]), **data}
-                    if loss is None and isinstance(merged.get("loss"), int | float):
-                        loss = float(merged["loss"])
                     c.execute(
-                        "UPDATE metrics SET data = ?, loss = ? WHERE job_id = ? AND step = ?",
-                        (json.dumps(merged, allow_nan=False), loss, job_id, step),
+                        "UPDATE metrics SET data = ? WHERE job = ? AND step = ?",
+                        (json.dumps(merged, allow_nan=False), seq, step),
                     )
-                    written += 1
+                    exact = summary.add(step, merged, old["received_at"], new=False) and exact
+                written += 1
+            if not exact:
+                rejected += summary.rejected_lines
+                summary = self._summary_from_points(c, job_id)
+            summary.rejected_lines += rejected
+            if points or rejected or not exact:
+                self._write_summary(c, job_id, summary)
             c.execute(
                 "INSERT INTO offsets (job_id, stream, byte_offset) VALUES (?, ?, ?)"
                 " ON CONFLICT (job_id, stream) DO UPDATE SET byte_offset = excluded.byte_offset",
@@ -486,45 +688,44 @@ class Store:
                 )
         return written
 
+    @staticmethod
+    def _read_summary(c: sqlite3.Connection, job_id: str) -> MetricSummary:
+        row = c.execute(
+            f"SELECT {', '.join(_SUMMARY_COLUMNS)} FROM summaries WHERE job_id = ?", (job_id,)
+        ).fetchone()
+        return MetricSummary(*row) if row is not None else MetricSummary()
+
+    @staticmethod
+    def _write_summary(c: sqlite3.Connection, job_id: str, summary: MetricSummary) -> None:
+        cols = ", ".join(_SUMMARY_COLUMNS)
+        marks = ", ".join("?" * len(_SUMMARY_COLUMNS))
+        c.execute(
+            f"INSERT OR REPLACE INTO summaries (job_id, {cols}) VALUES (?, {marks})",
+            (job_id, *astuple(summary)),
+        )
+
+    @staticmethod
+    def _summary_from_points(c: sqlite3.Connection, job_id: str) -> MetricSummary:
+        """The summary of a job computed from all its stored points (a scan: used when
+        points are dropped, and when an old database is migrated)."""
+        summary = MetricSummary()
+        for row in c.execute(
+            "SELECT step, data, received_at FROM metrics WHERE job = ? ORDER BY step",
+            (_seq(c, job_id),),
+        ):
+            summary.add(row["step"], json.loads(row["data"]), row["received_at"], new=True)
+        return summary
+
+    def metric_summary(self, job_id: str) -> MetricSummary:
+        """What the views show of a job's points (one row, whatever their number)."""
+        return self._read_summary(self._reader(), job_id)
+
     def metrics_after(self, job_id: str, after_step: int, limit: int) -> list[dict[str, Any]]:
         """Return up to ``limit`` points with ``step > after_step`` in step order."""
         rows = self._query(
-            "SELECT step, data, received_at FROM metrics WHERE job_id = ? AND step > ?"
-            " ORDER BY step LIMIT ?",
+            "SELECT m.step, m.data, m.received_at FROM metrics m JOIN jobs j ON m.job = j.seq"
+            " WHERE j.id = ? AND m.step > ?"
+            " ORDER BY m.step LIMIT ?",
             (job_id, after_step, limit),
         )
         return rows
-
-    def metric_stats(self, job_id: str) -> dict[str, Any]:
-        """Return what a job summary needs: counts, first/last points, val losses."""
-        with self._lock:
-            c = self._conn
-            n = c.execute("SELECT COUNT(*) FROM metrics WHERE job_id = ?", (job_id,)).fetchone()[0]
-            first = c.execute(
-                "SELECT step, data, received_at FROM metrics WHERE job_id = ?"
-                " ORDER BY step LIMIT 1",
-                (job_id,),
-            ).fetchone()
-            last = c.execute(
-                "SELECT step, data, received_at FROM metrics WHERE job_id = ?"
-                " ORDER BY step DESC LIMIT 1",
-                (job_id,),
-            ).fetchone()
-            last_loss = c.execute(
-                "SELECT data FROM metrics WHERE job_id = ?"
-                " AND json_extract(data, '$.loss') IS NOT NULL ORDER BY step DESC LIMIT 1",
-                (job_id,),
-            ).fetchone()
-            vals = c.execute(
-                "SELECT json_extract(data, '$.val_loss') AS v FROM metrics WHERE job_id = ?"
-                " AND json_extract(data, '$.val_loss') IS NOT NULL ORDER BY step",
-                (job_id,),
-            ).fetchall()
-        return {
-            "count": int(n),
-            "first": dict(first) if first else None,
-            "last": dict(last) if last else None,
-            "last_loss": json.loads(last_loss["data"]) if last_loss else None,
-            "first_val_loss": vals[0]["v"] if vals else None,
-            "last_val_loss": vals[-1]["v"] if vals else None,
-        }

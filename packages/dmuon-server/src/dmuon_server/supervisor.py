@@ -28,6 +28,7 @@ cancellations to :class:`dmuon_server.launchers.slurm_jobs.SlurmJobs` instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -35,6 +36,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psutil
@@ -86,6 +88,8 @@ class Supervisor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.launched_total = 0
+        self.errors_total = 0
+        self._last_error: dict[str | None, str] = {}
         self.slurm: SlurmJobs | None = None
         if settings.launcher == "slurm":
             self.slurm = SlurmJobs(
@@ -139,14 +143,34 @@ class Supervisor:
             self._wake.clear()
 
     def tick(self) -> None:
-        """One round: watch active jobs, then start queued ones."""
+        """One round: watch active jobs, then start queued ones.
+
+        A job whose round fails is logged (once per distinct error) and left for the next
+        round; the other jobs and the queue go on regardless.
+        """
         with self._lock:
             if self.slurm is not None:
-                self.slurm.tick()
+                self.slurm.tick(self._isolated)
                 return
             for job in self.store.jobs_in_states(ACTIVE_STATES):
-                self._watch(job)
-            self._dispatch()
+                with self._isolated(job["id"]):
+                    self._watch(job)
+            with self._isolated(None):
+                self._dispatch()
+
+    @contextlib.contextmanager
+    def _isolated(self, job_id: str | None) -> Iterator[None]:
+        """Log an error of one job's round (the first time it is seen) and go on."""
+        try:
+            yield
+        except Exception as e:
+            what = f"{type(e).__name__}: {e}"
+            self.errors_total += 1
+            if self._last_error.get(job_id) != what:
+                self._last_error[job_id] = what
+                log.exception("job %s: supervision round failed", job_id or "(queue)")
+        else:
+            self._last_error.pop(job_id, None)
 
     # ------------------------------------------------------------------- recovery
 

@@ -53,10 +53,8 @@ def summarize(store: Store, row: dict[str, Any], steps: int) -> JobSummary:
     The ETA uses the recipe's ``time`` (seconds since training started) between the first
     and last stored points when it increases, else the times the points arrived.
     """
-    stats = store.metric_stats(row["id"])
-    last = json.loads(stats["last"]["data"]) if stats["last"] else None
-    first = json.loads(stats["first"]["data"]) if stats["first"] else None
-    last_step = last["step"] if last else None
+    stats = store.metric_summary(row["id"])
+    last_step = stats.last_step
     now = time.time()
     elapsed = None
     if row["started_at"] is not None:
@@ -64,28 +62,28 @@ def summarize(store: Store, row: dict[str, Any], steps: int) -> JobSummary:
     eta = None
     if row["state"] == "succeeded":
         eta = 0.0
-    elif row["state"] not in TERMINAL_STATES and last and first and last_step is not None:
-        d_step = last_step - first["step"]
+    elif row["state"] not in TERMINAL_STATES and last_step is not None:
+        d_step = last_step - (stats.first_step if stats.first_step is not None else last_step)
         sec_per_step = None
-        t0, t1 = _num(first.get("time")), _num(last.get("time"))
+        t0, t1 = _num(stats.first_time), _num(stats.last_time)
         if d_step > 0 and t0 is not None and t1 is not None and t1 > t0:
             sec_per_step = (t1 - t0) / d_step
         elif d_step > 0:
-            dt = stats["last"]["received_at"] - stats["first"]["received_at"]
+            dt = (stats.last_received_at or 0.0) - (stats.first_received_at or 0.0)
             sec_per_step = dt / d_step if dt > 0 else None
         elif elapsed and last_step > 0:
             sec_per_step = elapsed / last_step
         if sec_per_step is not None:
             eta = max(0.0, (steps - last_step) * sec_per_step)
-    last_loss = stats["last_loss"]
     return JobSummary(
         steps=steps,
-        points=stats["count"],
+        points=stats.points,
+        rejected_lines=stats.rejected_lines,
         last_step=last_step,
-        last_loss=_enc(last_loss.get("loss")) if last_loss else None,
-        last_val_loss=_enc(stats["last_val_loss"]),
-        first_val_loss=_enc(stats["first_val_loss"]),
-        tokens_per_s=_enc(last.get("tokens_per_s")) if last else None,
+        last_loss=_enc(stats.last_loss),
+        last_val_loss=_enc(stats.last_val_loss),
+        first_val_loss=_enc(stats.first_val_loss),
+        tokens_per_s=_enc(stats.last_tokens_per_s),
         progress=min(1.0, max(0.0, (last_step or 0) / steps)) if steps else 0.0,
         elapsed_s=elapsed,
         eta_s=eta,

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -179,14 +180,18 @@ class SlurmJobs:
 
     # ---------------------------------------------------------------------- tick
 
-    def tick(self) -> None:
-        """Submit the jobs waiting in the service's queue, then follow submitted ones."""
+    def tick(
+        self, isolated: Callable[[str], AbstractContextManager[None]] = lambda _: nullcontext()
+    ) -> None:
+        """Submit the jobs waiting in the service's queue, then follow submitted ones,
+        each job's round inside ``isolated(job_id)`` (which may log and swallow its error)."""
         for job in self.store.jobs_in_states(SLURM_HELD_STATES):
-            if job["slurm_job_id"] is None:
-                if job["state"] == "queued":
-                    self._submit(job)
-            else:
-                self._follow(job)
+            with isolated(job["id"]):
+                if job["slurm_job_id"] is None:
+                    if job["state"] == "queued":
+                        self._submit(job)
+                else:
+                    self._follow(job)
 
     def _submit(self, job: dict[str, Any]) -> None:
         job_id = job["id"]

@@ -55,9 +55,12 @@ def prometheus(
         "# HELP dmuon_metric_points_ingested_total Metric points stored by this process.",
         "# TYPE dmuon_metric_points_ingested_total counter",
         f"dmuon_metric_points_ingested_total {tailer.points_total}",
-        "# HELP dmuon_metric_lines_rejected_total Metrics-file lines that were not JSON objects.",
+        "# HELP dmuon_metric_lines_rejected_total Metrics-file lines that were not stored.",
         "# TYPE dmuon_metric_lines_rejected_total counter",
         f"dmuon_metric_lines_rejected_total {tailer.rejected_total}",
+        "# HELP dmuon_supervision_errors_total Rounds of a job's supervision that failed.",
+        "# TYPE dmuon_supervision_errors_total counter",
+        f"dmuon_supervision_errors_total {supervisor.errors_total}",
     ]
     return PlainTextResponse(
         "\n".join(lines) + "\n", media_type="text/plain; version=0.0.4; charset=utf-8"

@@ -1,0 +1,153 @@
+"""The store on its own: the per-job summary kept at ingest against the stored points, the
+size of stored points, and the migration of a version-1 database."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dmuon_server.store import Store
+
+_SPEC = "{}"
+
+
+def _new_job(store: Store, job_id: str = "j") -> None:
+    store.create_job(
+        job_id=job_id,
+        name=None,
+        nproc=1,
+        spec=_SPEC,
+        spec_hash="h",
+        idempotency_key=None,
+        argv=[],
+    )
+
+
+def _expected(points: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """The summary written out from the final points (the oracle)."""
+    steps = sorted(points)
+    with_loss = [s for s in steps if points[s].get("loss") is not None]
+    with_val = [s for s in steps if points[s].get("val_loss") is not None]
+    return {
+        "points": len(steps),
+        "first_step": steps[0] if steps else None,
+        "last_step": steps[-1] if steps else None,
+        "first_time": points[steps[0]].get("time") if steps else None,
+        "last_time": points[steps[-1]].get("time") if steps else None,
+        "last_loss": points[with_loss[-1]]["loss"] if with_loss else None,
+        "first_val_loss": points[with_val[0]]["val_loss"] if with_val else None,
+        "last_val_loss": points[with_val[-1]]["val_loss"] if with_val else None,
+    }
+
+
+values = st.one_of(st.none(), st.floats(0, 10), st.sampled_from(["NaN", "Infinity"]))
+lines = st.lists(
+    st.tuples(
+        st.integers(0, 30),
+        st.fixed_dictionaries(
+            {},
+            optional={"loss": values, "val_loss": values, "time": st.floats(0, 100)},
+        ),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batches=st.lists(lines, max_size=4), keep=st.one_of(st.none(), st.integers(0, 30)))
+def test_summary_follows_every_ingest(tmp_path_factory: Any, batches: list, keep: int | None) -> None:
+    """Points in any order, steps seen twice (merged key by key), then an attempt that
+    drops the points after a checkpoint: the summary equals the one written out from the
+    stored points after every step."""
+    store = Store(tmp_path_factory.mktemp("store") / "db.sqlite3")
+    _new_job(store)
+    stored: dict[int, dict[str, Any]] = {}
+    for batch in batches:
+        store.ingest("j", "metrics", 0, [(s, {"step": s, **d}) for s, d in batch], rejected=1)
+        for s, d in batch:
+            stored[s] = {**stored.get(s, {}), "step": s, **d}
+        got = store.metric_summary("j")
+        assert {k: getattr(got, k) for k in _expected(stored)} == _expected(stored)
+    assert store.metric_summary("j").rejected_lines == len(batches)
+    store.start_attempt("j", "restart", keep)
+    stored = {s: d for s, d in stored.items() if keep is not None and s <= keep}
+    got = store.metric_summary("j")
+    assert {k: getattr(got, k) for k in _expected(stored)} == _expected(stored)
+    assert got.rejected_lines == len(batches)  # dropping points keeps the count
+    rows = store.metrics_after("j", -1, 1000)
+    assert [r["step"] for r in rows] == sorted(stored)
+    store.close()
+
+
+def test_points_of_a_kilobyte_stay_on_their_pages(tmp_path: Path) -> None:
+    """A WITHOUT ROWID table spills a row above about 1,000 bytes into overflow pages of
+    its own (4.3x the data); a rowid table keeps it on its page."""
+    store = Store(tmp_path / "db.sqlite3")
+    _new_job(store)
+    pad = "x" * 950
+    points = [(s, {"step": s, "loss": 1.0, "note": pad}) for s in range(1, 3001)]
+    raw = sum(len(json.dumps(d)) + 1 for _, d in points)
+    for i in range(0, len(points), 500):
+        store.ingest("j", "metrics", 0, points[i : i + 500])
+    store.close()
+    with sqlite3.connect(tmp_path / "db.sqlite3") as c:
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    size = (tmp_path / "db.sqlite3").stat().st_size
+    assert size < 1.5 * raw, f"{size / raw:.2f}x the points' bytes"
+
+
+_V1_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema_version', '1');
+CREATE TABLE jobs (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, name TEXT,
+    state TEXT NOT NULL, nproc INTEGER NOT NULL, spec TEXT NOT NULL, spec_hash TEXT NOT NULL,
+    idempotency_key TEXT UNIQUE, created_at REAL NOT NULL, started_at REAL, finished_at REAL,
+    exit_code INTEGER, reason TEXT, pid INTEGER, pgid INTEGER, create_time REAL,
+    cancel_requested_at REAL, failure TEXT, recipe_summary TEXT, argv TEXT, slurm_job_id TEXT
+);
+CREATE TABLE metrics (
+    job_id TEXT NOT NULL, step INTEGER NOT NULL, data TEXT NOT NULL, loss REAL,
+    received_at REAL NOT NULL, PRIMARY KEY (job_id, step)
+) WITHOUT ROWID;
+"""
+
+
+def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
+    db = tmp_path / "db.sqlite3"
+    with sqlite3.connect(db) as c:
+        c.executescript(_V1_SCHEMA)
+        for n, job_id in enumerate(("old", "new"), start=1):
+            c.execute(
+                "INSERT INTO jobs (id, state, nproc, spec, spec_hash, created_at, reason)"
+                " VALUES (?, 'queued', 1, '{}', 'h', ?, 'submitted')",
+                (job_id, float(n)),
+            )
+        for step in range(1, 6):
+            data = {"step": step, "loss": 6.0 - step, "time": float(step)}
+            if step == 5:
+                data["val_loss"] = 1.5
+            c.execute(
+                "INSERT INTO metrics VALUES ('old', ?, ?, ?, ?)",
+                (step, json.dumps(data), data["loss"], 100.0 + step),
+            )
+    store = Store(db)
+    got = store.metric_summary("old")
+    assert (got.points, got.first_step, got.last_step, got.last_loss) == (5, 1, 5, 1.0)
+    assert (got.first_val_loss, got.last_val_loss) == (1.5, 1.5)
+    assert (got.first_received_at, got.last_received_at) == (101.0, 105.0)
+    assert [r["step"] for r in store.metrics_after("old", -1, 10)] == [1, 2, 3, 4, 5]
+    assert [j["id"] for j in store.jobs_in_states(["queued"])] == ["old", "new"]  # queue order
+    store.close()
+    with sqlite3.connect(db) as c:
+        ddl = c.execute("SELECT sql FROM sqlite_master WHERE name = 'metrics'").fetchone()[0]
+        assert "WITHOUT ROWID" not in ddl and "loss" not in ddl
+        assert c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
+            "2",
+        )
+    Store(db).close()  # opening it again changes nothing
