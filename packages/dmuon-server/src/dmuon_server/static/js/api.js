@@ -102,10 +102,10 @@ export async function hasRoute(path, method = "get") {
   return Boolean(doc.paths && doc.paths[path] && doc.paths[path][method]);
 }
 
-/** Every metric point of a job, following the `next` cursor. */
-export async function allMetrics(jobId) {
+/** Every metric point of a job after step `after` (all of them by default), following the
+ * `next` cursor. */
+export async function allMetrics(jobId, after = -1) {
   const points = [];
-  let after = -1;
   for (;;) {
     const page = await api("GET", `/v1/jobs/${encodeURIComponent(jobId)}/metrics?after_step=${after}&limit=10000`);
     points.push(...page.items);

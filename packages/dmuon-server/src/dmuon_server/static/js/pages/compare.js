@@ -1,5 +1,6 @@
 // Compare: overlay the loss curves of several jobs against step and against tokens
-// (tokens per step from the recipe's own summary, or from the server's dry run).
+// (tokens per step from the recipe's own summary, or from the server's dry run). While a
+// job runs, each refresh fetches only the points after the last one it has.
 import { allMetrics, api } from "../api.js";
 import { lineChart, palette } from "../charts.js";
 import { t } from "../i18n.js";
@@ -8,15 +9,21 @@ import { TERMINAL, errorText, fmt, fmtDuration, fmtInt, h, jobLabel, num, stateB
 
 const REFRESH_MS = 5000;
 
+/** Tokens per step of a job: from the recipe's summary (exact) once the job wrote one,
+ * else from the server's dry run of its spec. */
 async function tokensPerStep(job) {
   const r = job.recipe_summary;
-  if (r && typeof r.tokens === "number" && r.steps) return r.tokens / r.steps;
+  if (hasTokens(r)) return r.tokens / r.steps;
   try {
     const plan = await api("POST", "/v1/jobs:validate", { body: { nproc_per_node: job.nproc_per_node, train: job.train } });
     return plan.global_batch_tokens;
   } catch {
     return null;
   }
+}
+
+function hasTokens(r) {
+  return Boolean(r && typeof r.tokens === "number" && r.steps);
 }
 
 /** Align several [x, y] series on one x axis (uPlot's join), missing values as null. */
@@ -77,12 +84,37 @@ export function renderCompare(main, params) {
   const colors = palette();
   let stepChart = null;
   let tokenChart = null;
+  // Per job: the points fetched so far, whether the job had ended when they were, its
+  // attempts then (a new attempt replaces the points after its checkpoint: fetch again),
+  // and its tokens per step.
+  const known = new Map();
+
+  async function pointsOf(job) {
+    let entry = known.get(job.id);
+    const attempts = (job.attempts || []).length;
+    if (!entry || entry.attempts !== attempts) {
+      entry = { points: [], complete: false, attempts, perStep: undefined, exact: false };
+      known.set(job.id, entry);
+    }
+    if (!entry.complete) {
+      const ended = TERMINAL.has(job.state); // its points were all stored before it ended
+      const last = entry.points.length ? entry.points[entry.points.length - 1].step : -1;
+      entry.points.push(...(await allMetrics(job.id, last)));
+      entry.complete = ended;
+    }
+    if (entry.perStep === undefined || (!entry.exact && hasTokens(job.recipe_summary))) {
+      entry.perStep = await tokensPerStep(job);
+      entry.exact = hasTokens(job.recipe_summary);
+    }
+    return entry;
+  }
 
   async function load() {
     try {
       const jobs = await Promise.all(ids.map((id) => api("GET", `/v1/jobs/${encodeURIComponent(id)}`)));
-      const points = await Promise.all(ids.map((id) => allMetrics(id)));
-      const perStep = await Promise.all(jobs.map(tokensPerStep));
+      const entries = await Promise.all(jobs.map(pointsOf));
+      const points = entries.map((e) => e.points);
+      const perStep = entries.map((e) => e.perStep);
       if (closed) return;
       const series = jobs.map((job, i) => ({ label: jobLabel(job), color: colors[i % colors.length], spanGaps: true }));
       const curves = points.map((pts) => pts.filter((p) => num(p.loss) !== null));
