@@ -72,6 +72,7 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "heartbeat_s": 15.0,
         "max_nproc_per_node": 4,
         "data_roots": (tmp_path / "datasets",),
+        "allowed_hosts": ("testserver",),  # the Host of TestClient
     }
     kw.update(overrides)
     return Settings(**kw)

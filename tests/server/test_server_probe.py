@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -117,3 +118,52 @@ def test_poisoned_metrics_lines_are_skipped_and_nothing_else_stops(
     log = server.log_path.read_text()
     assert log.count("rejected metrics line") == 4, log[-3000:]
     assert "Traceback" not in log
+
+
+def test_without_a_token_only_the_servers_own_names_are_answered(start_server: Start) -> None:
+    """DNS rebinding: a page of another site reaches a loopback port under its own name."""
+    server = start_server()
+    port = urlsplit(server.url).port
+    assert port is not None
+    evil = {"Host": f"attacker.example:{port}", "Origin": f"http://attacker.example:{port}"}
+    with server.client() as c:
+        job = c.post("/v1/jobs", json=job_spec(1, steps=1)).json()["id"]
+        for method, path in (
+            ("GET", "/v1/jobs"),
+            ("GET", f"/v1/jobs/{job}"),
+            ("POST", "/v1/jobs"),
+            ("POST", f"/v1/jobs/{job}/cancel"),
+            ("DELETE", f"/v1/jobs/{job}"),
+            ("GET", "/healthz"),
+            ("GET", "/"),
+            ("GET", "/openapi.json"),
+        ):
+            body = job_spec(1) if method == "POST" else None
+            r = c.request(method, path, json=body, headers=evil)
+            assert r.status_code == 400, (method, path, r.text)
+            assert r.headers["content-type"].startswith("application/problem+json")
+            assert "--allowed-host" in r.json()["detail"]
+        for host in ("127.0.0.1", "localhost", "[::1]", "LocalHost."):
+            assert c.get("/v1/jobs", headers={"Host": f"{host}:{port}"}).status_code == 200
+        # Writes from a browser must come from the server's own origin.
+        r = c.post("/v1/jobs:validate", json=job_spec(1), headers={"Origin": server.url})
+        assert r.status_code == 200, r.text
+        for origin in (f"http://attacker.example:{port}", f"http://127.0.0.1:{port + 1}", "null"):
+            r = c.post("/v1/jobs", json=job_spec(1), headers={"Origin": origin})
+            assert r.status_code == 403 and "Origin" in r.json()["detail"], (origin, r.text)
+            r = c.delete(f"/v1/jobs/{job}", headers={"Origin": origin})
+            assert r.status_code == 403
+        assert [j["id"] for j in c.get("/v1/jobs").json()["items"]] == [job]
+        assert c.get(f"/v1/jobs/{job}").status_code == 200
+    server.stop()
+    named = start_server("--allowed-host", "dmuon.lan")
+    with named.client() as c:
+        assert c.get("/v1/jobs", headers={"Host": f"dmuon.lan:{port}"}).status_code == 200
+        assert c.get("/v1/jobs", headers=evil).status_code == 400
+    named.stop()
+    # With a token (and no --allowed-host) the token is the defence; Host is not checked.
+    tokened = start_server("--token", "probe-token")
+    auth = {"Authorization": "Bearer probe-token"}
+    with tokened.client() as c:
+        assert c.get("/v1/jobs", headers={**evil, **auth}).status_code == 200
+        assert c.get("/v1/jobs", headers=evil).status_code == 401

@@ -16,6 +16,7 @@ from dmuon_server.datadir import DataDirLock, StartupError, check_data_dir
 from dmuon_server.errors import install_error_handlers
 from dmuon_server.fingerprint import PREFIX as FINGERPRINT_PREFIX
 from dmuon_server.fingerprint import stored_spec_fingerprint
+from dmuon_server.hosts import HostCheckMiddleware
 from dmuon_server.launchers.handover import check_launcher_matches
 from dmuon_server.launchers.slurm_jobs import check_slurm
 from dmuon_server.limits import BodySizeLimitMiddleware
@@ -81,6 +82,8 @@ def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = N
     if settings.token:
         app.add_middleware(BearerAuthMiddleware, token=settings.token)
     mount_dashboard(app)
+    if settings.host_check is not None:  # added last: it runs first
+        app.add_middleware(HostCheckMiddleware, allowed=settings.host_check)
 
     def openapi() -> dict[str, Any]:
         return build_openapi(app, settings)

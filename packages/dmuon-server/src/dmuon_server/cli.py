@@ -30,6 +30,7 @@ from dmuon_server.config import (
     usable_cpus,
 )
 from dmuon_server.datadir import DataDirLock, StartupError, write_server_info
+from dmuon_server.hosts import LOOPBACK_NAMES
 
 
 def is_loopback(host: str) -> bool:
@@ -65,6 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="read the bearer token from FILE (one trailing newline is dropped)",
+    )
+    p.add_argument(
+        "--allowed-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a host name requests may be addressed to besides 127.0.0.1, localhost and "
+        "[::1] (repeatable); without a token only those are answered (DNS rebinding), with "
+        "a token the check applies once this is given",
     )
     p.add_argument("--max-concurrent-jobs", type=int, default=1, help="jobs running at once")
     p.add_argument(
@@ -148,6 +158,16 @@ def _token(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _allowed_hosts(args: argparse.Namespace, token: str | None) -> tuple[str, ...]:
+    """The ``--allowed-host`` names, plus the loopback address a token-less server listens
+    on when it is not one of the default names (say 127.0.0.2)."""
+    names = list(args.allowed_host)
+    bound = args.host.strip("[]").lower()
+    if not token and is_loopback(bound) and bound not in LOOPBACK_NAMES:
+        names.append(bound)
+    return tuple(names)
+
+
 def _listening_socket(host: str, port: int) -> socket.socket:
     """A listening TCP socket on ``host:port``.
 
@@ -212,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         ),
         secret_env=tuple(args.secret_env),
         launcher=args.launcher,
+        allowed_hosts=_allowed_hosts(args, token),
     )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"

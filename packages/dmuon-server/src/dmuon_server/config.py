@@ -67,6 +67,9 @@ class Settings:
             ``sbatch`` submission per attempt; the data directory must be on a filesystem
             all nodes share).
         slurm_poll_interval_s: How often the state of a Slurm job is asked from Slurm.
+        allowed_hosts: Host names requests may name besides the loopback ones
+            (``--allowed-host``); see :mod:`dmuon_server.hosts`. Given, they turn the
+            ``Host`` and ``Origin`` checks on for a server with a token too.
     """
 
     data_dir: Path = field(default_factory=lambda: Path(".dmuon"))
@@ -87,6 +90,7 @@ class Settings:
     secret_env: tuple[str, ...] = ()
     launcher: Literal["local", "slurm"] = "local"
     slurm_poll_interval_s: float = 1.0
+    allowed_hosts: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         """Normalise paths (absolute, symlinks resolved) and check the numbers."""
@@ -104,6 +108,16 @@ class Settings:
             raise ValueError("max_body_bytes and max_job_memory must be at least 1")
         if self.token is not None and not self.token:
             object.__setattr__(self, "token", None)
+
+    @property
+    def host_check(self) -> tuple[str, ...] | None:
+        """The host names requests may name, or None when ``Host`` is not checked (a
+        server with a token and no ``--allowed-host``)."""
+        from dmuon_server.hosts import LOOPBACK_NAMES
+
+        if self.token and not self.allowed_hosts:
+            return None
+        return (*LOOPBACK_NAMES, *self.allowed_hosts)
 
     @property
     def db_path(self) -> Path:

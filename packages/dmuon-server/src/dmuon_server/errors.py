@@ -22,6 +22,7 @@ _PROBLEM_BASE = "urn:dmuon-server:problem:"
 ERROR_TEXT = {
     400: "Malformed request body",
     401: "Missing or invalid bearer token",
+    403: "Forbidden",
     404: "Not found",
     405: "Method not allowed",
     409: "Conflict",
