@@ -15,6 +15,9 @@ optimizer step, flushed per line; ``val_loss`` on eval steps and a step-0 eval l
 * ``FAKE_CRASH_ONCE=1``: crash only in a run that did not resume from a checkpoint.
 * ``FAKE_CRASH_SIGNAL``: instead of raising, the crashing rank kills itself with that
   signal number (9: as the out-of-memory killer would).
+* ``FAKE_FINAL_SECONDS``: after the last step and its checkpoint, spend that long in a
+  final phase (the recipe's last evaluation and exit) in which SIGTERM kills at once
+  (exit status 143 through torchrun), as the recipe's does.
 * ``FAKE_POISON_SEED``: a run with that ``--seed`` writes, after step 2, the lines that
   once froze supervision (:data:`POISON_LINES`), then goes on.
 
@@ -40,7 +43,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-
 
 #: Lines no server may store: nested 5,000 deep, a 400-digit loss, a lone surrogate escape
 #: in a point and in a summary line.
@@ -241,6 +243,9 @@ def main() -> int:
             return 0
     if rank == 0 and args.checkpoint_dir and steps >= first:
         _save(args.checkpoint_dir, steps, weight, args.keep_checkpoints)
+    if os.environ.get("FAKE_FINAL_SECONDS"):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(float(os.environ["FAKE_FINAL_SECONDS"]))
     if out is not None:
         tail = json.dumps({"summary": {"steps": steps, "final_loss": loss}})
         if os.environ.get("FAKE_PARTIAL_TAIL") == "1":

@@ -5,13 +5,21 @@ rebinding, poisoned metrics lines, late cancels, and the smaller holes."""
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from server_helpers import TERMINAL, LiveServer, fake_recipe_env, job_spec, wait_until
+from server_helpers import (
+    TERMINAL,
+    LiveServer,
+    fake_recipe_env,
+    job_spec,
+    processes_of_job,
+    wait_until,
+)
 
 Start = Callable[..., LiveServer]
 
@@ -167,3 +175,55 @@ def test_without_a_token_only_the_servers_own_names_are_answered(start_server: S
     with tokened.client() as c:
         assert c.get("/v1/jobs", headers={**evil, **auth}).status_code == 200
         assert c.get("/v1/jobs", headers=evil).status_code == 401
+
+
+def test_a_cancel_after_the_last_step_leaves_the_run_succeeded(start_server: Start) -> None:
+    """The recipe's final evaluation and checkpoint take a moment after the last step."""
+    server = start_server(
+        "--max-concurrent-jobs", "2", FAKE_FINAL_SECONDS="2", FAKE_STEP_SECONDS="1"
+    )
+    with server.client() as c:
+        finishing = c.post("/v1/jobs", json=job_spec(1, steps=3)).json()["id"]
+        last_step = c.post("/v1/jobs", json=job_spec(1, steps=3, seed=1)).json()["id"]
+
+        def at_step(job_id: str, step: int) -> bool:
+            return (c.get(f"/v1/jobs/{job_id}").json()["summary"]["last_step"] or 0) >= step
+
+        # Cancelled during the last step: accepted; the recipe finishes that step, saves it
+        # and stops, having trained every step.
+        wait_until(lambda: at_step(last_step, 2), 60, "step 2")
+        assert c.post(f"/v1/jobs/{last_step}/cancel").status_code == 202
+        # Cancelled in the final phase: refused, the run ends as it would have.
+        wait_until(lambda: at_step(finishing, 3), 60, "the last step")
+        r = c.post(f"/v1/jobs/{finishing}/cancel")
+        assert r.status_code == 409 and "trained all its 3 steps" in r.json()["detail"], r.text
+        jobs = _wait_all(c, [finishing, last_step])
+        assert [j["state"] for j in jobs] == ["succeeded", "succeeded"], jobs
+        assert jobs[0]["exit_code"] == 0 and not jobs[0]["cancel_requested"]
+        assert "the cancel came after" in jobs[1]["reason"], jobs[1]
+        assert [p["step"] for p in c.get(f"/v1/jobs/{last_step}/metrics").json()["items"]] == [
+            1,
+            2,
+            3,
+        ]
+        for job_id in (finishing, last_step):
+            r = c.post(f"/v1/jobs/{job_id}/resume")
+            assert r.status_code == 409 and r.json()["title"] == "Nothing left to train"
+
+
+def test_a_job_killed_after_its_grace_while_the_server_was_down_has_an_exit_code(
+    start_server: Start,
+) -> None:
+    server = start_server("--cancel-grace-s", "1", FAKE_IGNORE_SIGTERM="1")
+    with server.client() as c:
+        job = c.post("/v1/jobs", json=job_spec(1, steps=100_000)).json()["id"]
+        wait_until(lambda: c.get(f"/v1/jobs/{job}").json()["state"] == "running", 60, "running")
+        assert c.post(f"/v1/jobs/{job}/cancel").status_code == 202
+    server.kill()
+    time.sleep(1.5)  # the grace period ends while no server watches the job
+    server = start_server("--cancel-grace-s", "1", FAKE_IGNORE_SIGTERM="1")
+    with server.client() as c:
+        done = _wait_all(c, [job])[0]
+    assert done["state"] == "cancelled" and done["exit_code"] == -9, done
+    assert "SIGKILL after the grace period" in done["reason"]
+    assert not processes_of_job(job)

@@ -60,7 +60,9 @@ lines = st.lists(
 
 @settings(max_examples=60, deadline=None)
 @given(batches=st.lists(lines, max_size=4), keep=st.one_of(st.none(), st.integers(0, 30)))
-def test_summary_follows_every_ingest(tmp_path_factory: Any, batches: list, keep: int | None) -> None:
+def test_summary_follows_every_ingest(
+    tmp_path_factory: Any, batches: list, keep: int | None
+) -> None:
     """Points in any order, steps seen twice (merged key by key), then an attempt that
     drops the points after a checkpoint: the summary equals the one written out from the
     stored points after every step."""
@@ -147,7 +149,5 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
     with sqlite3.connect(db) as c:
         ddl = c.execute("SELECT sql FROM sqlite_master WHERE name = 'metrics'").fetchone()[0]
         assert "WITHOUT ROWID" not in ddl and "loss" not in ddl
-        assert c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (
-            "2",
-        )
+        assert c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
     Store(db).close()  # opening it again changes nothing

@@ -101,6 +101,14 @@ def latest_checkpoint(folder: Path) -> CheckpointInfo | None:
     return found[-1] if found else None
 
 
+def trained_to_the_end(job_dir: Path, steps: int) -> bool:
+    """Whether the job saved the checkpoint of its last step (``steps``): a run that did
+    has nothing left to train, whatever stopped its processes afterwards (a cancel that
+    came during the final evaluation, say)."""
+    latest = latest_checkpoint(job_dir / CHECKPOINT_DIR)
+    return latest is not None and latest.step >= steps
+
+
 def link_tree(source: Path, target: Path) -> None:
     """Copy the folder ``source`` to ``target`` with hard links (plain copies across
     file systems), so that the copy costs no space and outlives ``source``."""

@@ -51,6 +51,7 @@ from dmuon_server.jobfiles import (
     metrics_file,
     read_exit_report,
     restartable,
+    trained_to_the_end,
 )
 from dmuon_server.launch import attempt_argv, job_env, launch_env
 from dmuon_server.launchers.slurm_jobs import SlurmJobs
@@ -70,6 +71,16 @@ from dmuon_server.schemas import ACTIVE_STATES, JobCreate
 from dmuon_server.store import Store
 
 log = logging.getLogger("dmuon_server.supervisor")
+
+
+class JobFinishing(Exception):
+    """A cancel of a job that has trained all its steps and is finishing."""
+
+    def __init__(self, job_id: str, steps: int) -> None:
+        """Name the job and its steps."""
+        super().__init__(job_id)
+        self.job_id = job_id
+        self.steps = steps
 
 
 class Supervisor:
@@ -347,8 +358,20 @@ class Supervisor:
         fresh = self.store.get_job(job_id) or job
         rc = report.get("returncode") if report else child_rc
         failure = None
-        if fresh["cancel_requested_at"] is not None:
+        cancelled_at = fresh["cancel_requested_at"]
+        steps = JobCreate.model_validate_json(fresh["spec"]).train.steps
+        if cancelled_at is not None and trained_to_the_end(job_dir, steps):
+            state = "succeeded"
+            reason = (
+                f"trained all {steps} steps and saved the last checkpoint; the cancel came after"
+            )
+        elif cancelled_at is not None:
             state, reason = "cancelled", "cancelled on request"
+            if rc is None and time.time() >= cancelled_at + self.settings.cancel_grace_s:
+                # Killed after the grace period (by this server or the one before it,
+                # which is then nobody's parent to learn the status).
+                rc = -signal.SIGKILL
+                reason = "cancelled on request; SIGKILL after the grace period"
         elif report and rc == 0:
             state, reason = "succeeded", "torchrun exited with code 0"
         else:
@@ -408,11 +431,18 @@ class Supervisor:
         exit), SIGKILL to what is left after the grace period.
 
         Returns the job row after the request (None for an unknown job). Idempotent.
+        Raises :class:`JobFinishing` for a job that has reported its last step: it is in
+        its final evaluation and checkpoint, and a cancel would only lose them.
         """
         with self._lock:
             job = self.store.get_job(job_id)
             if job is None or job["state"] in ("succeeded", "failed", "cancelled"):
                 return job
+            if job["state"] in ACTIVE_STATES and job["cancel_requested_at"] is None:
+                steps = JobCreate.model_validate_json(job["spec"]).train.steps
+                last = self.store.metric_summary(job_id).last_step
+                if last is not None and last >= steps:
+                    raise JobFinishing(job_id, steps)
             job = self.store.request_cancel(job_id)
             assert job is not None
             if self.slurm is not None and job["slurm_job_id"] is not None:

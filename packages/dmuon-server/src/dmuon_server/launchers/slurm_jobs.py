@@ -32,10 +32,12 @@ from dmuon_server.jobfiles import (
     latest_checkpoint,
     metrics_file,
     read_exit_report,
+    trained_to_the_end,
 )
 from dmuon_server.launch import attempt_argv, job_env, launch_env
 from dmuon_server.launchers.slurm import (
     BatchOptions,
+    ServiceState,
     SlurmClient,
     SlurmError,
     SlurmJob,
@@ -273,7 +275,15 @@ class SlurmJobs:
         self._cancel_deadline.pop(job_id, None)
         self._next_query.pop(job_id, None)
         fresh = self.store.get_job(job_id) or job
-        mapped = service_state(sj, cancel_requested=fresh["cancel_requested_at"] is not None)
+        cancelled = fresh["cancel_requested_at"] is not None
+        mapped = service_state(sj, cancel_requested=cancelled)
+        steps = JobCreate.model_validate_json(fresh["spec"]).train.steps
+        if cancelled and trained_to_the_end(job_dir, steps):
+            mapped = ServiceState(
+                "succeeded",
+                f"trained all {steps} steps and saved the last checkpoint; the cancel came "
+                f"after ({mapped.reason})",
+            )
         report = read_exit_report(job_dir)
         rc = report.get("returncode") if report else sj.exit_code
         failure = None

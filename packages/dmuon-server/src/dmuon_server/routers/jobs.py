@@ -37,6 +37,7 @@ from dmuon_server.schemas import (
     ResumeRequest,
 )
 from dmuon_server.store import IdempotencyConflict
+from dmuon_server.supervisor import JobFinishing
 from dmuon_server.views import job_view, ts
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -207,9 +208,19 @@ def cancel_job(job: JobRow, store: StoreDep, supervisor: SupervisorDep) -> Job:
     """Cancel: SIGTERM to every process of the job, SIGKILL after the grace period.
 
     Idempotent; a queued job is cancelled at once. 409 for a job that already
-    succeeded or failed.
+    succeeded or failed, or that has trained all its steps and is finishing.
     """
-    row = supervisor.cancel(job["id"]) or job
+    try:
+        row = supervisor.cancel(job["id"]) or job
+    except JobFinishing as e:
+        raise ApiError(
+            409,
+            "Job finishing",
+            f"job {e.job_id} has trained all its {e.steps} steps and is saving its last "
+            "checkpoint; it ends succeeded in a moment, and a cancel now would only lose "
+            "that work",
+            kind="job-finishing",
+        ) from None
     if row["state"] in ("succeeded", "failed"):
         raise ApiError(
             409,
