@@ -1,6 +1,11 @@
 // Server-Sent Events over fetch, so that the stream can carry the Authorization header
-// (EventSource cannot). Reconnects with Last-Event-ID after a drop, as EventSource would.
+// (EventSource cannot). Reconnects with Last-Event-ID after a drop, as EventSource would,
+// and after an `end` event whose reason is `server_shutdown` (the job goes on; the server
+// is restarting). Any other `end`, or a 204 answer to a reconnect, is final.
 import { authHeaders, requestToken } from "./api.js";
+
+/** `reason` of the `end` event a stopping server sends to every open stream. */
+export const SHUTDOWN_REASON = "server_shutdown";
 
 /**
  * Follow the event stream at `path`.
@@ -38,7 +43,7 @@ export function followEvents(path, handlers) {
     } catch {
       /* keep the text */
     }
-    if (type === "end") ended = true;
+    if (type === "end" && !(parsed && parsed.reason === SHUTDOWN_REASON)) ended = true;
     handlers.onEvent(type, parsed, lastEventId);
   }
 

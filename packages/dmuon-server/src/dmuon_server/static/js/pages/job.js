@@ -312,9 +312,12 @@ export function renderJob(main, jobId) {
           scheduleDraw();
         } else if (type === "state" && job && data.state && data.state !== job.state) {
           refresh().catch(() => {});
-        } else if (type === "end") {
-          refresh().then(loadLogs).then(loadOptional).catch(() => {});
         }
+      },
+      // The stream is over: its last `end` event, or a reconnect answered 204 because the
+      // job ended while the page was away (a server restart). Show the final state.
+      onEnd() {
+        refresh().then(loadLogs).then(loadOptional).catch(() => {});
       },
       onStatus(s, detail) {
         streamStatus.textContent = s === "failed" ? t("stream.failed", { detail }) : t(`stream.${s}`);

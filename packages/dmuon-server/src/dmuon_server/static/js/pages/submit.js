@@ -33,6 +33,7 @@ function leaves(doc, schema, prefix = []) {
       id: `field-${path.join("-")}`,
       type: base.type || "string",
       choices: base.enum || (base.const !== undefined ? [base.const] : null),
+      maxLength: base.maxLength,
       min: base.minimum ?? base.exclusiveMinimum,
       max: base.maximum ?? base.exclusiveMaximum,
       exclusiveMin: base.exclusiveMinimum !== undefined,
@@ -47,6 +48,15 @@ function leaves(doc, schema, prefix = []) {
 /** Text with `code` spans (as in the schema's descriptions) as <code> elements. */
 function withCode(text) {
   return (text || "").split("`").map((part, i) => (i % 2 ? h("code", {}, part) : part));
+}
+
+/** The legend of a group of fields: its own text where the page has one, else the
+ * schema's title, with the spec's field name in brackets. */
+function groupLegend(group) {
+  const name = group.group[group.group.length - 1];
+  const key = `submit.group.${name}`;
+  const text = t(key);
+  return text === key ? `${group.title} (${name})` : text;
 }
 
 function flatten(items) {
@@ -230,7 +240,7 @@ export function renderSubmit(main, params) {
     const pair = canPair ? h("button", { type: "button", id: "submit-pair", "aria-describedby": "pair-help" }, t("submit.pair")) : null;
     form.append(
       h("fieldset", {}, h("legend", {}, t("submit.job")), h("div", { class: "form-grid" }, top.flatMap(field))),
-      ...groups.map((g) => h("fieldset", {}, h("legend", {}, t("submit.train")), h("div", { class: "form-grid" }, g.fields.flatMap(field)))),
+      ...groups.map((g) => h("fieldset", {}, h("legend", {}, groupLegend(g)), h("div", { class: "form-grid" }, g.fields.flatMap(field)))),
       h("div", { class: "actions" }, submit, pair, reset),
       pair ? h("p", { class: "hint muted", id: "pair-help" }, t("submit.pair_help")) : null,
       plan,
@@ -257,7 +267,10 @@ export function renderSubmit(main, params) {
       pair.addEventListener("click", async () => {
         pair.disabled = true;
         const base = body();
-        const name = base.name || "run";
+        // Both names must stay within the schema's limit with the suffix added.
+        const nameField = fields.find((f) => f.key === "name");
+        const room = ((nameField && nameField.maxLength) || 128) - " dmuon".length;
+        const name = (base.name || "run").slice(0, room).trimEnd() || "run";
         try {
           const ids = [];
           for (const opt of ["dmuon", "adamw"]) {
