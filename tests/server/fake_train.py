@@ -13,6 +13,7 @@ optimizer step, flushed per line; ``val_loss`` on eval steps and a step-0 eval l
 * ``FAKE_IGNORE_SIGTERM=1``: ignore SIGTERM (the supervisor must escalate to SIGKILL).
 * ``FAKE_PARTIAL_TAIL=1``: end the file with a line without newline (a summary).
 * ``FAKE_CRASH_ONCE=1``: crash only in a run that did not resume from a checkpoint.
+* ``FAKE_CRASH_SEED``: crash only in a run with that ``--seed``.
 * ``FAKE_CRASH_SIGNAL``: instead of raising, the crashing rank kills itself with that
   signal number (9: as the out-of-memory killer would).
 * ``FAKE_FINAL_SECONDS``: after the last step and its checkpoint, spend that long in a
@@ -148,6 +149,10 @@ def main() -> int:
     crash_step = int(os.environ.get("FAKE_CRASH_STEP", "1"))
     nan_step = int(os.environ.get("FAKE_NAN_STEP", "-1"))
     print(f"fake_train rank {rank}/{world} starting: {args}", flush=True)
+    # Server paths a log may hold (the interpreter, the standard library), on both streams.
+    where = f"fake_train runs {sys.executable} with {os.__file__}"
+    print(where, flush=True)
+    print(where, file=sys.stderr, flush=True)
     weight = float(args.seed)
     first = 1
     resume_from = None
@@ -168,6 +173,8 @@ def main() -> int:
     elif args.init_from is not None:
         weight = _load(Path(args.init_from))["weight"]
     if os.environ.get("FAKE_CRASH_ONCE") == "1" and resume_from is not None:
+        crash_rank = -1
+    if os.environ.get("FAKE_CRASH_SEED", str(args.seed)) != str(args.seed):
         crash_rank = -1
     stop_signal: list[int] = []
 

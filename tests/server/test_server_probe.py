@@ -4,7 +4,9 @@ rebinding, poisoned metrics lines, late cancels, and the smaller holes."""
 
 from __future__ import annotations
 
+import json
 import os
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -227,3 +229,86 @@ def test_a_job_killed_after_its_grace_while_the_server_was_down_has_an_exit_code
     assert done["state"] == "cancelled" and done["exit_code"] == -9, done
     assert "SIGKILL after the grace period" in done["reason"]
     assert not processes_of_job(job)
+
+
+def test_bodies_are_json_once_names_are_plain_and_head_answers(start_server: Start) -> None:
+    server = start_server()
+    spec = job_spec(1, steps=1)
+    with server.client() as c:
+        text = json.dumps(spec)
+        for headers in (
+            {},
+            {"Content-Type": "text/plain"},
+            {"Content-Type": "application/x-www-form-urlencoded"},
+        ):
+            r = c.post("/v1/jobs:validate", content=text, headers=headers)
+            assert r.status_code == 415, (headers, r.text)
+            assert "Content-Type: application/json" in r.json()["detail"]
+        ok = {"Content-Type": "application/json; charset=utf-8"}
+        assert c.post("/v1/jobs:validate", content=text, headers=ok).status_code == 200
+        # A key given twice is refused, wherever it is.
+        twice = text.replace('"steps": 1', '"steps": 10, "steps": 99999999')
+        r = c.post("/v1/jobs", content=twice, headers=ok)
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "body.train.steps"
+        assert r.json()["errors"][0]["type"] == "duplicate_key"
+        r = c.post("/v1/jobs", content='{"nproc_per_node": 1, "nproc_per_node": 2}', headers=ok)
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "body.nproc_per_node"
+        # Nested too deep to read; a lone surrogate; names that would pass for others.
+        r = c.post("/v1/jobs", content="[" * 5000 + "]" * 5000, headers=ok)
+        assert r.status_code == 400 and r.json()["title"] == "Malformed request body"
+        r = c.post("/v1/jobs", content=text.replace("{", '{"name": "a\\ud800b", ', 1), headers=ok)
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "body.name", r.text
+        for name in ("admin\u202etxt.exe", "c1\x85control", "two\u2028lines", "zero\u200bwidth"):
+            r = c.post("/v1/jobs", json={**spec, "name": name})
+            assert r.status_code == 422 and r.json()["errors"][0]["field"] == "body.name", name
+        assert c.post("/v1/jobs:validate", json={**spec, "name": "ünïcode 名前 ok"}).is_success
+        assert c.get("/v1/jobs").json()["items"] == []
+        # No interactive API pages (they loaded Swagger UI from a CDN); the document stays.
+        for path in ("/docs", "/redoc"):
+            assert c.get(path).status_code == 404
+        assert c.get("/openapi.json").status_code == 200
+        # HEAD answers as GET does, without a body; an event stream too, at once.
+        job = c.post("/v1/jobs", json=job_spec(1, steps=100_000)).json()["id"]
+        for path in ("/v1/jobs", f"/v1/jobs/{job}", "/healthz", f"/v1/jobs/{job}/logs", "/"):
+            got, head = c.get(path), c.head(path)
+            assert head.status_code == got.status_code == 200, (path, head.status_code)
+            assert (
+                head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+            )
+        t0 = time.monotonic()
+        head = c.head(f"/v1/jobs/{job}/events")
+        assert head.status_code == 200 and head.headers["content-type"].startswith(
+            "text/event-stream"
+        )
+        assert time.monotonic() - t0 < 5
+        assert c.head("/v1/jobs/nope").status_code == 404
+        assert c.post(f"/v1/jobs/{job}/cancel").status_code == 202
+
+
+def test_logs_hide_the_installation_and_resumed_jobs_queue_at_the_end(
+    data_dir: Path, start_server: Start
+) -> None:
+    crash = {"FAKE_CRASH_RANK": "0", "FAKE_CRASH_STEP": "3", "FAKE_CRASH_SEED": "9"}
+    server = start_server(FAKE_STEP_SECONDS="0.05", **crash)
+    hidden = {sys.executable, os.path.realpath(sys.executable), sys.prefix, sys.base_prefix}
+    with server.client() as c:
+        crashed = c.post("/v1/jobs", json=job_spec(1, steps=5, seed=9)).json()["id"]
+        done = _wait_all(c, [crashed])[0]
+        assert done["state"] == "failed"
+        logs = c.get(f"/v1/jobs/{crashed}/logs", params={"tail": 1000}).text
+        shown = json.dumps(done["failure"]) + logs
+        assert "fake_train runs <python> with <python-home>/lib/" in logs, logs[-2000:]
+        assert any("fake_train runs <python>" in line for line in done["failure"]["log_tail"])
+        assert not [p for p in hidden if p in shown], shown[-2000:]
+        short = c.post("/v1/jobs", json=job_spec(1, steps=2)).json()["id"]
+        _wait_all(c, [short])
+        running = c.post("/v1/jobs", json=job_spec(1, steps=100_000)).json()["id"]
+        wait_until(lambda: c.get(f"/v1/jobs/{running}").json()["state"] == "running", 60, "run")
+        waiting = c.post("/v1/jobs", json=job_spec(1, steps=100_000, seed=1)).json()["id"]
+        # Resumed after `waiting` was queued: it starts after it, not by its older id.
+        assert c.post(f"/v1/jobs/{short}/resume", json={"steps": 4}).status_code == 202
+        c.post(f"/v1/jobs/{running}/cancel")
+        wait_until(lambda: c.get(f"/v1/jobs/{waiting}").json()["state"] == "running", 60, "next")
+        assert c.get(f"/v1/jobs/{short}").json()["state"] == "queued"
+        c.post(f"/v1/jobs/{waiting}/cancel")
+        assert _wait_all(c, [short])[0]["state"] == "succeeded"

@@ -22,6 +22,7 @@ from dmuon_server.launchers.slurm_jobs import check_slurm
 from dmuon_server.limits import BodySizeLimitMiddleware
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.openapi import build_openapi
+from dmuon_server.protocol import HeadMiddleware, JsonBodyMiddleware
 from dmuon_server.routers import jobs, metrics, service
 from dmuon_server.store import Store, StoreError
 from dmuon_server.supervisor import Supervisor
@@ -68,6 +69,11 @@ def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = N
         summary="Job controller that launches DMuon training with torchrun and streams metrics.",
         lifespan=lifespan,
         separate_input_output_schemas=False,
+        # The interactive pages would load Swagger UI / ReDoc from a CDN (the service loads
+        # nothing from outside) and cannot send a token; the REST reference of the docs and
+        # /openapi.json describe the API instead.
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.store = store
@@ -78,6 +84,10 @@ def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = N
     app.include_router(service.router)
     app.include_router(jobs.router)
     app.include_router(metrics.router)
+    # Middleware added later runs first: host check, dashboard files, token, body size,
+    # JSON bodies, HEAD, then the routes.
+    app.add_middleware(HeadMiddleware)
+    app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.token:
         app.add_middleware(BearerAuthMiddleware, token=settings.token)

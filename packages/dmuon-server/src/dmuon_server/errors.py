@@ -27,6 +27,7 @@ ERROR_TEXT = {
     405: "Method not allowed",
     409: "Conflict",
     413: "Request body too large",
+    415: "Unsupported media type",
     422: "Invalid request",
     500: "Internal server error",
 }

@@ -2,12 +2,16 @@
 
 Clients never see the server's absolute paths: the data directory is shown as
 ``<data-dir>``, a job's folder as ``<job-dir>``, a data root as ``<data-root>`` (``<data-root-2>``
-and so on when there are several), and the interpreter as ``python``.
+and so on when there are several), the interpreter as ``python`` in a command line and
+``<python>`` in text, its virtual environment as ``<venv>`` and the Python installation as
+``<python-home>`` (the folders tracebacks of a job name).
 """
 
 from __future__ import annotations
 
 import os
+import re
+import sys
 from pathlib import Path
 
 from dmuon_server.config import Settings
@@ -58,6 +62,17 @@ def resolve_data_path(settings: Settings, data: str) -> Path:
     raise DataPathError(f"{data!r} does not exist in the data roots ({labels})")
 
 
+def _installation(python: str) -> list[tuple[str, str]]:
+    """The interpreter, its virtual environment and the Python installation, with their
+    placeholders (each also under its real path, when a symbolic link leads to it)."""
+    pairs = [(python, "<python>")]
+    if sys.prefix != sys.base_prefix:
+        pairs.append((sys.prefix, "<venv>"))
+    pairs.append((sys.base_prefix, "<python-home>"))
+    real = [(os.path.realpath(p), label) for p, label in pairs]
+    return [(p, label) for p, label in pairs + real if p not in ("", "/")]
+
+
 class PublicPaths:
     """Rewrites server paths in text shown to clients (see the module docstring)."""
 
@@ -69,16 +84,19 @@ class PublicPaths:
             pairs.append((str(job_dir), "<job-dir>"))
         pairs.append((str(settings.data_dir), "<data-dir>"))
         pairs += [(str(r), root_label(i, len(roots))) for i, r in enumerate(roots)]
-        # Longest first, so a job folder wins over the data directory it lies in.
-        self._pairs = sorted(pairs, key=lambda p: len(p[0]), reverse=True)
+        pairs += _installation(settings.python)
+        # Longest first, so a job folder wins over the data directory it lies in; a path
+        # is replaced only where it ends (so /data does not match /database).
+        pairs = sorted(dict(pairs).items(), key=lambda p: len(p[0]), reverse=True)
+        self._pattern = re.compile(
+            "|".join(f"({re.escape(path)})(?![^/\\s'\"`:;,)\\]}}>])" for path, _ in pairs)
+        )
+        self._labels = [label for _, label in pairs]
         self._python = settings.python
 
     def text(self, value: str) -> str:
         """``value`` with every known server path replaced by its placeholder."""
-        for path, label in self._pairs:
-            if path in value:
-                value = value.replace(path, label)
-        return value
+        return self._pattern.sub(lambda m: self._labels[m.lastindex - 1], value)  # type: ignore[operator]
 
     def argv(self, argv: list[str]) -> list[str]:
         """A command line as clients see it."""

@@ -42,6 +42,13 @@ def encode_nonfinite(value: Any) -> Any:
     return value
 
 
+#: Text shown to people (job names): no C0 or C1 control characters, no bidirectional
+#: controls (U+061C, U+200E, U+200F, U+202A-U+202E, U+2066-U+2069), no zero-width
+#: characters (U+200B-U+200D, U+2060, U+FEFF) and no line or paragraph separators
+#: (U+2028, U+2029), which would let one name pass for another in a list.
+NAME_PATTERN = r"^[^\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]+$"
+
+
 class _Strict(BaseModel):
     """Base for request bodies: unknown fields and type coercion are refused."""
 
@@ -148,8 +155,9 @@ class JobCreate(_Strict):
         default=None,
         min_length=1,
         max_length=128,
-        pattern=r"^[^\x00-\x1f\x7f]+$",
-        description="A label for people; need not be unique.",
+        pattern=NAME_PATTERN,
+        description="A label for people; need not be unique. No control, format or "
+        "line-separator characters (no right-to-left override, zero-width space, ...).",
     )
     nproc_per_node: int = Field(
         ge=1,
