@@ -155,7 +155,9 @@ def test_pagination_and_state_filter(client: TestClient) -> None:
     ("mutate", "field"),
     [
         (lambda b: b["train"].update(unknown_flag=1), "body.train.unknown_flag"),
-        (lambda b: b.update(priority=3), "body.priority"),
+        (lambda b: b.update(nice=3), "body.nice"),
+        (lambda b: b.update(priority=1001), "body.priority"),
+        (lambda b: b.update(priority="high"), "body.priority"),
         (lambda b: b["train"].update(steps=0), "body.train.steps"),
         (lambda b: b["train"].update(steps="10"), "body.train.steps"),
         (lambda b: b["train"].update(accum_steps=-1), "body.train.accum_steps"),

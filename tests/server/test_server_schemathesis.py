@@ -44,7 +44,7 @@ def _supervised() -> Iterator[None]:
         finally:
             sup.start()
             for job in APP.state.store.jobs_in_states(["queued", "starting", "running"]):
-                sup.cancel(job["id"])
+                sup.cancel(job.id)
             wait_until(
                 lambda: not APP.state.store.jobs_in_states(["starting", "running"]),
                 60,

@@ -212,7 +212,7 @@ def test_slurm_jobs_fail_survive_a_restart_cancel_and_stream_to_the_end(
 def test_a_submission_the_server_did_not_record_is_adopted_not_repeated(tmp_path: Path) -> None:
     """A server that stopped between ``sbatch`` and recording the Slurm job id: the next
     one finds the job by its Slurm job name instead of submitting it again."""
-    from dmuon_server.launchers.slurm_jobs import SlurmJobs, job_name
+    from dmuon_server.launchers.slurm_jobs import SlurmLauncher, job_name
     from dmuon_server.metrics import Hub, MetricsTailer
     from dmuon_server.store import Store
 
@@ -236,11 +236,12 @@ def test_a_submission_the_server_did_not_record_is_adopted_not_repeated(tmp_path
     try:
         hub = Hub()
         settings = make_settings(tmp_path, launcher="slurm")
-        SlurmJobs(settings, store, hub, MetricsTailer(store, hub), lambda *a, **k: True).recover()
-        assert store.get_job("adoptme")["slurm_job_id"] == slurm_id  # type: ignore[index]
-        assert store.attempts("adoptme")[-1]["slurm_job_id"] == slurm_id
-        assert store.get_job("notsent")["slurm_job_id"] is None  # type: ignore[index]
-        assert store.attempts("notsent")[-1]["finished_at"] is not None  # submitted anew
+        tailer = MetricsTailer(store, hub)
+        SlurmLauncher(settings, store, hub, tailer, lambda *a, **k: True).recover()
+        assert store.get_job("adoptme").slurm_job_id == slurm_id  # type: ignore[union-attr]
+        assert store.attempts("adoptme")[-1].slurm_job_id == slurm_id
+        assert store.get_job("notsent").slurm_job_id is None  # type: ignore[union-attr]
+        assert store.attempts("notsent")[-1].finished_at is not None  # submitted anew
     finally:
         subprocess.run(["scancel", slurm_id], check=False)
         store.close()

@@ -252,7 +252,7 @@ def test_body_limit_answers_before_the_body_is_sent(server_factory) -> None:
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(
-            b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"POST /v1/jobs HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Content-Length: 50000000\r\n\r\n{"
         )
         head = sock.recv(65536).decode()

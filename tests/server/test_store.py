@@ -126,9 +126,9 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
         c.executescript(_V1_SCHEMA)
         for n, job_id in enumerate(("old", "new"), start=1):
             c.execute(
-                "INSERT INTO jobs (id, state, nproc, spec, spec_hash, created_at, reason)"
-                " VALUES (?, 'queued', 1, '{}', 'h', ?, 'submitted')",
-                (job_id, float(n)),
+                "INSERT INTO jobs (id, state, nproc, spec, spec_hash, created_at, reason,"
+                " idempotency_key) VALUES (?, 'queued', 1, '{}', 'h', ?, 'submitted', ?)",
+                (job_id, float(n), "k" if job_id == "old" else None),
             )
         for step in range(1, 6):
             data = {"step": step, "loss": 6.0 - step, "time": float(step)}
@@ -144,7 +144,17 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
     assert (got.first_val_loss, got.last_val_loss) == (1.5, 1.5)
     assert (got.first_received_at, got.last_received_at) == (101.0, 105.0)
     assert [r["step"] for r in store.metrics_after("old", -1, 10)] == [1, 2, 3, 4, 5]
-    assert [j["id"] for j in store.jobs_in_states(["queued"])] == ["old", "new"]  # queue order
+    assert [j.id for j in store.jobs_in_states(["queued"])] == ["old", "new"]  # queue order
+    # Idempotency keys became per user: the old key stays bound for its (unnamed) user.
+    again, created = store.create_job(
+        job_id="x", name=None, nproc=1, spec=_SPEC, spec_hash="h", idempotency_key="k", argv=[]
+    )
+    assert (again.id, created) == ("old", False)
+    bobs, created = store.create_job(
+        job_id="bobs", name=None, nproc=1, spec=_SPEC, spec_hash="other", idempotency_key="k",
+        argv=[], user="bob",
+    )  # fmt: skip
+    assert created and bobs.user == "bob" and bobs.queue_seq > again.queue_seq
     store.close()
     with sqlite3.connect(db) as c:
         ddl = c.execute("SELECT sql FROM sqlite_master WHERE name = 'metrics'").fetchone()[0]

@@ -26,16 +26,28 @@ from dmuon_server.protocol import HeadMiddleware, JsonBodyMiddleware
 from dmuon_server.routers import jobs, metrics, service
 from dmuon_server.store import Store, StoreError
 from dmuon_server.supervisor import Supervisor
+from dmuon_server.users import Users, UsersFileError
 
 
-def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = None) -> FastAPI:
+def create_app(
+    settings: Settings | None = None,
+    *,
+    lock: DataDirLock | None = None,
+    users: Users | None = None,
+) -> FastAPI:
     """Build the application for ``settings`` (defaults from the environment).
 
     ``lock`` is the data directory's lock when the caller (the CLI) already holds it;
-    otherwise the lifespan takes it. Raises :class:`StartupError` for a data directory
-    or database the server cannot use.
+    otherwise the lifespan takes it. ``users`` are those the CLI loaded (it reloads them on
+    SIGHUP); by default they are read from ``settings``. Raises :class:`StartupError` for
+    a data directory, database or users file the server cannot use.
     """
     settings = settings or Settings()
+    if users is None:
+        try:
+            users = Users(settings.users_file, settings.token)
+        except UsersFileError as e:
+            raise StartupError(str(e)) from None
     check_data_dir(settings.data_dir, settings.jobs_dir)
     if settings.launcher == "slurm":
         check_slurm(settings)
@@ -80,6 +92,7 @@ def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = N
     app.state.hub = hub
     app.state.supervisor = supervisor
     app.state.tailer = tailer
+    app.state.users = users
     install_error_handlers(app)
     app.include_router(service.router)
     app.include_router(jobs.router)
@@ -89,8 +102,8 @@ def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = N
     app.add_middleware(HeadMiddleware)
     app.add_middleware(JsonBodyMiddleware)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
-    if settings.token:
-        app.add_middleware(BearerAuthMiddleware, token=settings.token)
+    if users.enabled:
+        app.add_middleware(BearerAuthMiddleware, users=users)
     mount_dashboard(app)
     if settings.host_check is not None:  # added last: it runs first
         app.add_middleware(HostCheckMiddleware, allowed=settings.host_check)

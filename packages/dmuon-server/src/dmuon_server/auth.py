@@ -1,13 +1,14 @@
-"""Bearer-token authentication: the middleware, and checks of the token itself."""
+"""Bearer-token authentication: the middleware (who a request comes from), and checks of
+a ``--token`` itself. Users and their token hashes are :mod:`dmuon_server.users`."""
 
 from __future__ import annotations
 
-import hmac
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dmuon_server.errors import ERROR_TEXT, problem_response
+from dmuon_server.users import Users
 
 
 class TokenError(ValueError):
@@ -47,15 +48,17 @@ def read_token_file(path: Path) -> str:
 
 
 class BearerAuthMiddleware:
-    """Requires ``Authorization: Bearer <token>`` everywhere but ``/healthz``.
+    """Requires ``Authorization: Bearer <token>`` of a known user everywhere but
+    ``/healthz``, and tells the routes who it is (``request.state.user``).
 
-    The token is compared in constant time (:func:`hmac.compare_digest`).
+    Tokens are compared as SHA-256 hashes, in constant time, against every user
+    (:meth:`dmuon_server.users.Users.authenticate`).
     """
 
-    def __init__(self, app: ASGIApp, token: str) -> None:
+    def __init__(self, app: ASGIApp, users: Users) -> None:
         """Wrap ``app``."""
         self.app = app
-        self.token = token.encode()
+        self.users = users
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Let authorised requests (and health checks) through, answer 401 otherwise."""
@@ -68,14 +71,17 @@ class BearerAuthMiddleware:
                 auth = value
                 break
         scheme, _, credentials = auth.partition(b" ")
-        ok = scheme.lower() == b"bearer" and hmac.compare_digest(credentials.strip(), self.token)
-        if ok:
+        user = None
+        if scheme.lower() == b"bearer":
+            user = self.users.authenticate(credentials.strip().decode("latin-1"))
+        if user is not None:
+            scope.setdefault("state", {})["user"] = user
             await self.app(scope, receive, send)
             return
         detail = (
-            "send the header 'Authorization: Bearer <token>' with the server's token"
+            "send the header 'Authorization: Bearer <token>' with your token"
             if not auth
-            else "the bearer token is wrong; use the token the server was started with"
+            else "the bearer token is not one this server knows; use your own token"
         )
         response = problem_response(
             401,

@@ -15,6 +15,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -30,7 +31,10 @@ from dmuon_server.config import (
     usable_cpus,
 )
 from dmuon_server.datadir import DataDirLock, StartupError, write_server_info
+from dmuon_server.gpus import GpuSpecError
+from dmuon_server.gpus import parse as parse_gpus
 from dmuon_server.hosts import LOOPBACK_NAMES
+from dmuon_server.users import Users, UsersFileError
 
 
 def is_loopback(host: str) -> bool:
@@ -43,13 +47,23 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default only when there is one and its help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default in (None, [], False, argparse.SUPPRESS) or "default" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser of ``dmuon-server``."""
     p = argparse.ArgumentParser(
         prog="dmuon-server",
         description="Job controller that launches DMuon training with torchrun and streams "
         "its step/loss metrics over REST and Server-Sent Events.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one")
@@ -76,7 +90,28 @@ def build_parser() -> argparse.ArgumentParser:
         "[::1] (repeatable); without a token only those are answered (DNS rebinding), with "
         "a token the check applies once this is given",
     )
-    p.add_argument("--max-concurrent-jobs", type=int, default=1, help="jobs running at once")
+    p.add_argument(
+        "--users-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help='users and their token hashes, {"users": [{"name", "token_sha256", "admin"}]}; '
+        "each sees only their own jobs, admins all; not readable by other users; reloaded "
+        "on SIGHUP",
+    )
+    p.add_argument(
+        "--max-concurrent-jobs",
+        type=int,
+        default=None,
+        help="jobs running at once (default: the number of GPUs with --gpus, else 1)",
+    )
+    p.add_argument(
+        "--gpus",
+        default="auto",
+        metavar="auto|none|LIST",
+        help="GPUs jobs may use, one per process: auto (those NVML or nvidia-smi reports), "
+        "none, or indices such as 0,1,2,3",
+    )
     p.add_argument(
         "--max-nproc",
         type=int,
@@ -93,12 +128,22 @@ def build_parser() -> argparse.ArgumentParser:
         "on the recipe's built-in corpus",
     )
     p.add_argument(
+        "--code-root",
+        action="append",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder a script job's script.path may point into (repeatable); default: "
+        "none, only the recipe runs",
+    )
+    p.add_argument(
         "--max-job-memory",
         type=float,
         default=None,
         metavar="GIB",
+        # argparse formats help with %: a percent sign must be doubled.
         help="largest estimated memory of one job, in GiB; default: "
-        f"{DEFAULT_JOB_MEMORY_FRACTION:.0%} of the host's RAM",
+        f"{DEFAULT_JOB_MEMORY_FRACTION * 100:.0f}%% of the host's RAM",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -163,7 +208,7 @@ def _allowed_hosts(args: argparse.Namespace, token: str | None) -> tuple[str, ..
     on when it is not one of the default names (say 127.0.0.2)."""
     names = list(args.allowed_host)
     bound = args.host.strip("[]").lower()
-    if not token and is_loopback(bound) and bound not in LOOPBACK_NAMES:
+    if not token and args.users_file is None and is_loopback(bound) and bound not in LOOPBACK_NAMES:
         names.append(bound)
     return tuple(names)
 
@@ -195,27 +240,34 @@ def main(argv: list[str] | None = None) -> int:
         token = _token(args)
     except TokenError as e:
         return _error(str(e))
-    if not is_loopback(args.host) and not token:
+    if not is_loopback(args.host) and not token and args.users_file is None:
         return _error(
             f"refusing to listen on {args.host} without a token; pass --token-file or set "
-            f"{TOKEN_ENV}, or listen on 127.0.0.1"
+            f"{TOKEN_ENV} (or --users-file), or listen on 127.0.0.1"
         )
     for name, value in (
         ("--max-concurrent-jobs", args.max_concurrent_jobs),
         ("--max-nproc", args.max_nproc),
         ("--max-body-bytes", args.max_body_bytes),
     ):
-        if value < 1:
+        if value is not None and value < 1:
             return _error(f"{name} must be at least 1")
+    try:
+        gpus = parse_gpus(args.gpus)
+    except GpuSpecError as e:
+        return _error(str(e))
     if args.cancel_grace < 0 or args.heartbeat <= 0:
         return _error("--cancel-grace-s >= 0 and --heartbeat > 0")
     if args.max_job_memory is not None and not args.max_job_memory > 0:
         return _error("--max-job-memory must be a positive number of GiB")
-    for root in args.data_root or ():
-        if not root.is_dir():
-            return _error(
-                f"--data-root {root} is not an existing folder; create it or fix the path"
-            )
+    for flag, roots in (("--data-root", args.data_root), ("--code-root", args.code_root)):
+        for root in roots or ():
+            if not root.is_dir():
+                return _error(f"{flag} {root} is not an existing folder; create it or fix the path")
+    try:
+        users = Users(args.users_file, token)
+    except UsersFileError as e:
+        return _error(str(e))
     settings = Settings(
         data_dir=args.data_dir,
         token=token,
@@ -233,6 +285,9 @@ def main(argv: list[str] | None = None) -> int:
         secret_env=tuple(args.secret_env),
         launcher=args.launcher,
         allowed_hosts=_allowed_hosts(args, token),
+        gpus=gpus,
+        code_roots=tuple(args.code_root or ()),
+        users_file=args.users_file,
     )
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -245,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     lock = DataDirLock(settings.data_dir)
     try:
         lock.acquire()
-        app = create_app(settings, lock=lock)
+        app = create_app(settings, lock=lock, users=users)
     except StartupError as e:
         return _error(str(e))
     host = args.host.strip("[]")
@@ -279,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
     server = _Server(config)
+    if args.users_file is not None:
+        signal.signal(signal.SIGHUP, lambda signum, frame: users.reload())
     try:
         server.run(sockets=[sock])
     finally:

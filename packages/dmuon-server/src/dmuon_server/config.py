@@ -45,7 +45,8 @@ class Settings:
     Attributes:
         data_dir: Folder holding the SQLite database and one working folder per job.
         token: Bearer token; when set, every endpoint but ``/healthz`` requires it.
-        max_concurrent_jobs: How many jobs run at the same time; the rest wait in a FIFO queue.
+        max_concurrent_jobs: How many jobs run at the same time; the rest wait in the queue.
+            None: the number of GPUs on a server with GPUs, else 1.
         max_nproc_per_node: The largest ``nproc_per_node`` a job may ask for. Defaults to the
             number of usable CPUs: the recipe runs one process per CPU core with gloo.
         data_roots: Folders a job's ``train.data`` path must lie in (after resolving symlinks
@@ -67,6 +68,11 @@ class Settings:
             ``sbatch`` submission per attempt; the data directory must be on a filesystem
             all nodes share).
         slurm_poll_interval_s: How often the state of a Slurm job is asked from Slurm.
+        gpus: The GPUs jobs may use (``--gpus``; empty: none). A job takes one per process
+            and sees only its own (``CUDA_VISIBLE_DEVICES``).
+        code_roots: Folders a script job's ``script.path`` must lie in (``--code-root``);
+            none by default: script jobs are refused.
+        users_file: The users and their token hashes (``--users-file``), or None.
         allowed_hosts: Host names requests may name besides the loopback ones
             (``--allowed-host``); see :mod:`dmuon_server.hosts`. Given, they turn the
             ``Host`` and ``Origin`` checks on for a server with a token too.
@@ -74,7 +80,7 @@ class Settings:
 
     data_dir: Path = field(default_factory=lambda: Path(".dmuon"))
     token: str | None = None
-    max_concurrent_jobs: int = 1
+    max_concurrent_jobs: int | None = None
     max_nproc_per_node: int = field(default_factory=usable_cpus)
     data_roots: tuple[Path, ...] = ()
     train_module: str = field(
@@ -91,6 +97,9 @@ class Settings:
     launcher: Literal["local", "slurm"] = "local"
     slurm_poll_interval_s: float = 1.0
     allowed_hosts: tuple[str, ...] = ()
+    gpus: tuple[int, ...] = ()
+    code_roots: tuple[Path, ...] = ()
+    users_file: Path | None = None
 
     def __post_init__(self) -> None:
         """Normalise paths (absolute, symlinks resolved) and check the numbers."""
@@ -98,6 +107,10 @@ class Settings:
         object.__setattr__(self, "data_dir", data_dir)
         roots = self.data_roots or ()
         object.__setattr__(self, "data_roots", tuple(Path(os.path.realpath(r)) for r in roots))
+        code = self.code_roots or ()
+        object.__setattr__(self, "code_roots", tuple(Path(os.path.realpath(r)) for r in code))
+        if self.max_concurrent_jobs is None:
+            object.__setattr__(self, "max_concurrent_jobs", len(self.gpus) or 1)
         if self.max_concurrent_jobs < 1:
             raise ValueError("max_concurrent_jobs must be at least 1")
         if self.max_nproc_per_node < 1:
@@ -110,12 +123,17 @@ class Settings:
             object.__setattr__(self, "token", None)
 
     @property
+    def job_slots(self) -> int:
+        """Jobs that may be active at once (``max_concurrent_jobs`` once resolved)."""
+        return int(self.max_concurrent_jobs or 1)
+
+    @property
     def host_check(self) -> tuple[str, ...] | None:
         """The host names requests may name, or None when ``Host`` is not checked (a
-        server with a token and no ``--allowed-host``)."""
+        server with tokens and no ``--allowed-host``)."""
         from dmuon_server.hosts import LOOPBACK_NAMES
 
-        if self.token and not self.allowed_hosts:
+        if (self.token or self.users_file) and not self.allowed_hosts:
             return None
         return (*LOOPBACK_NAMES, *self.allowed_hosts)
 

@@ -1,16 +1,19 @@
-"""What routes receive through ``Depends``: settings, store, hub, supervisor, the job."""
+"""What routes receive through ``Depends``: settings, store, hub, supervisor, the user, the
+job (one the user may see)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
 from dmuon_server.config import Settings
 from dmuon_server.errors import ApiError
 from dmuon_server.metrics import Hub, MetricsTailer
+from dmuon_server.records import JobRecord
 from dmuon_server.store import Store
 from dmuon_server.supervisor import Supervisor
+from dmuon_server.users import ANONYMOUS, User, Users
 
 JobId = Annotated[
     str, Path(min_length=1, max_length=64, description="Job id as returned on creation.")
@@ -42,24 +45,64 @@ def get_tailer(request: Request) -> MetricsTailer:
     return request.app.state.tailer
 
 
+def get_users(request: Request) -> Users:
+    """The app's users."""
+    return request.app.state.users
+
+
+def get_user(request: Request) -> User:
+    """Who the request comes from (the token middleware says; without tokens, anyone)."""
+    return getattr(request.state, "user", ANONYMOUS)
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[Store, Depends(get_store)]
 HubDep = Annotated[Hub, Depends(get_hub)]
 SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
 TailerDep = Annotated[MetricsTailer, Depends(get_tailer)]
+UsersDep = Annotated[Users, Depends(get_users)]
+UserDep = Annotated[User, Depends(get_user)]
 
 
-def get_job_or_404(job_id: JobId, store: StoreDep) -> dict[str, Any]:
-    """The stored row of the job in the path; 404 when there is none."""
-    row = store.get_job(job_id)
-    if row is None:
+def may_see(user: User, job: JobRecord) -> bool:
+    """Whether ``user`` may see ``job``: their own, or any for an admin."""
+    return user.admin or job.user == user.name
+
+
+def user_name(user: User) -> str | None:
+    """The name a job of ``user`` records (None without users)."""
+    return user.name or None
+
+
+def not_found(job_id: str) -> ApiError:
+    """The 404 of a job that does not exist, or that the user may not see."""
+    return ApiError(
+        404,
+        "Job not found",
+        f"no job with id {job_id!r}; list jobs with GET /v1/jobs",
+        kind="job-not-found",
+    )
+
+
+def get_job_or_404(job_id: JobId, store: StoreDep, user: UserDep) -> JobRecord:
+    """The job in the path; 404 when there is none, or it is another user's."""
+    job = store.get_job(job_id)
+    if job is None or not may_see(user, job):
+        raise not_found(job_id)
+    return job
+
+
+def require_admin(user: UserDep) -> User:
+    """The user, when an admin; 403 otherwise."""
+    if not user.admin:
         raise ApiError(
-            404,
-            "Job not found",
-            f"no job with id {job_id!r}; list jobs with GET /v1/jobs",
-            kind="job-not-found",
+            403,
+            "Admins only",
+            f"user {user.name!r} is not an admin; ask one, or use an admin's token",
+            kind="admins-only",
         )
-    return row
+    return user
 
 
-JobRow = Annotated[dict[str, Any], Depends(get_job_or_404)]
+JobDep = Annotated[JobRecord, Depends(get_job_or_404)]
+AdminDep = Annotated[User, Depends(require_admin)]

@@ -21,7 +21,9 @@ Wire format (``text/event-stream``)::
 * The stream first sends every stored point after the resume step (all of them for a new
   client), then new points as they are stored; points come from the database, so a slow
   client never loses any.
-* ``state`` is sent once for the current state and then for each transition; ``end``
+* ``state`` is sent once for the current state and then for each transition; a queued
+  job's also carries ``queue_position`` and ``queue_reason``, and is sent again whenever
+  they change (a job ahead started, the GPUs it waits for came free). ``end``
   follows the last point of a finished job, and the server closes the stream. A
   reconnect to a finished job with nothing left to send is answered ``204 No Content``,
   which tells an ``EventSource`` to stop reconnecting.
@@ -40,12 +42,14 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import anyio
 
 from dmuon_server.metrics import Hub
+from dmuon_server.queue_policy import Place
+from dmuon_server.records import JobRecord
 from dmuon_server.schemas import TERMINAL_STATES
 from dmuon_server.store import Store
 from dmuon_server.views import iso_utc
@@ -73,21 +77,33 @@ def format_event(*, data: str, event: str | None = None, event_id: int | None = 
     return out + f"data: {data}\n\n"
 
 
-def _state_data(t: dict[str, Any], row: dict[str, Any] | None) -> str:
+def _state_data(t: dict[str, Any], row: JobRecord | None, place: Place | None = None) -> str:
     payload: dict[str, Any] = {
         "state": t["state"],
         "reason": t["reason"],
         "at": iso_utc(t["at"]),
     }
     if row is not None and t["state"] in TERMINAL_STATES:
-        payload["exit_code"] = row["exit_code"]
+        payload["exit_code"] = row.exit_code
+    if t["state"] == "queued":
+        payload["queue_position"] = place.position if place else None
+        payload["queue_reason"] = place.reason if place else t["reason"]
     return json.dumps(payload)
 
 
+Places = Callable[[], Mapping[str, Place]]
+
+
 async def job_events(
-    store: Store, hub: Hub, job_id: str, after_step: int, heartbeat_s: float
+    store: Store,
+    hub: Hub,
+    job_id: str,
+    after_step: int,
+    heartbeat_s: float,
+    places: Places = dict,
 ) -> AsyncIterator[str]:
-    """Yield the event stream of ``job_id``, starting after ``after_step``."""
+    """Yield the event stream of ``job_id``, starting after ``after_step``; ``places``
+    gives the queue's places (the supervisor's :meth:`queue_places`)."""
     sub = hub.subscribe(job_id)
     try:
         yield "retry: 3000\n\n"
@@ -96,9 +112,14 @@ async def job_events(
         history = await anyio.to_thread.run_sync(store.history, job_id)
         row = await anyio.to_thread.run_sync(store.get_job, job_id)
         last_tid = 0
+        last_t: dict[str, Any] | None = None
+        place: Place | None = None
         if history:
             last_tid = history[-1]["id"]
-            yield format_event(event="state", data=_state_data(history[-1], row))
+            last_t = history[-1]
+            if row is not None and row.state == "queued":
+                place = (await anyio.to_thread.run_sync(places)).get(job_id)
+            yield format_event(event="state", data=_state_data(history[-1], row, place))
         while True:
             sub.event.clear()
             while True:
@@ -111,23 +132,30 @@ async def job_events(
                     break
             row = await anyio.to_thread.run_sync(store.get_job, job_id)
             transitions = await anyio.to_thread.run_sync(store.transitions_after, job_id, last_tid)
+            now_place = None
+            if row is not None and row.state == "queued":
+                now_place = (await anyio.to_thread.run_sync(places)).get(job_id)
             for t in transitions:
-                last_tid = t["id"]
-                yield format_event(event="state", data=_state_data(t, row))
+                last_tid, last_t = t["id"], t
+                yield format_event(event="state", data=_state_data(t, row, now_place))
                 last_write = time.monotonic()
+            if not transitions and last_t is not None and now_place != place:
+                yield format_event(event="state", data=_state_data(last_t, row, now_place))
+                last_write = time.monotonic()
+            place = now_place
             if row is None:
                 yield format_event(event="end", data=json.dumps({"state": None, "deleted": True}))
                 return
-            if hub.closing and row["state"] not in TERMINAL_STATES:
+            if hub.closing and row.state not in TERMINAL_STATES:
                 end = {
-                    "state": row["state"],
+                    "state": row.state,
                     "exit_code": None,
                     "reason": SHUTDOWN_REASON,
                     "last_step": last_step if last_step >= 0 else None,
                 }
                 yield format_event(event="end", data=json.dumps(end))
                 return
-            if row["state"] in TERMINAL_STATES:
+            if row.state in TERMINAL_STATES:
                 # The supervisor stores a job's last points before its final state, but a
                 # point may have landed between the two reads above: read once more.
                 rows = await anyio.to_thread.run_sync(
@@ -137,9 +165,9 @@ async def job_events(
                     yield format_event(event="metric", event_id=r["step"], data=r["data"])
                     last_step = r["step"]
                 end = {
-                    "state": row["state"],
-                    "exit_code": row["exit_code"],
-                    "reason": row["reason"],
+                    "state": row.state,
+                    "exit_code": row.exit_code,
+                    "reason": row.reason,
                     "last_step": last_step if last_step >= 0 else None,
                 }
                 yield format_event(event="end", data=json.dumps(end))

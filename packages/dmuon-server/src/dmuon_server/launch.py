@@ -1,13 +1,22 @@
 """Turning a job spec into a command line and an environment (never a shell string).
 
 A job runs as ``python -m dmuon_server.runner --job-dir DIR -- <torchrun args>``; see
-:mod:`dmuon_server.runner`. :func:`review` checks a spec against the server's limits and
-what the recipe can do (:mod:`dmuon_server.admission`) before anything is planned.
+:mod:`dmuon_server.runner`. The program torchrun starts is the recipe (``-m dmuon.train``
+and its flags) or a user's script (its path and arguments). :func:`review` checks a spec
+against the server's limits and what the recipe can do (:mod:`dmuon_server.admission`)
+before anything is planned; it reports what is wrong, and the routes answer with it.
+
+Every process of a job gets ``DMUON_JOB_ID``, ``DMUON_METRICS_FILE`` (the file of its
+attempt), ``DMUON_CHECKPOINT_DIR``, ``DMUON_RESUME_FROM`` (the checkpoint an attempt
+resumes from, when there is one), ``CUDA_VISIBLE_DEVICES`` (its GPUs, on a server with
+GPUs) and, for a script that gives them, ``DMUON_STEPS``, ``DMUON_MICRO_BATCH_SIZE`` and
+``DMUON_ACCUM_STEPS``.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +28,8 @@ from dmuon_server.config import (
     Settings,
     usable_cpus,
 )
-from dmuon_server.errors import field_error, invalid_request
+from dmuon_server.errors import field_error
+from dmuon_server.gpus import visible_devices
 from dmuon_server.jobfiles import (
     CHECKPOINT_DIR,
     INIT_DIR,
@@ -30,8 +40,17 @@ from dmuon_server.jobfiles import (
     list_checkpoints,
     metrics_file,
 )
-from dmuon_server.paths import DataPathError, PublicPaths, resolve_data_path
+from dmuon_server.paths import DataPathError, PublicPaths, resolve_code_path, resolve_data_path
 from dmuon_server.schemas import SLURM_ONLY_FIELDS, Admission, FieldError, JobCreate, LaunchPlan
+
+#: The variables every process of a job finds (see the module docstring).
+JOB_ID_ENV = "DMUON_JOB_ID"
+METRICS_FILE_ENV = "DMUON_METRICS_FILE"
+CHECKPOINT_DIR_ENV = "DMUON_CHECKPOINT_DIR"
+RESUME_FROM_ENV = "DMUON_RESUME_FROM"
+#: torchrun's options before the program, and those of them that take a value.
+_TORCHRUN_VALUE_OPTIONS = frozenset({"--nproc_per_node", "--tee", "--log-dir"})
+_TORCHRUN_FLAGS = frozenset({"--standalone"})
 
 #: Environment variables of the server that must not leak into a job: torchrun reads its
 #: options from PET_* variables, and rank variables would confuse the workers.
@@ -54,23 +73,36 @@ _SCRUBBED_VARS = frozenset(
 
 @dataclass
 class Review:
-    """A spec the server accepts: its data path, the estimates and the warnings, and the
-    checkpoint ``init_from`` names."""
+    """What :func:`review` found: the fields to change (none: the server accepts the spec),
+    the resolved data path or script, the estimates, the warnings, the checkpoint
+    ``init_from`` names, and the GPUs per node the job takes."""
 
-    data_path: Path | None
-    admission: Admission
+    errors: list[FieldError] = field(default_factory=list)
+    data_path: Path | None = None
+    script_path: Path | None = None
+    admission: Admission | None = None
     warnings: list[str] = field(default_factory=list)
     init_checkpoint: CheckpointInfo | None = None
+    gpus_per_node: int = 0
+
+    @property
+    def accepted(self) -> bool:
+        """Whether the job can run as given."""
+        return not self.errors
 
 
-def resolve_init_from(settings: Settings, spec: JobCreate) -> CheckpointInfo | FieldError | None:
+def resolve_init_from(
+    settings: Settings, spec: JobCreate, visible: Callable[[str], bool] = lambda _: True
+) -> CheckpointInfo | FieldError | None:
     """The checkpoint ``spec.init_from`` names, or the field error saying why it cannot be
-    used (unknown job, no such checkpoint); None without ``init_from``."""
+    used (unknown job, no such checkpoint); None without ``init_from``. A job the
+    submitter may not see (``visible``) is unknown to them."""
     ref = spec.init_from
     if ref is None:
         return None
     folder = settings.job_dir(ref.job) / CHECKPOINT_DIR
-    if not settings.job_dir(ref.job).is_dir():  # the schema allows no "/" nor "."
+    # The schema allows no "/" nor "." in the id.
+    if not settings.job_dir(ref.job).is_dir() or not visible(ref.job):
         return field_error(
             ("body", "init_from", "job"),
             f"there is no job {ref.job!r} on this server; give the id of a job that saved "
@@ -136,12 +168,70 @@ def launcher_refusals(settings: Settings, spec: JobCreate) -> list[FieldError]:
     return errors
 
 
-def review(settings: Settings, spec: JobCreate) -> Review:
-    """Check ``spec`` against the server's limits and the recipe; raise a 422 if it cannot run.
+def gpus_per_node(settings: Settings, spec: JobCreate) -> int:
+    """The GPUs per node a job takes: its ``gpus_per_node``, else one per process on a
+    local server with GPUs, none otherwise."""
+    if spec.gpus_per_node is not None:
+        return spec.gpus_per_node
+    return spec.nproc_per_node if settings.launcher == "local" and settings.gpus else 0
 
-    The 422 names every field to change and carries the estimates as ``admission``.
+
+def gpu_refusals(settings: Settings, spec: JobCreate) -> list[FieldError]:
+    """Why the local launcher cannot give the job the GPUs it asks for, if it cannot."""
+    if settings.launcher != "local" or spec.gpus_per_node in (None, 0):
+        return []
+    loc = ("body", "gpus_per_node")
+    have = len(settings.gpus)
+    if not have:
+        return [
+            field_error(
+                loc,
+                f"gpus_per_node={spec.gpus_per_node}: this server has no GPUs (--gpus none); "
+                "leave it out or use 0",
+                "value_error",
+            )
+        ]
+    if spec.gpus_per_node != spec.nproc_per_node:
+        return [
+            field_error(
+                loc,
+                f"gpus_per_node={spec.gpus_per_node}: each process takes one GPU, so give "
+                f"nproc_per_node ({spec.nproc_per_node}) or 0, or leave it out",
+                "value_error",
+            )
+        ]
+    return []
+
+
+def _too_many_gpus(settings: Settings, spec: JobCreate, gpus: int) -> list[FieldError]:
+    have = len(settings.gpus)
+    if settings.launcher != "local" or gpus <= have:
+        return []
+    field = "gpus_per_node" if spec.gpus_per_node is not None else "nproc_per_node"
+    return [
+        field_error(
+            ("body", field),
+            f"the job needs {gpus} GPUs (one per process) and this server has {have} "
+            f"(--gpus {','.join(map(str, settings.gpus))}); ask for at most {have} processes, "
+            "or set gpus_per_node to 0 to run without GPUs",
+            "less_than_equal",
+        )
+    ]
+
+
+def review(
+    settings: Settings, spec: JobCreate, visible: Callable[[str], bool] = lambda _: True
+) -> Review:
+    """Check ``spec`` against the server's limits and the recipe: whether it can run, and
+    what it needs.
+
+    The errors name every field to change; the estimates come along when the spec got far
+    enough to make them. ``visible`` says whether the submitter may see a job (the source
+    of ``init_from``).
     """
-    errors: list[FieldError] = launcher_refusals(settings, spec)
+    errors: list[FieldError] = launcher_refusals(settings, spec) + gpu_refusals(settings, spec)
+    gpus = gpus_per_node(settings, spec)
+    errors += _too_many_gpus(settings, spec, gpus)
     if spec.nproc_per_node > settings.max_nproc_per_node:
         errors.append(
             field_error(
@@ -152,6 +242,14 @@ def review(settings: Settings, spec: JobCreate) -> Review:
                 "less_than_equal",
             )
         )
+    if spec.script is not None:
+        try:
+            script = resolve_code_path(settings, spec.script.path)
+        except DataPathError as e:
+            errors.append(field_error(("body", "script", "path"), str(e), "value_error"))
+            return Review(errors, gpus_per_node=gpus)
+        return Review(errors, script_path=script, gpus_per_node=gpus)
+    assert spec.train is not None
     data_path: Path | None = None
     label: str | None = None
     if spec.train.data is not None:
@@ -160,12 +258,12 @@ def review(settings: Settings, spec: JobCreate) -> Review:
             label = PublicPaths(settings).text(str(data_path))
         except DataPathError as e:
             errors.append(field_error(("body", "train", "data"), str(e), "value_error"))
-    init = resolve_init_from(settings, spec)
+    init = resolve_init_from(settings, spec, visible)
     if isinstance(init, FieldError):
         errors.append(init)
         init = None
     if errors:  # the estimates need a valid world size and data path
-        raise invalid_request(errors)
+        return Review(errors, gpus_per_node=gpus)
     admission, refusals, warnings = assess(
         spec.train,
         spec.nproc_per_node,
@@ -174,11 +272,8 @@ def review(settings: Settings, spec: JobCreate) -> Review:
         settings.max_job_memory,
         settings.data_roots,
     )
-    if refusals:
-        problem = invalid_request([field_error(r.loc, r.message, "admission") for r in refusals])
-        problem.extra = {"admission": admission.model_dump(mode="json")}
-        raise problem
-    return Review(data_path, admission, warnings, init)
+    errors = [field_error(r.loc, r.message, "admission") for r in refusals]
+    return Review(errors, data_path, None, admission, warnings, init, gpus)
 
 
 def _fmt_float(x: float) -> str:
@@ -199,19 +294,52 @@ def init_path(job_dir: Path, init: CheckpointInfo) -> Path:
     return job_dir / INIT_DIR / checkpoint_name(init.step)
 
 
-def build_command(
+def build_command(settings: Settings, spec: JobCreate, job_dir: Path, accepted: Review) -> Command:
+    """The runner's argv, the equivalent torchrun argv and the variables set for the job.
+
+    This is the first attempt's command; :func:`attempt_argv` and :func:`launch_env`
+    derive the later ones.
+    """
+    n = spec.nproc_per_node
+    if spec.script is not None:
+        assert accepted.script_path is not None
+        program = [str(accepted.script_path), *spec.script.args]
+    else:
+        program = _recipe(settings, spec, job_dir, accepted.data_path, accepted.init_checkpoint)
+    torchrun_opts = [
+        "--standalone",
+        "--nproc_per_node",
+        str(n),
+        "--tee",
+        "3",
+        "--log-dir",
+        str(job_dir / TORCHRUN_LOG_DIR),
+    ]
+    argv = [
+        settings.python,
+        "-m",
+        "dmuon_server.runner",
+        "--job-dir",
+        str(job_dir),
+        "--",
+        *torchrun_opts,
+        *program,
+    ]
+    torchrun_argv = [settings.python, "-m", "torch.distributed.run", *torchrun_opts, *program]
+    env = launch_env(settings, spec, job_dir, attempt=1, gpus=None)
+    return Command(argv, torchrun_argv, env)
+
+
+def _recipe(
     settings: Settings,
     spec: JobCreate,
     job_dir: Path,
     data_path: Path | None,
-    init: CheckpointInfo | None = None,
-) -> Command:
-    """The runner's argv, the equivalent torchrun argv and the variables set for the job.
-
-    This is the first attempt's command; :func:`attempt_argv` derives the later ones.
-    """
+    init: CheckpointInfo | None,
+) -> list[str]:
+    """``-m <recipe> <flags>``: the recipe and its flags for ``spec.train``."""
     t = spec.train
-    n = spec.nproc_per_node
+    assert t is not None
     recipe = [
         "-m",
         settings.train_module,
@@ -255,27 +383,22 @@ def build_command(
     ]
     if init is not None:
         recipe += ["--init-from", str(init_path(job_dir, init))]
-    torchrun_opts = [
-        "--standalone",
-        "--nproc_per_node",
-        str(n),
-        "--tee",
-        "3",
-        "--log-dir",
-        str(job_dir / TORCHRUN_LOG_DIR),
-    ]
-    argv = [
-        settings.python,
-        "-m",
-        "dmuon_server.runner",
-        "--job-dir",
-        str(job_dir),
-        "--",
-        *torchrun_opts,
-        *recipe,
-    ]
-    torchrun_argv = [settings.python, "-m", "torch.distributed.run", *torchrun_opts, *recipe]
-    return Command(argv, torchrun_argv, launch_env(settings, job_dir.name, n))
+    return recipe
+
+
+def program_of(runner_argv: list[str]) -> list[str]:
+    """The program part of a stored runner argv: what follows torchrun's options (``-m
+    MODULE FLAGS...`` of the recipe, or a script and its arguments)."""
+    args = runner_argv[runner_argv.index("--") + 1 :]
+    i = 0
+    while i < len(args):
+        if args[i] in _TORCHRUN_VALUE_OPTIONS:
+            i += 2
+        elif args[i] in _TORCHRUN_FLAGS:
+            i += 1
+        else:
+            break
+    return args[i:]
 
 
 def _set_flag(argv: list[str], flag: str, value: str | None) -> list[str]:
@@ -292,15 +415,19 @@ def _set_flag(argv: list[str], flag: str, value: str | None) -> list[str]:
 
 
 def attempt_argv(
-    argv: list[str], job_dir: Path, attempt: int, steps: int, *, resuming: bool
+    spec: JobCreate, argv: list[str], job_dir: Path, attempt: int, *, resuming: bool
 ) -> list[str]:
     """The argv of attempt ``attempt`` of a job whose first command was ``argv``.
 
-    The attempt writes its own metrics file and trains to ``steps``; ``--resume auto``
-    makes the recipe continue from the latest checkpoint. When ``resuming`` (there is a
-    checkpoint) ``--init-from`` is dropped: the checkpoint already holds the trained
-    weights, and the recipe refuses both.
+    The recipe's attempt writes its own metrics file and trains to the spec's steps;
+    ``--resume auto`` makes it continue from the latest checkpoint. When ``resuming``
+    (there is a checkpoint) ``--init-from`` is dropped: the checkpoint already holds the
+    trained weights, and the recipe refuses both. A script's argv stays as it was (its
+    attempt learns its metrics file and checkpoint from the environment).
     """
+    if spec.train is None:
+        return list(argv)
+    steps = spec.train.steps
     out = _set_flag(argv, "--metrics-file", str(job_dir / metrics_file(attempt)))
     out = _set_flag(out, "--steps", str(steps))
     if resuming:
@@ -317,26 +444,35 @@ def plan_view(
     """
     t = spec.train
     n = spec.nproc_per_node
+    world = n * spec.nnodes
     job_dir = settings.job_dir("<job-id>")
-    cmd = build_command(settings, spec, job_dir, accepted.data_path, accepted.init_checkpoint)
+    cmd = build_command(settings, spec, job_dir, accepted)
     public = PublicPaths(settings, job_dir)
     cpus = usable_cpus()
     warnings: list[str] = []
-    if n > cpus:
+    if n > cpus and not accepted.gpus_per_node:
         warnings.append(
             f"nproc_per_node={n} is more than the {cpus} usable CPUs: ranks will share cores"
         )
-    if t.warmup_steps is not None and t.warmup_steps >= t.steps:
-        warnings.append(
-            f"warmup_steps={t.warmup_steps} >= steps={t.steps}: the run never leaves warm-up"
-        )
-    if t.eval_every is not None and t.eval_every > t.steps:
-        warnings.append(
-            f"eval_every={t.eval_every} > steps={t.steps}: only step 0 and the end are evaluated"
-        )
-    if t.optimizer == "adamw" and t.mode == "z3":
-        warnings.append("mode only changes how DMuon shares its matrices; adamw ignores it")
-    warnings += accepted.warnings
+    seqs: int | None = None
+    tokens: int | None = None
+    if t is not None:
+        seqs = t.micro_batch_size * t.accum_steps * world
+        tokens = seqs * t.seq_len
+        if t.warmup_steps is not None and t.warmup_steps >= t.steps:
+            warnings.append(
+                f"warmup_steps={t.warmup_steps} >= steps={t.steps}: the run never leaves warm-up"
+            )
+        if t.eval_every is not None and t.eval_every > t.steps:
+            warnings.append(
+                f"eval_every={t.eval_every} > steps={t.steps}: only step 0 and the end are "
+                "evaluated"
+            )
+        if t.optimizer == "adamw" and t.mode == "z3":
+            warnings.append("mode only changes how DMuon shares its matrices; adamw ignores it")
+        warnings += accepted.warnings
+    elif spec.script is not None and spec.script.micro_batch_size is not None:
+        seqs = spec.script.micro_batch_size * (spec.script.accum_steps or 1) * world
     if settings.launcher == "slurm":
         warnings.append(
             f"submitted with sbatch: srun runs this command on each of the {spec.nnodes} "
@@ -344,31 +480,58 @@ def plan_view(
         )
     if queued_ahead:
         warnings.append(f"{queued_ahead} job(s) are queued or running ahead of this one")
-    seqs = t.micro_batch_size * t.accum_steps * n * spec.nnodes
     return LaunchPlan(
         argv=public.argv(cmd.argv),
         torchrun_argv=public.argv(cmd.torchrun_argv),
         env=public.env(cmd.env),
-        world_size=n * spec.nnodes,
+        world_size=world,
+        gpus_per_node=accepted.gpus_per_node,
         global_batch_sequences=seqs,
-        global_batch_tokens=seqs * t.seq_len,
-        total_tokens=seqs * t.seq_len * t.steps,
+        global_batch_tokens=tokens,
+        total_tokens=tokens * t.steps if t is not None and tokens is not None else None,
         admission=accepted.admission,
         warnings=warnings,
     )
 
 
-def launch_env(settings: Settings, job_id: str, nproc: int) -> dict[str, str]:
-    """Variables the server sets for a job on top of its own environment.
+def launch_env(
+    settings: Settings,
+    spec: JobCreate,
+    job_dir: Path,
+    *,
+    attempt: int,
+    gpus: list[int] | None,
+    resume_from: Path | None = None,
+) -> dict[str, str]:
+    """Variables the server sets for attempt ``attempt`` of a job, on top of its own
+    environment (see the module docstring).
 
+    ``gpus`` are the job's devices (None before it holds any, as in a dry run).
     ``OMP_NUM_THREADS`` splits the usable CPUs evenly between the ranks (at least 1 each).
     """
-    return {
-        "OMP_NUM_THREADS": str(max(1, usable_cpus() // nproc)),
+    env = {
+        "OMP_NUM_THREADS": str(max(1, usable_cpus() // spec.nproc_per_node)),
         "PYTHONUNBUFFERED": "1",
-        JOB_ENV_MARKER: job_id,
+        JOB_ENV_MARKER: job_dir.name,
         DATA_DIR_ENV_MARKER: str(settings.data_dir),
+        JOB_ID_ENV: job_dir.name,
+        METRICS_FILE_ENV: str(job_dir / metrics_file(attempt)),
+        CHECKPOINT_DIR_ENV: str(job_dir / CHECKPOINT_DIR),
     }
+    if resume_from is not None:
+        env[RESUME_FROM_ENV] = str(resume_from)
+    if settings.launcher == "local" and settings.gpus and gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus)
+    s = spec.script
+    if s is not None:
+        for name, value in (
+            ("DMUON_STEPS", s.steps),
+            ("DMUON_MICRO_BATCH_SIZE", s.micro_batch_size),
+            ("DMUON_ACCUM_STEPS", s.accum_steps),
+        ):
+            if value is not None:
+                env[name] = str(value)
+    return env
 
 
 def job_env(settings: Settings, plan_env: dict[str, str]) -> dict[str, str]:

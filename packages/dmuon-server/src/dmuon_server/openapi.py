@@ -43,9 +43,9 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict[str, Any]:
                     resp.setdefault("description", ERROR_TEXT.get(int(code), "Error"))
             if path == "/healthz":
                 continue
-            if settings.token:
+            if settings.token or settings.users_file:
                 op["security"] = [{"bearer": []}]
-    if settings.token:
+    if settings.token or settings.users_file:
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     app.openapi_schema = schema
     return schema

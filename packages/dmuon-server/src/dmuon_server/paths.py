@@ -1,10 +1,11 @@
 """Where a job's data may come from, and how server paths are shown to clients.
 
 Clients never see the server's absolute paths: the data directory is shown as
-``<data-dir>``, a job's folder as ``<job-dir>``, a data root as ``<data-root>`` (``<data-root-2>``
-and so on when there are several), the interpreter as ``python`` in a command line and
-``<python>`` in text, its virtual environment as ``<venv>`` and the Python installation as
-``<python-home>`` (the folders tracebacks of a job name).
+``<data-dir>``, a job's folder as ``<job-dir>``, a data root as ``<data-root>``
+(``<data-root-2>`` and so on when there are several), a code root as ``<code-root>``, the
+interpreter as ``python`` in a command line and ``<python>`` in text, its virtual
+environment as ``<venv>`` and the Python installation as ``<python-home>`` (the folders
+tracebacks of a job name).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from dmuon_server.config import Settings
 
 
 class DataPathError(ValueError):
-    """A ``train.data`` path that does not exist or lies outside the data roots."""
+    """A ``train.data`` or ``script.path`` that does not exist or lies outside its roots."""
 
 
-def root_label(index: int, count: int) -> str:
-    """The placeholder of data root number ``index`` (0-based) out of ``count``."""
-    return "<data-root>" if count == 1 else f"<data-root-{index + 1}>"
+def root_label(index: int, count: int, kind: str = "data") -> str:
+    """The placeholder of root number ``index`` (0-based) out of ``count``: ``<data-root>``
+    (``<data-root-2>``, ...), or ``<code-root>`` for ``kind="code"``."""
+    return f"<{kind}-root>" if count == 1 else f"<{kind}-root-{index + 1}>"
 
 
 def resolve_data_path(settings: Settings, data: str) -> Path:
@@ -33,24 +35,45 @@ def resolve_data_path(settings: Settings, data: str) -> Path:
     root once symlinks and ``..`` are resolved. Messages name the path as the client
     wrote it, never the resolved server path.
     """
-    if "\x00" in data:
-        raise DataPathError("the path contains a NUL character")
-    roots = settings.data_roots
-    if not roots:
+    if not settings.data_roots:
         raise DataPathError(
             "this server accepts no data paths (it was started without --data-root); omit "
             "train.data to train on the recipe's built-in corpus"
         )
+    return _resolve(data, settings.data_roots, "data")
+
+
+def resolve_code_path(settings: Settings, script: str) -> Path:
+    """Resolve a script's path against the code roots, as :func:`resolve_data_path` does
+    with data: it must be a Python file (``.py``) inside a root once resolved."""
+    if not settings.code_roots:
+        raise DataPathError(
+            "this server runs no scripts of its users (it was started without --code-root); "
+            "use train to run the recipe, or ask for a server with --code-root"
+        )
+    path = _resolve(script, settings.code_roots, "code")
+    if not path.is_file():
+        raise DataPathError(f"{script!r} is a folder, not a Python file; give the script's file")
+    if path.suffix != ".py":
+        raise DataPathError(f"{script!r} is not a Python file (.py); give the script's file")
+    return path
+
+
+def _resolve(given: str, roots: tuple[Path, ...], kind: str) -> Path:
+    """``given`` resolved inside one of ``roots`` (of ``kind`` ``data`` or ``code``)."""
+    data = given
+    if "\x00" in data:
+        raise DataPathError("the path contains a NUL character")
     candidates = (
         [Path(os.path.realpath(data))]
         if os.path.isabs(data)
         else [Path(os.path.realpath(root / data)) for root in roots]
     )
-    labels = ", ".join(root_label(i, len(roots)) for i in range(len(roots)))
+    labels = ", ".join(root_label(i, len(roots), kind) for i in range(len(roots)))
     inside = [c for c in candidates if any(c == r or c.is_relative_to(r) for r in roots)]
     if not inside:
         raise DataPathError(
-            f"{data!r} lies outside the data roots ({labels}); give a path inside one of "
+            f"{data!r} lies outside the {kind} roots ({labels}); give a path inside one of "
             "them (relative paths are taken from the roots)"
         )
     for c in inside:
@@ -59,7 +82,7 @@ def resolve_data_path(settings: Settings, data: str) -> Path:
                 return c
         except OSError as e:  # a name too long, a loop of symlinks...
             raise DataPathError(f"{data!r} cannot be read: {e.strerror or e}") from None
-    raise DataPathError(f"{data!r} does not exist in the data roots ({labels})")
+    raise DataPathError(f"{data!r} does not exist in the {kind} roots ({labels})")
 
 
 def _installation(python: str) -> list[tuple[str, str]]:
@@ -84,6 +107,8 @@ class PublicPaths:
             pairs.append((str(job_dir), "<job-dir>"))
         pairs.append((str(settings.data_dir), "<data-dir>"))
         pairs += [(str(r), root_label(i, len(roots))) for i, r in enumerate(roots)]
+        code = settings.code_roots
+        pairs += [(str(r), root_label(i, len(code), "code")) for i, r in enumerate(code)]
         pairs += _installation(settings.python)
         # Longest first, so a job folder wins over the data directory it lies in; a path
         # is replaced only where it ends (so /data does not match /database).

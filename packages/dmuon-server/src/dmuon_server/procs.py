@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
 
 import psutil
 
 from dmuon_server.config import JOB_ENV_MARKER
+from dmuon_server.records import JobRecord
 
 #: Tolerance when comparing a process's create time with the recorded one.
 _CREATE_TIME_TOLERANCE_S = 0.05
@@ -84,7 +84,7 @@ def kill_and_reap(procs: list[psutil.Process], sig: int, timeout: float = 5.0) -
     psutil.wait_procs(procs, timeout=timeout)
 
 
-def signal_job(job: dict[str, Any], root: psutil.Process | None, sig: int) -> int:
+def signal_job(job: JobRecord, root: psutil.Process | None, sig: int) -> int:
     """Signal every process of the job, then its process group.
 
     The ranks go first and torchrun (the runner, the group leader) last: a torchrun that
@@ -93,13 +93,13 @@ def signal_job(job: dict[str, Any], root: psutil.Process | None, sig: int) -> in
     only while its leader is verified to be the recorded process (pid and create time),
     so a reused pgid is never hit. Returns how many processes were signalled.
     """
-    procs = find_job_processes(job["id"], root)
+    procs = find_job_processes(job.id, root)
     leader = [p for p in procs if root is not None and p.pid == root.pid]
     signal_all([p for p in procs if p not in leader], sig)
     signal_all(leader, sig)
-    if root is not None and job["pgid"] is not None:
+    if root is not None and job.pgid is not None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(int(job["pgid"]), sig)
+            os.killpg(int(job.pgid), sig)
     return len(procs)
 
 
@@ -116,7 +116,7 @@ def is_runner(p: psutil.Process) -> bool:
     return "dmuon_server.runner" in " ".join(cmdline(p))
 
 
-def signal_ranks(job: dict[str, Any], root: psutil.Process | None, sig: int) -> int:
+def signal_ranks(job: JobRecord, root: psutil.Process | None, sig: int) -> int:
     """Signal the job's ranks (every process but the runner); the whole job when it has
     none yet (torchrun still starting them).
 
@@ -124,7 +124,7 @@ def signal_ranks(job: dict[str, Any], root: psutil.Process | None, sig: int) -> 
     the recipe takes a second SIGTERM as "stop now, without saving". Once the ranks have
     saved and exited, torchrun ends by itself. Returns how many processes were signalled.
     """
-    procs = find_job_processes(job["id"], root)
+    procs = find_job_processes(job.id, root)
     ranks = [p for p in procs if not (root is not None and p.pid == root.pid) and not is_runner(p)]
     if not ranks:
         return signal_job(job, root, sig)

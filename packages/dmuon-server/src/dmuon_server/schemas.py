@@ -12,7 +12,7 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 JobState = Literal["queued", "starting", "running", "succeeded", "failed", "cancelled"]
 #: States of a finished job; only ``POST /v1/jobs/{id}/resume`` takes a job out of one.
@@ -124,6 +124,48 @@ class TrainSpec(_Strict):
     )
 
 
+#: An argument of a script: any text but NUL (it becomes one argv entry, never shell text).
+ScriptArg = Annotated[str, Field(max_length=1024, pattern=r"^[^\x00]*$")]
+
+
+class ScriptSpec(_Strict):
+    """Your own training script, run by torchrun like the recipe."""
+
+    path: str = Field(
+        min_length=1,
+        max_length=4096,
+        pattern=r"^[^\x00]+$",
+        description="The Python file (`.py`) to run, inside one of the server's code roots "
+        "(`--code-root`) after symlinks and `..` are resolved; a relative path is looked up "
+        "in each root in turn.",
+    )
+    args: list[ScriptArg] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Its command-line arguments, each passed as one argv entry (no shell).",
+    )
+    steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Steps the script runs, if it says: shown as progress and ETA, given to "
+        "it as `DMUON_STEPS`, and what `POST /v1/jobs/{id}/resume` compares a checkpoint to.",
+    )
+    micro_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=4096,
+        description="Given to the script as `DMUON_MICRO_BATCH_SIZE`, if set.",
+    )
+    accum_steps: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Micro-batches per optimizer step, given to the script as "
+        "`DMUON_ACCUM_STEPS`, if set.",
+    )
+
+
 class InitFrom(_Strict):
     """A checkpoint of another job to take the initial weights from."""
 
@@ -194,7 +236,31 @@ class JobCreate(_Strict):
         pattern=SLURM_NAME_PATTERN,
         description="Slurm account to charge (`sbatch --account`). Slurm launcher only.",
     )
-    train: TrainSpec
+    train: TrainSpec | None = Field(
+        default=None,
+        description="The reference recipe's settings (`python -m dmuon.train`); give this "
+        "or `script`.",
+    )
+    script: ScriptSpec | None = Field(
+        default=None,
+        description="Your own training script instead of the recipe (`--code-root`); give "
+        "this or `train`.",
+    )
+    priority: int = Field(
+        default=0,
+        ge=-1000,
+        le=1000,
+        description="Queue priority: a higher one starts first; first come, first served "
+        "within a priority.",
+    )
+    gpus_per_node: int | None = Field(
+        default=None,
+        ge=0,
+        le=1024,
+        description="GPUs per node, one per process: `nproc_per_node` (the default on a "
+        "server with GPUs) or 0 (none: the processes see no GPU). Under Slurm it becomes "
+        "`--gpus-per-node`; omitted, no GPU is asked for.",
+    )
     max_restarts: int = Field(
         default=0,
         ge=0,
@@ -208,8 +274,34 @@ class JobCreate(_Strict):
     init_from: InitFrom | None = Field(
         default=None,
         description="Start from the weights of another job's checkpoint (`--init-from`); "
-        "the optimizer starts fresh at step 1.",
+        "the optimizer starts fresh at step 1. Recipe jobs only.",
     )
+
+    @model_validator(mode="after")
+    def _one_program(self) -> JobCreate:
+        if (self.train is None) == (self.script is None):
+            raise ValueError(
+                "give either train (the recipe's settings) or script (your own training "
+                "script), not both and not neither"
+            )
+        if self.script is not None and self.init_from is not None:
+            raise ValueError(
+                "init_from is the recipe's (--init-from); a script loads the weights it "
+                "wants itself"
+            )
+        return self
+
+    @property
+    def steps(self) -> int | None:
+        """The steps the job runs (the script's, when it said)."""
+        return self.train.steps if self.train is not None else self.script.steps  # type: ignore[union-attr]
+
+    def with_steps(self, steps: int) -> JobCreate:
+        """This spec with another number of steps (``train.steps`` or ``script.steps``)."""
+        if self.train is not None:
+            return self.model_copy(update={"train": self.train.model_copy(update={"steps": steps})})
+        assert self.script is not None
+        return self.model_copy(update={"script": self.script.model_copy(update={"steps": steps})})
 
 
 class ResumeRequest(_Strict):
@@ -220,7 +312,7 @@ class ResumeRequest(_Strict):
         ge=1,
         le=1_000_000,
         description="New total number of optimizer steps (more than the latest "
-        "checkpoint's step); the job's own `train.steps` when omitted.",
+        "checkpoint's step); the job's own `train.steps` (or `script.steps`) when omitted.",
     )
 
 
@@ -290,7 +382,9 @@ class FailureInfo(BaseModel):
 class JobSummary(BaseModel):
     """Live progress of a job, from its stored metrics."""
 
-    steps: int = Field(description="Optimizer steps the job was asked to run.")
+    steps: int | None = Field(
+        description="Optimizer steps the job was asked to run (null: a script that did not say)."
+    )
     points: int = Field(description="Metric points stored.")
     rejected_lines: int = Field(
         default=0,
@@ -322,7 +416,25 @@ class Job(BaseModel):
     slurm_job_id: str | None = Field(
         default=None, description="Slurm's job id of the latest attempt (Slurm launcher only)."
     )
-    train: TrainSpec
+    train: TrainSpec | None = None
+    script: ScriptSpec | None = None
+    user: str | None = Field(
+        default=None, description="Who submitted it (null on a server without users)."
+    )
+    priority: int = 0
+    gpus_per_node: int | None = None
+    gpus: list[int] = Field(
+        default_factory=list,
+        description="The GPUs it holds while it runs (`CUDA_VISIBLE_DEVICES` of its "
+        "processes); empty without.",
+    )
+    queue_position: int | None = Field(
+        default=None, description="1 for the next job to start; null unless queued."
+    )
+    queue_reason: str | None = Field(
+        default=None,
+        description="Why a queued job waits, e.g. `waiting for 4 GPUs: 2 free, 1 job ahead`.",
+    )
     max_restarts: int = 0
     init_from: InitFrom | None = None
     created_at: datetime
@@ -423,12 +535,18 @@ class LaunchPlan(BaseModel):
     )
     env: dict[str, str] = Field(description="Environment variables the server sets for the job.")
     world_size: int
-    global_batch_sequences: int = Field(
-        description="Sequences per optimizer step: micro_batch_size x accum_steps x world_size."
+    gpus_per_node: int = Field(description="GPUs the job takes on each node (0: none).")
+    global_batch_sequences: int | None = Field(
+        description="Sequences per optimizer step: micro_batch_size x accum_steps x "
+        "world_size (null for a script that gives neither)."
     )
-    global_batch_tokens: int = Field(description="Tokens per optimizer step.")
-    total_tokens: int = Field(description="Tokens over the whole run.")
-    admission: Admission
+    global_batch_tokens: int | None = Field(
+        description="Tokens per optimizer step (recipe jobs only)."
+    )
+    total_tokens: int | None = Field(description="Tokens over the whole run (recipe jobs only).")
+    admission: Admission | None = Field(
+        description="The recipe's estimates (null for a script: the server cannot know)."
+    )
     warnings: list[str]
 
 
@@ -437,6 +555,19 @@ class LogLines(BaseModel):
 
     lines: list[str]
     truncated: bool = Field(description="True when the log has more lines than returned.")
+
+
+class UserInfo(BaseModel):
+    """A user of the server."""
+
+    name: str | None = Field(description="null: a server without users (everyone is admin).")
+    admin: bool = Field(description="Sees and cancels every job.")
+
+
+class UserList(BaseModel):
+    """The users the server knows (from `--users-file`, and `--token`'s `admin`)."""
+
+    items: list[UserInfo]
 
 
 class Health(BaseModel):

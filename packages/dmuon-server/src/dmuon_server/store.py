@@ -20,13 +20,15 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
+from dmuon_server.records import AttemptRecord, JobRecord
 from dmuon_server.schemas import TERMINAL_STATES
 
 log = logging.getLogger("dmuon_server.store")
 
 #: Version 2: metric points in a rowid table (a point of 1 KB fits its page instead of
-#: spilling into overflow pages), a summary row per job kept current at ingest, and the
-#: queue order of a job apart from its creation order.
+#: spilling into overflow pages), a summary row per job kept current at ingest; jobs with
+#: their queue order apart from their creation order, their user (idempotency keys are per
+#: user), priority and devices.
 SCHEMA_VERSION = 2
 
 #: Metric points: a rowid table, whose rows keep up to about 4 KB on their page (a
@@ -41,10 +43,8 @@ CREATE TABLE IF NOT EXISTS metrics (
     PRIMARY KEY (job, step)
 )"""
 
-_SCHEMA = (
-    _METRICS_TABLE
-    + """;
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+#: Jobs. An idempotency key is unique per user (index ``jobs_by_key``).
+_JOBS_TABLE = """
 CREATE TABLE IF NOT EXISTS jobs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     id TEXT NOT NULL UNIQUE,
@@ -53,7 +53,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     nproc INTEGER NOT NULL,
     spec TEXT NOT NULL,
     spec_hash TEXT NOT NULL,
-    idempotency_key TEXT UNIQUE,
+    idempotency_key TEXT,
     created_at REAL NOT NULL,
     started_at REAL,
     finished_at REAL,
@@ -66,9 +66,32 @@ CREATE TABLE IF NOT EXISTS jobs (
     failure TEXT,
     recipe_summary TEXT,
     argv TEXT,
-    slurm_job_id TEXT
-);
-CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
+    slurm_job_id TEXT,
+    queue_seq INTEGER,
+    user TEXT,
+    priority INTEGER NOT NULL DEFAULT 0,
+    gpus TEXT
+)"""
+#: Indexes on columns a version-1 database gains only when it is migrated.
+_INDEXES = """
+CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, priority, queue_seq);
+CREATE UNIQUE INDEX IF NOT EXISTS jobs_by_key ON jobs (COALESCE(user, ''), idempotency_key)
+    WHERE idempotency_key IS NOT NULL;
+CREATE INDEX IF NOT EXISTS jobs_by_user ON jobs (user, seq)
+"""
+#: The columns of a version-1 ``jobs`` table.
+_V1_JOB_COLUMNS = (
+    "seq, id, name, state, nproc, spec, spec_hash, idempotency_key, created_at, started_at,"
+    " finished_at, exit_code, reason, pid, pgid, create_time, cancel_requested_at, failure,"
+    " recipe_summary, argv, slurm_job_id"
+)
+
+_SCHEMA = (
+    _METRICS_TABLE
+    + ";\n"
+    + _JOBS_TABLE
+    + """;
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     job_id TEXT NOT NULL,
@@ -117,12 +140,8 @@ CREATE TABLE IF NOT EXISTS offsets (
 )
 
 
-#: Columns added after the first schema: (table, column, declaration).
-_ADDED_COLUMNS = (
-    ("jobs", "slurm_job_id", "TEXT"),
-    ("attempts", "slurm_job_id", "TEXT"),
-    ("jobs", "queue_seq", "INTEGER"),
-)
+#: Columns added to version 1 after its first release: (table, column, declaration).
+_ADDED_COLUMNS = (("jobs", "slurm_job_id", "TEXT"), ("attempts", "slurm_job_id", "TEXT"))
 #: The summary columns, in the order of :class:`MetricSummary`'s fields.
 _SUMMARY_COLUMNS = (
     "points",
@@ -269,6 +288,8 @@ class Store:
             )
             if self._schema_version() < 2:
                 self._migrate_to_v2()
+            for stmt in _INDEXES.strip().split(";"):
+                self._conn.execute(stmt)
         except sqlite3.Error as e:
             self._conn.close()
             raise StoreError(
@@ -286,13 +307,21 @@ class Store:
             have = {r[1] for r in self._conn.execute(f"PRAGMA table_info({table})")}
             if column not in have:
                 self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
-        self._conn.execute("UPDATE jobs SET queue_seq = seq WHERE queue_seq IS NULL")
 
     def _migrate_to_v2(self) -> None:
-        """Move the points of a version-1 database into the rowid table, summarise every
-        job, and give the freed pages back to the file system (``VACUUM``)."""
+        """Rebuild the jobs table of a version-1 database (per-user idempotency keys, the
+        new columns), move its points into the rowid table, summarise every job, and give
+        the freed pages back to the file system (``VACUUM``)."""
         log.info("migrating %s to schema version 2 (once; may take a while)", self.path)
         with self._tx() as c:
+            if "queue_seq" not in {r[1] for r in c.execute("PRAGMA table_info(jobs)")}:
+                c.execute("ALTER TABLE jobs RENAME TO jobs_v1")
+                c.execute(_JOBS_TABLE)
+                c.execute(
+                    f"INSERT INTO jobs ({_V1_JOB_COLUMNS}, queue_seq)"
+                    f" SELECT {_V1_JOB_COLUMNS}, seq FROM jobs_v1"
+                )
+                c.execute("DROP TABLE jobs_v1")
             cols = {r[1] for r in c.execute("PRAGMA table_info(metrics)")}
             if "loss" in cols:  # the version-1 table: WITHOUT ROWID, with a loss column
                 c.execute("ALTER TABLE metrics RENAME TO metrics_v1")
@@ -379,26 +408,29 @@ class Store:
         spec_hash: str,
         idempotency_key: str | None,
         argv: list[str],
-    ) -> tuple[dict[str, Any], bool]:
-        """Insert a queued job, or return the one bound to ``idempotency_key``.
+        user: str | None = None,
+        priority: int = 0,
+    ) -> tuple[JobRecord, bool]:
+        """Insert a queued job, or return the one ``user`` bound to ``idempotency_key``.
 
-        Returns the job row and whether it was created. Raises :class:`IdempotencyConflict`
-        when the key belongs to a job with another spec.
+        Returns the job and whether it was created. Raises :class:`IdempotencyConflict`
+        when the key belongs to a job of the same user with another spec.
         """
         now = time.time()
         with self._tx() as c:
             if idempotency_key is not None:
                 row = c.execute(
-                    "SELECT * FROM jobs WHERE idempotency_key = ?", (idempotency_key,)
+                    "SELECT * FROM jobs WHERE idempotency_key = ? AND COALESCE(user, '') = ?",
+                    (idempotency_key, user or ""),
                 ).fetchone()
                 if row is not None:
                     if row["spec_hash"] != spec_hash:
                         raise IdempotencyConflict(row["id"])
-                    return dict(row), False
+                    return JobRecord.from_row(row), False
             c.execute(
                 "INSERT INTO jobs (id, name, state, nproc, spec, spec_hash, idempotency_key,"
-                " created_at, reason, argv, queue_seq) VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?,"
-                " ?, ?)",
+                " created_at, reason, argv, queue_seq, user, priority)"
+                " VALUES (?, ?, 'queued', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     job_id,
                     name,
@@ -410,6 +442,8 @@ class Store:
                     "submitted",
                     json.dumps(argv),
                     _next_queue_seq(c),
+                    user,
+                    priority,
                 ),
             )
             c.execute(
@@ -417,39 +451,56 @@ class Store:
                 (job_id, "submitted", now),
             )
             row = c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            return dict(row), True
+            return JobRecord.from_row(row), True
 
-    def get_job(self, job_id: str) -> dict[str, Any] | None:
-        """Return the job row, or None."""
-        rows = self._query("SELECT * FROM jobs WHERE id = ?", (job_id,))
+    def _jobs(self, sql: str, params: Sequence[Any] = ()) -> list[JobRecord]:
+        return [JobRecord.from_row(r) for r in self._reader().execute(sql, params).fetchall()]
+
+    def get_job(self, job_id: str) -> JobRecord | None:
+        """Return the job, or None."""
+        rows = self._jobs("SELECT * FROM jobs WHERE id = ?", (job_id,))
         return rows[0] if rows else None
 
     def list_jobs(
-        self, *, states: Iterable[str] | None, before_seq: int | None, limit: int
-    ) -> list[dict[str, Any]]:
-        """Return up to ``limit`` jobs, newest first, optionally filtered by state."""
+        self,
+        *,
+        states: Iterable[str] | None,
+        before_seq: int | None,
+        limit: int,
+        user: str | None = None,
+    ) -> list[JobRecord]:
+        """Return up to ``limit`` jobs, newest first, optionally only those in ``states``
+        and only those of ``user``."""
         sql = "SELECT * FROM jobs WHERE 1=1"
         params: list[Any] = []
         state_list = list(states or [])
         if state_list:
             sql += f" AND state IN ({','.join('?' * len(state_list))})"
             params.extend(state_list)
+        if user is not None:
+            sql += " AND user = ?"
+            params.append(user)
         if before_seq is not None:
             sql += " AND seq < ?"
             params.append(before_seq)
         sql += " ORDER BY seq DESC LIMIT ?"
         params.append(limit)
-        return self._query(sql, params)
+        return self._jobs(sql, params)
 
-    def jobs_in_states(self, states: Iterable[str]) -> list[dict[str, Any]]:
-        """Return all jobs in the given states in queue order: the order in which they
-        were last queued (submitted, or resumed), oldest first."""
+    def jobs_in_states(self, states: Iterable[str]) -> list[JobRecord]:
+        """Return all jobs in the given states in queue order: higher priority first, then
+        in the order they were last queued (submitted, or resumed), oldest first."""
         state_list = list(states)
-        return self._query(
+        return self._jobs(
             f"SELECT * FROM jobs WHERE state IN ({','.join('?' * len(state_list))})"
-            " ORDER BY queue_seq, seq",
+            " ORDER BY priority DESC, queue_seq, seq",
             state_list,
         )
+
+    def users(self) -> list[str]:
+        """The names of the users that have jobs, sorted."""
+        rows = self._query("SELECT DISTINCT user FROM jobs WHERE user IS NOT NULL ORDER BY user")
+        return [r["user"] for r in rows]
 
     def counts_by_state(self) -> dict[str, int]:
         """Return the number of jobs in each state that has any."""
@@ -498,8 +549,8 @@ class Store:
         with self._tx() as c:
             c.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*fields.values(), job_id))
 
-    def request_cancel(self, job_id: str) -> dict[str, Any] | None:
-        """Mark a job as cancel-requested (first request wins) and return its row."""
+    def request_cancel(self, job_id: str) -> JobRecord | None:
+        """Mark a job as cancel-requested (first request wins) and return it."""
         with self._tx() as c:
             c.execute(
                 "UPDATE jobs SET cancel_requested_at = ? WHERE id = ?"
@@ -507,7 +558,7 @@ class Store:
                 (time.time(), job_id),
             )
             row = c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-            return dict(row) if row else None
+            return JobRecord.from_row(row) if row else None
 
     def delete_job(self, job_id: str) -> bool:
         """Delete a finished job and everything stored about it; False if not finished."""
@@ -521,7 +572,7 @@ class Store:
             c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return True
 
-    def reopen(self, job_id: str, reason: str, *, spec: str) -> dict[str, Any] | None:
+    def reopen(self, job_id: str, reason: str, *, spec: str) -> JobRecord | None:
         """Queue a finished job again (``POST /v1/jobs/{id}/resume``), in one transaction.
 
         Stores ``spec``, clears what belonged to the previous run (exit code, failure,
@@ -537,14 +588,16 @@ class Store:
                 "UPDATE jobs SET state = 'queued', reason = ?, spec = ?, finished_at = NULL,"
                 " exit_code = NULL, failure = NULL, cancel_requested_at = NULL, pid = NULL,"
                 " pgid = NULL, create_time = NULL, recipe_summary = NULL, slurm_job_id = NULL,"
-                " queue_seq = ? WHERE id = ?",
+                " gpus = NULL, queue_seq = ? WHERE id = ?",
                 (reason, spec, _next_queue_seq(c), job_id),
             )
             c.execute(
                 "INSERT INTO transitions (job_id, state, reason, at) VALUES (?, 'queued', ?, ?)",
                 (job_id, reason, now),
             )
-            return dict(c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone())
+            return JobRecord.from_row(
+                c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+            )
 
     # ------------------------------------------------------------------------- attempts
 
@@ -594,9 +647,10 @@ class Store:
             )
             c.execute("UPDATE jobs SET slurm_job_id = ? WHERE id = ?", (slurm_job_id, job_id))
 
-    def attempts(self, job_id: str) -> list[dict[str, Any]]:
+    def attempts(self, job_id: str) -> list[AttemptRecord]:
         """Return a job's attempts, oldest first."""
-        return self._query("SELECT * FROM attempts WHERE job_id = ? ORDER BY number", (job_id,))
+        rows = self._query("SELECT * FROM attempts WHERE job_id = ? ORDER BY number", (job_id,))
+        return [AttemptRecord.from_row(r) for r in rows]
 
     def current_attempt(self, job_id: str) -> int:
         """The number of a job's latest attempt (1 for a job launched before attempts were

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
 from pydantic import TypeAdapter
 
+from dmuon_server.queue_policy import Place
+from dmuon_server.records import JobRecord
 from dmuon_server.schemas import (
     TERMINAL_STATES,
     Attempt,
     FailureInfo,
     Job,
-    JobCreate,
     JobSummary,
     MetricPoint,
     Transition,
@@ -47,22 +49,23 @@ def _enc(value: Any) -> Any:
     return None
 
 
-def summarize(store: Store, row: dict[str, Any], steps: int) -> JobSummary:
+def summarize(store: Store, job: JobRecord) -> JobSummary:
     """Progress of a job: last step and loss, tokens/s, elapsed time and ETA.
 
     The ETA uses the recipe's ``time`` (seconds since training started) between the first
     and last stored points when it increases, else the times the points arrived.
     """
-    stats = store.metric_summary(row["id"])
+    stats = store.metric_summary(job.id)
+    steps = job.steps
     last_step = stats.last_step
     now = time.time()
     elapsed = None
-    if row["started_at"] is not None:
-        elapsed = max(0.0, (row["finished_at"] or now) - row["started_at"])
+    if job.started_at is not None:
+        elapsed = max(0.0, (job.finished_at or now) - job.started_at)
     eta = None
-    if row["state"] == "succeeded":
+    if job.state == "succeeded":
         eta = 0.0
-    elif row["state"] not in TERMINAL_STATES and last_step is not None:
+    elif job.state not in TERMINAL_STATES and last_step is not None and steps is not None:
         d_step = last_step - (stats.first_step if stats.first_step is not None else last_step)
         sec_per_step = None
         t0, t1 = _num(stats.first_time), _num(stats.last_time)
@@ -90,51 +93,61 @@ def summarize(store: Store, row: dict[str, Any], steps: int) -> JobSummary:
     )
 
 
-def job_view(store: Store, row: dict[str, Any]) -> Job:
-    """The API model of a stored job, with its history and live summary."""
-    spec = JobCreate.model_validate_json(row["spec"])
+def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = None) -> Job:
+    """The API model of a stored job, with its history, live summary and, when it waits in
+    the queue, its place there (``places``, from the supervisor)."""
+    spec = job.spec_model
     history = [
         Transition(state=h["state"], reason=h["reason"], at=ts(h["at"]))  # type: ignore[arg-type]
-        for h in store.history(row["id"])
+        for h in store.history(job.id)
     ]
     attempts = [
         Attempt(
-            number=a["number"],
-            cause=a["cause"],
-            resumed_from_step=a["resumed_from_step"],
-            started_at=ts(a["started_at"]),  # type: ignore[arg-type]
-            finished_at=ts(a["finished_at"]),
-            exit_code=a["exit_code"],
-            reason=a["reason"],
-            slurm_job_id=a["slurm_job_id"],
+            number=a.number,
+            cause=a.cause,  # type: ignore[arg-type]
+            resumed_from_step=a.resumed_from_step,
+            started_at=ts(a.started_at),  # type: ignore[arg-type]
+            finished_at=ts(a.finished_at),
+            exit_code=a.exit_code,
+            reason=a.reason,
+            slurm_job_id=a.slurm_job_id,
         )
-        for a in store.attempts(row["id"])
+        for a in store.attempts(job.id)
     ]
-    failure = FailureInfo(**json.loads(row["failure"])) if row["failure"] else None
-    recipe_summary = json.loads(row["recipe_summary"]) if row["recipe_summary"] else None
+    failure = FailureInfo(**json.loads(job.failure)) if job.failure else None
+    recipe_summary = json.loads(job.recipe_summary) if job.recipe_summary else None
+    place = (places or {}).get(job.id) if job.state == "queued" else None
+    queue_reason = place.reason if place else (job.reason if job.state == "queued" else None)
     return Job(
-        id=row["id"],
-        name=row["name"],
-        state=row["state"],
-        nproc_per_node=row["nproc"],
+        id=job.id,
+        name=job.name,
+        state=job.state,  # type: ignore[arg-type]
+        nproc_per_node=job.nproc,
         nnodes=spec.nnodes,
         partition=spec.partition,
         time_limit=spec.time_limit,
         account=spec.account,
-        slurm_job_id=row["slurm_job_id"],
+        slurm_job_id=job.slurm_job_id,
         train=spec.train,
+        script=spec.script,
+        user=job.user,
+        priority=spec.priority,
+        gpus_per_node=spec.gpus_per_node,
+        gpus=job.gpu_list,
+        queue_position=place.position if place else None,
+        queue_reason=queue_reason,
         max_restarts=spec.max_restarts,
         init_from=spec.init_from,
-        created_at=ts(row["created_at"]),  # type: ignore[arg-type]
-        started_at=ts(row["started_at"]),
-        finished_at=ts(row["finished_at"]),
-        exit_code=row["exit_code"],
-        reason=row["reason"],
-        cancel_requested=row["cancel_requested_at"] is not None,
+        created_at=ts(job.created_at),  # type: ignore[arg-type]
+        started_at=ts(job.started_at),
+        finished_at=ts(job.finished_at),
+        exit_code=job.exit_code,
+        reason=job.reason,
+        cancel_requested=job.cancel_requested_at is not None,
         history=history,
         attempts=attempts,
         failure=failure,
-        summary=summarize(store, row, spec.train.steps),
+        summary=summarize(store, job),
         recipe_summary=recipe_summary,
     )
 

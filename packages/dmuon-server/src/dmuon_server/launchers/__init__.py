@@ -1,1 +1,2 @@
-"""Where jobs run besides the server's own host: the Slurm backend (:mod:`.slurm`)."""
+"""Where jobs run: the local host (:mod:`.local`) or a Slurm cluster (:mod:`.slurm_jobs`),
+behind one interface (:class:`.base.Launcher`) the supervisor schedules over."""

@@ -7,19 +7,18 @@ failed while they still run. The server refuses to start instead, naming the job
 
 from __future__ import annotations
 
-from typing import Any
-
 from dmuon_server.datadir import StartupError
+from dmuon_server.records import JobRecord
 from dmuon_server.store import Store
 
 #: The job states a launcher follows (a Slurm job waiting in Slurm's queue is ``queued``).
 _ACTIVE_STATES = ("queued", "starting", "running")
 
 
-def _started_by(job: dict[str, Any]) -> str | None:
-    if job["slurm_job_id"] is not None:
+def _started_by(job: JobRecord) -> str | None:
+    if job.slurm_job_id is not None:
         return "slurm"
-    if job["pid"] is not None:
+    if job.pid is not None:
         return "local"
     return None
 
@@ -35,7 +34,7 @@ def check_launcher_matches(store: Store, launcher: str) -> None:
     if not foreign:
         return
     other = _started_by(foreign[0])
-    ids = ", ".join(job["id"] for job in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
+    ids = ", ".join(job.id for job in foreign[:5]) + (" ..." if len(foreign) > 5 else "")
     raise StartupError(
         f"{len(foreign)} job(s) of this data directory were started with --launcher {other} "
         f"and may still run ({ids}); start the server with --launcher {other} to follow "

@@ -130,6 +130,7 @@ class BatchOptions:
         partition: ``--partition``, or the cluster's default when None.
         time_limit: ``--time`` in one of Slurm's formats, or the partition's default.
         account: ``--account``, or the user's default.
+        gpus_per_node: ``--gpus-per-node`` when above 0 (Slurm picks the devices).
     """
 
     job_name: str
@@ -138,6 +139,7 @@ class BatchOptions:
     partition: str | None = None
     time_limit: str | None = None
     account: str | None = None
+    gpus_per_node: int = 0
 
 
 def _quoted(argv: list[str]) -> str:
@@ -182,6 +184,8 @@ def batch_script(
         directives.append(f"--time={opts.time_limit}")
     if opts.account:
         directives.append(f"--account={opts.account}")
+    if opts.gpus_per_node > 0:
+        directives.append(f"--gpus-per-node={opts.gpus_per_node}")
     for d in directives:
         if "\n" in d or "\r" in d:  # the schema's patterns already refuse these
             raise ValueError(f"a line break in an sbatch option: {d!r}")

@@ -1,10 +1,11 @@
-"""Supervising jobs that run under Slurm: submit, follow, cancel, re-attach.
+"""Running jobs under Slurm: submit, follow, cancel, re-attach.
 
-The supervisor hands its work to :class:`SlurmJobs` when the server runs with
-``--launcher slurm``. A job waits in the service's queue until it is submitted; from then
-on Slurm schedules it, and its Slurm job id (stored on the job and on the attempt) is all
-the server needs to follow it, also after a restart. States follow
-:func:`dmuon_server.launchers.slurm.service_state`.
+The supervisor schedules over :class:`SlurmLauncher` when the server runs with
+``--launcher slurm``. A job waits in the service's queue until it is submitted (at once:
+Slurm schedules, the service adds no limit of its own); from then on its Slurm job id
+(stored on the job and on the attempt) is all the server needs to follow it, also after a
+restart. States follow :func:`dmuon_server.launchers.slurm.service_state`; attempts start
+and end as :mod:`dmuon_server.attempts` says, as on the local host.
 
 Cancellation: SIGTERM to the job's steps (``scancel --signal=TERM``), which reaches the
 ranks (they finish the step, save a checkpoint and exit) while the runner around torchrun
@@ -13,31 +14,19 @@ lets it pass; after the server's cancel grace period a plain ``scancel`` ends wh
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
 
+from dmuon_server import attempts
+from dmuon_server.attempts import Move, SchedulerEnd
 from dmuon_server.config import Settings
 from dmuon_server.datadir import StartupError
-from dmuon_server.jobfiles import (
-    CHECKPOINT_DIR,
-    LOG_FILE,
-    SPEC_FILE,
-    TORCHRUN_LOG_DIR,
-    describe_failure,
-    latest_checkpoint,
-    metrics_file,
-    read_exit_report,
-    trained_to_the_end,
-)
-from dmuon_server.launch import attempt_argv, job_env, launch_env
+from dmuon_server.jobfiles import LOG_FILE, TORCHRUN_LOG_DIR, metrics_file, read_exit_report
+from dmuon_server.launch import program_of
+from dmuon_server.launchers.base import Isolated
 from dmuon_server.launchers.slurm import (
     BatchOptions,
-    ServiceState,
     SlurmClient,
     SlurmError,
     SlurmJob,
@@ -46,8 +35,7 @@ from dmuon_server.launchers.slurm import (
     service_state,
 )
 from dmuon_server.metrics import Hub, MetricsTailer, metrics_stream
-from dmuon_server.paths import PublicPaths
-from dmuon_server.runner import EXIT_FILE
+from dmuon_server.records import JobRecord
 from dmuon_server.schemas import JobCreate
 from dmuon_server.store import Store
 
@@ -64,16 +52,14 @@ def job_name(job_id: str) -> str:
     return f"dmuon-{job_id}"
 
 
-def split_recipe(runner_argv: list[str]) -> list[str]:
-    """The ``-m MODULE FLAGS...`` part of a job's stored runner argv."""
-    args = runner_argv[runner_argv.index("--") + 1 :]
-    return args[args.index("-m") :]
-
-
 def write_batch_script(
     settings: Settings, spec: JobCreate, job_dir: Path, attempt: int, recipe: list[str]
 ) -> Path:
-    """Write attempt ``attempt``'s sbatch script into the job's folder and return its path."""
+    """Write attempt ``attempt``'s sbatch script into the job's folder and return its path.
+
+    ``recipe`` is the program torchrun runs: ``-m MODULE FLAGS...`` or a script and its
+    arguments.
+    """
     opts = BatchOptions(
         job_name=job_name(job_dir.name),
         nnodes=spec.nnodes,
@@ -81,6 +67,7 @@ def write_batch_script(
         partition=spec.partition,
         time_limit=spec.time_limit,
         account=spec.account,
+        gpus_per_node=spec.gpus_per_node or 0,
     )
     text = batch_script(
         opts,
@@ -117,8 +104,8 @@ def check_slurm(settings: Settings) -> None:
         )
 
 
-class SlurmJobs:
-    """The Slurm side of the supervisor; called under the supervisor's lock."""
+class SlurmLauncher:
+    """Jobs on a Slurm cluster (see the module docstring)."""
 
     def __init__(
         self,
@@ -126,19 +113,18 @@ class SlurmJobs:
         store: Store,
         hub: Hub,
         tailer: MetricsTailer,
-        move: Callable[..., bool],
+        move: Move,
         client: SlurmClient | None = None,
-        on_submitted: Callable[[], None] = lambda: None,
     ) -> None:
-        """Work on ``store`` with ``move`` (the supervisor's state change); ``on_submitted``
-        is called after each successful ``sbatch``."""
+        """Work on ``store`` with ``move`` (the state change that wakes the streams)."""
         self.settings = settings
         self.store = store
         self.hub = hub
         self.tailer = tailer
         self._move = move
         self.client = client or SlurmClient()
-        self.on_submitted = on_submitted
+        self.capacity: int | None = None
+        self.launched_total = 0
         self._cancel_deadline: dict[str, float] = {}
         self._next_query: dict[str, float] = {}
 
@@ -154,73 +140,61 @@ class SlurmJobs:
         restored.
         """
         for job in self.store.jobs_in_states(SLURM_HELD_STATES):
-            if job["slurm_job_id"] is None:
+            if job.slurm_job_id is None:
                 self._adopt(job)
                 continue
-            log.info("job %s: re-attached to Slurm job %s", job["id"], job["slurm_job_id"])
-            if job["cancel_requested_at"] is not None:
-                self._cancel_deadline[job["id"]] = (
-                    job["cancel_requested_at"] + self.settings.cancel_grace_s
+            log.info("job %s: re-attached to Slurm job %s", job.id, job.slurm_job_id)
+            if job.cancel_requested_at is not None:
+                self._cancel_deadline[job.id] = (
+                    job.cancel_requested_at + self.settings.cancel_grace_s
                 )
 
-    def _adopt(self, job: dict[str, Any]) -> None:
-        attempts = self.store.attempts(job["id"])
-        if not attempts or attempts[-1]["finished_at"] is not None:
+    def _adopt(self, job: JobRecord) -> None:
+        history = self.store.attempts(job.id)
+        if not history or history[-1].finished_at is not None:
             return  # waiting in the service's queue, never submitted
-        number = attempts[-1]["number"]
+        number = history[-1].number
         try:
-            found = self.client.find_by_name(job_name(job["id"]))
+            found = self.client.find_by_name(job_name(job.id))
         except SlurmError as e:
-            log.warning("job %s: %s", job["id"], e)
+            log.warning("job %s: %s", job.id, e)
             found = []
         if found:
-            self.store.set_attempt_slurm_job(job["id"], number, found[-1])
-            log.info("job %s: adopted Slurm job %s", job["id"], found[-1])
+            self.store.set_attempt_slurm_job(job.id, number, found[-1])
+            log.info("job %s: adopted Slurm job %s", job.id, found[-1])
         else:
             why = "the server stopped before the attempt was submitted"
-            self.store.finish_attempt(job["id"], number, None, why)
+            self.store.finish_attempt(job.id, number, None, why)
 
-    # ---------------------------------------------------------------------- tick
+    # --------------------------------------------------------------------- start
 
-    def tick(
-        self, isolated: Callable[[str], AbstractContextManager[None]] = lambda _: nullcontext()
-    ) -> None:
-        """Submit the jobs waiting in the service's queue, then follow submitted ones,
-        each job's round inside ``isolated(job_id)`` (which may log and swallow its error)."""
-        for job in self.store.jobs_in_states(SLURM_HELD_STATES):
-            with isolated(job["id"]):
-                if job["slurm_job_id"] is None:
-                    if job["state"] == "queued":
-                        self._submit(job)
-                else:
-                    self._follow(job)
+    def waiting(self, job: JobRecord) -> bool:
+        """A queued job waits in the service's queue until it has a Slurm job id."""
+        return job.slurm_job_id is None
 
-    def _submit(self, job: dict[str, Any]) -> None:
-        job_id = job["id"]
+    def start(self, job: JobRecord, gpus: list[int]) -> None:
+        """Submit the next attempt of a queued job with ``sbatch`` (Slurm picks the GPUs:
+        ``gpus`` is empty)."""
+        job_id = job.id
         job_dir = self.settings.job_dir(job_id)
-        spec = JobCreate.model_validate_json(job["spec"])
-        cause = "resume" if self.store.attempts(job_id) else "submitted"
-        latest = latest_checkpoint(job_dir / CHECKPOINT_DIR)
-        attempt = self.store.start_attempt(
-            job_id, cause, latest.step if latest is not None else None
-        )
-        argv = attempt_argv(
-            json.loads(job["argv"]), job_dir, attempt, spec.train.steps, resuming=latest is not None
-        )
-        env = job_env(self.settings, launch_env(self.settings, job_id, spec.nproc_per_node))
+        number = None
         try:
-            job_dir.mkdir(parents=True, exist_ok=True)
-            (job_dir / SPEC_FILE).write_text(job["spec"])
-            (job_dir / EXIT_FILE).unlink(missing_ok=True)
-            script = write_batch_script(self.settings, spec, job_dir, attempt, split_recipe(argv))
-            slurm_id = self.client.submit(script, env)
+            start = attempts.begin(
+                self.settings, self.store, job, attempts.next_cause(self.store, job), []
+            )
+            number = start.number
+            script = write_batch_script(
+                self.settings, job.spec_model, job_dir, number, program_of(start.argv)
+            )
+            slurm_id = self.client.submit(script, start.env)
         except (OSError, SlurmError) as e:
             why = f"could not submit the job to Slurm: {e}"
-            self.store.finish_attempt(job_id, attempt, None, why)
-            self._move(job_id, "failed", why, from_states=["queued"])
+            if number is None:
+                number = self.store.current_attempt(job_id)
+            attempts.fail_to_start(self.store, self._move, job_id, number, why, ["queued"])
             return
-        self.store.set_attempt_slurm_job(job_id, attempt, slurm_id)
-        self.on_submitted()
+        self.store.set_attempt_slurm_job(job_id, number, slurm_id)
+        self.launched_total += 1
         self._move(
             job_id,
             "queued",
@@ -230,11 +204,21 @@ class SlurmJobs:
             pgid=None,
             create_time=None,
         )
-        log.info("job %s: attempt %d submitted as Slurm job %s", job_id, attempt, slurm_id)
+        log.info("job %s: attempt %d submitted as Slurm job %s", job_id, number, slurm_id)
 
-    def _follow(self, job: dict[str, Any]) -> None:
-        job_id = job["id"]
-        slurm_id = job["slurm_job_id"]
+    # ---------------------------------------------------------------------- tick
+
+    def tick(self, isolated: Isolated) -> None:
+        """Follow every submitted job once, each inside ``isolated(job_id)``."""
+        for job in self.store.jobs_in_states(SLURM_HELD_STATES):
+            if job.slurm_job_id is not None:
+                with isolated(job.id):
+                    self._follow(job)
+
+    def _follow(self, job: JobRecord) -> None:
+        job_id = job.id
+        slurm_id = job.slurm_job_id
+        assert slurm_id is not None
         attempt = self.store.current_attempt(job_id)
         path = self.settings.job_dir(job_id) / metrics_file(attempt)
         self.tailer.poll(job_id, path, stream=metrics_stream(attempt))
@@ -254,74 +238,45 @@ class SlurmJobs:
             return
         if sj is None:
             sj = SlurmJob(slurm_id, "UNKNOWN", "Slurm has no record of the job any more")
-        cancel = job["cancel_requested_at"] is not None
+        cancel = job.cancel_requested_at is not None
         mapped = service_state(sj, cancel_requested=cancel)
         if not is_final(sj):
             # A pending job shows each new Slurm reason (Priority, Resources, ...); a
             # running one changes only when it starts.
-            if mapped.state != job["state"] or (
-                mapped.state == "queued" and mapped.reason != job["reason"]
+            if mapped.state != job.state or (
+                mapped.state == "queued" and mapped.reason != job.reason
             ):
                 fields = {"started_at": time.time()} if mapped.state == "running" else {}
                 self._move(job_id, mapped.state, mapped.reason, **fields)
             return
         self._finish(job, attempt, sj)
 
-    def _finish(self, job: dict[str, Any], attempt: int, sj: SlurmJob) -> None:
-        job_id = job["id"]
-        job_dir = self.settings.job_dir(job_id)
-        self.tailer.poll(job_id, job_dir / metrics_file(attempt), final=True,
-                         stream=metrics_stream(attempt))  # fmt: skip
-        self._cancel_deadline.pop(job_id, None)
-        self._next_query.pop(job_id, None)
-        fresh = self.store.get_job(job_id) or job
-        cancelled = fresh["cancel_requested_at"] is not None
-        mapped = service_state(sj, cancel_requested=cancelled)
-        steps = JobCreate.model_validate_json(fresh["spec"]).train.steps
-        if cancelled and trained_to_the_end(job_dir, steps):
-            mapped = ServiceState(
-                "succeeded",
-                f"trained all {steps} steps and saved the last checkpoint; the cancel came "
-                f"after ({mapped.reason})",
-            )
-        report = read_exit_report(job_dir)
-        rc = report.get("returncode") if report else sj.exit_code
-        failure = None
-        reason = mapped.reason
-        if mapped.state == "failed":
-            failure = describe_failure(job_dir, report, sj.exit_code, self.settings.log_tail_lines)
-            public = PublicPaths(self.settings, job_dir)
-            failure["log_tail"] = [public.text(line) for line in failure["log_tail"]]
-            if failure["message"]:
-                failure["message"] = public.text(failure["message"])
-            detail = failure.pop("reason")
-            if report is not None:  # the runner knows which rank failed and why
-                reason = f"{reason}: {detail}"
-            rc = failure["exit_code"]
-        self.store.finish_attempt(job_id, attempt, rc, reason)
-        if self._move(
-            job_id,
-            mapped.state,
-            reason,
-            from_states=SLURM_HELD_STATES,
-            exit_code=rc,
-            failure=json.dumps(failure) if failure else None,
-        ):
-            log.info("job %s: %s (%s)", job_id, mapped.state, reason)
+    def _finish(self, job: JobRecord, attempt: int, sj: SlurmJob) -> None:
+        attempts.final_poll(self.settings, self.tailer, job, attempt)
+        self._cancel_deadline.pop(job.id, None)
+        self._next_query.pop(job.id, None)
+        fresh = self.store.get_job(job.id) or job
+        mapped = service_state(sj, cancel_requested=fresh.cancel_requested_at is not None)
+        report = read_exit_report(self.settings.job_dir(job.id))
+        outcome = attempts.conclude(
+            self.settings, fresh, report, sj.exit_code, SchedulerEnd(mapped.state, mapped.reason)
+        )
+        if attempts.record(self.store, self._move, job.id, attempt, outcome, SLURM_HELD_STATES):
+            log.info("job %s: %s (%s)", job.id, outcome.state, outcome.reason)
 
     # -------------------------------------------------------------------- cancel
 
-    def cancel(self, job: dict[str, Any]) -> None:
-        """Cancel a job that has a Slurm job id (the request is already recorded).
+    def cancel(self, job: JobRecord) -> None:
+        """Cancel a submitted job (the request is already recorded).
 
         A pending job is removed from Slurm's queue; a running one gets SIGTERM in its
         steps now and a plain ``scancel`` after the grace period.
         """
-        job_id = job["id"]
-        slurm_id = job["slurm_job_id"]
-        if job_id in self._cancel_deadline:
+        job_id = job.id
+        slurm_id = job.slurm_job_id
+        if job_id in self._cancel_deadline or slurm_id is None:
             return
-        if job["state"] == "queued":
+        if job.state == "queued":
             self._cancel_deadline[job_id] = float("inf")
             self._scancel(slurm_id)
         else:

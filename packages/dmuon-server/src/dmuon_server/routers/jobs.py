@@ -11,8 +11,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
 
-from dmuon_server.dependencies import JobRow, SettingsDep, StoreDep, SupervisorDep
-from dmuon_server.errors import ApiError, error_responses, field_error
+from dmuon_server.config import Settings
+from dmuon_server.dependencies import (
+    JobDep,
+    SettingsDep,
+    StoreDep,
+    SupervisorDep,
+    UserDep,
+    may_see,
+    user_name,
+)
+from dmuon_server.errors import ApiError, error_responses, field_error, invalid_request
 from dmuon_server.fingerprint import spec_fingerprint
 from dmuon_server.jobfiles import (
     CHECKPOINT_DIR,
@@ -22,7 +31,7 @@ from dmuon_server.jobfiles import (
     list_checkpoints,
     tail_lines,
 )
-from dmuon_server.launch import build_command, init_path, plan_view, review
+from dmuon_server.launch import Review, build_command, init_path, plan_view, review
 from dmuon_server.paths import PublicPaths
 from dmuon_server.schemas import (
     TERMINAL_STATES,
@@ -36,8 +45,9 @@ from dmuon_server.schemas import (
     LogLines,
     ResumeRequest,
 )
-from dmuon_server.store import IdempotencyConflict
+from dmuon_server.store import IdempotencyConflict, Store
 from dmuon_server.supervisor import JobFinishing
+from dmuon_server.users import User
 from dmuon_server.views import job_view, ts
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -68,6 +78,23 @@ def _decode_cursor(cursor: str) -> int:
         ) from None
 
 
+def _accepted(settings: Settings, store: Store, user: User, body: JobCreate) -> Review:
+    """The review of ``body`` for ``user``; a 422 naming every field to change (with the
+    estimates as ``admission`` when there are some) when the server cannot run it."""
+
+    def visible(job_id: str) -> bool:
+        job = store.get_job(job_id)
+        return job is not None and may_see(user, job)
+
+    accepted = review(settings, body, visible)
+    if not accepted.accepted:
+        problem = invalid_request(accepted.errors)
+        if accepted.admission is not None:
+            problem.extra = {"admission": accepted.admission.model_dump(mode="json")}
+        raise problem
+    return accepted
+
+
 @router.post(
     "",
     status_code=201,
@@ -89,6 +116,7 @@ def create_job(
     settings: SettingsDep,
     store: StoreDep,
     supervisor: SupervisorDep,
+    user: UserDep,
     idempotency_key: Annotated[
         str | None,
         Header(
@@ -100,16 +128,18 @@ def create_job(
         ),
     ] = None,
 ) -> Job:
-    """Submit a training job; it is queued and started in FIFO order.
+    """Submit a training job (the recipe's, or your own script); it is queued, higher
+    `priority` first and first come, first served within a priority.
 
-    Refused with 422 when it cannot run: the checks and estimates of `:validate`.
+    Refused with 422 when it cannot run: the checks and estimates of `:validate`. The
+    `Idempotency-Key` is the submitting user's own.
     """
-    accepted = review(settings, body)
+    accepted = _accepted(settings, store, user, body)
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     job_id = uuid.uuid4().hex
     job_dir = settings.job_dir(job_id)
     init = accepted.init_checkpoint
-    command = build_command(settings, body, job_dir, accepted.data_path, init)
+    command = build_command(settings, body, job_dir, accepted)
     if init is not None:
         # The job gets its own (hard-linked) copy before it exists in the store, so the
         # source job may prune or delete its checkpoint while this one waits in the queue.
@@ -135,6 +165,8 @@ def create_job(
             spec_hash=spec_fingerprint(body),
             idempotency_key=idempotency_key,
             argv=command.argv,
+            user=user_name(user),
+            priority=body.priority,
         )
     except IdempotencyConflict as e:
         shutil.rmtree(job_dir, ignore_errors=True)
@@ -151,18 +183,20 @@ def create_job(
     else:
         shutil.rmtree(job_dir, ignore_errors=True)
         response.status_code = 200
-    response.headers["Location"] = f"/v1/jobs/{row['id']}"
-    return job_view(store, row)
+    response.headers["Location"] = f"/v1/jobs/{row.id}"
+    return job_view(store, row, supervisor.queue_places())
 
 
 @router.post(":validate", response_model=LaunchPlan, responses=error_responses(401, 413, 422))
-def validate_job(body: JobCreate, settings: SettingsDep, store: StoreDep) -> LaunchPlan:
+def validate_job(
+    body: JobCreate, settings: SettingsDep, store: StoreDep, user: UserDep
+) -> LaunchPlan:
     """Dry run: the command, world size, global batch, estimates and warnings.
 
     Starts nothing. Answers 422, with the estimates as `admission`, for a job the
     server would refuse.
     """
-    accepted = review(settings, body)
+    accepted = _accepted(settings, store, user, body)
     ahead = len(store.jobs_in_states(["queued", "starting", "running"]))
     return plan_view(settings, body, accepted, ahead)
 
@@ -170,6 +204,8 @@ def validate_job(body: JobCreate, settings: SettingsDep, store: StoreDep) -> Lau
 @router.get("", response_model=JobList, responses=error_responses(401, 422))
 def list_jobs(
     store: StoreDep,
+    supervisor: SupervisorDep,
+    user: UserDep,
     state: Annotated[
         list[JobState] | None, Query(description="Only jobs in these states (repeatable).")
     ] = None,
@@ -183,19 +219,33 @@ def list_jobs(
             description="`next` of the previous page.",
         ),
     ] = None,
+    owner: Annotated[
+        str | None,
+        Query(
+            alias="user",
+            min_length=1,
+            max_length=64,
+            description="Only this user's jobs (an admin's filter; others see only their own).",
+        ),
+    ] = None,
 ) -> JobList:
-    """Jobs, newest first, with cursor pagination."""
+    """Jobs, newest first, with cursor pagination: yours, or everyone's for an admin."""
     before = _decode_cursor(cursor) if cursor is not None else None
-    rows = store.list_jobs(states=state, before_seq=before, limit=limit + 1)
+    scope = owner if user.admin else user_name(user)
+    if not user.admin and owner is not None and owner != user.name:
+        return JobList(items=[], next=None)  # another user's jobs do not exist for you
+    rows = store.list_jobs(states=state, before_seq=before, limit=limit + 1, user=scope)
     page = rows[:limit]
-    nxt = _encode_cursor(page[-1]["seq"]) if len(rows) > limit else None
-    return JobList(items=[job_view(store, r) for r in page], next=nxt)
+    nxt = _encode_cursor(page[-1].seq) if len(rows) > limit else None
+    places = supervisor.queue_places()
+    return JobList(items=[job_view(store, r, places) for r in page], next=nxt)
 
 
 @router.get("/{job_id}", response_model=Job, responses=error_responses(401, 404, 422))
-def get_job(job: JobRow, store: StoreDep) -> Job:
-    """A job: state, history with reasons, exit code, failure, live summary."""
-    return job_view(store, job)
+def get_job(job: JobDep, store: StoreDep, supervisor: SupervisorDep) -> Job:
+    """A job: state, history with reasons, exit code, failure, live summary, and its place
+    in the queue while it waits."""
+    return job_view(store, job, supervisor.queue_places())
 
 
 @router.post(
@@ -204,14 +254,14 @@ def get_job(job: JobRow, store: StoreDep) -> Job:
     response_model=Job,
     responses=error_responses(401, 404, 409, 422),
 )
-def cancel_job(job: JobRow, store: StoreDep, supervisor: SupervisorDep) -> Job:
+def cancel_job(job: JobDep, store: StoreDep, supervisor: SupervisorDep) -> Job:
     """Cancel: SIGTERM to every process of the job, SIGKILL after the grace period.
 
     Idempotent; a queued job is cancelled at once. 409 for a job that already
     succeeded or failed, or that has trained all its steps and is finishing.
     """
     try:
-        row = supervisor.cancel(job["id"]) or job
+        row = supervisor.cancel(job.id) or job
     except JobFinishing as e:
         raise ApiError(
             409,
@@ -221,11 +271,11 @@ def cancel_job(job: JobRow, store: StoreDep, supervisor: SupervisorDep) -> Job:
             "that work",
             kind="job-finishing",
         ) from None
-    if row["state"] in ("succeeded", "failed"):
+    if row.state in ("succeeded", "failed"):
         raise ApiError(
             409,
             "Job already finished",
-            f"job {job['id']} already {row['state']}; there is nothing to cancel",
+            f"job {job.id} already {row.state}; there is nothing to cancel",
             kind="job-finished",
         )
     return job_view(store, row)
@@ -237,14 +287,14 @@ def cancel_job(job: JobRow, store: StoreDep, supervisor: SupervisorDep) -> Job:
     response_class=Response,
     responses=error_responses(401, 404, 409, 422),
 )
-def delete_job(job: JobRow, settings: SettingsDep, store: StoreDep) -> Response:
+def delete_job(job: JobDep, settings: SettingsDep, store: StoreDep) -> Response:
     """Forget a finished job: its record, metrics and working folder."""
-    job_id = job["id"]
-    if job["state"] not in TERMINAL_STATES or not store.delete_job(job_id):
+    job_id = job.id
+    if job.state not in TERMINAL_STATES or not store.delete_job(job_id):
         raise ApiError(
             409,
             "Job not finished",
-            f"job {job_id} is {job['state']}; cancel it first and delete it once it is cancelled",
+            f"job {job_id} is {job.state}; cancel it first and delete it once it is cancelled",
             kind="job-not-finished",
         )
     shutil.rmtree(settings.job_dir(job_id), ignore_errors=True)
@@ -253,7 +303,7 @@ def delete_job(job: JobRow, settings: SettingsDep, store: StoreDep) -> Response:
 
 @router.get("/{job_id}/logs", response_model=LogLines, responses=error_responses(401, 404, 422))
 def get_logs(
-    job: JobRow,
+    job: JobDep,
     settings: SettingsDep,
     tail: Annotated[int, Query(ge=1, le=10_000)] = 100,
 ) -> LogLines:
@@ -261,7 +311,7 @@ def get_logs(
 
     Server paths in the lines are shown as `<job-dir>`, `<data-dir>` and `<data-root>`.
     """
-    job_dir = settings.job_dir(job["id"])
+    job_dir = settings.job_dir(job.id)
     lines, truncated = tail_lines(job_dir / LOG_FILE, tail)
     public = PublicPaths(settings, job_dir)
     return LogLines(lines=[public.text(line) for line in lines], truncated=truncated)
@@ -272,12 +322,12 @@ def get_logs(
     response_model=CheckpointList,
     responses=error_responses(401, 404, 422),
 )
-def get_checkpoints(job: JobRow, settings: SettingsDep) -> CheckpointList:
+def get_checkpoints(job: JobDep, settings: SettingsDep) -> CheckpointList:
     """The job's complete checkpoints, oldest first: step, size and time.
 
     Only finished saves count; one being written is not listed until it is complete.
     """
-    job_dir = settings.job_dir(job["id"])
+    job_dir = settings.job_dir(job.id)
     return CheckpointList(
         items=[
             Checkpoint(
@@ -298,7 +348,7 @@ def get_checkpoints(job: JobRow, settings: SettingsDep) -> CheckpointList:
     responses=error_responses(401, 404, 409, 413, 422),
 )
 def resume_job(
-    job: JobRow,
+    job: JobDep,
     settings: SettingsDep,
     store: StoreDep,
     supervisor: SupervisorDep,
@@ -310,12 +360,12 @@ def resume_job(
     raises its total number of steps. 409 while the job is queued or active, or when it
     has no checkpoint or nothing left to train.
     """
-    job_id = job["id"]
-    if job["state"] not in TERMINAL_STATES:
+    job_id = job.id
+    if job.state not in TERMINAL_STATES:
         raise ApiError(
             409,
             "Job not finished",
-            f"job {job_id} is {job['state']}; only a cancelled, failed or succeeded job can "
+            f"job {job_id} is {job.state}; only a cancelled, failed or succeeded job can "
             "be resumed (cancel it first: it saves a checkpoint as it stops)",
             kind="job-not-finished",
         )
@@ -328,9 +378,9 @@ def resume_job(
             "submit it again as a new job",
             kind="no-checkpoint",
         )
-    spec = JobCreate.model_validate_json(job["spec"])
-    steps = body.steps if body is not None and body.steps is not None else spec.train.steps
-    if steps <= latest.step:
+    spec = job.spec_model
+    steps = body.steps if body is not None and body.steps is not None else spec.steps
+    if steps is not None and steps <= latest.step:
         raise ApiError(
             409,
             "Nothing left to train",
@@ -338,9 +388,10 @@ def resume_job(
             f"{steps} steps; pass a larger steps (more than {latest.step}) to train further",
             kind="nothing-to-resume",
         )
-    new_spec = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": steps})})
+    new_spec = spec.with_steps(steps) if steps is not None else spec
     canonical = json.dumps(new_spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    reason = f"resume requested: from step {latest.step} to step {steps}"
+    to = f"to step {steps}" if steps is not None else "on"
+    reason = f"resume requested: from step {latest.step} {to}"
     row = store.reopen(job_id, reason, spec=canonical)
     if row is None:  # it was resumed (or deleted) by a concurrent request
         raise ApiError(
@@ -350,4 +401,4 @@ def resume_job(
             kind="job-not-finished",
         )
     supervisor.wake()
-    return job_view(store, row)
+    return job_view(store, row, supervisor.queue_places())

@@ -8,7 +8,7 @@ import anyio
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
-from dmuon_server.dependencies import HubDep, JobRow, SettingsDep, StoreDep
+from dmuon_server.dependencies import HubDep, JobDep, SettingsDep, StoreDep, SupervisorDep
 from dmuon_server.errors import error_responses
 from dmuon_server.events import SSE_HEADERS, job_events
 from dmuon_server.schemas import TERMINAL_STATES, MetricPage
@@ -24,7 +24,7 @@ router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["metrics"])
     responses=error_responses(401, 404, 422),
 )
 def get_metrics(
-    job: JobRow,
+    job: JobDep,
     store: StoreDep,
     after_step: Annotated[
         int, Query(ge=-1, le=2**62, description="Only points with a larger step.")
@@ -32,7 +32,7 @@ def get_metrics(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 1000,
 ) -> MetricPage:
     """Stored metric points in step order; follow `next` until it is null."""
-    rows = store.metrics_after(job["id"], after_step, limit + 1)
+    rows = store.metrics_after(job.id, after_step, limit + 1)
     page = rows[:limit]
     nxt = page[-1]["step"] if len(rows) > limit else None
     return MetricPage(items=[metric_point(r["data"]) for r in page], next=nxt)
@@ -51,10 +51,11 @@ def get_metrics(
     },
 )
 async def get_events(
-    job: JobRow,
+    job: JobDep,
     settings: SettingsDep,
     store: StoreDep,
     hub: HubDep,
+    supervisor: SupervisorDep,
     after_step: Annotated[
         int, Query(ge=-1, le=2**62, description="Start after this step (-1: everything).")
     ] = -1,
@@ -68,14 +69,14 @@ async def get_events(
     ] = None,
 ) -> Response:
     """Live metrics of a job as Server-Sent Events."""
-    job_id = job["id"]
+    job_id = job.id
     start = max(-1, int(last_event_id)) if last_event_id is not None else after_step
-    if last_event_id is not None and job["state"] in TERMINAL_STATES:
+    if last_event_id is not None and job.state in TERMINAL_STATES:
         rest = await anyio.to_thread.run_sync(store.metrics_after, job_id, start, 1)
         if not rest:
             return Response(status_code=204)
     return StreamingResponse(
-        job_events(store, hub, job_id, start, settings.heartbeat_s),
+        job_events(store, hub, job_id, start, settings.heartbeat_s, supervisor.queue_places),
         media_type="text/event-stream; charset=utf-8",
         headers=SSE_HEADERS,
     )

@@ -1,4 +1,4 @@
-"""Service endpoints: liveness and Prometheus metrics."""
+"""Service endpoints: liveness, Prometheus metrics, and who you are (users)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,18 @@ from fastapi import APIRouter
 from fastapi.responses import PlainTextResponse
 
 from dmuon_server import __version__
-from dmuon_server.dependencies import HubDep, SettingsDep, StoreDep, SupervisorDep, TailerDep
+from dmuon_server.dependencies import (
+    AdminDep,
+    HubDep,
+    SettingsDep,
+    StoreDep,
+    SupervisorDep,
+    TailerDep,
+    UserDep,
+    UsersDep,
+)
 from dmuon_server.errors import error_responses
-from dmuon_server.schemas import ALL_STATES, Health
+from dmuon_server.schemas import ACTIVE_STATES, ALL_STATES, Health, UserInfo, UserList
 
 router = APIRouter(tags=["service"])
 
@@ -17,6 +26,22 @@ router = APIRouter(tags=["service"])
 def healthz() -> Health:
     """Liveness check; needs no token."""
     return Health(version=__version__)
+
+
+@router.get("/v1/me", response_model=UserInfo, responses=error_responses(401))
+def me(user: UserDep) -> UserInfo:
+    """Who the token belongs to: your name, and whether you are an admin (null name: a
+    server without users, where everyone may do everything)."""
+    return UserInfo(name=user.name or None, admin=user.admin)
+
+
+@router.get("/v1/users", response_model=UserList, responses=error_responses(401, 403))
+def users(admin: AdminDep, known: UsersDep, store: StoreDep) -> UserList:
+    """The users this server knows, and those its jobs name (admins only)."""
+    seen: dict[str, bool] = {u.name: u.admin for u in known.all()}
+    for name in store.users():
+        seen.setdefault(name, False)
+    return UserList(items=[UserInfo(name=n, admin=a) for n, a in seen.items()])
 
 
 @router.get(
@@ -36,6 +61,7 @@ def prometheus(
 ) -> PlainTextResponse:
     """Prometheus text exposition: jobs by state, queue depth, active streams."""
     counts = store.counts_by_state()
+    busy = sum(len(j.gpu_list) for j in store.jobs_in_states(ACTIVE_STATES))
     lines = [
         "# HELP dmuon_jobs Jobs by state.",
         "# TYPE dmuon_jobs gauge",
@@ -48,7 +74,13 @@ def prometheus(
         f"dmuon_active_streams {hub.active_streams}",
         "# HELP dmuon_max_concurrent_jobs Jobs that may run at the same time.",
         "# TYPE dmuon_max_concurrent_jobs gauge",
-        f"dmuon_max_concurrent_jobs {settings.max_concurrent_jobs}",
+        f"dmuon_max_concurrent_jobs {settings.job_slots}",
+        "# HELP dmuon_gpus GPUs the server gives jobs (--gpus).",
+        "# TYPE dmuon_gpus gauge",
+        f"dmuon_gpus {len(settings.gpus)}",
+        "# HELP dmuon_gpus_busy GPUs held by active jobs.",
+        "# TYPE dmuon_gpus_busy gauge",
+        f"dmuon_gpus_busy {busy}",
         "# HELP dmuon_jobs_launched_total Jobs launched by this server process.",
         "# TYPE dmuon_jobs_launched_total counter",
         f"dmuon_jobs_launched_total {supervisor.launched_total}",

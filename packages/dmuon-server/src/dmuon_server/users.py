@@ -1,0 +1,162 @@
+"""Users: who a bearer token belongs to, from ``--users-file`` and ``--token``.
+
+The users file holds SHA-256 hashes of tokens, never tokens::
+
+    {"users": [{"name": "ada", "token_sha256": "9f86d0...", "admin": false}, ...]}
+
+(``printf %s "$TOKEN" | sha256sum`` gives the hash). It must not be readable or writable by
+other users (``chmod 600`` or ``640``): whoever can write it can make themselves admin. It
+is read at start (a bad file stops the server) and again on SIGHUP (a bad file then keeps
+the users loaded before, and says why in the log). ``--token`` is one more user, the admin
+called ``admin``. A user sees and acts on their own jobs only; an admin on every job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import re
+import stat
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("dmuon_server.users")
+
+#: What a user name may be (it is shown, stored with every job, and used in filters).
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
+#: The user ``--token`` stands for.
+TOKEN_USER = "admin"
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+class UsersFileError(ValueError):
+    """A users file the server cannot use; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class User:
+    """Someone the server knows by a token."""
+
+    name: str
+    admin: bool = False
+
+
+#: Who a request comes from on a server without tokens: nobody in particular, allowed all.
+ANONYMOUS = User(name="", admin=True)
+
+
+def token_hash(token: str) -> str:
+    """The SHA-256 of a token, in hexadecimal (what the users file holds)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def read_users_file(path: Path) -> list[tuple[User, str]]:
+    """The users of ``path`` with their token hashes; raises :class:`UsersFileError`."""
+    try:
+        mode = path.stat().st_mode
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsersFileError(f"cannot read the users file {path}: {e}") from None
+    if mode & (stat.S_IWGRP | stat.S_IWOTH | stat.S_IROTH):
+        raise UsersFileError(
+            f"the users file {path} is readable or writable by other users (mode "
+            f"{stat.S_IMODE(mode):o}); chmod 600 it"
+        )
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise UsersFileError(f"the users file {path} is not JSON: {e}") from None
+    entries = doc.get("users") if isinstance(doc, dict) else None
+    if not isinstance(entries, list):
+        raise UsersFileError(f'the users file {path} must be {{"users": [...]}}')
+    out: list[tuple[User, str]] = []
+    names: set[str] = set()
+    hashes: set[str] = set()
+    for i, entry in enumerate(entries):
+        where = f"users[{i}] of {path}"
+        if not isinstance(entry, dict) or set(entry) - {"name", "token_sha256", "admin"}:
+            raise UsersFileError(f"{where}: give name, token_sha256 and optionally admin")
+        name, digest, admin = (
+            entry.get("name"),
+            entry.get("token_sha256"),
+            entry.get("admin", False),
+        )
+        if not isinstance(name, str) or not NAME_PATTERN.match(name):
+            raise UsersFileError(
+                f"{where}: name {name!r} must be 1-64 letters, digits, '_', '.', '@' or '-'"
+            )
+        if not isinstance(digest, str) or not _HASH.match(digest):
+            raise UsersFileError(
+                f"{where}: token_sha256 must be 64 lower-case hex digits (printf %s TOKEN | "
+                "sha256sum), never the token itself"
+            )
+        if not isinstance(admin, bool):
+            raise UsersFileError(f"{where}: admin must be true or false")
+        if name in names:
+            raise UsersFileError(f"{where}: the name {name!r} is given twice")
+        if digest in hashes:
+            raise UsersFileError(f"{where}: two users have the same token")
+        names.add(name)
+        hashes.add(digest)
+        out.append((User(name, admin), digest))
+    return out
+
+
+class Users:
+    """The users a server authenticates (thread-safe: SIGHUP reloads while requests run)."""
+
+    def __init__(self, path: Path | None = None, token: str | None = None) -> None:
+        """Load ``path`` (raises :class:`UsersFileError`) and add ``token``'s admin."""
+        self.path = path
+        self._token_entry = (User(TOKEN_USER, admin=True), token_hash(token)) if token else None
+        self._lock = threading.Lock()
+        self._entries = self._load()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether requests must carry a token (someone is configured)."""
+        return bool(self._entries)
+
+    def _load(self) -> list[tuple[User, str]]:
+        entries = read_users_file(self.path) if self.path is not None else []
+        if self._token_entry is not None:
+            if any(u.name == TOKEN_USER for u, _ in entries):
+                raise UsersFileError(
+                    f"the users file {self.path} has a user called {TOKEN_USER!r}, the name "
+                    "--token's user has; rename it, or drop --token"
+                )
+            entries.append(self._token_entry)
+        return entries
+
+    def reload(self) -> str | None:
+        """Read the users file again; on a problem keep the users loaded before and return
+        the message (also logged)."""
+        try:
+            entries = self._load()
+        except UsersFileError as e:
+            log.error("users not reloaded, the previous ones stay: %s", e)
+            return str(e)
+        with self._lock:
+            self._entries = entries
+        log.info("reloaded %d user(s) from %s", len(entries), self.path)
+        return None
+
+    def authenticate(self, token: str) -> User | None:
+        """The user ``token`` belongs to, or None. Every hash is compared (in constant time),
+        so the time taken does not tell which users exist."""
+        digest = token_hash(token).encode()
+        found = None
+        with self._lock:
+            entries = list(self._entries)
+        for user, expected in entries:
+            if hmac.compare_digest(digest, expected.encode()):
+                found = user
+        return found
+
+    def all(self) -> list[User]:
+        """Every user, in the file's order (``--token``'s admin last)."""
+        with self._lock:
+            return [u for u, _ in self._entries]
