@@ -12,7 +12,8 @@ importable:
 * `run` / `Trainer` - the loop (`dmuon.train.loop`).
 * `parse_args` / `TrainConfig` - flags (`dmuon.train.cli`); the demo's settings are in
   `dmuon.train.demo`.
-* `MetricsWriter` - the metrics file format (`dmuon.train.metrics`).
+* `MetricsWriter` - the metrics file format (`dmuon.train.metrics`); `log_metrics` writes
+  it from your own script run by the job service (`dmuon.train.user_metrics`).
 """
 
 from dmuon.train.cli import TrainConfig, build_parser, parse_args
@@ -20,6 +21,7 @@ from dmuon.train.data import Corpus, GlobalBatchSampler, load_corpus, validation
 from dmuon.train.loop import Trainer, run
 from dmuon.train.metrics import REQUIRED_KEYS, MetricsWriter
 from dmuon.train.model import PRESETS, ModelConfig, Transformer, build_model, lm_loss
+from dmuon.train.user_metrics import log_metrics
 
 __all__ = [
     "PRESETS",
@@ -35,6 +37,7 @@ __all__ = [
     "build_parser",
     "lm_loss",
     "load_corpus",
+    "log_metrics",
     "parse_args",
     "run",
     "validation_windows",
