@@ -305,10 +305,12 @@ def test_logs_hide_the_installation_and_resumed_jobs_queue_at_the_end(
         running = c.post("/v1/jobs", json=job_spec(1, steps=100_000)).json()["id"]
         wait_until(lambda: c.get(f"/v1/jobs/{running}").json()["state"] == "running", 60, "run")
         waiting = c.post("/v1/jobs", json=job_spec(1, steps=100_000, seed=1)).json()["id"]
-        # Resumed after `waiting` was queued: it starts after it, not by its older id.
-        assert c.post(f"/v1/jobs/{short}/resume", json={"steps": 4}).status_code == 202
+        # Resumed after `waiting` was queued: it stands behind it, not by its older id.
+        resumed = c.post(f"/v1/jobs/{short}/resume", json={"steps": 4})
+        assert resumed.status_code == 202 and resumed.json()["queue_position"] == 2
+        assert c.get(f"/v1/jobs/{waiting}").json()["queue_position"] == 1
         c.post(f"/v1/jobs/{running}/cancel")
         wait_until(lambda: c.get(f"/v1/jobs/{waiting}").json()["state"] == "running", 60, "next")
-        assert c.get(f"/v1/jobs/{short}").json()["state"] == "queued"
-        c.post(f"/v1/jobs/{waiting}/cancel")
-        assert _wait_all(c, [short])[0]["state"] == "succeeded"
+        assert c.get(f"/v1/jobs/{short}").json()["queue_position"] == 1
+        for job_id in (waiting, short):
+            c.post(f"/v1/jobs/{job_id}/cancel")
