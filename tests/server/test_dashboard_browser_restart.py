@@ -227,3 +227,97 @@ def test_submit_form_groups_and_the_pair_under_the_name_limit(
     names = [service.job(i)["name"] for i in ids]
     assert [n.rsplit(" ", 1)[1] for n in names] == ["dmuon", "adamw"], names
     assert all(len(n) <= max_name for n in names), [len(n) for n in names]
+
+
+SCRIPT = """\
+import json, os, time
+steps = int(os.environ["DMUON_STEPS"])
+if os.environ.get("RANK", "0") == "0":
+    with open(os.environ["DMUON_METRICS_FILE"], "a") as f:
+        for step in range(1, steps + 1):
+            point = {"step": step, "loss": 1.0 / step, "samples_per_s": 10.0 * step}
+            f.write(json.dumps(point) + "\\n")
+            f.flush()
+            time.sleep(0.05)
+"""
+
+
+def test_users_queue_reasons_and_script_jobs_on_the_dashboard(
+    tmp_path: Path, browser_context: Any
+) -> None:
+    import hashlib
+    import json as _json
+
+    users = tmp_path / "users.json"
+    users.write_text(_json.dumps({"users": [
+        {"name": "ada", "token_sha256": hashlib.sha256(b"t-ada").hexdigest()},
+        {"name": "root", "token_sha256": hashlib.sha256(b"t-root").hexdigest(), "admin": True},
+    ]}))  # fmt: skip
+    users.chmod(0o600)
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "own.py").write_text(SCRIPT)
+    flags = (
+        "--users-file",
+        str(users),
+        "--gpus",
+        "0,1",
+        "--code-root",
+        str(code),
+        "--max-nproc",
+        "2",
+    )
+    server = LiveServer(tmp_path / "data", *flags, env=fake_recipe_env(FAKE_STEP_SECONDS="0.2"))
+    server.start()
+    try:
+        ada = server.client(headers={"Authorization": "Bearer t-ada"})
+        busy = ada.post("/v1/jobs", json=job_spec(2, "holds both", steps=100_000)).json()["id"]
+        wait_until(lambda: ada.get(f"/v1/jobs/{busy}").json()["state"] == "running", 60, "running")
+        waiting = ada.post("/v1/jobs", json=job_spec(2, "waits")).json()
+        assert waiting["queue_reason"] == "waiting for 2 GPUs: 0 free"
+        page = browser_context.new_page()
+        page.goto(f"{server.url}/#/jobs")
+        page.locator("#token-input").fill("t-root")
+        page.keyboard.press("Enter")
+        row = page.locator(f"#jobs-table tr[data-job-id='{waiting['id']}']")
+        expect(row.locator(".user")).to_have_text("ada")
+        expect(row.locator(".queue-reason")).to_have_text("waiting for 2 GPUs: 0 free")
+        expect(page.locator("#user-filter")).to_be_visible()
+        page.select_option("#user-filter", "root")  # root has no jobs
+        page.wait_for_url("**/#/jobs?user=root")
+        expect(page.locator("#jobs-table tbody tr")).to_have_count(0)
+        page.goto(f"{server.url}/#/job/{waiting['id']}")
+        expect(page.locator("#job-queue")).to_have_text(
+            "Queue position 1: waiting for 2 GPUs: 0 free"
+        )
+        expect(page.locator("#job-meta")).to_contain_text("user ada")
+        # A script job: its own series gets a chart of its own.
+        ada.post(f"/v1/jobs/{busy}/cancel")
+        spec = {"nproc_per_node": 1, "gpus_per_node": 0, "script": {"path": "own.py", "steps": 6}}
+        own = ada.post("/v1/jobs", json=spec).json()["id"]
+        page.goto(f"{server.url}/#/job/{own}")
+        page.wait_for_function(
+            "() => { const el = document.querySelector('#chart-extra-samples_per_s');"
+            " return el && el._uplot && el._uplot.data[0].length === 6; }",
+            timeout=60_000,
+        )
+        values = page.evaluate(
+            "() => Array.from(document.querySelector('#chart-extra-samples_per_s')._uplot.data[1])"
+        )
+        assert values == [10.0 * s for s in range(1, 7)]
+        expect(page.locator("#job-spec")).to_contain_text('"path": "own.py"')
+        # The form runs a script once its kind is chosen: the recipe's group goes away.
+        page.goto(f"{server.url}/#/submit")
+        expect(page.locator("#group-train")).to_be_visible()
+        expect(page.locator("#group-script")).to_be_hidden()
+        page.check("#kind-script")
+        expect(page.locator("#group-train")).to_be_hidden()
+        expect(page.locator("#group-init_from")).to_be_hidden()
+        page.fill("#field-script-path", "own.py")
+        page.fill("#field-script-args", "--one\n--two")
+        expect(page.locator("#dry-run-ok")).to_be_attached()
+        expect(page.locator("[data-plan='plan.cmd']")).to_contain_text("own.py --one --two")
+        ada.close()
+    finally:
+        server.stop()
+        kill_job_processes(tmp_path / "data")

@@ -20,6 +20,10 @@ import {
 } from "../util.js";
 
 const LOG_LINES = 40;
+/** Keys of a metric point drawn in the panels above; any other number is a series of its own. */
+const KNOWN = new Set(["step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "time"]);
+/** At most this many extra series get a chart. */
+const MAX_EXTRA = 8;
 const LOG_REFRESH_MS = 4000;
 const DATA_ROWS = 50;
 
@@ -42,6 +46,11 @@ export function renderJob(main, jobId) {
   const copy = h("button", { type: "button", id: "copy-job" }, t("job.copy"));
   const tiles = h("dl", { class: "tiles", id: "job-tiles" });
   const meta = h("p", { class: "muted", id: "job-meta" });
+  const queue = h("p", { id: "job-queue", hidden: true });
+  const extra = h("div", { class: "charts-3", id: "job-extra" });
+  const extraTitle = h("h2", { hidden: true }, t("job.more"));
+  // Extra numeric series (a script's own keys): name -> {values, chart}.
+  const extras = new Map();
   const logScale = h("input", { type: "checkbox", id: "log-scale" });
   const smoothing = h("input", { type: "range", id: "smoothing", min: "0", max: "0.99", step: "0.01", value: "0" });
   const smoothingOut = h("output", { for: "smoothing", id: "smoothing-value" }, "0");
@@ -63,6 +72,7 @@ export function renderJob(main, jobId) {
     h("div", { class: "toolbar" }, title, badge, streamStatus),
     error,
     meta,
+    queue,
     h("div", { class: "toolbar" }, cancel, resume, copy),
     tiles,
     failure,
@@ -92,6 +102,8 @@ export function renderJob(main, jobId) {
       h("section", {}, h("h3", {}, t("job.grad")), gradEl),
       h("section", {}, h("h3", {}, t("job.tps")), tpsEl),
     ),
+    extraTitle,
+    extra,
     checkpoints,
     attempts,
     h("h2", {}, t("job.history")),
@@ -137,6 +149,20 @@ export function renderJob(main, jobId) {
     lrChart.setData([series.step, series.lr]);
     gradChart.setData([series.step, series.grad]);
     tpsChart.setData([series.step, series.tps]);
+    for (const e of extras.values()) e.chart.setData([series.step, e.values]);
+  }
+
+  /** The series of a key no panel above draws: created on its first value. */
+  function extraSeries(key) {
+    if (extras.has(key)) return extras.get(key);
+    if (extras.size >= MAX_EXTRA) return null;
+    const el = h("div", { class: "chart", id: `chart-extra-${key}` });
+    extra.append(h("section", {}, h("h3", {}, key), el));
+    extraTitle.hidden = false;
+    const entry = { values: new Array(series.step.length - 1).fill(null), chart: small(el, key, colors[(extras.size + 5) % colors.length]) };
+    charts.push(entry.chart);
+    extras.set(key, entry);
+    return entry;
   }
 
   let frame = 0;
@@ -158,6 +184,10 @@ export function renderJob(main, jobId) {
     series.lr.push(num(p.lr));
     series.grad.push(num(p.grad_norm));
     series.tps.push(num(p.tokens_per_s));
+    for (const [key, value] of Object.entries(p)) {
+      if (!KNOWN.has(key) && typeof value === "number") extraSeries(key);
+    }
+    for (const [key, e] of extras) e.values.push(num(p[key]));
     const row = h("tr", {}, h("td", { class: "num" }, p.step), h("td", { class: "num" }, fmt(p.loss)),
       h("td", { class: "num" }, fmt(p.val_loss)));
     dataTable.prepend(row);
@@ -215,13 +245,18 @@ export function renderJob(main, jobId) {
     cancel.disabled = Boolean(job.cancel_requested);
     meta.textContent = [
       `id ${job.id}`,
+      job.user ? `${t("job.user")} ${job.user}` : "",
       `${t("job.nproc")} ${job.nproc_per_node}`,
+      job.gpus && job.gpus.length ? `${t("job.gpus")} ${job.gpus.join(",")}` : "",
+      job.priority ? `${t("job.priority")} ${job.priority}` : "",
       `${t("job.created")} ${fmtTime(job.created_at)}`,
       job.started_at ? `${t("job.started")} ${fmtTime(job.started_at)}` : "",
       job.finished_at ? `${t("job.finished")} ${fmtTime(job.finished_at)}` : "",
     ].filter(Boolean).join(" · ");
+    queue.hidden = !(job.state === "queued" && job.queue_reason);
+    queue.textContent = queue.hidden ? "" : t("job.queue", { n: job.queue_position ?? "—", reason: job.queue_reason });
     tiles.replaceChildren(
-      ...tile(t("col.step"), `${s.last_step ?? 0} / ${s.steps}`, "tile-step"),
+      ...tile(t("col.step"), s.steps ? `${s.last_step ?? 0} / ${s.steps}` : `${s.last_step ?? 0}`, "tile-step"),
       ...tile(t("col.loss"), fmt(s.last_loss), "tile-loss"),
       ...tile(t("col.val"), fmt(s.last_val_loss), "tile-val"),
       ...tile(t("col.tps"), fmt(s.tokens_per_s, 3), "tile-tps"),
@@ -260,8 +295,9 @@ export function renderJob(main, jobId) {
           .flatMap(([k, v]) => tile(k, typeof v === "number" ? fmt(v, 6) : String(v), null))),
       );
     }
-    const { name, nproc_per_node, train } = job;
-    spec.textContent = JSON.stringify({ name, nproc_per_node, train }, null, 2);
+    const { name, nproc_per_node, train, script, priority, gpus_per_node } = job;
+    const shown = { name, nproc_per_node, priority, gpus_per_node, ...(script ? { script } : { train }) };
+    spec.textContent = JSON.stringify(shown, null, 2);
   }
 
   function genericTable(items) {
@@ -312,6 +348,10 @@ export function renderJob(main, jobId) {
           scheduleDraw();
         } else if (type === "state" && job && data.state && data.state !== job.state) {
           refresh().catch(() => {});
+        } else if (type === "state" && job && data.state === "queued") {
+          job.queue_position = data.queue_position;
+          job.queue_reason = data.queue_reason;
+          show();
         }
       },
       // The stream is over: its last `end` event, or a reconnect answered 204 because the

@@ -1,5 +1,6 @@
-// Jobs page: newest first, filter by state, pages of 25, live from the event streams of
-// the running jobs on the page (and a list refresh for new jobs and state changes).
+// Jobs page: newest first, filter by state (and, for an admin of a server with users, by
+// user), pages of 25, live from the event streams of the running jobs on the page (and a
+// list refresh for new jobs and state changes). A queued job shows why it waits.
 import { api } from "../api.js";
 import { t } from "../i18n.js";
 import { followEvents } from "../sse.js";
@@ -22,6 +23,7 @@ const MAX_STREAMS = 3;
 
 export function renderJobs(main, params) {
   const state = params.get("state") || "";
+  const owner = params.get("user") || "";
   const cursors = (params.get("at") || "").split(",").filter(Boolean);
   const selected = new Set();
   const rows = new Map();
@@ -35,7 +37,11 @@ export function renderJobs(main, params) {
     h("option", { value: "" }, t("jobs.all")),
     STATES.map((s) => h("option", { value: s, selected: s === state }, t(`state.${s}`))),
   );
-  filter.addEventListener("change", () => navigate(filter.value ? `#/jobs?state=${filter.value}` : "#/jobs"));
+  filter.addEventListener("change", () => navigate(listHash(filter.value, owner)));
+  const userFilter = h("select", { id: "user-filter", hidden: true }, h("option", { value: "" }, t("jobs.all_users")));
+  const userLabel = h("label", { for: "user-filter", hidden: true }, t("jobs.user"));
+  userFilter.addEventListener("change", () => navigate(listHash(state, userFilter.value)));
+  let showUser = false;
   const compare = h("button", { type: "button", id: "compare-selected", disabled: true }, t("jobs.compare"));
   compare.addEventListener("click", () => navigate(`#/compare?ids=${[...selected].join(",")}`));
   const body = h("tbody");
@@ -43,12 +49,15 @@ export function renderJobs(main, params) {
   const empty = h("p", { class: "muted", hidden: true }, t("jobs.empty"));
   const pager = h("div", { class: "pager" });
   const cols = [
-    ["", ""], ["col.name", ""], ["col.state", ""], ["col.step", "num"], ["col.loss", "num"],
-    ["col.val", "num"], ["col.tps", "num opt"], ["col.elapsed", "num opt"], ["col.eta", "num opt"],
+    ["", ""], ["col.name", ""], ["col.user", "user"], ["col.state", ""], ["col.step", "num"],
+    ["col.loss", "num"], ["col.val", "num"], ["col.tps", "num opt"], ["col.elapsed", "num opt"],
+    ["col.eta", "num opt"],
   ];
+  const head = h("tr", {}, cols.map(([key, cls]) => h("th", { class: cls, scope: "col" }, key ? t(key) : "")));
   main.append(
     h("h1", {}, t("jobs.title")),
-    h("div", { class: "toolbar" }, h("label", { for: "state-filter" }, t("jobs.filter")), filter, compare),
+    h("div", { class: "toolbar" }, h("label", { for: "state-filter" }, t("jobs.filter")), filter,
+      userLabel, userFilter, compare),
     error,
     h(
       "div",
@@ -56,7 +65,7 @@ export function renderJobs(main, params) {
       h(
         "table",
         { id: "jobs-table" },
-        h("thead", {}, h("tr", {}, cols.map(([key, cls]) => h("th", { class: cls, scope: "col" }, key ? t(key) : "")))),
+        h("thead", {}, head),
         body,
       ),
     ),
@@ -64,9 +73,38 @@ export function renderJobs(main, params) {
     pager,
   );
 
+  function listHash(stateValue, userValue) {
+    const query = new URLSearchParams();
+    if (stateValue) query.set("state", stateValue);
+    if (userValue) query.set("user", userValue);
+    const text = query.toString();
+    return text ? `#/jobs?${text}` : "#/jobs";
+  }
+
+  /** Show the user column on a server with users, and the user filter to its admins. */
+  async function setUpUsers() {
+    let me;
+    try {
+      me = await api("GET", "/v1/me");
+    } catch {
+      return;
+    }
+    showUser = me.name !== null;
+    for (const cell of main.querySelectorAll(".user")) cell.hidden = !showUser;
+    if (!showUser || !me.admin) return;
+    try {
+      const users = await api("GET", "/v1/users");
+      userFilter.append(...users.items.map((u) => h("option", { value: u.name, selected: u.name === owner }, u.name)));
+      userFilter.hidden = userLabel.hidden = false;
+    } catch {
+      /* not an admin after all */
+    }
+  }
+
   function pageHash(list) {
     const query = new URLSearchParams();
     if (state) query.set("state", state);
+    if (owner) query.set("user", owner);
     if (list.length) query.set("at", list.join(","));
     const text = query.toString();
     return text ? `#/jobs?${text}` : "#/jobs";
@@ -97,6 +135,7 @@ export function renderJobs(main, params) {
       const tds = {
         pick: h("td", {}, box),
         name: h("td", {}, h("a", { href: `#/job/${job.id}` }, jobLabel(job))),
+        user: h("td", { class: "user", hidden: !showUser }),
         state: h("td", {}),
         step: h("td", { class: "num" }),
         loss: h("td", { class: "num" }),
@@ -111,6 +150,10 @@ export function renderJobs(main, params) {
     row.job = job;
     row.tr.dataset.state = job.state;
     row.tds.state.replaceChildren(stateBadge(job.state));
+    if (job.state === "queued" && job.queue_reason) {
+      row.tds.state.append(h("span", { class: "queue-reason muted" }, job.queue_reason));
+    }
+    row.tds.user.textContent = job.user || t("none");
     for (const [key, text] of Object.entries(cells(job))) row.tds[key].textContent = text;
     return row;
   }
@@ -129,6 +172,7 @@ export function renderJobs(main, params) {
           if (data.tokens_per_s !== undefined) next.summary.tokens_per_s = data.tokens_per_s;
         } else if (type === "state" || type === "end") {
           if (data.state) next.state = data.state;
+          if (data.queue_reason !== undefined) next.queue_reason = data.queue_reason;
         }
         upsert(next);
       },
@@ -145,6 +189,7 @@ export function renderJobs(main, params) {
   async function load() {
     const query = new URLSearchParams({ limit: String(PAGE) });
     if (state) query.set("state", state);
+    if (owner) query.set("user", owner);
     const cursor = cursors[cursors.length - 1];
     if (cursor) query.set("cursor", cursor);
     try {
@@ -180,7 +225,8 @@ export function renderJobs(main, params) {
     if (!closed) timer = setTimeout(load, REFRESH_MS);
   }
 
-  load();
+  setUpUsers().finally(load);
+  for (const cell of head.querySelectorAll(".user")) cell.hidden = true;
   return () => {
     closed = true;
     clearTimeout(timer);

@@ -1,6 +1,7 @@
 // Submit: a form built from the server's OpenAPI schema of the job spec (fields, bounds,
 // defaults, descriptions), the dry run (/v1/jobs:validate) as the user types, the API's
-// validation errors next to their fields, and a "DMuon vs AdamW" pair.
+// validation errors next to their fields, and a "DMuon vs AdamW" pair. A job runs the
+// recipe (`train`) or a script of the user's (`script`): a switch shows one group.
 import { api, newIdempotencyKey, openapi } from "../api.js";
 import { t } from "../i18n.js";
 import { navigate } from "../ui.js";
@@ -76,12 +77,34 @@ export function renderSubmit(main, params) {
   const plan = h("section", { class: "plan", id: "dry-run", "aria-live": "polite" });
   main.append(h("h1", {}, t("submit.title")), note, formError, form);
 
+  // Which program the job runs ("train" or "script"), and the groups only one of them has.
+  let kind = "train";
+  let pairButton = null;
+  const kindOnly = { train: ["train", "init_from"], script: ["script"] };
+  const groupBoxes = new Map();
+
+  function setKind(value) {
+    kind = value;
+    for (const [name, box] of groupBoxes) {
+      box.hidden = Object.entries(kindOnly).some(([k, names]) => k !== kind && names.includes(name));
+    }
+    const radio = document.getElementById(`kind-${kind}`);
+    if (radio) radio.checked = true;
+    if (pairButton) pairButton.hidden = kind !== "train"; // the pair compares optimizers
+  }
+
+  function inKind(f) {
+    return !Object.entries(kindOnly).some(([k, names]) => k !== kind && names.includes(f.path[0]));
+  }
+
   function setValues(values) {
     for (const f of fields) {
       const value = f.path.reduce((node, k) => (node == null ? undefined : node[k]), values);
       const input = controls.get(f.key);
-      input.value = value === undefined || value === null ? "" : String(value);
+      if (Array.isArray(value)) input.value = value.join("\n");
+      else input.value = value === undefined || value === null ? "" : String(value);
     }
+    if (groupBoxes.has("script")) setKind(values && values.script ? "script" : "train");
   }
 
   function defaults() {
@@ -99,10 +122,13 @@ export function renderSubmit(main, params) {
   function body() {
     const out = {};
     for (const f of fields) {
+      if (!inKind(f)) continue;
       const raw = controls.get(f.key).value.trim();
       if (raw === "") continue;
       let value = raw;
-      if (f.type === "integer" || f.type === "number") {
+      if (f.type === "array") {
+        value = controls.get(f.key).value.split("\n").map((line) => line.trim()).filter(Boolean);
+      } else if (f.type === "integer" || f.type === "number") {
         const n = Number(raw);
         if (raw !== "" && Number.isFinite(n)) value = n;
       }
@@ -190,7 +216,9 @@ export function renderSubmit(main, params) {
     const hintId = `hint-${f.id}`;
     const errId = `err-${f.id}`;
     let input;
-    if (f.choices) {
+    if (f.type === "array") {
+      input = h("textarea", { id: f.id, name: f.key, rows: "3", placeholder: t("submit.args") });
+    } else if (f.choices) {
       input = h("select", { id: f.id, name: f.key },
         f.optional ? h("option", { value: "" }, "") : null,
         f.choices.map((c) => h("option", { value: String(c) }, String(c))));
@@ -238,13 +266,28 @@ export function renderSubmit(main, params) {
     const optimizer = fields.find((f) => f.key === "train.optimizer");
     const canPair = optimizer && optimizer.choices && ["dmuon", "adamw"].every((c) => optimizer.choices.includes(c));
     const pair = canPair ? h("button", { type: "button", id: "submit-pair", "aria-describedby": "pair-help" }, t("submit.pair")) : null;
+    pairButton = pair;
+    const hasScript = groups.some((g) => g.group[0] === "script");
+    const kindSwitch = hasScript
+      ? h("fieldset", { id: "kind" }, h("legend", {}, t("submit.kind")),
+        ...["train", "script"].map((k) => h("label", {},
+          h("input", { type: "radio", name: "kind", id: `kind-${k}`, value: k, checked: k === kind,
+            onchange: () => { setKind(k); changed(); } }), " ", t(`submit.kind.${k}`))))
+      : null;
     form.append(
       h("fieldset", {}, h("legend", {}, t("submit.job")), h("div", { class: "form-grid" }, top.flatMap(field))),
-      ...groups.map((g) => h("fieldset", {}, h("legend", {}, groupLegend(g)), h("div", { class: "form-grid" }, g.fields.flatMap(field)))),
+      kindSwitch,
+      ...groups.map((g) => {
+        const box = h("fieldset", { id: `group-${g.group[0]}` }, h("legend", {}, groupLegend(g)),
+          h("div", { class: "form-grid" }, g.fields.flatMap(field)));
+        groupBoxes.set(g.group[0], box);
+        return box;
+      }),
       h("div", { class: "actions" }, submit, pair, reset),
       pair ? h("p", { class: "hint muted", id: "pair-help" }, t("submit.pair_help")) : null,
       plan,
     );
+    setKind(kind);
     reset.addEventListener("click", () => {
       setValues(defaults());
       note.hidden = true;
