@@ -11,6 +11,10 @@
 # with its own torch), the sources are put on PYTHONPATH. Each stage runs under its own time
 # limit and a failed stage does not stop the next; the exit status is 1 if any failed.
 set -uo pipefail
+if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then
+    sed -n '2,/^set -uo pipefail/{/^set -uo/d; s/^# \{0,1\}//; p}' "$0"
+    exit 0
+fi
 cd "$(dirname "$0")/.."
 if [[ -z "${PY:-}" ]]; then
     if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; else PY=python3; fi

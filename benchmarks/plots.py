@@ -21,15 +21,21 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 RESULTS = Path(__file__).parent / "results"
 OUT = Path(__file__).resolve().parents[1] / "docs" / "assets" / "benchmarks"
 OUT_ZH = Path(__file__).resolve().parents[1] / "docs" / "zh" / "assets" / "benchmarks"
 """The Chinese pages resolve images under their own folder, so they get a copy."""
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the file backend (imported when a plot is drawn, so that
+    ``--help`` works without the ``bench`` extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _load(name: str) -> Any | None:
@@ -39,6 +45,7 @@ def _load(name: str) -> Any | None:
 
 def step_ratios(result: dict[str, Any], path: Path) -> None:
     """Grouped bars: each contender's step time over AdamW's (same mode), per accumulation."""
+    plt = _pyplot()
     accums = sorted({r["accum"] for r in result["rows"]})
     names = [c for c in result["contenders"] if any(r["contender"] == c for r in result["rows"])]
     width = 0.8 / max(1, len(names))
@@ -62,6 +69,7 @@ def step_ratios(result: dict[str, Any], path: Path) -> None:
 
 def loss_curves(result: dict[str, Any], path: Path) -> None:
     """Validation loss against step for every (optimizer, rate); the best runs drawn bold."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = {"dmuon": "tab:blue", "adamw": "tab:orange"}
     for run in result["runs"]:
@@ -89,6 +97,7 @@ def loss_curves(result: dict[str, Any], path: Path) -> None:
 
 def scaling(result: dict[str, Any], path: Path) -> None:
     """Two panels: step time per preset and rank count; elements moved per rank."""
+    plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     labels = [f"{r['model']}\nN={r['nproc']}" for r in result["runs"]]
     contenders = sorted({row["contender"] for r in result["runs"] for row in r["rows"]})

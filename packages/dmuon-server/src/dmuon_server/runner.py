@@ -155,14 +155,12 @@ def run(job_dir: Path, torchrun_args: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``python -m dmuon_server.runner --job-dir DIR -- <torchrun args>``."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--" not in argv:
-        print(
-            "usage: python -m dmuon_server.runner --job-dir DIR -- <torchrun args>",
-            file=sys.stderr,
-        )
-        return 2
-    split = argv.index("--")
-    parser = argparse.ArgumentParser(prog="python -m dmuon_server.runner")
+    parser = argparse.ArgumentParser(
+        prog="python -m dmuon_server.runner",
+        usage="%(prog)s --job-dir DIR [--ignore-sigterm] -- <torchrun args>",
+        description="Run torchrun for a job of dmuon-server and write DIR/exit.json, however "
+        "it ends (the server spawns this; it is not meant to be run by hand).",
+    )
     parser.add_argument("--job-dir", type=Path, required=True)
     parser.add_argument(
         "--ignore-sigterm",
@@ -170,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         help="let SIGTERM pass this process by (the ranks get their own); for launchers "
         "that signal every process of a job at once, such as Slurm's scancel",
     )
+    if "--" not in argv:
+        if {"-h", "--help"} & set(argv):
+            parser.print_help()
+            return 0
+        parser.print_usage(sys.stderr)
+        return 2
+    split = argv.index("--")
     args = parser.parse_args(argv[:split])
     if args.ignore_sigterm:
         # A Python handler, not SIG_IGN: the ranks torchrun starts get the default action
