@@ -164,6 +164,11 @@ def test_the_job_script_comes_from_the_stored_command(tmp_path: Path) -> None:
     assert "--standalone" not in text  # the nodes meet through c10d rendezvous instead
     assert "--signals-to-handle=SIGINT,SIGHUP,SIGQUIT" in text
     assert (job_dir / "slurm-attempt-2.sh").is_file()
+    assert "--gpus-per-node" not in text  # none asked for
+    with_gpus = JobCreate.model_validate({**job_spec(2), "gpus_per_node": 2})
+    text = write_batch_script(settings, with_gpus, job_dir, 3, script[-5:]).read_text()
+    assert "#SBATCH --gpus-per-node=2" in text  # the spec's count: Slurm picks the devices
+    assert "/code/train.py \\\n    -m x \\\n    --lr 1\n" in text  # one argv entry each
 
 
 @pytest.mark.parametrize(
