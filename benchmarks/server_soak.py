@@ -237,10 +237,11 @@ def main(argv: list[str] | None = None) -> int:
         timings: dict[str, Any] = {"list": [], "get": [], "errors": 0, "samples": 0, "shared": []}
         poller = threading.Thread(target=poll, args=(server, ids, stop, timings), daemon=True)
         poller.start()
-        # Streams of jobs spread over the queue: early ones, and ones that start after the
-        # restart.
-        step = max(1, args.jobs // args.clients)
-        followers = [Follower(server, ids[k * step], stop) for k in range(args.clients)]
+        # Streams of priority-0 jobs spread over the queue: early ones, ones the restart
+        # catches running, and ones that start after it.
+        plain = [job_id for i, job_id in enumerate(ids) if spec(i, 1, "fake")["priority"] == 0]
+        step = max(1, len(plain) // args.clients)
+        followers = [Follower(server, plain[k * step], stop) for k in range(args.clients)]
         for f in followers:
             f.start()
 

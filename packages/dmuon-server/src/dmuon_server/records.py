@@ -5,10 +5,18 @@ from __future__ import annotations
 import json
 import sqlite3
 from dataclasses import dataclass, fields
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 from dmuon_server.schemas import JobCreate
+
+
+@lru_cache(maxsize=4096)
+def parse_spec(text: str) -> JobCreate:
+    """A stored spec, parsed once: every view and round of the scheduler reads the specs
+    of many jobs, which change only when a job is resumed. Treat the result as read-only
+    (``model_copy`` makes a changed one)."""
+    return JobCreate.model_validate_json(text)
 
 
 @dataclass(frozen=True)
@@ -73,8 +81,8 @@ class JobRecord:
 
     @cached_property
     def spec_model(self) -> JobCreate:
-        """The spec, parsed."""
-        return JobCreate.model_validate_json(self.spec)
+        """The spec, parsed (shared between records of the same spec: read-only)."""
+        return parse_spec(self.spec)
 
     @property
     def steps(self) -> int | None:
