@@ -299,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         server.stop("term")
         reads = timings["list"] + timings["get"]
         result = {
+            "load_average_at_end": os.getloadavg(),
+            "cpus": os.cpu_count(),
             "jobs": args.jobs,
             "clients": args.clients,
             "steps": args.steps,
