@@ -306,8 +306,14 @@ def test_users_queue_reasons_and_script_jobs_on_the_dashboard(
         )
         assert values == [10.0 * s for s in range(1, 7)]
         expect(page.locator("#job-spec")).to_contain_text('"path": "own.py"')
-        # The form runs a script once its kind is chosen: the recipe's group goes away.
+        # The form starts from the newest job, the script one: its group is the one shown;
+        # the switch brings the recipe's back, and takes it away again.
         page.goto(f"{server.url}/#/submit")
+        expect(page.locator("#prefill-note")).to_be_visible()
+        expect(page.locator("#group-script")).to_be_visible()
+        expect(page.locator("#group-train")).to_be_hidden()
+        assert page.input_value("#field-script-path") == "own.py"
+        page.check("#kind-train")
         expect(page.locator("#group-train")).to_be_visible()
         expect(page.locator("#group-script")).to_be_hidden()
         page.check("#kind-script")
