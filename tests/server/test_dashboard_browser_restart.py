@@ -103,22 +103,31 @@ def service(tmp_path: Path) -> Iterator[Service]:
         kill_job_processes(svc.data_dir)
 
 
-@pytest.fixture
-def browser_context() -> Iterator[Any]:
-    """A Chromium context (1280x900); uncaught errors of its pages fail the test."""
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    """One Chromium for the module."""
     missing = _missing()
     if missing is not None:
         pytest.fail(f"CI must run the browser tests: {missing}")
-    errors: list[str] = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        context = browser.new_context(viewport={"width": 1280, "height": 900}, locale="en-US")
-        context.set_default_timeout(30_000)
-        context.on("page", lambda page: page.on("pageerror", lambda e: errors.append(str(e))))
+        chromium = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         try:
-            yield context
+            yield chromium
         finally:
-            browser.close()
+            chromium.close()
+
+
+@pytest.fixture
+def browser_context(browser: Any) -> Iterator[Any]:
+    """A fresh context (1280x900) of the browser; uncaught errors of its pages fail the test."""
+    errors: list[str] = []
+    context = browser.new_context(viewport={"width": 1280, "height": 900}, locale="en-US")
+    context.set_default_timeout(30_000)
+    context.on("page", lambda page: page.on("pageerror", lambda e: errors.append(str(e))))
+    try:
+        yield context
+    finally:
+        context.close()
     assert not errors, f"uncaught errors in the page: {errors}"
 
 

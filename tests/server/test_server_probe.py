@@ -132,7 +132,7 @@ def test_poisoned_metrics_lines_are_skipped_and_nothing_else_stops(
 
 def test_without_a_token_only_the_servers_own_names_are_answered(start_server: Start) -> None:
     """DNS rebinding: a page of another site reaches a loopback port under its own name."""
-    server = start_server()
+    server = start_server("--allowed-host", "dmuon.lan")
     port = urlsplit(server.url).port
     assert port is not None
     evil = {"Host": f"attacker.example:{port}", "Origin": f"http://attacker.example:{port}"}
@@ -153,7 +153,7 @@ def test_without_a_token_only_the_servers_own_names_are_answered(start_server: S
             assert r.status_code == 400, (method, path, r.text)
             assert r.headers["content-type"].startswith("application/problem+json")
             assert "--allowed-host" in r.json()["detail"]
-        for host in ("127.0.0.1", "localhost", "[::1]", "LocalHost."):
+        for host in ("127.0.0.1", "localhost", "[::1]", "LocalHost.", "dmuon.lan"):
             assert c.get("/v1/jobs", headers={"Host": f"{host}:{port}"}).status_code == 200
         # Writes from a browser must come from the server's own origin.
         r = c.post("/v1/jobs:validate", json=job_spec(1), headers={"Origin": server.url})
@@ -166,11 +166,6 @@ def test_without_a_token_only_the_servers_own_names_are_answered(start_server: S
         assert [j["id"] for j in c.get("/v1/jobs").json()["items"]] == [job]
         assert c.get(f"/v1/jobs/{job}").status_code == 200
     server.stop()
-    named = start_server("--allowed-host", "dmuon.lan")
-    with named.client() as c:
-        assert c.get("/v1/jobs", headers={"Host": f"dmuon.lan:{port}"}).status_code == 200
-        assert c.get("/v1/jobs", headers=evil).status_code == 400
-    named.stop()
     # With a token (and no --allowed-host) the token is the defence; Host is not checked.
     tokened = start_server("--token", "probe-token")
     auth = {"Authorization": "Bearer probe-token"}
@@ -309,8 +304,5 @@ def test_logs_hide_the_installation_and_resumed_jobs_queue_at_the_end(
         resumed = c.post(f"/v1/jobs/{short}/resume", json={"steps": 4})
         assert resumed.status_code == 202 and resumed.json()["queue_position"] == 2
         assert c.get(f"/v1/jobs/{waiting}").json()["queue_position"] == 1
-        c.post(f"/v1/jobs/{running}/cancel")
-        wait_until(lambda: c.get(f"/v1/jobs/{waiting}").json()["state"] == "running", 60, "next")
-        assert c.get(f"/v1/jobs/{short}").json()["queue_position"] == 1
-        for job_id in (waiting, short):
+        for job_id in (short, waiting, running):
             c.post(f"/v1/jobs/{job_id}/cancel")
