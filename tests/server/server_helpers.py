@@ -207,7 +207,9 @@ class LiveServer:
     def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         """Remember how to start it; :meth:`start` does."""
         self.data_dir = data_dir
-        self.extra = list(extra)
+        # Tests say which GPUs the server has: none unless they declare some (on a GPU host
+        # `--gpus auto` would make jobs wait for devices the test does not know about).
+        self.extra = list(extra) if "--gpus" in extra else [*extra, "--gpus", "none"]
         self.env = {**os.environ, **(env or {})}
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
