@@ -124,7 +124,9 @@ def max_diff(a: nn.Module, b: nn.Module, names: list[str] | None = None) -> floa
 
 
 def others(names: list[str] = DEDICATED) -> list[str]:
-    return [n for n, p in make_model().named_parameters() if n not in names and p.requires_grad]
+    """The AdamW group's parameters: every other one, frozen ones included (they train once
+    unfrozen, as with torch.optim.AdamW(model.parameters()))."""
+    return [n for n in dict(make_model().named_parameters()) if n not in names]
 
 
 # --------------------------------------------------------------------------- groups

@@ -31,6 +31,7 @@ audit: they move state between owners and state-dict layouts, not training traff
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -239,6 +240,17 @@ class Communicator:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._recent_work: deque[dist.Work] = deque(maxlen=RECENT_WORK_KEPT)
 
+    def separate_from(self, other: dist.ProcessGroup) -> None:
+        """Issue collectives on process groups of their own where this communicator's share
+        ranks with ``other`` (the group of a DDP wrapper), so that neither schedule can
+        interleave with the other. Every rank calls it at the same point."""
+        from dmuon.ownership.ddp_integration import separate_group
+
+        if self.group is not None:
+            self.group = separate_group(self.group, other)
+        if self.replicate_group is not None:
+            self.replicate_group = separate_group(self.replicate_group, other)
+
     def _global(self, group_rank: int) -> int:
         assert self.group is not None
         return dist.get_global_rank(self.group, group_rank)
@@ -273,7 +285,14 @@ class Communicator:
                 "forwards and backwards (same hook boundaries, same no_sync blocks)."
             )
 
-    def _issue(self, kind: str, tensor: torch.Tensor, root: int, call, dim: str = SHARD) -> Pending:
+    def _issue(
+        self,
+        kind: str,
+        tensor: torch.Tensor,
+        root: int,
+        call: Callable[[], dist.Work | None],
+        dim: str = SHARD,
+    ) -> Pending:
         if self.check_collectives:
             self._check_same_everywhere(kind, tensor, root, dim)
         self.audit.record(kind, tensor, dim)

@@ -36,12 +36,7 @@ MISSING, FULL, SHARDED, BAD_SHAPE = 0, 1, 2, 3
 
 def dedication_mesh(state: DedicationState) -> DeviceMesh | None:
     """The mesh of the dedication: 1-D, or 2-D under HSDP (``None`` with one shard rank)."""
-    comm = state.runtime.comm
-    if comm.group is None:
-        return None
-    if state.mesh is None:
-        state.mesh = DeviceMesh.from_group(comm.group, comm.device.type)
-    return state.mesh
+    return state.mesh if state.runtime.comm.group is not None else None
 
 
 def _rows_per_chunk(rows: int, world: int) -> int:

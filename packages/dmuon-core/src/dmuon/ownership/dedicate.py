@@ -13,14 +13,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon.comm import CommAudit, Communicator
+from dmuon.ownership.ddp_integration import keep_out_of_ddp
 from dmuon.ownership.experts import (
     expert_stacks,
     fused_gate_up_parts,
     routing_gate_ids,
     stores_in_out,
 )
+from dmuon.ownership.flat_buffer import FlatBuffer
 from dmuon.ownership.fsdp_integration import install_fsdp_filter, is_fsdp_module, mark_dedicated
-from dmuon.ownership.packed_group import PackedGroup
 from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.planner import (
     ExpertRange,
@@ -32,8 +33,7 @@ from dmuon.ownership.planner import (
     plan_owners,
 )
 from dmuon.ownership.runtime import Boundary, DedicationRuntime
-from dmuon.ownership.split_stack import SplitStack
-from dmuon.ownership.state import STATE_ATTR, DedicationState
+from dmuon.ownership.state import STATE_ATTR, DedicationState, attach
 
 ROOT_BOUNDARY = ""
 
@@ -138,7 +138,7 @@ def _select(
     for module_name, module in model.named_modules():
         stacks = expert_stacks(module)
         for attr, param in module._parameters.items():
-            if param is None or not param.requires_grad:
+            if param is None:
                 continue
             fqn = f"{module_name}.{attr}" if module_name else attr
             if names_of[id(param)][0] != fqn:
@@ -201,51 +201,88 @@ def _master_data(
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
-def _split_ranges(
+def _records(
     fqn: str,
     module: nn.Module,
     attr: str,
     param: nn.Parameter,
-    ranges: tuple[ExpertRange, ...],
+    owners: tuple[ExpertRange, ...] | int,
     comm_rank: int,
     device: torch.device,
     boundary: str,
     transposed: bool,
 ) -> list[DedicatedParam]:
-    """One record per range of a stack split by experts; the stack becomes a placeholder.
+    """The dedication records of one selected parameter.
 
-    A range's owner keeps a float32 master of its experts; every other rank, and the
-    module itself on every rank, a 0-element placeholder.
+    ``owners`` is one owner rank (the parameter stays whole) or the ranges of a stack split
+    by experts. Whole: one record; the parameter becomes its owner's float32 master and a
+    0-element placeholder elsewhere. Split: one record per range; a range's owner keeps a
+    float32 master of its experts, and the stack becomes a 0-element placeholder on every
+    rank (what the module holds between forwards).
     """
-    stack_shape = param.shape
+    whole = isinstance(owners, int)
+    full_shape = param.shape
+    ranges = [ExpertRange(0, int(full_shape[0]), owners)] if whole else list(owners)
     records = []
     for start, stop, owner in ranges:
         is_owned = owner == comm_rank
-        # A copy: a view of the slice would keep the whole stack's storage alive.
-        data = _master_data(param.data[start:stop], is_owned, device, copy=True)
-        master = nn.Parameter(data, requires_grad=param.requires_grad)
-        mark_dedicated(master, fqn)
+        if whole:
+            with torch.no_grad():
+                param.data = _master_data(param.data, is_owned, device)
+            master = param
+        else:
+            # A copy: a view of the slice would keep the whole stack's storage alive.
+            data = _master_data(param.data[start:stop], is_owned, device, copy=True)
+            master = nn.Parameter(data, requires_grad=param.requires_grad)
+            mark_dedicated(master, fqn)
         records.append(
             DedicatedParam(
                 fqn=fqn,
                 module=module,
                 attr=attr,
                 owner=owner,
-                shape=torch.Size((stop - start, *stack_shape[1:])),
+                shape=full_shape if whole else torch.Size((stop - start, *full_shape[1:])),
                 param=master,
                 boundary=boundary,
                 is_owned=is_owned,
                 transposed=transposed,
                 fused_parts=fused_gate_up_parts(fqn, module, attr),
-                experts=(start, stop),
-                registered=param,
-                stack_shape=stack_shape,
+                experts=None if whole else (start, stop),
+                registered=None if whole else param,
+                stack_shape=None if whole else full_shape,
             )
         )
-    with torch.no_grad():
-        param.data = torch.empty(0, dtype=torch.float32, device=device)
+    if not whole:
+        with torch.no_grad():
+            param.data = torch.empty(0, dtype=torch.float32, device=device)
     mark_dedicated(param, fqn)
     return records
+
+
+def _flat_buffers(
+    records: list[DedicatedParam], dtype: torch.dtype, device: torch.device, comm: Communicator
+) -> list[FlatBuffer]:
+    """One boundary's buffers: one per owner of its whole matrices (a packed buffer), then
+    one per stack split by experts (its ranges in expert order), the same on every rank."""
+    by_owner: dict[int, list[DedicatedParam]] = defaultdict(list)
+    by_stack: dict[str, list[DedicatedParam]] = defaultdict(list)
+    for dp in records:
+        if dp.is_range:
+            by_stack[dp.fqn].append(dp)
+        else:
+            by_owner[dp.owner].append(dp)
+    buffers = []
+    for owner in sorted(by_owner):
+        packed = by_owner[owner]
+        views = [(dp.module, dp.attr, dp.param, [i], dp.fqn) for i, dp in enumerate(packed)]
+        buffers.append(FlatBuffer.build(packed, views, dtype, device, comm))
+    for ranges in by_stack.values():
+        ranges = sorted(ranges, key=lambda dp: dp.experts or (0, 0))
+        first = ranges[0]
+        assert first.registered is not None
+        view = (first.module, first.attr, first.registered, list(range(len(ranges))), first.fqn)
+        buffers.append(FlatBuffer.build(ranges, [view], dtype, device, comm))
+    return buffers
 
 
 def dedicate_params(
@@ -366,40 +403,16 @@ def dedicate_params(
 
     dedicated: list[DedicatedParam] = []
     for fqn, module, attr, param, transposed in selected:
-        if fqn in plan.expert_ranges:
-            dedicated.extend(
-                _split_ranges(
-                    fqn,
-                    module,
-                    attr,
-                    param,
-                    plan.expert_ranges[fqn],
-                    comm_rank,
-                    device,
-                    boundaries[fqn],
-                    transposed,
-                )
-            )
-            continue
-        owner = plan.owners[fqn]
-        is_owned = owner == comm_rank
-        shape = param.shape
-        with torch.no_grad():
-            param.data = _master_data(param.data, is_owned, device)
-        mark_dedicated(param, fqn)
-        dedicated.append(
-            DedicatedParam(
-                fqn=fqn,
-                module=module,
-                attr=attr,
-                owner=owner,
-                shape=shape,
-                param=param,
-                boundary=boundaries[fqn],
-                is_owned=is_owned,
-                transposed=transposed,
-                fused_parts=fused_gate_up_parts(fqn, module, attr),
-            )
+        dedicated += _records(
+            fqn,
+            module,
+            attr,
+            param,
+            plan.expert_ranges.get(fqn, plan.owners.get(fqn, -1)),
+            comm_rank,
+            device,
+            boundaries[fqn],
+            transposed,
         )
 
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
@@ -420,36 +433,31 @@ def dedicate_params(
     module_order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     runtime_boundaries = []
     for name in sorted(by_boundary, key=lambda n: module_order[n]):
-        by_owner: dict[int, list[DedicatedParam]] = defaultdict(list)
-        by_stack: dict[str, list[DedicatedParam]] = defaultdict(list)
-        for dp in by_boundary[name]:
-            if dp.is_range:
-                by_stack[dp.fqn].append(dp)
-            else:
-                by_owner[dp.owner].append(dp)
-        groups: list[PackedGroup | SplitStack] = [
-            PackedGroup(by_owner[owner], owner, buffer_dtype, device, comm)
-            for owner in sorted(by_owner)
-        ]
-        # Then each split stack, in parameter order: the same order on every rank.
-        groups += [SplitStack(ranges, buffer_dtype, device, comm) for ranges in by_stack.values()]
-        runtime_boundaries.append(Boundary(name, model.get_submodule(name), groups))
+        runtime_boundaries.append(
+            Boundary(
+                name,
+                model.get_submodule(name),
+                _flat_buffers(by_boundary[name], buffer_dtype, device, comm),
+            )
+        )
     runtime = DedicationRuntime(
         model, dedicated, runtime_boundaries, comm, reshard_after_forward, param_dtype
     )
     install_fsdp_filter()
+    keep_out_of_ddp(model, [dp.fqn for dp in dedicated])
     atexit.unregister(_collect_before_teardown)  # registered once however many models
     atexit.register(_collect_before_teardown)
-    setattr(
+    attach(
         model,
-        STATE_ATTR,
         DedicationState(
             rank=comm_rank,
             world_size=world_size,
             runtime=runtime,
             params=dedicated,
             plan=plan,
-            mesh=mesh,
+            mesh=mesh
+            if mesh is not None or group is None
+            else DeviceMesh.from_group(group, device.type),
         ),
     )
     return dict(plan.owners)

@@ -15,9 +15,9 @@ class DedicatedParam:
     ``param`` is the parameter registered on the module between forwards: the full float32
     master on the owner, a 0-element placeholder on every other rank. The owner's averaged
     gradient is ``param._reduced_grad``; local accumulation under `no_sync` is
-    ``param._accumulated_grad`` (both ``None`` after ``zero_grad``). Only the ownership
-    runtime writes them; read the reduced gradient with
-    ``DedicationRuntime.reduced_grad``.
+    ``_accumulated_grad`` on the parameter the module holds (both ``None`` after
+    ``zero_grad``). Only `dmuon.ownership.gradients` writes them; read the reduced gradient
+    with ``DedicationRuntime.reduced_grad``.
 
     ``transposed`` is ``True`` for layouts that store the matrix as ``(in, out)`` (the
     ``Conv1D`` of GPT-2-style models); Newton-Schulz does not care, the learning-rate
@@ -69,6 +69,12 @@ class DedicatedParam:
     def module_param(self) -> nn.Parameter:
         """The parameter the module holds between forwards (``registered`` or ``param``)."""
         return self.registered if self.registered is not None else self.param
+
+    @property
+    def view_shape(self) -> torch.Size:
+        """Shape of the tensor the module holds while the boundary runs: the record's own,
+        or the whole stack's for a range of a split stack."""
+        return self.stack_shape if self.stack_shape is not None else self.shape
 
     @property
     def numel(self) -> int:
