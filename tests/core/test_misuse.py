@@ -21,6 +21,7 @@ in another order).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
@@ -191,7 +192,63 @@ def inner_no_sync(rank: int, world: int) -> float:
     return dmuon.comm_audit(model).last_step().units
 
 
-def _cases(rank: int, world: int) -> dict[Any, Any]:
+def reentrant_checkpoint(rank: int, world: int, order: str, mode: str, root: str) -> Any:
+    """torch's reentrant checkpoint_wrapper on every block, applied before or after
+    dedicate_params; two steps, then a DCP round trip into a fresh model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def build() -> tuple[nn.Module, dmuon.Muon]:
+        mesh = init_device_mesh("cpu", (world,))
+        model = make_model(Scenario("wrapped"))
+
+        def wrap() -> None:
+            for i, layer in enumerate(model.layers):
+                model.layers[i] = checkpoint_wrapper(
+                    layer, checkpoint_impl=CheckpointImpl.REENTRANT
+                )
+
+        if order == "before":
+            wrap()
+        dmuon.dedicate_params(model, mesh, reshard_after_forward=mode == "z3")
+        if order == "after":
+            wrap()
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, adamw_lr=3e-3)
+        return model, optimizer
+
+    model, optimizer = build()
+    for step in range(2):
+        loss_of(model, tokens(20 + step, world * MICRO).chunk(world)[rank]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    full = StateDictOptions(full_state_dict=True)
+    trained = dmuon.get_model_state_dict(model, options=full)
+    path = os.path.join(root, f"{order}-{mode}")
+    model_sd, optim_sd = dmuon.get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    fresh, fresh_optimizer = build()
+    model_sd, optim_sd = dmuon.get_state_dict(fresh, fresh_optimizer)
+    dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    dmuon.set_state_dict(
+        fresh, fresh_optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd
+    )
+    return {
+        "trained": {k: v.detach().clone() for k, v in trained.items()},
+        "loaded": dmuon.get_model_state_dict(fresh, options=full),
+        "optim_keys": sorted(optim_sd["state"]),
+    }
+
+
+def _cases(rank: int, world: int, root: str) -> dict[Any, Any]:
     cases: list[tuple[Any, Callable[[], Any]]] = [
         ("model_zero_grad", partial(model_zero_grad, rank, world)),
         ("optimizer_before_fully_shard", partial(optimizer_before_fully_shard, rank, world)),
@@ -205,12 +262,19 @@ def _cases(rank: int, world: int) -> dict[Any, Any]:
         for f in FORWARDS
         for k in ACCUMS
     ]
+    cases += [
+        (("checkpoint", order, mode), partial(reentrant_checkpoint, rank, world, order, mode, root))
+        for order, mode in WRAPPER_CASES
+    ]
     return run_in_order(cases)
 
 
+WRAPPER_CASES = [("after", "z3"), ("after", "z2"), ("before", "z3")]
+
+
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[Any, Any]]:
-    return spawn_ranks(WORLD, _cases)
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[Any, Any]]:
+    return spawn_ranks(WORLD, _cases, str(tmp_path_factory.mktemp("wrapped")))
 
 
 def _case(ranks: list[dict[Any, Any]], key: Any) -> list[Any]:
@@ -292,6 +356,21 @@ def test_torch_clip_grad_norm_is_refused_on_every_rank(ranks) -> None:
 def test_no_sync_on_one_layer_covers_the_whole_model(ranks) -> None:
     # Z3, accumulation 2: 2 x 2 broadcasts and one reduce (not 2 + 2 + 2 = 6).
     assert _case(ranks, "inner_no_sync") == [pytest.approx(5.0)] * WORLD
+
+
+@pytest.mark.parametrize(("order", "mode"), WRAPPER_CASES)
+def test_reentrant_checkpoint_wrapper_in_either_order(ranks, order: str, mode: str) -> None:
+    model = make_model(Scenario("wrapped"))
+    batches = [tokens(20 + step, WORLD * MICRO) for step in range(2)]
+    expected = reference_train(model, MUON_NAMES, batches)
+    plain_keys = sorted(make_model(Scenario("wrapped")).state_dict())
+    for rank, result in enumerate(_case(ranks, ("checkpoint", order, mode))):
+        assert sorted(result["trained"]) == plain_keys, f"rank {rank}"
+        assert all("_checkpoint_wrapped_module" not in k for k in result["optim_keys"])
+        for name, value in expected.items():
+            diff = (result["trained"][name] - value).abs().max().item()
+            assert diff <= 1e-5, f"rank {rank} {name}: {diff:.3g}"
+            assert torch.equal(result["loaded"][name], result["trained"][name]), name
 
 
 # ----- one process ---------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from dmuon.checkpoint import (
 from dmuon.clip import clip_grad_norm_
 from dmuon.comm import CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
+from dmuon.optim.groups import weight_decay_groups
 from dmuon.ownership.dedicate import dedicate_params
 from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
 from dmuon.ownership.planner import ExpertRange, OwnerPlan, default_predicate, plan_owners
@@ -50,4 +51,5 @@ __all__ = [
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",
+    "weight_decay_groups",
 ]

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon.ownership.fsdp_integration import is_dedicated
-from dmuon.ownership.state import get_dedication
+from dmuon.ownership.state import DedicationState, get_dedication
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
@@ -35,6 +35,9 @@ def _groups_of(model: nn.Module) -> tuple[list[dist.ProcessGroup], torch.device]
     if state is not None:
         comm = state.runtime.comm
         groups = [g for g in (comm.group, comm.replicate_group) if g is not None]
+        tp = _tensor_parallel_size(state)
+        if tp is not None and tp[0] > 1:
+            groups.append(tp[1])
         return groups, comm.device
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cpu")
@@ -47,13 +50,22 @@ def _groups_of(model: nn.Module) -> tuple[list[dist.ProcessGroup], torch.device]
 Parts = list[tuple[Tensor, float]]
 
 
+def _tensor_parallel_size(state: DedicationState) -> tuple[int, dist.ProcessGroup] | None:
+    """``(size, group)`` of the model's tensor-parallel mesh, if it has one."""
+    tp = next((dp.tp for dp in state.params if dp.tp is not None), None)
+    return (tp.size, tp.group) if tp is not None else None
+
+
 def _local_parts(model: nn.Module, world: int) -> tuple[Parts, Parts]:
     """``(local gradient, how many ranks hold the same elements)`` of every gradient: the
     dedicated ones (on their owners), then the others."""
     state = get_dedication(model)
     dedicated = {id(dp.param): dp for dp in state.params} if state is not None else {}
-    # Every replica's owner holds the same averaged gradient of its matrices.
+    # Every replica's owner holds the same averaged gradient of its matrices; under tensor
+    # parallelism so does every tp position's, except for the shards of a split matrix.
     owner_copies = float(state.runtime.comm.replicas) if state is not None else 1.0
+    tp = _tensor_parallel_size(state) if state is not None else None
+    tp_copies = float(tp[0]) if tp is not None else 1.0
     owned: Parts = []
     # Dedicated gradients come from the dedication's records (a stack split by experts
     # has one per range, each on its owner), not from the module's parameters.
@@ -61,7 +73,7 @@ def _local_parts(model: nn.Module, world: int) -> tuple[Parts, Parts]:
         assert state is not None
         grad = state.runtime.reduced_grad(dp) if dp.is_owned else None
         if grad is not None:
-            owned.append((grad, owner_copies))
+            owned.append((grad, owner_copies * (1.0 if dp.tp_sharded else tp_copies)))
     parts: Parts = []
     seen: set[int] = set()
     for param in model.parameters():

@@ -54,6 +54,8 @@ _UNITS_PER_ELEMENT = {
     "all_gather": 1,
     "reduce_scatter": 1,
     "all_reduce": 2,
+    "gather": 1,
+    "scatter": 1,
 }
 
 
@@ -66,8 +68,9 @@ class CollectiveTally:
     bytes: int = 0
 
 
-#: The mesh dimensions the audit tells apart.
-SHARD, REPLICATE = "shard", "replicate"
+#: The mesh dimensions the audit tells apart: the ranks sharing owners (data parallel), the
+#: replicas of HSDP, and tensor parallelism.
+SHARD, REPLICATE, TENSOR = "shard", "replicate", "tensor"
 
 
 def _units(by_kind: dict[str, CollectiveTally], dedicated_elements: int) -> float:
@@ -89,20 +92,26 @@ class StepComm:
     """Collectives issued for dedicated parameters during one optimizer step, on this rank.
 
     ``by_kind`` is the shard dimension: the broadcasts and reduces among the ranks that
-    share the matrices' owners (all ranks of a 1-D mesh). ``replicate`` is the replicate
-    dimension of a 2-D (HSDP) mesh: the all-reduces among the owners of the same matrices
-    in the different replicas (empty on a 1-D mesh).
+    share the matrices' owners (all ranks of a 1-D mesh, the dp ranks under tensor
+    parallelism). ``replicate`` is the replicate dimension of a 2-D (HSDP) mesh: the
+    all-reduces among the owners of the same matrices in the different replicas (empty on
+    a 1-D mesh). ``tensor`` is the tensor-parallel dimension: the gathers and scatters of
+    ``optimizer.step()`` among the owners of a tp-sharded matrix' shards.
     """
 
     dedicated_elements: int
     #: Replicas of the mesh (1 on a 1-D mesh); with more, `as_dict` splits by dimension.
     replicas: int = 1
+    #: Elements of the whole dedicated matrices (more than ``dedicated_elements``, this
+    #: rank's shards, under tensor parallelism); ``None``: the same.
+    global_elements: int | None = None
     by_kind: dict[str, CollectiveTally] = field(
         default_factory=lambda: defaultdict(CollectiveTally)
     )
     replicate: dict[str, CollectiveTally] = field(
         default_factory=lambda: defaultdict(CollectiveTally)
     )
+    tensor: dict[str, CollectiveTally] = field(default_factory=lambda: defaultdict(CollectiveTally))
 
     @property
     def units(self) -> float:
@@ -121,6 +130,16 @@ class StepComm:
         """
         return _units(self.replicate, self.dedicated_elements)
 
+    @property
+    def tensor_units(self) -> float:
+        """This rank's tensor-parallel traffic in units of (T-1)/T x P_M elements.
+
+        P_M counts the whole matrices here. A rank gathers and scatters only the matrices
+        its dp position owns, so the dp ranks add up to 2 units per step when every
+        dedicated matrix is tp-sharded (T is the tensor-parallel group's size).
+        """
+        return _units(self.tensor, self.global_elements or self.dedicated_elements)
+
     def count(self, kind: str) -> int:
         """Number of collectives of ``kind`` (``"broadcast"``, ``"reduce"``, ...)."""
         return self.by_kind[kind].count if kind in self.by_kind else 0
@@ -132,14 +151,20 @@ class StepComm:
             "dedicated_elements": self.dedicated_elements,
             "collectives": _tallies(self.by_kind),
         }
+        dimensions: dict[str, object] = {}
         if self.replicas > 1:
-            summary["dimensions"] = {
-                SHARD: {"units": self.units, "collectives": _tallies(self.by_kind)},
-                REPLICATE: {
-                    "units": self.replicate_units,
-                    "collectives": _tallies(self.replicate),
-                },
+            dimensions[REPLICATE] = {
+                "units": self.replicate_units,
+                "collectives": _tallies(self.replicate),
             }
+        if self.global_elements is not None:
+            dimensions[TENSOR] = {
+                "units": self.tensor_units,
+                "collectives": _tallies(self.tensor),
+            }
+        if dimensions:
+            shard = {SHARD: {"units": self.units, "collectives": _tallies(self.by_kind)}}
+            summary["dimensions"] = shard | dimensions
         return summary
 
 
@@ -150,19 +175,23 @@ class CommAudit:
     it into ``steps`` (one `StepComm` per optimizer step). ``total`` counts everything.
     """
 
-    def __init__(self, dedicated_elements: int, replicas: int = 1) -> None:
+    def __init__(
+        self, dedicated_elements: int, replicas: int = 1, global_elements: int | None = None
+    ) -> None:
         self.dedicated_elements = dedicated_elements
         self.replicas = replicas
-        self.current = StepComm(dedicated_elements, replicas)
-        self.total = StepComm(dedicated_elements, replicas)
+        self.global_elements = global_elements
+        self.current = self._new_step()
+        self.total = self._new_step()
         self.steps: list[StepComm] = []
+
+    def _new_step(self) -> StepComm:
+        return StepComm(self.dedicated_elements, self.replicas, self.global_elements)
 
     def record(self, kind: str, tensor: torch.Tensor, dim: str = SHARD) -> None:
         """Add one collective of ``kind`` over mesh dimension ``dim`` that moved ``tensor``."""
-        if dim == SHARD:
-            tallies = (self.current.by_kind[kind], self.total.by_kind[kind])
-        else:
-            tallies = (self.current.replicate[kind], self.total.replicate[kind])
+        attr = {SHARD: "by_kind", REPLICATE: "replicate", TENSOR: "tensor"}[dim]
+        tallies = (getattr(self.current, attr)[kind], getattr(self.total, attr)[kind])
         for tally in tallies:
             tally.count += 1
             tally.elements += tensor.numel()
@@ -170,7 +199,7 @@ class CommAudit:
 
     def close_step(self) -> StepComm:
         """End the current optimizer step; return its record."""
-        finished, self.current = self.current, StepComm(self.dedicated_elements, self.replicas)
+        finished, self.current = self.current, self._new_step()
         self.steps.append(finished)
         return finished
 

@@ -28,6 +28,7 @@ from dmuon.checkpoint.split_stacks import (
     owner_pieces,
     ranges_by_stack,
 )
+from dmuon.ownership.planner import state_dict_name
 from dmuon.ownership.state import DedicationState
 
 MOMENTUM = "momentum_buffer"
@@ -42,7 +43,7 @@ def as_tuple(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
 def _names(model: nn.Module, state: DedicationState) -> dict[int, str]:
     """``{id(param): fqn}``; every range of a split stack goes by the stack's name."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = {id(p): state_dict_name(name) for name, p in model.named_parameters()}
     names.update({id(dp.param): dp.fqn for dp in state.params})
     return names
 

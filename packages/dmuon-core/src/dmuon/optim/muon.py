@@ -45,6 +45,7 @@ from dmuon.optim.orthogonalize import (
     resolve_coefficients,
 )
 from dmuon.optim.split import Split, matrix_pieces, resolve_split
+from dmuon.optim.tensor_parallel import agree, tp_updates
 from dmuon.ownership.fsdp_integration import verify_not_sharded
 from dmuon.ownership.gradients import is_absent
 from dmuon.ownership.param import DedicatedParam
@@ -490,6 +491,12 @@ class Muon(torch.optim.Optimizer):
         for i, (_, grad) in enumerate(pairs):
             torch.linalg.vector_norm(grad, dtype=torch.float32, out=kept[i])
             kept[count + i].copy_(grad.reshape(-1)[0])
+        sharded = [i for i, (dp, _) in enumerate(pairs) if dp.tp_sharded]
+        if sharded:  # whole matrices' norms, the same on every tp rank
+            index = torch.tensor(sharded, device=device)
+            norms, firsts = kept[index], kept[count + index]
+            agree([pairs[i][0] for i in sharded], norms, firsts)
+            kept[index], kept[count + index] = norms, firsts
         values = kept.tolist()
         # A matrix no rank had a gradient for (an expert no token was routed to anywhere)
         # is left alone, as torch's optimizers leave a parameter whose .grad is None; a
@@ -565,7 +572,11 @@ class Muon(torch.optim.Optimizer):
         # parameters each of their parts (views, not copies). A (in, out) layout (Conv1D)
         # gets its own bucket: its learning-rate adjustment reads the shape the other way.
         buckets: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, Tensor]]] = {}
+        sharded: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]] = []
         for dp, p, g, b in zip(stepped, params, grads, bufs, strict=True):
+            if dp.tp_sharded:
+                sharded.append((dp, p, g, b))
+                continue
             sizes = self.split_sizes.get(dp.fqn)
             pieces = zip(
                 matrix_pieces(g, dp.transposed, sizes),
@@ -597,6 +608,33 @@ class Muon(torch.optim.Optimizer):
             rows, cols = (shape[1], shape[0]) if is_transposed else shape
             adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
             torch._foreach_add_(bucket_params, list(ortho.unbind(0)), alpha=-adjusted_lr)
+        if sharded:
+            self._tensor_parallel_step(group, triples, sharded)
+
+    def _tensor_parallel_step(
+        self,
+        group: dict[str, Any],
+        triples: list[Any],
+        members: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]],
+    ) -> None:
+        """Matrices split by tensor parallelism: gathered to their workers, orthogonalized
+        there, their updates scattered back (see `dmuon.optim.tensor_parallel`)."""
+        momentum = group["momentum"]
+        sources = [
+            torch.lerp(g, b, momentum).float() if group["nesterov"] else b.float().clone()
+            for _, _, g, b in members
+        ]
+        updates = tp_updates(
+            [dp for dp, _, _, _ in members],
+            sources,
+            group,
+            triples,
+            self.split_sizes,
+            adjust_lr_ratio,
+            self._dedication().audit,
+        )
+        for (_, p, _, _), update in zip(members, updates, strict=True):
+            p.add_(update.to(p.dtype), alpha=-group["lr"])
 
     def _workspace(
         self,

@@ -21,7 +21,12 @@ from dmuon.ownership.experts import (
     stores_in_out,
 )
 from dmuon.ownership.flat_buffer import FlatBuffer
-from dmuon.ownership.fsdp_integration import install_fsdp_filter, is_fsdp_module, mark_dedicated
+from dmuon.ownership.fsdp_integration import (
+    install_fsdp_filter,
+    is_dedicated,
+    is_fsdp_module,
+    mark_dedicated,
+)
 from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.planner import (
     ExpertRange,
@@ -31,9 +36,11 @@ from dmuon.ownership.planner import (
     default_predicate,
     find_hook_boundary,
     plan_owners,
+    state_dict_name,
 )
 from dmuon.ownership.runtime import Boundary, DedicationRuntime
 from dmuon.ownership.state import STATE_ATTR, DedicationState, attach
+from dmuon.ownership.tp_integration import assign_workers, leaf_for, tensor_parallel_of
 
 ROOT_BOUNDARY = ""
 
@@ -128,7 +135,12 @@ def _tie_reason(model: nn.Module, names: list[str]) -> str:
 
 def _select(
     model: nn.Module, predicate: ParamPredicate | None
-) -> list[tuple[str, nn.Module, str, nn.Parameter, bool]]:
+) -> list[tuple[str, nn.Module, str, nn.Parameter, bool, str]]:
+    """``(name, module, attribute, parameter, transposed, path)`` of every selected one.
+
+    ``name`` is the state-dict name (wrapper modules left out, see `state_dict_name`),
+    what the predicate sees and the dedication calls it; ``path`` the attribute path.
+    """
     names_of: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of[id(param)].append(name)
@@ -140,9 +152,10 @@ def _select(
         for attr, param in module._parameters.items():
             if param is None:
                 continue
-            fqn = f"{module_name}.{attr}" if module_name else attr
-            if names_of[id(param)][0] != fqn:
+            path = f"{module_name}.{attr}" if module_name else attr
+            if names_of[id(param)][0] != path:
                 continue  # a later alias of a tied parameter; the first name decides
+            fqn = state_dict_name(path)
             tied = len(names_of[id(param)]) > 1
             transposed = (_is_conv1d(module) and attr == "weight") or (
                 param.ndim == 3 and stores_in_out(module)
@@ -173,7 +186,7 @@ def _select(
                     "parameters to AdamW, or reshape them into such a layout first."
                 )
             if chosen:
-                selected.append((fqn, module, attr, param, transposed))
+                selected.append((fqn, module, attr, param, transposed, path))
     if not selected:
         candidates = [n for n, p in model.named_parameters() if p.ndim in (2, 3)][:5]
         reason = ""
@@ -222,6 +235,37 @@ def _records(
     """
     whole = isinstance(owners, int)
     full_shape = param.shape
+    tp = tensor_parallel_of(fqn, param)
+    if tp is not None and not whole:
+        raise ValueError(
+            f"{fqn!r} is a tensor-parallel DTensor and a 3-D expert stack; such a stack "
+            "cannot be split by experts: pass dedicate_params(..., split_expert_stacks=False)"
+        )
+    if tp is not None:
+        # The module holds this tp position's shard as a plain parameter between
+        # forwards (the owner's master, a placeholder elsewhere); forward sees the DTensor.
+        local = param.to_local()
+        is_owned = owners == comm_rank
+        registered = nn.Parameter(
+            _master_data(local, is_owned, device, copy=True), requires_grad=param.requires_grad
+        )
+        module._parameters[attr] = registered
+        mark_dedicated(registered, fqn)
+        return [
+            DedicatedParam(
+                fqn=fqn,
+                module=module,
+                attr=attr,
+                owner=owners,
+                shape=local.shape,
+                param=registered,
+                boundary=boundary,
+                is_owned=is_owned,
+                transposed=transposed,
+                fused_parts=fused_gate_up_parts(fqn, module, attr),
+                tp=tp,
+            )
+        ]
     ranges = [ExpertRange(0, int(full_shape[0]), owners)] if whole else list(owners)
     records = []
     for start, stop, owner in ranges:
@@ -275,14 +319,18 @@ def _flat_buffers(
     for owner in sorted(by_owner):
         packed = by_owner[owner]
         views = [(dp.module, dp.attr, dp.param, [i], dp.fqn) for i, dp in enumerate(packed)]
-        buffers.append(FlatBuffer.build(packed, views, dtype, device, comm))
+        buffers.append(FlatBuffer.build(packed, views, dtype, device, comm, _leaf))
     for ranges in by_stack.values():
         ranges = sorted(ranges, key=lambda dp: dp.experts or (0, 0))
         first = ranges[0]
         assert first.registered is not None
         view = (first.module, first.attr, first.registered, list(range(len(ranges))), first.fqn)
-        buffers.append(FlatBuffer.build(ranges, [view], dtype, device, comm))
+        buffers.append(FlatBuffer.build(ranges, [view], dtype, device, comm, _leaf))
     return buffers
+
+
+def _leaf(view: torch.Tensor, requires_grad: bool, record: DedicatedParam) -> nn.Parameter:
+    return leaf_for(record.tp, view, requires_grad)
 
 
 def dedicate_params(
@@ -380,8 +428,8 @@ def dedicate_params(
     group, replicate_group, device = _resolve_group(model, mesh)
     selected = _select(model, predicate)
     boundaries: dict[str, str] = {}
-    for fqn, *_ in selected:
-        boundary = find_hook_boundary(model, fqn, hook_boundary_predicate)
+    for fqn, *_, path in selected:
+        boundary = find_hook_boundary(model, path, hook_boundary_predicate)
         if boundary is None:
             if hook_boundary_strict:
                 raise ValueError(
@@ -395,14 +443,14 @@ def dedicate_params(
     comm_rank = dist.get_rank(group) if group is not None else 0
     world_size = dist.get_world_size(group) if group is not None else 1
     plan = plan_owners(
-        {fqn: p.shape for fqn, _, _, p, _ in selected},
+        {fqn: p.shape for fqn, _, _, p, _, _ in selected},
         world_size,
         boundaries,
         split_expert_stacks=split_expert_stacks,
     )
 
     dedicated: list[DedicatedParam] = []
-    for fqn, module, attr, param, transposed in selected:
+    for fqn, module, attr, param, transposed, _ in selected:
         dedicated += _records(
             fqn,
             module,
@@ -415,8 +463,20 @@ def dedicate_params(
             transposed,
         )
 
+    tp_records = [dp for dp in dedicated if dp.tp is not None]
+    if tp_records and replicate_group is not None:
+        raise ValueError(
+            f"{tp_records[0].fqn!r} is tensor-parallel and the mesh is 2-D (HSDP): tensor "
+            "parallelism with HSDP (a 3-D mesh) is not supported. Use a (dp, tp) mesh and "
+            "pass mesh['dp'] to dedicate_params and fully_shard."
+        )
+    assign_workers([(dp.tp, dp.owner) for dp in tp_records if dp.tp is not None])
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-    audit = CommAudit(sum(dp.numel for dp in dedicated), replicas)
+    audit = CommAudit(
+        sum(dp.numel for dp in dedicated),
+        replicas,
+        sum(dp.global_shape.numel() for dp in dedicated) if tp_records else None,
+    )
     if check_collectives is None:
         check_collectives = os.environ.get("DMUON_CHECK_COLLECTIVES", "0") not in ("", "0")
     comm = Communicator(
@@ -444,7 +504,7 @@ def dedicate_params(
         model, dedicated, runtime_boundaries, comm, reshard_after_forward, param_dtype
     )
     install_fsdp_filter()
-    keep_out_of_ddp(model, [dp.fqn for dp in dedicated])
+    keep_out_of_ddp(model, [n for n, p in model.named_parameters() if is_dedicated(p)])
     atexit.unregister(_collect_before_teardown)  # registered once however many models
     atexit.register(_collect_before_teardown)
     attach(

@@ -45,6 +45,7 @@ from torch import nn
 from dmuon.comm import Communicator, Pending
 from dmuon.ownership import gradients
 from dmuon.ownership.param import DedicatedParam
+from dmuon.ownership.tp_integration import local_grad
 
 
 class BufferState(Enum):
@@ -114,19 +115,14 @@ class View:
     name: str
 
 
-#: Wraps a slice of the buffer (shaped like the view) into the parameter a module uses.
-LeafFactory = Callable[[torch.Tensor, bool], nn.Parameter]
+#: Wraps a slice of the buffer (shaped like the view) into the parameter a module uses,
+#: given ``requires_grad`` and the view's first record (a DTensor under tensor parallelism).
+LeafFactory = Callable[[torch.Tensor, bool, DedicatedParam], nn.Parameter]
 
 
-def plain_leaf(view: torch.Tensor, requires_grad: bool) -> nn.Parameter:
+def plain_leaf(view: torch.Tensor, requires_grad: bool, _record: DedicatedParam) -> nn.Parameter:
     """A plain parameter over ``view`` (the layouts without tensor parallelism)."""
     return nn.Parameter(view, requires_grad=requires_grad)
-
-
-def local_tensor(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient's local values: itself, or a DTensor gradient's local shard."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if to_local is not None else grad
 
 
 class FlatBuffer:
@@ -188,7 +184,9 @@ class FlatBuffer:
         for module, attr, holder, covered, name in views:
             lo, hi = entries[covered[0]].lo, entries[covered[-1]].hi
             shape = records[covered[0]].view_shape
-            leaf = make_leaf(flat.buffer[lo:hi].view(shape), holder.requires_grad)
+            leaf = make_leaf(
+                flat.buffer[lo:hi].view(shape), holder.requires_grad, records[covered[0]]
+            )
             flat.views.append(View(module, attr, holder, leaf, lo, hi, list(covered), name))
         flat.free()  # the views were made on the storage; they stay when it goes
         return flat
@@ -280,7 +278,7 @@ class FlatBuffer:
         for view in self.views:
             grad = view.leaf.grad
             view.leaf.grad = None
-            grads.append(None if grad is None else local_tensor(grad))
+            grads.append(None if grad is None else local_grad(grad, view.leaf))
         return grads
 
     def accumulate_locally(self) -> None:

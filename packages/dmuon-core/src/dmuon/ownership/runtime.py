@@ -118,6 +118,11 @@ def _load_range(dp: DedicatedParam, full: Any) -> bool:
     return True
 
 
+def _is_whole(dp: DedicatedParam, value: Any) -> bool:
+    """Whether ``value`` is a plain tensor of ``dp``'s whole (global) shape."""
+    return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(dp.global_shape)
+
+
 class BoundaryState(Enum):
     """Where a hook boundary stands in the training step (like FSDP2's ``TrainingState``)."""
 
@@ -252,6 +257,13 @@ class DedicationRuntime:
                 given = {dp.attr: state_dict.get(prefix + dp.attr) for dp in dps}
                 for dp in dps:
                     value = given[dp.attr]
+                    if dp.tp is not None and _is_whole(dp, value):
+                        # The owner takes its tp position's shard of the whole matrix.
+                        local = dp.tp.local_of(value) if dp.is_owned else None
+                        state_dict[prefix + dp.attr] = (
+                            local if local is not None else dp.param.detach().new_empty(0)
+                        )
+                        continue
                     if value is None or (dp.is_owned and not dp.is_range):
                         continue
                     if dp.is_range and not _load_range(dp, value):
@@ -335,8 +347,12 @@ class DedicationRuntime:
                 _cast_floating(args, self.param_dtype),
                 _cast_floating(kwargs, self.param_dtype),
             )
-        if not needs_grads or not torch.is_grad_enabled() or _in_backward():
+        if not needs_grads or not torch.is_grad_enabled():
             return args, kwargs
+        if _in_backward() and boundary.awaits_backward:
+            return args, kwargs  # recomputation of a checkpointed forward the hooks saw
+        # Otherwise, in backward this recomputes a forward that ran without gradients: the
+        # inside of a reentrant activation checkpoint. Its gradients come now.
         flat, spec = tree_flatten((args, kwargs))
         positions = [
             i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
