@@ -9,10 +9,14 @@ interleaved round-robin in one process group so drift hits them alike:
 - ``--layout tp`` (4 ranks, (dp, tp) = (2, 2)): FSDP2 + TP + AdamW; DMuon Z2 and Z3 with
   FSDP2 + TP (torch's ColwiseParallel / RowwiseParallel on attention and MLP).
 
-Per contender: median step time, median ``optimizer.step()`` time, and the traffic counted
-by intercepting torch.distributed (`traffic.TrafficCounter`), in units of (N-1)/N x P_M for
-the hidden matrices (P_M: their elements, whole). Ratios are against the AdamW contender
-of the same run.
+Per contender: median step time, median ``optimizer.step()`` time, and the traffic of the
+hidden matrices, counted by intercepting torch.distributed (`traffic.TrafficCounter`),
+never read from a library's audit; DDP all-reduces its buckets through its documented
+default hook, so that they pass through torch.distributed too. ``matrix_units``
+is the data-parallel traffic of the matrices in units of (N-1)/N x P_M (P_M: their elements
+in one tp position, all of them without tensor parallelism); under DMuon with tensor
+parallelism ``tp_units`` is rank 0's gather and scatter traffic in units of (T-1)/T x the
+whole matrices' elements. Ratios are against the AdamW contender of the same run.
 
     python benchmarks/layouts.py --layout ddp
     python benchmarks/layouts.py --layout tp
@@ -101,6 +105,7 @@ def tp_plan(model: Any) -> dict[str, Any]:
 
 def build(contender: str) -> tuple[Any, Any, Any, int]:
     """``(model to call, optimizer, mesh, P_M)`` of one contender."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
@@ -117,6 +122,8 @@ def build(contender: str) -> tuple[Any, Any, Any, int]:
         if "dmuon" in contender:
             dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)
         wrapped = DistributedDataParallel(model)
+        # DDP's own all-reduce, issued through torch.distributed so that it is counted.
+        wrapped.register_comm_hook(None, allreduce_hook)
         if contender == "ddp-adamw":
             return wrapped, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh, p_m
         if contender == "ddp-torch-muon":
@@ -132,6 +139,7 @@ def build(contender: str) -> tuple[Any, Any, Any, int]:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=z3)
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=z3)
+    p_m //= 2  # the matrices' elements in one tp position
     if contender == "tp-adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=1e-3), mesh, p_m
     return model, dmuon.Muon(model), mesh, p_m
@@ -144,7 +152,7 @@ def _data_rank(mesh: Any) -> tuple[int, int]:
     return mesh.get_local_rank(), mesh.size()
 
 
-def train_step(contender: str, built: tuple[Any, Any, Any, int], args: argparse.Namespace) -> float:
+def train_step(contender: str, built: tuple[Any, ...], args: argparse.Namespace) -> float:
     """One optimizer step over ``args.accum`` micro-batches; returns the seconds of step()."""
     import dmuon
 
@@ -195,7 +203,13 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                 _sync(False)
                 elapsed = time.perf_counter() - start
             if counter is not None:
-                traffic[contender] = {w: counter.total(w) for w in ("dmuon", "torch")}
+                dp_ops = ("broadcast", "reduce")
+                traffic[contender] = {
+                    "dmuon_dp": sum(counter.elements[("dmuon", op)] for op in dp_ops),
+                    "dmuon_tp": counter.total("dmuon")
+                    - sum(counter.elements[("dmuon", op)] for op in dp_ops),
+                    "torch": counter.total("torch"),
+                }
             if round_index >= 1:
                 times[contender].append(elapsed)
                 optim_times[contender].append(optim)
@@ -208,18 +222,20 @@ def record(args: argparse.Namespace, measured: tuple[Any, ...]) -> dict[str, Any
     """The result record: per contender times, ratios to AdamW, counted traffic in units."""
     times, optim_times, traffic, p_ms = measured
     baseline = args.contenders[0]
-    dmuon_rest = next((traffic[c]["torch"] for c in args.contenders if "dmuon" in c), None)
+    first_dmuon = next(c for c in args.contenders if "dmuon" in c)
+    rest = traffic[first_dmuon]["torch"]
     rows = []
     for contender in args.contenders:
         p_m = p_ms[contender]
         counted = traffic[contender]
+        tp_units = None
         if "dmuon" in contender:
-            units = counted["dmuon"] / p_m  # DMuon's own collectives: the matrices
-        elif dmuon_rest is not None:
-            # DDP / FSDP2 move the matrices on top of the rest, which a DMuon run moves too.
-            units = (counted["torch"] - dmuon_rest) / p_m
+            units = counted["dmuon_dp"] / p_m  # DMuon's own broadcasts and reduces
+            if args.layout == "tp":
+                tp_units = counted["dmuon_tp"] / (2 * p_m)
         else:
-            units = None
+            # DDP / FSDP2 move the matrices on top of the rest, which a DMuon run moves too.
+            units = (counted["torch"] - rest) / p_m
         rows.append(
             {
                 "contender": contender,
@@ -231,7 +247,8 @@ def record(args: argparse.Namespace, measured: tuple[Any, ...]) -> dict[str, Any
                 / statistics.median(optim_times[baseline]),
                 "elements_per_rank": counted,
                 "muon_elements": p_m,
-                "muon_units": units,
+                "matrix_units": units,
+                "tp_units": tp_units,
             }
         )
     return {
@@ -252,14 +269,16 @@ def record(args: argparse.Namespace, measured: tuple[Any, ...]) -> dict[str, Any
 def format_table(result: dict[str, Any]) -> str:
     """The Markdown table of one run."""
     lines = [
-        "| contender | step (s) | vs AdamW | optimizer step (s) | vs AdamW | matrix units |",
-        "|---|---|---|---|---|---|",
+        "| contender | step (s) | vs AdamW | optimizer step (s) | vs AdamW | matrix units "
+        "| tp units |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
-        units = "-" if r["muon_units"] is None else f"{r['muon_units']:.2f}"
+        tp = "-" if r["tp_units"] is None else f"{r['tp_units']:.2f}"
         lines.append(
             f"| {r['contender']} | {r['median_step_s']:.3f} | {r['vs_adamw']:.2f}x | "
-            f"{r['median_optim_step_s']:.4f} | {r['optim_vs_adamw']:.2f}x | {units} |"
+            f"{r['median_optim_step_s']:.4f} | {r['optim_vs_adamw']:.2f}x | "
+            f"{r['matrix_units']:.2f} | {tp} |"
         )
     return "\n".join(lines)
 
