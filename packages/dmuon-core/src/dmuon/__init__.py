@@ -22,6 +22,7 @@ from dmuon.clip import clip_grad_norm_
 from dmuon.comm import CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
 from dmuon.optim.groups import weight_decay_groups
+from dmuon.ownership.gradients import DedicatedGradientError
 from dmuon.ownership.dedicate import dedicate_params
 from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
 from dmuon.ownership.planner import ExpertRange, OwnerPlan, default_predicate, plan_owners
@@ -30,6 +31,7 @@ from dmuon.updates import parameters_updated
 __all__ = [
     "CollectiveTally",
     "CommAudit",
+    "DedicatedGradientError",
     "ExpertRange",
     "Muon",
     "NonFiniteGradientError",
