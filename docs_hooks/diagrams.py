@@ -181,7 +181,8 @@ def render_ownership(lang: str) -> str:
     total_per_boundary = max(
         sum(s[0] * s[1] for f, s in shapes.items() if boundaries[f] == b) for b in order
     )
-    svg = Svg(800, 120 + 150 * len(order), t["ownership_title"])
+    storage = wrap_lines(t["storage"], 780, SMALL_CHAR_W)
+    svg = Svg(800, 110 + 150 * len(order) + SMALL_LINE_H * len(storage), t["ownership_title"])
     for rank in range(world):
         x = 470 + rank * 105
         svg.rect(x, 34, 16, 16, f"dg-chip {OWNER_CLASSES[rank]}")
@@ -216,7 +217,8 @@ def render_ownership(lang: str) -> str:
             svg.text(x + 6, y + 120, f"{t['rank']} {rank}: {names} ({elements:,})", "dg-small")
             x += w
         y += 150
-    svg.text(10, y + 6, t["storage"], "dg-small")
+    for i, line in enumerate(storage):
+        svg.text(10, y + 6 + i * SMALL_LINE_H, line, "dg-small")
     return svg.render("ownership")
 
 
@@ -347,18 +349,21 @@ LINE_H = 14
 #: Width of one Latin character of ``dg-tiny`` text, a generous average so lines never run
 #: past their box (CJK characters count double).
 CHAR_W = 6.2
+#: The same for ``dg-small`` text (12 px type).
+SMALL_CHAR_W = 7.0
+SMALL_LINE_H = 16
 
 
 #: Where a line may break: at spaces, and before or after any CJK character.
 _PIECES = re.compile(r"\s+|[\u2e80-\uffff]|[^\s\u2e80-\uffff]+")
 
 
-def wrap_lines(content: str, width: float) -> list[str]:
+def wrap_lines(content: str, width: float, char_w: float = CHAR_W) -> list[str]:
     """``content`` split into lines that fit ``width``, at spaces or next to CJK characters.
 
     Every word is kept: a box grows with its label instead of cutting it.
     """
-    per_line = max(8, int(width / CHAR_W))
+    per_line = max(8, int(width / char_w))
     lines: list[str] = []
     current = ""
     for piece in _PIECES.findall(content):
