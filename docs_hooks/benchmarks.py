@@ -16,8 +16,8 @@ A page asks for a table with a marker on a line of its own:
     ``benchmarks/results/moe_quality.json``: the ``moe`` preset with Muon on the expert
     stacks, with the experts on AdamW and with AdamW only; the sweep and the best rates.
 ``<!-- benchmark: figure NAME -->``
-    ``benchmarks/results/NAME.png``, which this hook copies into the site (under
-    ``assets/benchmarks/`` of each language).
+    ``benchmarks/results/NAME.png`` (English) or ``NAME.zh.png`` (Chinese), which this hook
+    copies into the site (under ``assets/benchmarks/`` of each language).
 ``<!-- benchmark: quality -->``
     ``benchmarks/results/quality.json``: final validation loss per optimizer and rate, and
     the steps DMuon needs to reach AdamW's best.
@@ -36,7 +36,11 @@ A page asks for a table with a marker on a line of its own:
     The same file: inside one ``optimizer.step()`` on rank 0 under torch.profiler, the
     allocations and the share of operator time in matrix products and in copies.
 ``<!-- benchmark: machine NAME -->``
-    One line: the machine, torch version and load average a result was taken under.
+    One line: the machine (with its vector unit and whether it multiplies bfloat16
+    natively), torch version and load average a result was taken under.
+``<!-- benchmark: step-range NAME -->``
+    One list item: the fastest and slowest median step time per accumulation of a
+    distributed result.
 
 Numbers are never typed into the pages. A missing or unreadable file logs a warning, which
 fails ``mkdocs build --strict``.
@@ -78,6 +82,10 @@ LABELS: dict[str, dict[str, Any]] = {
         "threads": "threads",
         "timed": "timed steps per contender after a warm-up",
         "load": "load average",
+        "bf16_native": "native bfloat16",
+        "bf16_emulated": "no native bfloat16",
+        "step_range": "{lo} to {hi} ms at accumulation {accum}",
+        "range_sep": ", ",
         "not_run": "Not run",
         "save": "Save (s)",
         "load_s": "Load (s)",
@@ -183,6 +191,10 @@ LABELS: dict[str, dict[str, Any]] = {
         "threads": "线程",
         "timed": "每个参与者在预热后计时的步数",
         "load": "负载均值",
+        "bf16_native": "原生支持 bfloat16",
+        "bf16_emulated": "不原生支持 bfloat16",
+        "step_range": "梯度累积 {accum} 时 {lo} 至 {hi} 毫秒",
+        "range_sep": "，",
         "not_run": "未运行",
         "save": "保存（秒）",
         "load_s": "加载（秒）",
@@ -680,7 +692,10 @@ def _machine(name: str, labels: dict[str, str]) -> str:
         data = data[0]
     m = data.get("machine", {})
     load = data.get("load_average") or m.get("load_average") or []
-    parts = [m.get("gpu", ""), m.get("cpu", ""), f"{m.get('cores', '?')} cores" if m else ""]
+    parts = [m.get("gpu", ""), m.get("cpu", ""), m.get("cpu_capability", "")]
+    if "native_bf16" in m:
+        parts.append(labels["bf16_native"] if m["native_bf16"] else labels["bf16_emulated"])
+    parts.append(f"{m.get('cores', '?')} cores" if m else "")
     parts += [f"torch {m['torch']}" if "torch" in m else ""]
     if "threads" in data:
         parts.append(f"{data['threads']} {labels['threads']}")
@@ -691,13 +706,37 @@ def _machine(name: str, labels: dict[str, str]) -> str:
     return f"*{labels['machine']}:* " + ", ".join(p for p in parts if p)
 
 
+def _step_range(name: str, labels: dict[str, str]) -> str:
+    """``- `preset`: fastest to slowest median step, per accumulation`` of one run."""
+    data = _load(name)
+    by_accum: dict[int, list[float]] = {}
+    for row in data["rows"]:
+        if row.get("median_step_s"):
+            by_accum.setdefault(row["accum"], []).append(row["median_step_s"])
+    spans = [
+        labels["step_range"].format(lo=_ms(min(times)), hi=_ms(max(times)), accum=accum)
+        for accum, times in sorted(by_accum.items())
+    ]
+    return f"- `{data['model']}`: " + labels["range_sep"].join(spans)
+
+
+def figure_sources(name: str) -> dict[str, Path]:
+    """The PNG of figure ``name`` per language: ``NAME.png`` (English), ``NAME.zh.png``."""
+    return {"en": RESULTS / f"{name}.png", "zh": RESULTS / f"{name}.zh.png"}
+
+
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    """Add every figure of benchmarks/results/ to the site, once per language."""
+    """Add every figure of benchmarks/results/ to the site, in its own language's version."""
     for png in sorted(RESULTS.glob("*.png")):
-        for prefix in ("", "zh/"):
-            uri = f"{prefix}{FIGURES}/{png.name}"
+        if png.name.endswith(".zh.png"):
+            continue
+        for lang, source in figure_sources(png.name.removesuffix(".png")).items():
+            if not source.is_file():
+                log.warning("no %s: draw it with benchmarks/plots.py", source)
+                continue
+            uri = f"{'zh/' if lang == 'zh' else ''}{FIGURES}/{png.name}"
             if files.get_file_from_path(uri) is None:
-                files.append(File.generated(config, uri, abs_src_path=str(png)))
+                files.append(File.generated(config, uri, abs_src_path=str(source)))
     return files
 
 
@@ -737,6 +776,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _profile_step(name, labels)
             if kind == "machine" and name:
                 return _machine(name, labels)
+            if kind == "step-range" and name:
+                return _step_range(name, labels)
         except (OSError, ValueError, KeyError, IndexError) as e:
             log.warning("%s: cannot render %r: %s", page.file.src_uri, match[0], e)
             return match[0]
