@@ -40,10 +40,56 @@ WORLDS = {2: SCENARIOS, 3: [BY_NAME["ddp-z2-accum2-no_sync"], BY_NAME["ddp-z3-ac
 CASES = [(world, s.name) for world, scenarios in WORLDS.items() for s in scenarios]
 
 
-def _worker(rank: int, world: int, scenarios: list[Scenario]) -> dict[str, Any]:
+def _worker(rank: int, world: int, scenarios: list[Scenario], root: str) -> dict[str, Any]:
     results = run_in_order((s.name, lambda s=s: run_scenario(s, rank, world)) for s in scenarios)
     results["__wrapper__"] = run_in_order([("calls", lambda: _wrapper_calls(rank, world))])
+    results["__checkpoint__"] = run_in_order(
+        [("run", lambda: _checkpoint_run(rank, world, root, save=world == 2))]
+    )
     return results
+
+
+CKPT_STEPS = 2
+
+
+def _checkpoint_run(rank: int, world: int, root: str, save: bool) -> dict[str, Any]:
+    """2 ranks: train, save with DCP, train on (the uninterrupted run). 3 ranks: load the
+    2-rank checkpoint under DDP and train the same steps."""
+    import os
+
+    import torch.distributed.checkpoint as dcp
+    from dist_harness import global_batch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    import dmuon
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(Scenario("ddp-checkpoint"))
+    dmuon.dedicate_params(model, mesh, reshard_after_forward=False)
+    ddp = DistributedDataParallel(model)
+    optimizer = dmuon.Muon(ddp, ns_dtype=torch.float32, adamw_lr=3e-3)
+
+    def train(steps: range) -> None:
+        for step in steps:
+            tokens = global_batch(step, 6, 1)  # 12 rows: whole chunks at 2 and 3 ranks
+            mine = tokens.chunk(world)[rank]
+            ddp(mine[:, :-1], mine[:, 1:]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    path = os.path.join(root, "ddp")
+    if save:
+        train(range(CKPT_STEPS))
+        model_sd, optim_sd = dmuon.get_state_dict(ddp, optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    else:
+        model_sd, optim_sd = dmuon.get_state_dict(ddp, optimizer)
+        dcp.load({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        dmuon.set_state_dict(ddp, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    train(range(CKPT_STEPS, CKPT_STEPS + 2))
+    full = dmuon_options(full_state_dict=True)
+    return {k: v.detach().clone() for k, v in dmuon.get_model_state_dict(ddp, options=full).items()}
 
 
 def _wrapper_calls(rank: int, world: int) -> dict[str, Any]:
@@ -91,12 +137,15 @@ def get_comm(model: torch.nn.Module) -> Any:
 
 
 @pytest.fixture(scope="module")
-def spawned() -> Callable[[int], list[dict[str, Any]]]:
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, Any]]]:
     cache: dict[int, list[dict[str, Any]]] = {}
+    root = str(tmp_path_factory.mktemp("ddp"))
 
     def results(world: int) -> list[dict[str, Any]]:
         if world not in cache:
-            cache[world] = spawn_ranks(world, _worker, WORLDS[world])
+            if world == 3 and 2 not in cache:
+                results(2)  # the 3-rank run loads the 2-rank run's checkpoint
+            cache[world] = spawn_ranks(world, _worker, WORLDS[world], root)
         return cache[world]
 
     return results
@@ -161,3 +210,16 @@ def test_public_functions_take_the_ddp_wrapper(spawned) -> None:
         if rank == 0:  # full state dicts land on rank 0 only with cpu_offload; here on all
             assert calls["keys"] == keys
             assert calls["shapes"] == {k: tuple(v.shape) for k, v in plain.state_dict().items()}
+
+
+def test_ddp_checkpoint_saved_at_2_ranks_resumes_at_3(spawned) -> None:
+    saved = [r["__checkpoint__"]["run"] for r in spawned(2)]
+    resumed = [r["__checkpoint__"]["run"] for r in spawned(3)]
+    for rank, result in enumerate(saved + resumed):
+        assert "error" not in result, f"{rank}: {result['error']}"
+    expected = saved[0]
+    assert sorted(expected) == sorted(make_model(Scenario("x")).state_dict())
+    for rank, got in enumerate(resumed):
+        for name, value in expected.items():
+            diff = (got[name] - value).abs().max().item()
+            assert diff <= 1e-5, f"rank {rank} {name}: {diff:.3g}"
