@@ -22,8 +22,8 @@ from dmuon.clip import clip_grad_norm_
 from dmuon.comm import CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
 from dmuon.optim.groups import weight_decay_groups
-from dmuon.ownership.gradients import DedicatedGradientError
 from dmuon.ownership.dedicate import dedicate_params
+from dmuon.ownership.gradients import DedicatedGradientError
 from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
 from dmuon.ownership.planner import ExpertRange, OwnerPlan, default_predicate, plan_owners
 from dmuon.updates import parameters_updated

@@ -37,6 +37,7 @@ from torch.optim.adamw import adamw
 from dmuon.clip import total_grad_norm
 from dmuon.optim.groups import build_param_groups
 from dmuon.optim.orthogonalize import (
+    Arena,
     Coefficients,
     NewtonSchulzWorkspace,
     _check_dtype,
@@ -591,7 +592,14 @@ class Muon(torch.optim.Optimizer):
         for (shape, _, device, is_transposed), members in buckets.items():
             ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
             batch = len(members)
-            ws = self._workspace(batch, shape, ns_dtype, device, group.get("ns_gram", False))
+            ws = self._workspace(
+                batch,
+                shape,
+                ns_dtype,
+                device,
+                group.get("ns_gram", False),
+                members[0][2].dtype,
+            )
             views = ws.source_views
             bucket_grads = [g for g, _, _ in members]
             bucket_bufs = [b for _, b, _ in members]
@@ -643,17 +651,42 @@ class Muon(torch.optim.Optimizer):
         dtype: torch.dtype,
         device: torch.device,
         gram: bool,
+        out_dtype: torch.dtype,
     ) -> NewtonSchulzWorkspace:
-        """The Newton-Schulz buffers of one bucket, created on first use and then reused."""
-        key = (batch, shape, dtype, device, gram)
+        """The Newton-Schulz buffers of one bucket, created on first use and then reused.
+
+        Every bucket's buffers are carved from one `Arena` per device, from its start:
+        buckets run one after the other, so the optimizer holds the largest bucket's
+        workspace, not the sum of all of them. When a new bucket needs a larger block,
+        the block is replaced and the other buckets' workspaces are made again on it.
+        """
+        key = (batch, shape, dtype, device, gram, out_dtype)
         cache: dict[tuple[Any, ...], NewtonSchulzWorkspace] = self.__dict__.setdefault(
             "_ns_workspaces", {}
         )
         ws = cache.get(key)
-        if ws is None:
-            rows, cols = shape
-            ws = cache[key] = NewtonSchulzWorkspace(batch, rows, cols, dtype, device, gram=gram)
+        if ws is not None:
+            return ws
+        arenas: dict[torch.device, Arena] = self.__dict__.setdefault("_ns_arenas", {})
+        arena = arenas.setdefault(device, Arena(device))
+        rows, cols = shape
+        measure, used = arena.carver(measure_only=True)
+        NewtonSchulzWorkspace(
+            batch, rows, cols, dtype, device, gram=gram, allocate=measure, out_dtype=out_dtype
+        )
+        if arena.reserve(used()):
+            for stale in [k for k in cache if k[3] == device]:
+                del cache[stale]
+        allocate, _ = arena.carver()
+        ws = cache[key] = NewtonSchulzWorkspace(
+            batch, rows, cols, dtype, device, gram=gram, allocate=allocate, out_dtype=out_dtype
+        )
         return ws
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the Newton-Schulz buffers this optimizer keeps (its largest bucket's)."""
+        arenas: dict[torch.device, Arena] = self.__dict__.get("_ns_arenas", {})
+        return sum(arena.nbytes for arena in arenas.values())
 
     @torch.no_grad()
     def init_state(self) -> None:
