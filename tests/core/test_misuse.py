@@ -416,3 +416,41 @@ def test_dedicated_grad_marker_in_one_process() -> None:
     with torch.no_grad():
         loss_of(model, tokens(6, 2))  # the next forward frees what zero_grad cleared
     assert getattr(weight, "_reduced_grad", None) is None
+
+
+# ----- a rank that stalls ---------------------------------------------------------------------
+STALL_TIMEOUT_S = 4
+
+
+def _stalled_peer(rank: int, world: int) -> dict[str, Any]:
+    """Rank 1 stops before the forward; rank 0's first broadcast times out and says which
+    collective of which boundary it was."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = dist.new_group(timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    model = make_model(Scenario("stall"))
+    dmuon.dedicate_params(model, mesh)
+    start = time.monotonic()
+    if rank == 1:
+        time.sleep(STALL_TIMEOUT_S + 4)
+        return {"stalled": True}
+    try:
+        loss_of(model, tokens(30, 2))
+        return {"error": "no error"}
+    except dmuon.CollectiveError as exc:
+        return {"message": str(exc), "seconds": time.monotonic() - start}
+
+
+def test_a_stalled_rank_is_a_clear_error_within_the_timeout() -> None:
+    rank0, rank1 = spawn_ranks(2, _stalled_peer)
+    assert rank1 == {"stalled": True}
+    assert "error" not in rank0, rank0
+    message = rank0["message"]
+    assert "DMuon's broadcast" in message and "hook boundary 'layers.0'" in message
+    assert "init_process_group(..., timeout=" in message
+    assert STALL_TIMEOUT_S - 1 <= rank0["seconds"] <= STALL_TIMEOUT_S + 30

@@ -19,7 +19,7 @@ from dmuon.checkpoint import (
     set_state_dict,
 )
 from dmuon.clip import clip_grad_norm_
-from dmuon.comm import CollectiveTally, CommAudit, StepComm
+from dmuon.comm import CollectiveError, CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
 from dmuon.optim.groups import weight_decay_groups
 from dmuon.ownership.dedicate import dedicate_params
@@ -29,6 +29,7 @@ from dmuon.ownership.planner import ExpertRange, OwnerPlan, default_predicate, p
 from dmuon.updates import parameters_updated
 
 __all__ = [
+    "CollectiveError",
     "CollectiveTally",
     "CommAudit",
     "DedicatedGradientError",

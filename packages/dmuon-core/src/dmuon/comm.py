@@ -226,17 +226,40 @@ class Pending:
     some collectives later or at teardown.
     """
 
-    def __init__(self, work: dist.Work | None = None, recent: deque[dist.Work] | None = None):
+    def __init__(
+        self,
+        work: dist.Work | None = None,
+        recent: deque[dist.Work] | None = None,
+        what: str = "collective",
+    ):
         self._work = work
         self._recent = recent
+        self.what = what
 
     def wait(self) -> None:
-        """Block (gloo) or order the current CUDA stream (NCCL) after the collective."""
+        """Block (gloo) or order the current CUDA stream (NCCL) after the collective.
+
+        Raises:
+            CollectiveError: the collective failed or timed out (another rank died or
+                stalled); the message names it.
+        """
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as error:
+                raise CollectiveError(
+                    f"DMuon's {self.what} did not complete on this rank: {error}. Another rank "
+                    "probably died or stalled before it; look at the other ranks' logs. How long "
+                    "a rank waits is the process group's timeout: "
+                    "dist.init_process_group(..., timeout=datetime.timedelta(minutes=10))."
+                ) from error
             if self._recent is not None:
                 self._recent.append(self._work)
             self._work = None
+
+
+class CollectiveError(RuntimeError):
+    """A DMuon collective failed or timed out; the message names the collective."""
 
 
 class Communicator:
@@ -321,21 +344,26 @@ class Communicator:
         root: int,
         call: Callable[[], dist.Work | None],
         dim: str = SHARD,
+        what: str = "",
     ) -> Pending:
         if self.check_collectives:
             self._check_same_everywhere(kind, tensor, root, dim)
         self.audit.record(kind, tensor, dim)
+        label = f"{kind} of {tensor.numel()} elements (root {root}, {dim} group{what})"
         if self._stream is None:
-            return Pending(call(), self._recent_work)
+            return Pending(call(), self._recent_work, label)
         ready = torch.cuda.Event()
         ready.record()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             work = call()
-        return Pending(work, self._recent_work)
+        return Pending(work, self._recent_work, label)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
-        """Broadcast ``tensor`` in place from group rank ``src`` to every rank."""
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "") -> Pending:
+        """Broadcast ``tensor`` in place from group rank ``src`` to every rank.
+
+        ``what`` says what it is for (``", hook boundary 'layers.0'"``), in errors.
+        """
         if self.world_size == 1:
             return Pending()
         return self._issue(
@@ -343,9 +371,10 @@ class Communicator:
             tensor,
             src,
             lambda: dist.broadcast(tensor, self._global(src), group=self.group, async_op=True),
+            what=what,
         )
 
-    def reduce_sum(self, tensor: torch.Tensor, dst: int) -> Pending:
+    def reduce_sum(self, tensor: torch.Tensor, dst: int, what: str = "") -> Pending:
         """Sum ``tensor`` over ranks into group rank ``dst`` (in place there)."""
         if self.world_size == 1:
             return Pending()
@@ -356,9 +385,10 @@ class Communicator:
             lambda: dist.reduce(
                 tensor, self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True
             ),
+            what=what,
         )
 
-    def all_reduce_replicas(self, tensor: torch.Tensor) -> Pending:
+    def all_reduce_replicas(self, tensor: torch.Tensor, what: str = "") -> Pending:
         """Sum ``tensor`` in place over the replicate group (every replica gets the sum)."""
         if self.replicas == 1:
             return Pending()
@@ -370,6 +400,7 @@ class Communicator:
                 tensor, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True
             ),
             dim=REPLICATE,
+            what=what,
         )
 
     # ----- checkpoint transfers: synchronous, not audited ---------------------------------

@@ -151,6 +151,12 @@ class FlatBuffer:
         self._reduces: list[Pending] = []
         self._reduce_flat: torch.Tensor | None = None
         self._broadcast_versions: dict[int, int] = {}
+        #: Named in errors: the hook boundary and its matrices.
+        self.label = ""
+        if entries:
+            first = entries[0].record
+            more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
+            self.label = f", hook boundary {first.boundary or '<root>'!r}: {first.name}{more}"
 
     @classmethod
     def build(
@@ -236,7 +242,7 @@ class FlatBuffer:
                     self.buffer[entry.lo : entry.hi].copy_(record.param.reshape(-1))
                     self._broadcast_versions[index] = record.param._version
             self._broadcasts = [
-                self.comm.broadcast(self.buffer[span.lo : span.hi], span.owner)
+                self.comm.broadcast(self.buffer[span.lo : span.hi], span.owner, self.label)
                 for span in self.spans
             ]
         self.state = BufferState.UNSHARDING
@@ -244,9 +250,12 @@ class FlatBuffer:
     def wait_unshard(self) -> None:
         """Wait for the broadcasts issued by `unshard_async`."""
         if self.state is BufferState.UNSHARDING:
-            for pending in self._broadcasts:
-                pending.wait()
-            self._broadcasts = []
+            # Stale until every broadcast is in: a failed one is raised once, not again by
+            # the post-forward hook that frees the buffer.
+            pending, self._broadcasts = self._broadcasts, []
+            self.state = BufferState.STALE
+            for each in pending:
+                each.wait()
             self.state = BufferState.VALID
 
     def free(self) -> None:
@@ -310,7 +319,8 @@ class FlatBuffer:
                 piece.add_(acc.reshape(-1))
         self._reduce_flat = flat
         self._reduces = [
-            self.comm.reduce_sum(flat[span.lo : span.hi], span.owner) for span in self.spans
+            self.comm.reduce_sum(flat[span.lo : span.hi], span.owner, self.label)
+            for span in self.spans
         ]
         self.reduce_state = ReduceState.REDUCING
 
@@ -332,7 +342,8 @@ class FlatBuffer:
         flat = self._reduce_flat
         assert flat is not None
         self._reduces = [
-            self.comm.all_reduce_replicas(flat[span.lo : span.hi]) for span in self._owned_spans()
+            self.comm.all_reduce_replicas(flat[span.lo : span.hi], self.label)
+            for span in self._owned_spans()
         ]
         if self._reduces:
             self.reduce_state = ReduceState.AVERAGING
