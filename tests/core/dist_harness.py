@@ -63,6 +63,9 @@ class Scenario:
     mesh_shape: tuple[int, int] | None = None
     #: How the rest of the model is distributed: ``"fsdp"`` (fully_shard) or ``"ddp"``.
     layout: str = "fsdp"
+    #: ``dedicate_params``'s communication dtypes (``None``: float32).
+    reduce_dtype: torch.dtype | None = None
+    broadcast_dtype: torch.dtype | None = None
 
 
 def make_model(scenario: Scenario) -> TinyLlama:
@@ -349,6 +352,8 @@ def run_scenario(
             mesh,
             reshard_after_forward=scenario.mode == "z3",
             param_dtype=torch.bfloat16 if scenario.bf16 else None,
+            reduce_dtype=scenario.reduce_dtype,
+            broadcast_dtype=scenario.broadcast_dtype,
         )
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -304,7 +304,12 @@ def _records(
 
 
 def _flat_buffers(
-    records: list[DedicatedParam], dtype: torch.dtype, device: torch.device, comm: Communicator
+    records: list[DedicatedParam],
+    dtype: torch.dtype,
+    device: torch.device,
+    comm: Communicator,
+    reduce_dtype: torch.dtype,
+    broadcast_dtype: torch.dtype | None,
 ) -> list[FlatBuffer]:
     """One boundary's buffers: one per owner of its whole matrices (a packed buffer), then
     one per stack split by experts (its ranges in expert order), the same on every rank."""
@@ -319,13 +324,21 @@ def _flat_buffers(
     for owner in sorted(by_owner):
         packed = by_owner[owner]
         views = [(dp.module, dp.attr, dp.param, [i], dp.fqn) for i, dp in enumerate(packed)]
-        buffers.append(FlatBuffer.build(packed, views, dtype, device, comm, _leaf))
+        buffers.append(
+            FlatBuffer.build(
+                packed, views, dtype, device, comm, _leaf, reduce_dtype, broadcast_dtype
+            )
+        )
     for ranges in by_stack.values():
         ranges = sorted(ranges, key=lambda dp: dp.experts or (0, 0))
         first = ranges[0]
         assert first.registered is not None
         view = (first.module, first.attr, first.registered, list(range(len(ranges))), first.fqn)
-        buffers.append(FlatBuffer.build(ranges, [view], dtype, device, comm, _leaf))
+        buffers.append(
+            FlatBuffer.build(
+                ranges, [view], dtype, device, comm, _leaf, reduce_dtype, broadcast_dtype
+            )
+        )
     return buffers
 
 
@@ -342,6 +355,8 @@ def dedicate_params(
     hook_boundary_predicate: ModulePredicate | None = None,
     hook_boundary_strict: bool = True,
     param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    broadcast_dtype: torch.dtype | None = None,
     check_collectives: bool | None = None,
     split_expert_stacks: SplitStacks = "auto",
 ) -> dict[str, int]:
@@ -379,6 +394,15 @@ def dedicate_params(
             inputs of each boundary are cast to it, as FSDP2's mixed precision does. Every
             boundary must then be wrapped by ``fully_shard`` with
             ``MixedPrecisionPolicy(param_dtype=...)`` (checked at the first forward).
+        reduce_dtype: The dtype gradients are summed in on their way to the owner (and
+            between replicas under HSDP), as ``MixedPrecisionPolicy(reduce_dtype=...)`` is
+            for FSDP2: ``torch.bfloat16`` halves the reduce's bytes. The local
+            accumulation under `no_sync`, the owner's averaged gradient, the masters and
+            the momentum stay float32. ``None``: float32.
+        broadcast_dtype: The dtype matrices are broadcast in from their owners, then
+            widened into the forward buffers (every rank, the owner too, computes with the
+            same rounded values): ``torch.bfloat16`` halves the broadcasts' bytes while the
+            forward runs in ``param_dtype``. ``None``: ``param_dtype`` (float32 without it).
         check_collectives: Before every collective, all-gather its signature and raise on
             every rank if the ranks disagree (a debugging aid that costs one small
             collective each). ``None`` reads the environment variable
@@ -418,6 +442,16 @@ def dedicate_params(
     """
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("dedicate_params was already called on this model; call it once")
+    for name, value in (
+        ("param_dtype", param_dtype),
+        ("reduce_dtype", reduce_dtype),
+        ("broadcast_dtype", broadcast_dtype),
+    ):
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise ValueError(
+                f"{name} must be a floating-point torch.dtype such as torch.bfloat16, or None, "
+                f"got {value!r}"
+            )
     wrapped = [name or "<root>" for name, m in model.named_modules() if is_fsdp_module(m)]
     if wrapped:
         raise ValueError(
@@ -487,6 +521,7 @@ def dedicate_params(
         replicate_group=replicate_group,
     )
     buffer_dtype = param_dtype or torch.float32
+    wire = (reduce_dtype or torch.float32, broadcast_dtype)
     by_boundary: dict[str, list[DedicatedParam]] = defaultdict(list)
     for dp in dedicated:
         by_boundary[dp.boundary].append(dp)
@@ -497,7 +532,7 @@ def dedicate_params(
             Boundary(
                 name,
                 model.get_submodule(name),
-                _flat_buffers(by_boundary[name], buffer_dtype, device, comm),
+                _flat_buffers(by_boundary[name], buffer_dtype, device, comm, *wire),
             )
         )
     runtime = DedicationRuntime(

@@ -136,8 +136,15 @@ class FlatBuffer:
         dtype: torch.dtype,
         device: torch.device,
         comm: Communicator,
+        reduce_dtype: torch.dtype = torch.float32,
+        broadcast_dtype: torch.dtype | None = None,
     ) -> None:
         self.entries = entries
+        #: The dtype gradients are summed in on the wire (the accumulation stays float32).
+        self.reduce_dtype = reduce_dtype
+        #: The dtype matrices are broadcast in (``None``: the buffer's).
+        self.broadcast_dtype = None if broadcast_dtype in (None, dtype) else broadcast_dtype
+        self._staging: torch.Tensor | None = None
         self.spans = spans
         self.views = views
         self.comm = comm
@@ -167,6 +174,8 @@ class FlatBuffer:
         device: torch.device,
         comm: Communicator,
         make_leaf: LeafFactory = plain_leaf,
+        reduce_dtype: torch.dtype = torch.float32,
+        broadcast_dtype: torch.dtype | None = None,
     ) -> FlatBuffer:
         """Lay ``records`` out back to back; one span per run of records with one owner.
 
@@ -186,7 +195,7 @@ class FlatBuffer:
             entry.span = len(spans) - 1
             entries.append(entry)
             offset = entry.hi
-        flat = cls(entries, spans, [], dtype, device, comm)
+        flat = cls(entries, spans, [], dtype, device, comm, reduce_dtype, broadcast_dtype)
         for module, attr, holder, covered, name in views:
             lo, hi = entries[covered[0]].lo, entries[covered[-1]].hi
             shape = records[covered[0]].view_shape
@@ -236,13 +245,20 @@ class FlatBuffer:
         # The buffer backs views that autograd saved; rewriting it must not count as an
         # in-place modification of those saved tensors.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.buffer):
+            # With a broadcast dtype of its own, the values travel through a staging
+            # buffer of that dtype, which every rank (the owners too) then copies in.
+            wire = self.buffer
+            if self.broadcast_dtype is not None:
+                wire = self._staging = torch.empty(
+                    self.numel, dtype=self.broadcast_dtype, device=self.buffer.device
+                )
             for index, entry in enumerate(self.entries):
                 record = entry.record
                 if record.is_owned:
-                    self.buffer[entry.lo : entry.hi].copy_(record.param.reshape(-1))
+                    wire[entry.lo : entry.hi].copy_(record.param.reshape(-1))
                     self._broadcast_versions[index] = record.param._version
             self._broadcasts = [
-                self.comm.broadcast(self.buffer[span.lo : span.hi], span.owner, self.label)
+                self.comm.broadcast(wire[span.lo : span.hi], span.owner, self.label)
                 for span in self.spans
             ]
         self.state = BufferState.UNSHARDING
@@ -253,9 +269,13 @@ class FlatBuffer:
             # Stale until every broadcast is in: a failed one is raised once, not again by
             # the post-forward hook that frees the buffer.
             pending, self._broadcasts = self._broadcasts, []
+            staging, self._staging = self._staging, None
             self.state = BufferState.STALE
             for each in pending:
                 each.wait()
+            if staging is not None:
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.buffer):
+                    self.buffer.copy_(staging)
             self.state = BufferState.VALID
 
     def free(self) -> None:
@@ -303,7 +323,7 @@ class FlatBuffer:
         contributes negative zeros (see the module docstring): the collectives are the
         same on every rank whatever the data.
         """
-        flat = torch.empty(self.numel, dtype=torch.float32, device=self.buffer.device)
+        flat = torch.empty(self.numel, dtype=self.reduce_dtype, device=self.buffer.device)
         for view, grad in zip(self.views, self._take_local_grads(), strict=True):
             acc = gradients.take_accumulated(view.holder)
             gradients.mark(view.holder)
@@ -364,16 +384,21 @@ class FlatBuffer:
         divisor = self.comm.world_size * self.comm.replicas
         holders = {index: view.holder for view in self.views for index in view.entries}
         for span in self._owned_spans():
-            flat[span.lo : span.hi].div_(divisor)
+            values = flat[span.lo : span.hi]
+            widened = values.dtype != torch.float32
+            if widened:  # summed in a narrower dtype on the wire, averaged in float32
+                values = values.float()
+            values.div_(divisor)
             for index in span.entries:
                 entry = self.entries[index]
-                piece = flat[entry.lo : entry.hi].view(entry.record.shape)
+                lo, hi = entry.lo - span.lo, entry.hi - span.lo
+                piece = values[lo:hi].view(entry.record.shape)
                 # A view keeps the whole flat buffer alive: only when all of it is ours.
-                if not self.owns_all:
+                if not (self.owns_all or widened):
                     piece = piece.clone()
                 gradients.add_reduced(entry.record.param, piece, holders[index])
-        if not self.owns_all:
-            release_reduce_input(flat)
+        if not self.owns_all or flat.dtype != torch.float32:
+            release_reduce_input(flat)  # the averages were copied out of it
         self.reduce_state = ReduceState.IDLE
 
 
