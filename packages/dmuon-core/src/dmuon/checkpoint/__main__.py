@@ -1,4 +1,8 @@
-"""``python -m dmuon.checkpoint export CKPT_DIR --output FILE``: one file of full weights."""
+"""``python -m dmuon.checkpoint``: tools for checkpoint folders.
+
+``export CKPT_DIR --output FILE`` writes one file of full weights; ``verify DIR`` checks a
+folder against its manifest without loading it (exit 0 when whole, 1 when damaged).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dmuon.checkpoint import manifest
 from dmuon.checkpoint.export import export_weights
 
 
@@ -30,7 +35,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="top-level entry holding the model state dict (default: model; '' for a "
         "checkpoint of a bare model state dict)",
     )
+    verify = commands.add_parser(
+        "verify",
+        help="check a checkpoint folder against its manifest, without loading it",
+        description="Check that every file a checkpoint's manifest lists is there, with the "
+        "size and checksum it was written with. Exit code 0 when the folder is whole, 1 when "
+        "it is damaged or incomplete.",
+    )
+    verify.add_argument("checkpoint_dir", help="a checkpoint folder written by DMuon's recipe")
+    verify.add_argument(
+        "--sizes-only", action="store_true", help="compare sizes only (reads no file)"
+    )
     args = parser.parse_args(argv)
+    if args.command == "verify":
+        problems = manifest.verify(args.checkpoint_dir, checksums=not args.sizes_only)
+        for problem in problems:
+            print(f"{args.checkpoint_dir}: {problem}", file=sys.stderr)
+        if not problems:
+            print(f"{args.checkpoint_dir}: whole")
+        return 1 if problems else 0
     try:
         weights = export_weights(args.checkpoint_dir, args.output, args.key)
     except (FileNotFoundError, KeyError, ValueError, ImportError) as error:
