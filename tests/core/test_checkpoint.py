@@ -361,3 +361,38 @@ def test_missing_muon_momentum_is_refused_in_strict_mode() -> None:
     del state["state"][name]
     with pytest.raises(ValueError, match=rf"no Muon momentum for \['{re.escape(name)}'\]"):
         dmuon.set_optimizer_state_dict(model, optimizer, state)
+
+
+def test_state_dicts_alias_live_state_as_torchs_do_except_the_dedicated_entries() -> None:
+    """torch's get_state_dict returns the live parameters and optimizer moments (views that
+    share their storage); DMuon's does the same for everything FSDP2 and AdamW hold, and
+    copies of the dedicated matrices and their momentum (moved from the owner)."""
+    from torch.distributed.checkpoint import state_dict as torch_sd
+
+    def shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    torch.manual_seed(0)
+    plain = TinyLlama(vocab=VOCAB)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    model, optimizer = _single_process_model()
+    for net, opt in ((plain, adamw), (model, optimizer)):
+        cs._loss(net, cs.batch(0)).backward()
+        opt.step()
+    theirs = torch_sd.get_state_dict(plain, adamw)
+    ours = dmuon.get_state_dict(model, optimizer)
+    dedicated = {dp.fqn for dp in dmuon.dedicated_parameters(model)}
+    live = dict(model.named_parameters())
+    live_plain = dict(plain.named_parameters())
+    for name in live:
+        if name in dedicated:
+            assert not shares(ours[0][name], live[name]), name
+            momentum = optimizer.state[live[name]]["momentum_buffer"]
+            assert not shares(ours[1]["state"][name]["momentum_buffer"], momentum), name
+        else:
+            assert shares(theirs[0][name], live_plain[name]) == shares(ours[0][name], live[name])
+            mine = ours[1]["state"][name]["exp_avg"]
+            assert shares(mine, optimizer.state[live[name]]["exp_avg"]), name
+            assert shares(
+                theirs[1]["state"][name]["exp_avg"], adamw.state[live_plain[name]]["exp_avg"]
+            )
