@@ -272,7 +272,7 @@ def _export_seconds(checkpoint: Path, output: Path) -> float:
 
 
 def _export_in_process(checkpoint: Path, output: Path) -> float:
-    from dmuon.checkpoint.export import export_weights
+    from dmuon.checkpoint._export import export_weights
 
     start = time.perf_counter()
     export_weights(checkpoint, output)

@@ -3,7 +3,7 @@
 A page asks for generated content with a marker on a line of its own:
 
 ``<!-- generated: ns-coefficients -->``
-    The Newton-Schulz coefficient sets, read from ``dmuon.optim.orthogonalize``.
+    The Newton-Schulz coefficient sets, read from ``dmuon.optim._orthogonalize``.
 ``<!-- generated: rest-reference -->``
     The REST reference, rendered from the job service's OpenAPI document
     (``dmuon_server.app``), so the page cannot drift from the routes.
@@ -127,7 +127,7 @@ def _fmt(x: float) -> str:
 
 def render_ns_coefficients(labels: Mapping[str, str]) -> str:
     """Tables of every named coefficient set, straight from the code's constants."""
-    ns = importlib.import_module("dmuon.optim.orthogonalize")
+    ns = importlib.import_module("dmuon.optim._orthogonalize")
     sets: Mapping[str, tuple[tuple[float, float, float], ...]] = ns.COEFFICIENT_SETS
     out: list[str] = []
     for name, triples in sets.items():

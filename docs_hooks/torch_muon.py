@@ -113,7 +113,7 @@ def _dtype_name(dtype: Any) -> str:
 
 def _coefficient_name(value: Any, steps: int) -> tuple[str | None, list[tuple[float, ...]]]:
     """The built-in name whose triples equal ``value``'s, and the triples themselves."""
-    ns = importlib.import_module("dmuon.optim.orthogonalize")
+    ns = importlib.import_module("dmuon.optim._orthogonalize")
     triples = [tuple(map(float, t)) for t in ns.resolve_coefficients(value, steps)]
     for name in ns.COEFFICIENT_SETS:
         named = [tuple(map(float, t)) for t in ns.resolve_coefficients(name, steps)]
@@ -125,7 +125,7 @@ def _coefficient_name(value: Any, steps: int) -> tuple[str | None, list[tuple[fl
 def torch_adjust_lr_name(value: Any) -> str | None:
     """The `dmuon.Muon` ``adjust_lr_fn`` that scales like torch's ``value`` on every shape."""
     torch_muon = importlib.import_module("torch.optim._muon")
-    muon = importlib.import_module("dmuon.optim.muon")
+    muon = importlib.import_module("dmuon.optim._muon")
     for name in muon.ADJUST_LR_FNS:
         if all(
             abs(torch_muon._adjust_lr(1.0, value, shape) - muon.adjust_lr_ratio(name, *shape))
@@ -147,7 +147,7 @@ def torch_ns_dtype() -> Any:
 def dmuon_ns_dtypes() -> dict[str, Any]:
     """`dmuon.Muon`'s default iteration dtype on CUDA, on CPUs with and without bfloat16."""
     torch = importlib.import_module("torch")
-    ns = importlib.import_module("dmuon.optim.orthogonalize")
+    ns = importlib.import_module("dmuon.optim._orthogonalize")
     out = {"cuda": ns.default_ns_dtype(torch.device("cuda"))}
     for key, native in (("bf16", True), ("other", False)):
         with mock.patch.object(ns, "cpu_has_native_bf16", lambda native=native: native):
@@ -240,7 +240,7 @@ def render_defaults(lang: str) -> str:
     out += ["", t["same_args"].format(same=same)]
     theirs_none = torch_adjust_lr_name(None)
     if theirs_none is not None:  # torch's None is a named scaling; dmuon's None is not
-        muon = importlib.import_module("dmuon.optim.muon")
+        muon = importlib.import_module("dmuon.optim._muon")
         unscaled = all(muon.adjust_lr_ratio(None, *shape) == 1.0 for shape in SHAPES)
         ours_none = t["ratio_none"] if unscaled else "`None`"
         out += ["", t["none_note"].format(ours=ours_none, theirs=f'`"{theirs_none}"`')]

@@ -17,12 +17,14 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +32,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny_llama import TinyLlama
 
-from dmuon.optim.naive import NaiveMuon
-from dmuon.ownership.fsdp_integration import fsdp_param_groups
+# The naive FSDP2 + Muon baseline lives with the benchmarks that compare against it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from naive_muon import NaiveMuon
+
+from dmuon._ownership.fsdp_integration import fsdp_param_groups
 
 #: Modules the CPU ranks' fork server imports once, so that each rank starts in well under a
 #: second instead of importing torch (several seconds of CPU on a 2-core machine) itself.
@@ -165,7 +170,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor on every rank (collective)."""
     from torch.distributed.tensor import DTensor
 
-    from dmuon.ownership.state import get_dedication
+    from dmuon._ownership.state import get_dedication
 
     records: dict[str, list[Any]] = {}
     for dp in _dedicated(model):
@@ -198,7 +203,7 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     their owners' ``_reduced_grad`` (matrices no rank had a gradient for are absent)."""
     from torch.distributed.tensor import DTensor
 
-    from dmuon.ownership.state import get_dedication
+    from dmuon._ownership.state import get_dedication
 
     state = get_dedication(model)
     group = state.runtime.comm.group if state is not None else None
@@ -224,14 +229,14 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _dedicated(model: torch.nn.Module) -> list[Any]:
-    from dmuon.ownership.state import get_dedication
+    from dmuon._ownership.state import get_dedication
 
     state = get_dedication(model)
     return state.params if state is not None else []
 
 
 def _memory_report(model: torch.nn.Module) -> dict[str, Any]:
-    from dmuon.ownership.state import get_dedication
+    from dmuon._ownership.state import get_dedication
 
     state = get_dedication(model)
     assert state is not None and state.runtime is not None
@@ -441,7 +446,7 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.layers[0].set_requires_gradient_sync(False, recurse=False)
-    runtime = dmuon.ownership.state.get_dedication(model).runtime
+    runtime = dmuon._ownership.state.get_dedication(model).runtime
 
     def flags() -> list[bool]:
         return [

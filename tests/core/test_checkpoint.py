@@ -24,7 +24,7 @@ from dist_harness import VOCAB, spawn_ranks
 from tiny_llama import TinyLlama
 
 import dmuon
-from dmuon.checkpoint.export import load_full_weights
+from dmuon.checkpoint._export import load_full_weights
 
 MODES = ("z2", "z3")
 #: (save world, load world) pairs the checkpoints are resharded across.
@@ -231,7 +231,7 @@ def test_export_command_explains_bad_input(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "not a DCP checkpoint" in done.stderr
     with pytest.raises(ValueError, match=r"\.pt or \.safetensors"):
-        dmuon.checkpoint.export.export_weights(tmp_path, tmp_path / "w.bin")
+        dmuon.checkpoint._export.export_weights(tmp_path, tmp_path / "w.bin")
 
 
 def test_load_full_weights_names_the_entries_when_the_key_is_wrong(saved) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dmuon.checkpoint import manifest
+from dmuon.checkpoint import _manifest as manifest
 
 
 @pytest.fixture()

@@ -1,4 +1,4 @@
-"""`dmuon.comm.Pending`: a finished work handle stays referenced for a few collectives.
+"""`dmuon._comm.Pending`: a finished work handle stays referenced for a few collectives.
 
 Oracle: object lifetimes observed through weak references. gloo's worker thread still
 holds a work for a moment after ``wait()`` returns; the handle must not be released by
@@ -15,7 +15,7 @@ import gc
 import weakref
 from collections import deque
 
-from dmuon.comm import RECENT_WORK_KEPT, Pending
+from dmuon._comm import RECENT_WORK_KEPT, Pending
 
 
 class _Work:

@@ -45,7 +45,7 @@ from dist_harness import (
 from torch import nn
 
 import dmuon
-from dmuon.ownership.gradients import DedicatedGradientError
+from dmuon._ownership.gradients import DedicatedGradientError
 
 WORLD = 2
 MUON_NAMES = {

@@ -17,11 +17,11 @@ import torch.distributed as dist
 from dist_harness import spawn_ranks
 from torch import nn
 
-from dmuon.comm import CommAudit, Communicator
+from dmuon._comm import CommAudit, Communicator
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.runtime import DedicationRuntime
+from dmuon._ownership.state import STATE_ATTR, DedicationState, get_dedication
 from dmuon.optim import Muon
-from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.runtime import DedicationRuntime
-from dmuon.ownership.state import STATE_ATTR, DedicationState, get_dedication
 
 KELLER = (3.4445, -4.7750, 2.0315)
 PE_SAFE = [
@@ -397,7 +397,7 @@ def test_step_marks_parameters_updated_and_issues_no_collective(
     state = dedicate_by_hand(model)
     opt = Muon(model)
     calls: list[int] = []
-    monkeypatch.setattr(state.runtime, "parameters_updated", lambda: calls.append(1))
+    monkeypatch.setattr(state.runtime, "step_finished", lambda: calls.append(1))
 
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("step() issued a collective")
@@ -655,8 +655,7 @@ def _buffer_bytes(ws: object) -> int:
 
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
 def test_workspaces_share_one_block_sized_for_the_largest_bucket(ns_dtype: torch.dtype) -> None:
-    from dmuon.optim import NewtonSchulzWorkspace
-    from dmuon.optim.orthogonalize import Arena
+    from dmuon.optim._orthogonalize import Arena, NewtonSchulzWorkspace
 
     model = make_model()
     dedicate_by_hand(model)

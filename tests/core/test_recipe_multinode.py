@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmuon.checkpoint.export import load_full_weights
+from dmuon.checkpoint._export import load_full_weights
 from dmuon.train.__main__ import main
 from dmuon.train.model import build_model
 

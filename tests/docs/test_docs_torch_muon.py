@@ -20,7 +20,7 @@ import torch
 from docs_md import DOCS, built_page, code_blocks, html_tables, parse_html
 
 import dmuon
-from dmuon.optim import orthogonalize
+from dmuon.optim import _orthogonalize as orthogonalize
 
 PAGE = "from-torch-muon.md"
 

@@ -10,8 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dmuon.checkpoint import manifest
-from dmuon.checkpoint.export import export_weights
+from dmuon.checkpoint import _manifest as manifest
+from dmuon.checkpoint._export import export_weights
 
 
 def main(argv: Sequence[str] | None = None) -> int:

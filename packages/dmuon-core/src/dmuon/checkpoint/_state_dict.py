@@ -28,16 +28,16 @@ from torch.distributed.checkpoint import state_dict as torch_sd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from dmuon.checkpoint.model_state import (
+from dmuon._ownership.state import get_dedication, unwrap
+from dmuon.checkpoint._model_state import (
     get_dedicated_model_state_dict,
     set_dedicated_model_state_dict,
 )
-from dmuon.checkpoint.optim_state import (
+from dmuon.checkpoint._optim_state import (
     as_tuple,
     get_dedicated_optimizer_state_dict,
     set_dedicated_optimizer_state_dict,
 )
-from dmuon.ownership.state import get_dedication, unwrap
 
 __all__ = [
     "get_model_state_dict",

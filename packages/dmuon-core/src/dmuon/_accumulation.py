@@ -9,8 +9,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
-from dmuon.ownership.fsdp_integration import fsdp_param_groups, is_fsdp_module
-from dmuon.ownership.state import dedicated_root, get_dedication, unwrap
+from dmuon._ownership.fsdp_integration import fsdp_param_groups, is_fsdp_module
+from dmuon._ownership.state import dedicated_root, get_dedication, unwrap
 
 
 def _requires_gradient_sync(module: FSDPModule) -> bool:

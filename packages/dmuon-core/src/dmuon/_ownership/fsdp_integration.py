@@ -15,7 +15,8 @@ works in every case.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,8 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fsdp_init
 from torch.distributed.tensor import DTensor
 
-if TYPE_CHECKING:
-    from dmuon.ownership.state import DedicationState
+from dmuon._ownership.param import DedicatedParam
 
 DEDICATED_FLAG = "_dmuon_dedicated"
 _FILTER_FLAG = "_dmuon_skips_dedicated"
@@ -71,14 +71,14 @@ def install_fsdp_filter() -> None:
     _fsdp_init._get_managed_states = skip_dedicated
 
 
-def verify_not_sharded(state: DedicationState) -> None:
+def verify_not_sharded(params: Sequence[DedicatedParam]) -> None:
     """Raise if ``fully_shard`` took a dedicated parameter (checked through public behaviour).
 
     Raises:
         ValueError: A dedicated parameter is registered as a DTensor or was replaced.
     """
     taken = []
-    for dp in state.params:
+    for dp in params:
         registered = dp.module._parameters.get(dp.attr)
         if isinstance(registered, DTensor) or registered is not dp.module_param:
             taken.append(dp.fqn)

@@ -296,7 +296,7 @@ class Communicator:
         """Issue collectives on process groups of their own where this communicator's share
         ranks with ``other`` (the group of a DDP wrapper), so that neither schedule can
         interleave with the other. Every rank calls it at the same point."""
-        from dmuon.ownership.ddp_integration import separate_group
+        from dmuon._ownership.ddp_integration import separate_group
 
         if self.group is not None:
             self.group = separate_group(self.group, other)

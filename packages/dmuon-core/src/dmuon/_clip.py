@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from dmuon.ownership.fsdp_integration import is_dedicated
-from dmuon.ownership.state import DedicationState, get_dedication
+from dmuon._ownership.fsdp_integration import is_dedicated
+from dmuon._ownership.state import DedicationState, get_dedication
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 

@@ -34,9 +34,13 @@ import torch
 from torch import Tensor, nn
 from torch.optim.adamw import adamw
 
-from dmuon.clip import total_grad_norm
-from dmuon.optim.groups import build_param_groups
-from dmuon.optim.orthogonalize import (
+from dmuon._clip import total_grad_norm
+from dmuon._ownership.fsdp_integration import verify_not_sharded
+from dmuon._ownership.gradients import is_absent
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.state import DedicationState, get_dedication, unwrap
+from dmuon.optim._groups import build_param_groups
+from dmuon.optim._orthogonalize import (
     Arena,
     Coefficients,
     NewtonSchulzWorkspace,
@@ -45,12 +49,8 @@ from dmuon.optim.orthogonalize import (
     default_ns_dtype,
     resolve_coefficients,
 )
-from dmuon.optim.split import Split, matrix_pieces, resolve_split
-from dmuon.optim.tensor_parallel import agree, tp_updates
-from dmuon.ownership.fsdp_integration import verify_not_sharded
-from dmuon.ownership.gradients import is_absent
-from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.state import DedicationState, get_dedication, unwrap
+from dmuon.optim._split import Split, matrix_pieces, resolve_split
+from dmuon.optim._tensor_parallel import agree, tp_updates
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -238,7 +238,7 @@ class Muon(torch.optim.Optimizer):
             component (or matches it as an ``fnmatch`` glob) into ``parts`` equal parts, or
             into parts of the given sizes (``(q, kv, kv)`` for a grouped-query ``qkv_proj``);
             it replaces the automatic choice. The result is in ``split_sizes``. See
-            ``dmuon.optim.split`` and, for the measurement behind the default, the
+            ``dmuon.optim._split`` and, for the measurement behind the default, the
             compatibility page's mixture-of-experts section.
 
     Raises:
@@ -293,7 +293,7 @@ class Muon(torch.optim.Optimizer):
                 )
         self.split_sizes: dict[str, tuple[int, ...]] = resolve_split(split, state.params)
         """``{fqn: output sizes of its parts}`` of the dedicated parameters ``split`` cuts."""
-        verify_not_sharded(state)
+        verify_not_sharded(state.params)
         self._set_group_defaults(
             lr=lr,
             momentum=momentum,
@@ -439,7 +439,7 @@ class Muon(torch.optim.Optimizer):
                 self._muon_step(group, dedicated)
             else:
                 self._adamw_step(group)
-        self._parameters_updated()
+        self._step_finished()
         return loss
 
     def _check_params_are_the_models(self) -> None:
@@ -468,9 +468,9 @@ class Muon(torch.optim.Optimizer):
             )
         self._params_checked = True
 
-    def _parameters_updated(self) -> None:
+    def _step_finished(self) -> None:
         """Tell the ownership runtime that the owners' masters changed."""
-        self._dedication().runtime.parameters_updated()
+        self._dedication().runtime.step_finished()
 
     def _finite_only(
         self, group: dict[str, Any], pairs: list[tuple[DedicatedParam, Tensor]]
@@ -626,7 +626,7 @@ class Muon(torch.optim.Optimizer):
         members: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]],
     ) -> None:
         """Matrices split by tensor parallelism: gathered to their workers, orthogonalized
-        there, their updates scattered back (see `dmuon.optim.tensor_parallel`)."""
+        there, their updates scattered back (see `dmuon.optim._tensor_parallel`)."""
         momentum = group["momentum"]
         sources = [
             torch.lerp(g, b, momentum).float() if group["nesterov"] else b.float().clone()

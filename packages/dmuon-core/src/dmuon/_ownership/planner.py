@@ -42,7 +42,7 @@ def default_predicate(name: str, param: nn.Parameter) -> bool:
     linear layers of a transformer (attention projections and MLP matrices) and leave the
     embedding, the ``lm_head``/``output`` head, norms and biases to AdamW. Besides, it
     selects the fused 3-D expert stacks of mixture-of-experts layers by their layout (see
-    `dmuon.ownership.experts`), and leaves routers and the gates next to them to AdamW.
+    `dmuon._ownership.experts`), and leaves routers and the gates next to them to AdamW.
 
     Args:
         name: Fully qualified parameter name, e.g. ``"layers.0.attn.q_proj.weight"``.

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from dmuon.ownership.tp_integration import TensorParallel
+    from dmuon._ownership.tp_integration import TensorParallel
 
 
 @dataclass(eq=False)
@@ -20,7 +20,7 @@ class DedicatedParam:
     master on the owner, a 0-element placeholder on every other rank. The owner's averaged
     gradient is ``param._reduced_grad``; local accumulation under `no_sync` is
     ``_accumulated_grad`` on the parameter the module holds (both ``None`` after
-    ``zero_grad``). Only `dmuon.ownership.gradients` writes them; read the reduced gradient
+    ``zero_grad``). Only `dmuon._ownership.gradients` writes them; read the reduced gradient
     with ``DedicationRuntime.reduced_grad``.
 
     ``transposed`` is ``True`` for layouts that store the matrix as ``(in, out)`` (the
@@ -43,7 +43,7 @@ class DedicatedParam:
     ``dmuon.Muon(split="auto")`` splits by.
 
     ``tp`` describes a matrix that tensor parallelism made a DTensor
-    (`dmuon.ownership.tp_integration`): ``shape``, the master, the momentum and the
+    (`dmuon._ownership.tp_integration`): ``shape``, the master, the momentum and the
     gradients are then this tp position's shard, and ``global_shape`` the whole matrix's.
     """
 

@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.comm import TENSOR, CommAudit
-from dmuon.optim.orthogonalize import (
+from dmuon._comm import TENSOR, CommAudit
+from dmuon._ownership.param import DedicatedParam
+from dmuon.optim._orthogonalize import (
     CoefficientTriple,
     _newton_schulz_unchecked,
     default_ns_dtype,
 )
-from dmuon.optim.split import matrix_pieces
-from dmuon.ownership.param import DedicatedParam
+from dmuon.optim._split import matrix_pieces
 
 __all__ = ["agree", "tp_updates"]
 
@@ -46,7 +46,7 @@ def agree(records: Sequence[DedicatedParam], norms: Tensor, firsts: Tensor) -> N
 
     ``norms`` (2-norms) and ``firsts`` hold one entry per record and are rewritten in
     place: the norms summed over the shards, and a first element of ``-0.0`` where every
-    shard is absent (`dmuon.ownership.gradients.is_absent`), ``1.0`` elsewhere. One
+    shard is absent (`dmuon._ownership.gradients.is_absent`), ``1.0`` elsewhere. One
     all-reduce over the tp group.
     """
     if not records:

@@ -32,9 +32,9 @@ not its data), so every rank issues the same collectives in the same order even 
 routing leaves a matrix without a gradient on some ranks.
 
 The rest of the library changes this state only through the methods in the last section
-(`no_sync`, `invalidate_buffers`, `parameters_updated`, `clear_gradients`,
+(`no_sync`, `invalidate_buffers`, `step_finished`, `clear_gradients`,
 `scale_reduced_grads`) and reads it through `reduced_grad`; the
-gradients themselves are written only by `dmuon.ownership.gradients`.
+gradients themselves are written only by `dmuon._ownership.gradients`.
 """
 
 from __future__ import annotations
@@ -51,12 +51,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from dmuon.comm import Communicator
-from dmuon.ownership import gradients
-from dmuon.ownership.ddp_integration import active_ddp
-from dmuon.ownership.flat_buffer import FlatBuffer
-from dmuon.ownership.fsdp_integration import is_fsdp_module
-from dmuon.ownership.param import DedicatedParam
+from dmuon._comm import Communicator
+from dmuon._ownership import gradients
+from dmuon._ownership.ddp_integration import active_ddp
+from dmuon._ownership.flat_buffer import FlatBuffer
+from dmuon._ownership.fsdp_integration import is_fsdp_module
+from dmuon._ownership.param import DedicatedParam
 
 
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -319,7 +319,7 @@ class DedicationRuntime:
 
     def _watch_for_ddp(self) -> None:
         """The first forward inside a DDP wrapper moves DMuon's collectives to their own
-        process group (see `dmuon.ownership.ddp_integration`)."""
+        process group (see `dmuon._ownership.ddp_integration`)."""
         ddp = active_ddp(self._root)
         if ddp is None or self.ddp() is ddp:
             return
@@ -473,7 +473,7 @@ class DedicationRuntime:
         for buffer in self.buffers():
             buffer.invalidate()
 
-    def parameters_updated(self) -> None:
+    def step_finished(self) -> None:
         """An optimizer step changed the masters: invalidate buffers, close the audit step."""
         self.invalidate_buffers()
         self.comm.audit.close_step()

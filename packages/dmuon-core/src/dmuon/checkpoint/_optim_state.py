@@ -20,16 +20,16 @@ from torch.distributed.checkpoint import state_dict as torch_sd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from dmuon.checkpoint.dedicated_values import gather_to_owners
-from dmuon.checkpoint.layout import DedicatedLayout
-from dmuon.checkpoint.split_stacks import (
+from dmuon._ownership.planner import state_dict_name
+from dmuon._ownership.state import DedicationState
+from dmuon.checkpoint._dedicated_values import gather_to_owners
+from dmuon.checkpoint._layout import DedicatedLayout
+from dmuon.checkpoint._split_stacks import (
     checkpoint_items,
     collect_on_lead,
     owner_pieces,
     ranges_by_stack,
 )
-from dmuon.ownership.planner import state_dict_name
-from dmuon.ownership.state import DedicationState
 
 MOMENTUM = "momentum_buffer"
 
@@ -65,7 +65,7 @@ def _unique(names: list[str]) -> list[str]:
 
 
 def _check_optimizers(state: DedicationState, optimizers: tuple) -> None:
-    from dmuon.optim.muon import Muon
+    from dmuon.optim._muon import Muon
 
     dedicated = {id(dp.param) for dp in state.params}
     for optim in optimizers:
@@ -79,7 +79,7 @@ def _check_optimizers(state: DedicationState, optimizers: tuple) -> None:
 
 def _ensure_state(optim: torch.optim.Optimizer) -> None:
     """Create the optimizer's state if it has none, so a fresh optimizer can be loaded into."""
-    from dmuon.optim.muon import Muon
+    from dmuon.optim._muon import Muon
 
     if isinstance(optim, Muon):
         optim.init_state()

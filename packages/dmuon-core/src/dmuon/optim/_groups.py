@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon.ownership.fsdp_integration import is_dedicated
-from dmuon.ownership.state import DedicationState
+from dmuon._ownership.fsdp_integration import is_dedicated
+from dmuon._ownership.state import DedicationState
 
 __all__ = ["ADAMW_KEYS", "MUON_KEYS", "build_param_groups", "weight_decay_groups"]
 
@@ -177,7 +177,7 @@ def weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
     Args:
         model: the model passed to ``dmuon.dedicate_params`` (or its DDP wrapper).
     """
-    from dmuon.ownership.state import unwrap
+    from dmuon._ownership.state import unwrap
 
     model = unwrap(model)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}

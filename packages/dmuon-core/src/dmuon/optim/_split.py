@@ -13,7 +13,7 @@ The ``split`` argument of ``dmuon.Muon``:
 * ``None`` (the default) or ``{}``: split nothing.
 * ``"auto"``: split the layouts known to fuse equal parts by concatenation, namely
   transformers' ``gate_up_proj`` (an expert stack, or Phi-3's ``nn.Linear``) into gate and
-  up (`dmuon.ownership.param.DedicatedParam.fused_parts`).
+  up (`dmuon._ownership.param.DedicatedParam.fused_parts`).
 * A mapping ``{pattern: parts}``: ``pattern`` selects parameters by name; it matches a
   parameter whose dotted name has ``pattern`` as one of its components
   (``"gate_up_proj"`` matches ``"model.layers.0.mlp.experts.gate_up_proj"``, ``"c_attn"``
@@ -35,7 +35,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import Tensor
 
-from dmuon.ownership.param import DedicatedParam
+from dmuon._ownership.param import DedicatedParam
 
 __all__ = ["SPLIT_AUTO", "Split", "matrix_pieces", "resolve_split"]
 

@@ -12,23 +12,23 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dmuon.comm import CommAudit, Communicator
-from dmuon.ownership.ddp_integration import keep_out_of_ddp
-from dmuon.ownership.experts import (
+from dmuon._comm import CommAudit, Communicator
+from dmuon._ownership.ddp_integration import keep_out_of_ddp
+from dmuon._ownership.experts import (
     expert_stacks,
     fused_gate_up_parts,
     routing_gate_ids,
     stores_in_out,
 )
-from dmuon.ownership.flat_buffer import FlatBuffer
-from dmuon.ownership.fsdp_integration import (
+from dmuon._ownership.flat_buffer import FlatBuffer
+from dmuon._ownership.fsdp_integration import (
     install_fsdp_filter,
     is_dedicated,
     is_fsdp_module,
     mark_dedicated,
 )
-from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.planner import (
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.planner import (
     ExpertRange,
     ModulePredicate,
     ParamPredicate,
@@ -38,9 +38,9 @@ from dmuon.ownership.planner import (
     plan_owners,
     state_dict_name,
 )
-from dmuon.ownership.runtime import Boundary, DedicationRuntime
-from dmuon.ownership.state import STATE_ATTR, DedicationState, attach
-from dmuon.ownership.tp_integration import assign_workers, leaf_for, tensor_parallel_of
+from dmuon._ownership.runtime import Boundary, DedicationRuntime
+from dmuon._ownership.state import STATE_ATTR, DedicationState, attach
+from dmuon._ownership.tp_integration import assign_workers, leaf_for, tensor_parallel_of
 
 ROOT_BOUNDARY = ""
 

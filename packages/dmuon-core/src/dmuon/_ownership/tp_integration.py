@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dmuon.ownership.planner import newton_schulz_cost
+from dmuon._ownership.planner import newton_schulz_cost
 
 __all__ = ["TensorParallel", "assign_workers", "leaf_for", "local_grad", "tensor_parallel_of"]
 

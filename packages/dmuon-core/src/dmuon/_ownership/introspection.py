@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from torch import nn
 
-from dmuon.comm import CommAudit
-from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.planner import OwnerPlan
-from dmuon.ownership.state import require_dedication as _require_state
+from dmuon._comm import CommAudit
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.planner import OwnerPlan
+from dmuon._ownership.state import require_dedication as _require_state
 
 
 class DedicatedParameters(tuple[DedicatedParam, ...]):

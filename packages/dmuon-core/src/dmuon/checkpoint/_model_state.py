@@ -12,15 +12,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.modules.module import _IncompatibleKeys
 
-from dmuon.checkpoint.dedicated_values import gather_to_owners
-from dmuon.checkpoint.layout import DedicatedLayout
-from dmuon.checkpoint.split_stacks import (
+from dmuon._ownership.state import DedicationState
+from dmuon.checkpoint._dedicated_values import gather_to_owners
+from dmuon.checkpoint._layout import DedicatedLayout
+from dmuon.checkpoint._split_stacks import (
     checkpoint_items,
     collect_on_lead,
     owner_pieces,
     ranges_by_stack,
 )
-from dmuon.ownership.state import DedicationState
 
 
 def reshard_fsdp(model: nn.Module) -> None:
@@ -37,7 +37,7 @@ def reshard_fsdp(model: nn.Module) -> None:
 def included(state: DedicationState, options: StateDictOptions) -> list[Any]:
     """The dedicated entries a state dict with ``options`` holds (the same on every rank).
 
-    A stack split by experts is one entry (see `dmuon.checkpoint.split_stacks`).
+    A stack split by experts is one entry (see `dmuon.checkpoint._split_stacks`).
     """
     items = checkpoint_items(state)
     if options.ignore_frozen_params:

@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
-from dmuon.checkpoint.layout import BAD_SHAPE, MISSING, SHARDED, DedicatedLayout
-from dmuon.ownership.param import DedicatedParam
+from dmuon._ownership.param import DedicatedParam
+from dmuon.checkpoint._layout import BAD_SHAPE, MISSING, SHARDED, DedicatedLayout
 
 
 def gather_to_owners(

@@ -14,7 +14,7 @@ takes one of three forms:
   nothing elsewhere.
 - **full everywhere** (``full_state_dict=True``): the whole tensor on every rank.
 
-A matrix split by tensor parallelism (`dmuon.ownership.tp_integration`) lives as one shard
+A matrix split by tensor parallelism (`dmuon._ownership.tp_integration`) lives as one shard
 per tp position on that position's owner. Sharded, it is a DTensor over the 2-D
 ``(dp, tp)`` mesh: ``Shard`` over tp along the dimension the plan split, and each tp
 shard cut over dp along the other dimension (standard placements, so DCP reshards it to
@@ -36,8 +36,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.state import DedicationState
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.state import DedicationState
 
 #: Codes all-gathered to agree on what each rank's state dict holds for a matrix.
 MISSING, FULL, SHARDED, BAD_SHAPE = 0, 1, 2, 3

@@ -16,15 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dmuon.comm import CommAudit
-from dmuon.optim.muon import Muon, adjust_lr_ratio
-from dmuon.optim.orthogonalize import (
+from dmuon._comm import CommAudit
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.planner import ParamPredicate, default_predicate
+from dmuon.optim._muon import Muon, adjust_lr_ratio
+from dmuon.optim._orthogonalize import (
     _newton_schulz_unchecked,
     default_ns_dtype,
     resolve_coefficients,
 )
-from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.planner import ParamPredicate, default_predicate
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -103,7 +103,7 @@ class NaiveMuon(Muon):
     def _dedicated_by_id(self) -> dict[int, DedicatedParam]:
         return {}
 
-    def _parameters_updated(self) -> None:
+    def _step_finished(self) -> None:
         self.audit.close_step()
 
     def _clear_dedicated_gradients(self, set_to_none: bool) -> None:

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from dmuon.ownership.param import DedicatedParam
+from dmuon._ownership.param import DedicatedParam
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from dmuon.comm import CommAudit
-    from dmuon.ownership.planner import OwnerPlan
-    from dmuon.ownership.runtime import DedicationRuntime
+    from dmuon._comm import CommAudit
+    from dmuon._ownership.planner import OwnerPlan
+    from dmuon._ownership.runtime import DedicationRuntime
 
 STATE_ATTR = "_dmuon_state"
 #: On every module of a dedicated model: a weak reference to the model.

@@ -17,9 +17,9 @@ from dataclasses import replace
 
 import torch
 
-from dmuon.comm import Communicator
-from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.state import DedicationState
+from dmuon._comm import Communicator
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.state import DedicationState
 
 
 def ranges_by_stack(state: DedicationState) -> dict[str, list[DedicatedParam]]:

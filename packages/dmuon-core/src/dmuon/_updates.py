@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from dmuon.ownership.state import require_dedication
+from dmuon._ownership.state import require_dedication
 
 
 def parameters_updated(model: nn.Module) -> None:

@@ -30,7 +30,7 @@ when no rank had a gradient for the record: the optimizer then leaves it alone, 
 optimizers leave a ``.grad`` of ``None`` (see `gradients.is_absent`), while a gradient of
 zeros is still a gradient. The signal costs no extra element on the wire.
 
-Only the methods here and `dmuon.ownership.gradients` write gradients.
+Only the methods here and `dmuon._ownership.gradients` write gradients.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from enum import Enum
 import torch
 from torch import nn
 
-from dmuon.comm import Communicator, Pending
-from dmuon.ownership import gradients
-from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.tp_integration import local_grad
+from dmuon._comm import Communicator, Pending
+from dmuon._ownership import gradients
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.tp_integration import local_grad
 
 
 class BufferState(Enum):
@@ -404,6 +404,6 @@ class FlatBuffer:
 
 def release_reduce_input(flat: torch.Tensor | None) -> None:
     """Free a finished reduce's input now: its work handle, kept a little longer by the
-    `Communicator` (see `dmuon.comm.Pending`), would otherwise keep the memory too."""
+    `Communicator` (see `dmuon._comm.Pending`), would otherwise keep the memory too."""
     if flat is not None:
         flat.untyped_storage().resize_(0)
