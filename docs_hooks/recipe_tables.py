@@ -246,7 +246,7 @@ def render_presets(lang: str) -> str:
     For a mixture-of-experts preset the MLP width is that of one expert.
     """
     labels = LABELS[lang]
-    presets: Mapping[str, Any] = importlib.import_module("dmuon.train.model").PRESETS
+    presets: Mapping[str, Any] = importlib.import_module("dmuon.train.models.preset").PRESETS
     rows = [
         f"| {labels['preset']} | {labels['layers']} | {labels['width']} | {labels['heads']} | "
         f"{labels['mlp']} | {labels['experts']} | {labels['params']} |",
