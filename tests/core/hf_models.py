@@ -22,9 +22,33 @@ MAX_POSITIONS = 64
 ARCHS = ("llama", "qwen2", "mixtral", "gpt2")
 
 _WORDS = (
-    "muon owner rank shard gradient momentum matrix broadcast reduce layer token batch "
-    "step norm expert router scale orthogonal iterate update weight bias head model train"
-).split()
+)
+    "muon",
+    "owner",
+    "rank",
+    "shard",
+    "gradient",
+    "momentum",
+    "matrix",
+    "broadcast",
+    "reduce",
+    "layer",
+    "token",
+    "batch",
+    "step",
+    "norm",
+    "expert",
+    "router",
+    "scale",
+    "orthogonal",
+    "iterate",
+    "update",
+    "weight",
+    "bias",
+    "head",
+    "model",
+    "train",
+]
 
 
 def config_of(arch: str, vocab: int = MODEL_VOCAB, positions: int = MAX_POSITIONS) -> Any:

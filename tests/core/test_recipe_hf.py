@@ -257,7 +257,7 @@ def _oracle_logits(model: str, checkpoint: Path, tmp: Path, tokens: torch.Tensor
 def test_export_loads_with_transformers_and_its_logits_match(
     world: dict[str, Any], tmp_path: Path, model: str
 ) -> None:
-    name = world["models"][model] if model in world["models"] else model
+    name = world["models"].get(model, model)
     data = world["data"]["jsonl"] if model in world["models"] else world["data"]["text"]
     export, ckpt = tmp_path / "export", tmp_path / "ckpt"
     run([*COMMON, "--model", str(name), "--data", str(data), "--cache-dir", str(world["cache"]),
