@@ -22,7 +22,6 @@ MAX_POSITIONS = 64
 ARCHS = ("llama", "qwen2", "mixtral", "gpt2")
 
 _WORDS = (
-)
     "muon",
     "owner",
     "rank",
@@ -48,7 +47,7 @@ _WORDS = (
     "head",
     "model",
     "train",
-]
+)
 
 
 def config_of(arch: str, vocab: int = MODEL_VOCAB, positions: int = MAX_POSITIONS) -> Any:
