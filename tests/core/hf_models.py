@@ -179,3 +179,22 @@ def write_text_folder(path: Path, docs: list[str]) -> Path:
     for i, doc in enumerate(docs):
         (path / f"doc{i:03d}.txt").write_text(doc, encoding="utf-8")
     return path
+
+
+def rank_runs(rank: int, world: int, runs: list[tuple[str, list[str]]]) -> dict[str, Any]:
+    """Run the recipe with each ``(name, argv)`` in turn on this rank (a spawned rank of
+    `dist_harness.spawn_ranks`, whose process group the recipe joins)."""
+    import os
+    from functools import partial
+
+    from dist_harness import run_in_order
+
+    from dmuon.train import run
+
+    os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
+
+    def one(argv: list[str]) -> dict[str, Any]:
+        summary = run(argv)
+        return {"final_loss": summary["final_loss"], "world_size": summary["world_size"]}
+
+    return run_in_order((name, partial(one, argv)) for name, argv in runs)
