@@ -46,6 +46,7 @@ __all__ = [
     "STOPPED_EVENT",
     "TEMPORARY_PREFIX",
     "TOKENIZER_FILES",
+    "TOKENIZE_BATCH_BYTES",
     "TOKEN_DTYPES",
     "TOKEN_SUFFIX",
     "TRAINER_STATE_FILE",
@@ -56,7 +57,14 @@ __all__ = [
     "data_kind",
     "flag",
     "is_model_directory",
+    "link_message",
+    "no_tokenizer_message",
+    "not_model_directory_message",
+    "positions_message",
+    "remote_code_message",
+    "sidecar_message",
     "sidecar_path",
+    "vocab_message",
 ]
 
 
@@ -121,6 +129,10 @@ TOKEN_DTYPES: dict[str, int] = {"uint16": 2, "uint32": 4}
 
 DataKind = Literal["text", "records", "parquet", "tokens"]
 
+TOKENIZE_BATCH_BYTES = 4 << 20
+"""Text the recipe tokenizes per batch: what tokenization holds in memory at most (plus
+the batch's ids), since the ids stream to a memory-mapped cache."""
+
 
 def sidecar_path(token_file: str | Path) -> Path:
     """The JSON sidecar of a token file: ``FILE.bin`` -> ``FILE.bin.json``.
@@ -176,6 +188,71 @@ HF_SNAPSHOT_DIR = "hf"
 def checkpoint_name(step: int) -> str:
     """The folder name of the checkpoint after ``step``: ``step_`` and 8 digits."""
     return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+# ----- messages of bad inputs (the recipe's, and the job service's 422s) -----------------
+def not_model_directory_message(model: str) -> str:
+    """``--model`` names a folder without ``config.json``."""
+    presets = ", ".join(sorted(PRESETS))
+    return (
+        f"--model {model!r} is not a Hugging Face model directory: it has no "
+        f"{HF_CONFIG_FILE}. Pass a directory written by save_pretrained (a config.json, with "
+        f"or without *.safetensors weights) or a preset ({presets})"
+    )
+
+
+def remote_code_message(model: str, model_type: object) -> str:
+    """``config.json`` names an architecture only code of its own builds."""
+    return (
+        f"--model {model}: model_type {model_type!r} in its config.json is not a causal "
+        "language model this transformers builds. It asks for code of its own (auto_map), "
+        "which the recipe never runs. Use an architecture AutoModelForCausalLM knows (llama, "
+        "qwen2, mistral, mixtral, gpt2, ...)"
+    )
+
+
+def positions_message(seq_len: int, positions: int, model: str) -> str:
+    """``--seq-len`` is above the model's ``max_position_embeddings``."""
+    return (
+        f"--seq-len {seq_len} is longer than the {positions} positions of --model {model} "
+        f"(max_position_embeddings in its config.json); use --seq-len <= {positions}"
+    )
+
+
+def vocab_message(vocab_size: int, model_vocab: int, what: str, model: str) -> str:
+    """Token ids of ``what`` (a tokenizer, a token file) do not fit the model's embedding."""
+    return (
+        f"{what} has a vocabulary of {vocab_size} tokens, but --model {model} embeds "
+        f"only {model_vocab} (vocab_size in its config); use a tokenizer of at most "
+        f"{model_vocab} tokens, or a model whose vocab_size is at least {vocab_size}"
+    )
+
+
+def no_tokenizer_message(model: str) -> str:
+    """A model directory without a tokenizer, and no ``--tokenizer``."""
+    return (
+        f"--model {model} has no tokenizer (no tokenizer.json nor tokenizer_config.json); "
+        "pass --tokenizer PATH"
+    )
+
+
+def link_message(data: str, relative: str, target: str, root: str) -> str:
+    """A symbolic link inside a data folder points outside it."""
+    return (
+        f"--data {data!r}: {relative} is a symbolic link to {target}, outside the data folder "
+        f"{root}; the recipe reads only files inside it. Copy what it points to into the "
+        "folder, or remove the link"
+    )
+
+
+def sidecar_message(shown: str) -> str:
+    """A ``.bin`` token file without its sidecar."""
+    dtypes = ", ".join(TOKEN_DTYPES)
+    return (
+        f"--data: token file {shown} has no sidecar {sidecar_path(shown).name}; write one next "
+        f"to it naming the element type ({dtypes}) and the tokenizer's vocabulary size, e.g. "
+        '{"dtype": "uint16", "vocab_size": 50257}'
+    )
 
 
 # ----- exit codes ------------------------------------------------------------------------

@@ -61,7 +61,7 @@ CACHE_FORMAT = 2
 """Bumped whenever the cache layout or tokenization changes."""
 
 _PIECE_BYTES = 1 << 20  # text read per piece
-_BATCH_BYTES = 4 << 20  # text per encode_batch call
+_BATCH_BYTES = contract.TOKENIZE_BATCH_BYTES  # text per encode_batch call
 _BATCH_ITEMS = 4096
 
 

@@ -89,11 +89,7 @@ def read_sidecar(path: Path, shown: str | None = None) -> TokenFileInfo:
     dtypes = ", ".join(contract.TOKEN_DTYPES)
     example = '{"dtype": "uint16", "vocab_size": 50257}'
     if not sidecar.is_file():
-        raise ValueError(
-            f"--data: token file {shown} has no sidecar {sidecar.name}; write one next to "
-            f"it naming the element type ({dtypes}) and the tokenizer's vocabulary size, "
-            f"e.g. {example}"
-        )
+        raise ValueError(contract.sidecar_message(shown))
     try:
         meta = json.loads(sidecar.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -134,12 +130,8 @@ def _walk(path: str, source: Path) -> list[Path]:
             entry = here / name
             target = _outside(source, entry)
             if target is not None:
-                raise ValueError(
-                    f"--data {path!r}: {entry.relative_to(source).as_posix()} is a symbolic "
-                    f"link to {target}, outside the data folder {source}; the recipe reads "
-                    "only files inside it. Copy what it points to into the folder, or pass "
-                    "a --data folder that holds it"
-                )
+                relative = entry.relative_to(source).as_posix()
+                raise ValueError(contract.link_message(path, relative, target, str(source)))
             if not entry.is_symlink():  # a link within the folder: read through its target
                 kept.append(name)
         dirnames[:] = kept
@@ -149,11 +141,8 @@ def _walk(path: str, source: Path) -> list[Path]:
             entry = here / name
             target = _outside(source, entry)
             if target is not None:
-                raise ValueError(
-                    f"--data {path!r}: {entry.relative_to(source).as_posix()} is a symbolic "
-                    f"link to {target}, outside the data folder {source}; the recipe reads "
-                    "only files inside it. Copy the file into the folder, or remove the link"
-                )
+                relative = entry.relative_to(source).as_posix()
+                raise ValueError(contract.link_message(path, relative, target, str(source)))
             if entry.is_file() and entry.stat().st_size > 0:
                 found.append(entry)
     return found

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import dmuon_recipe_contract as contract
 import numpy as np
 
 __all__ = ["ByteTokenizer", "HFTokenizer", "TextTokenizer", "check_fits", "load_tokenizer"]
@@ -170,14 +171,9 @@ def load_tokenizer(path: str | Path | None, model_dir: Path | None) -> TextToken
     if path is None and model_dir is None:
         return ByteTokenizer()
     if path is None:
-        import dmuon_recipe_contract as contract
-
         assert model_dir is not None
         if not any((model_dir / n).is_file() for n in contract.TOKENIZER_FILES):
-            raise ValueError(
-                f"--model {model_dir} has no tokenizer (no tokenizer.json nor "
-                "tokenizer_config.json); pass --tokenizer PATH"
-            )
+            raise ValueError(contract.no_tokenizer_message(str(model_dir)))
         source, shown = model_dir, str(model_dir)
     else:
         source, shown = Path(path).expanduser(), str(path)
@@ -204,8 +200,4 @@ def check_fits(vocab_size: int, model_vocab: int, what: str, model: str) -> None
         ValueError: ``vocab_size`` (of ``what``) exceeds ``model_vocab``.
     """
     if vocab_size > model_vocab:
-        raise ValueError(
-            f"{what} has a vocabulary of {vocab_size} tokens, but --model {model} embeds "
-            f"only {model_vocab} (vocab_size in its config); use a tokenizer of at most "
-            f"{model_vocab} tokens, or a model whose vocab_size is at least {vocab_size}"
-        )
+        raise ValueError(contract.vocab_message(vocab_size, model_vocab, what, model))

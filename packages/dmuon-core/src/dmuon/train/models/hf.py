@@ -85,11 +85,7 @@ def inspect_model_dir(model: str, seq_len: int) -> HFModelInfo:
             "pass a preset name or a Hugging Face model directory (with config.json)"
         )
     if not path.is_dir() or not contract.is_model_directory(path):
-        raise ValueError(
-            f"--model {model!r} is not a Hugging Face model directory: it has no "
-            f"{contract.HF_CONFIG_FILE}. Pass a directory written by save_pretrained (a "
-            f"config.json, with or without *.safetensors weights) or a preset ({presets})"
-        )
+        raise ValueError(contract.not_model_directory_message(model))
     path = path.resolve()
     try:
         raw = json.loads((path / contract.HF_CONFIG_FILE).read_text(encoding="utf-8"))
@@ -103,14 +99,11 @@ def inspect_model_dir(model: str, seq_len: int) -> HFModelInfo:
 
     model_type = raw.get("model_type")
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        remote = (
-            " It asks for code of its own (auto_map), which the recipe never runs."
-            if ("auto_map" in raw)
-            else ""
-        )
+        if "auto_map" in raw:
+            raise ValueError(contract.remote_code_message(model, model_type))
         raise ValueError(
             f"--model {model}: model_type {model_type!r} in its config.json is not a causal "
-            f"language model this transformers builds.{remote} Use an architecture "
+            "language model this transformers builds. Use an architecture "
             "AutoModelForCausalLM knows (llama, qwen2, mistral, mixtral, gpt2, ...)"
         )
     config = _load_config(path)
@@ -119,10 +112,7 @@ def inspect_model_dir(model: str, seq_len: int) -> HFModelInfo:
         raise ValueError(f"--model {model}: its config.json has no vocab_size")
     positions = getattr(config, "max_position_embeddings", None)
     if isinstance(positions, int) and positions < seq_len:
-        raise ValueError(
-            f"--seq-len {seq_len} is longer than the {positions} positions of --model {model} "
-            f"(max_position_embeddings in its config.json); use --seq-len <= {positions}"
-        )
+        raise ValueError(contract.positions_message(seq_len, positions, model))
     weights = tuple(sorted(path.glob("*.safetensors")))
     if not weights and any(path.glob("*.bin")) and any(path.glob("pytorch_model*")):
         raise ValueError(
