@@ -1,8 +1,9 @@
 """A job's files: checkpoints, its HF export, metrics and logs, listed and served one by one.
 
 Only those four kinds are served, and only files that resolve inside the job's folder:
-a path with ``..``, a symbolic link out of the folder, a hidden (temporary) file or any
-other file of the folder (``spec.json``, ``exit.json``, ``init/``) is answered with 404.
+a path with ``..``, a symbolic link, anything under a folder being written (``.tmp_...``,
+a save in progress) or any other file of the folder (``spec.json``, ``exit.json``,
+``init/``) is answered with 404.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Annotated
 
+import dmuon_recipe_contract as contract
 from fastapi import APIRouter
 from fastapi import Path as PathParam
 from fastapi.responses import FileResponse
@@ -26,8 +28,8 @@ router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 def artifact_kind(relative: str) -> ArtifactKind | None:
     """The kind of the file at ``relative`` (a POSIX path in the job folder), or None."""
     parts = relative.split("/")
-    if any(p.startswith(".") or p in ("", "..") for p in parts):
-        return None  # temporary folders of saves in progress, and anything odd
+    if any(p.startswith(contract.TEMPORARY_PREFIX) or p in ("", ".", "..") for p in parts):
+        return None  # folders of saves in progress, and anything odd
     if parts[0] == CHECKPOINT_DIR and len(parts) > 1:
         return "checkpoint"
     if parts[0] == EXPORT_DIR and len(parts) > 1:
@@ -44,7 +46,7 @@ def list_artifacts(job_dir: Path) -> list[Artifact]:
     items: list[Artifact] = []
     root = Path(os.path.realpath(job_dir))
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(contract.TEMPORARY_PREFIX))
         for name in filenames:
             path = Path(dirpath) / name
             relative = path.relative_to(root).as_posix()
