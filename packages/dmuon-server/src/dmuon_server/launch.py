@@ -119,6 +119,13 @@ def _resolve_model(
             return None, None, None
     if not isinstance(t.model, ModelPath):
         vocab = 256 if tokenizer_path is None else tokenizer_vocab(tokenizer_path)
+        embed = contract.PRESETS[t.model].vocab_size
+        if vocab is not None and vocab > embed:
+            what = "--tokenizer " + public.text(str(tokenizer_path))
+            errors.append(
+                field_error(("body", "train", "tokenizer"),
+                            contract.vocab_message(vocab, embed, what, t.model), "admission")
+            )  # fmt: skip
         return ModelInputs(t.model, None, vocab), None, tokenizer_path
     loc = ("body", "train", "model", "path")
     try:

@@ -54,6 +54,7 @@ from dmuon.train.data import (
     plan_corpus,
     validation_windows,
 )
+from dmuon.train.data.sources import list_source_files
 from dmuon.train.data.tokenizer import TextTokenizer
 from dmuon.train.metrics import MetricsWriter, ProgressReporter, format_summary, truncate_after
 from dmuon.train.models import BuiltModel, ModelSource, build, lm_loss, resolve_model
@@ -159,7 +160,8 @@ def preflight(config: TrainConfig) -> Inputs:
         check_export_target(config.export_hf)
     model_dir = None if source.hf is None else source.hf.path
     # Token files need no tokenizer; a model directory without one still trains on them.
-    needs_tokenizer = config.data is None or not str(config.data).endswith(contract.TOKEN_SUFFIX)
+    _, files = list_source_files(config.data)
+    needs_tokenizer = files[0].kind != "tokens"
     tokenizer: TextTokenizer | None
     try:
         tokenizer = load_tokenizer(config.tokenizer, model_dir)
@@ -175,6 +177,8 @@ def preflight(config: TrainConfig) -> Inputs:
         text_field=config.text_field,
     )
     if plan.cache_bin is not None:
+        if not plan.is_cached:
+            plan.check_records()  # a missing text field, before any process group
         if tokenizer is None:
             tokenizer = load_tokenizer(config.tokenizer, model_dir)  # raises its error
         what = (

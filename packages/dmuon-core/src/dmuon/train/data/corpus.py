@@ -433,6 +433,17 @@ class CorpusPlan:
             vocab_size=vocab,
         )
 
+    def check_records(self, limit: int = 256) -> None:
+        """Read the first record of (up to ``limit``) record and parquet files.
+
+        Raises:
+            ValueError: a file that is not what its suffix says, or whose first record
+                lacks the text field (the same error tokenizing would raise later).
+        """
+        records = [f for f in (*self.train, *self.val) if f.kind in ("records", "parquet")]
+        for file in records[:limit]:
+            next(iter(_documents(file, str(file.path), self.text_field, True)), None)
+
     def wait(self, poll_s: float = 0.2) -> None:
         """Wait until another process has built the cache (or raise its error).
 
