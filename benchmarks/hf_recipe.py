@@ -124,9 +124,11 @@ def model_dir(path: Path, tokenizer_dir: Path, vocab: int) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def train_run(args: argparse.Namespace, optimizer: str, root: Path, corpus: Path) -> dict[str, Any]:
+def train_run(
+    args: argparse.Namespace, optimizer: str, root: Path, corpus: Path, round_: int
+) -> dict[str, Any]:
     """One torchrun of the recipe; the step times after warm-up and the peak memory."""
-    metrics = root / f"{optimizer}.jsonl"
+    metrics = root / f"{optimizer}-{round_}.jsonl"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc_per_node", str(args.nproc), "-m", "dmuon.train",
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accum-steps", type=positive_int, default=1)
     p.add_argument("--seq-len", type=positive_int, default=256)
     p.add_argument("--mode", choices=("z2", "z3"), default="z2")
+    p.add_argument("--rounds", type=positive_int, default=3, help="runs of each optimizer")
     p.add_argument("--json", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="dmuon-hf-bench-") as scratch:
@@ -181,7 +184,25 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r['seconds']:.1f} s, {r['tokens']:,} tokens)", flush=True)  # fmt: skip
         params = model_dir(root / "model", root / "tokenizer", args.vocab)
         print(f"model: LlamaForCausalLM, {params / 1e6:.1f} M parameters", flush=True)
-        runs = {opt: train_run(args, opt, root, corpus) for opt in ("adamw", "dmuon")}
+        rounds: list[dict[str, dict[str, Any]]] = []
+        for r in range(args.rounds):
+            order = ("adamw", "dmuon") if r % 2 == 0 else ("dmuon", "adamw")
+            rounds.append({opt: train_run(args, opt, root, corpus, r) for opt in order})
+            ratio_r = rounds[-1]["dmuon"]["median_step_s"] / rounds[-1]["adamw"]["median_step_s"]
+            print(f"round {r + 1}: DMuon / AdamW {ratio_r:.2f}x", flush=True)
+    runs: dict[str, dict[str, Any]] = {}
+    for opt in ("adamw", "dmuon"):
+        seconds = [s for one in rounds for s in one[opt]["step_seconds"]]
+        tokens = args.nproc * args.accum_steps * args.micro_batch_size * args.seq_len
+        runs[opt] = {
+            "step_seconds": seconds,
+            "median_step_s": statistics.median(seconds),
+            "tokens_per_s": tokens / statistics.median(seconds),
+            "peak_memory_bytes": [
+                max(b) for b in zip(*(one[opt]["peak_memory_bytes"] for one in rounds), strict=True)
+            ],
+            "final_loss": [one[opt]["final_loss"] for one in rounds],
+        }
     for opt, r in runs.items():
         print(f"{opt}: median step {r['median_step_s']:.2f} s, {r['tokens_per_s']:,.0f} tokens/s, "
               f"peak memory per rank {[round(b / 2**30, 2) for b in r['peak_memory_bytes']]} GiB",
@@ -196,6 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         "model_params": params,
         "runs": runs,
         "step_ratio_dmuon_over_adamw": ratio,
+        "round_ratios": [
+            one["dmuon"]["median_step_s"] / one["adamw"]["median_step_s"] for one in rounds
+        ],
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")

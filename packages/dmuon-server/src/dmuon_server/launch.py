@@ -101,8 +101,17 @@ def with_recipe_defaults(spec: JobCreate) -> JobCreate:
     return spec.model_copy(update={"train": filled})
 
 
+def _token_data(data_path: Path | None) -> bool:
+    """Whether the data are token files (a ``.bin``, or a folder holding them)."""
+    if data_path is None:
+        return False
+    if data_path.is_file():
+        return contract.data_kind(data_path) == "tokens"
+    return next(data_path.rglob(f"*{contract.TOKEN_SUFFIX}"), None) is not None
+
+
 def _resolve_model(
-    settings: Settings, spec: JobCreate, errors: list[FieldError]
+    settings: Settings, spec: JobCreate, errors: list[FieldError], data_path: Path | None
 ) -> tuple[ModelInputs | None, Path | None, Path | None]:
     """The model side of a spec: ``(inputs for the estimates, model dir, tokenizer path)``.
 
@@ -139,7 +148,7 @@ def _resolve_model(
     except ModelDirError as e:
         errors.append(field_error(loc, str(e), "value_error"))
         return None, None, None
-    tokens_only = t.data is not None and t.data.endswith(contract.TOKEN_SUFFIX)
+    tokens_only = _token_data(data_path)
     if tokenizer_path is None and not hf.has_tokenizer and not tokens_only:
         errors.append(
             field_error(
@@ -255,7 +264,7 @@ def review(settings: Settings, spec: JobCreate) -> Review:
             label = PublicPaths(settings).text(str(data_path))
         except DataPathError as e:
             errors.append(field_error(("body", "train", "data"), str(e), "value_error"))
-    model, model_path, tokenizer_path = _resolve_model(settings, spec, errors)
+    model, model_path, tokenizer_path = _resolve_model(settings, spec, errors, data_path)
     init = resolve_init_from(settings, spec)
     if isinstance(init, FieldError):
         errors.append(init)

@@ -9,7 +9,6 @@ HF export needs. The loop and `dmuon.train.parallelize` see nothing else of the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import dmuon_recipe_contract as contract
@@ -165,8 +164,3 @@ def build(source: ModelSource, *, seed: int, seq_len: int, device: torch.device,
         )
     hf = module.config.to_dict()
     return BuiltModel(module, layers, source, hf, {}, _matmul_params(module, hf))
-
-
-def model_directory(source: ModelSource) -> Path | None:
-    """The model directory of an HF source, or None for a preset."""
-    return None if source.hf is None else source.hf.path
