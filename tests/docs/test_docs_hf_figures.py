@@ -43,5 +43,17 @@ def test_figures_are_the_committed_results(lang: str) -> None:
         assert row in text, f"{lang}: no row {row}"
         assert f"{result['model_params'] / 1e6:.1f} M" in text
         assert result["tokenization"]["corpus_bytes"] >= 100e6
+        s = result["settings"]
+        for fact in (
+            f"{s['vocab']:,} tokens",
+            f"{s['rounds']} rounds" if lang == "en" else f"共 {s['rounds']} 轮",
+            f"{s['seq_len']}",
+            f"{s['micro_batch_size']}",
+            f"{result['machine']['load_average'][0]:.1f}",
+            f"{s['mode']}".upper(),
+        ):
+            assert fact in text, (lang, fact)
+        for ratio in result["round_ratios"]:
+            assert f"{ratio:.2f}x" in text, (lang, ratio)
         for name in ("bpe", "bytes"):
             assert f"{result['tokenization'][name]['mb_per_s']:.1f} MB/s" in text, (lang, name)
