@@ -32,6 +32,8 @@ PRESET_HEADER = {"en": "preset", "zh": "预设"}
 
 
 def _spelled(value: object) -> str:
+    if isinstance(value, bool):  # a switch: the command line's spelling
+        return str(value).lower()
     return repr(value) if isinstance(value, float) else str(value)
 
 
