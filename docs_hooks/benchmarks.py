@@ -38,6 +38,9 @@ A page asks for a table with a marker on a line of its own:
 ``<!-- benchmark: machine NAME -->``
     One line: the machine (with its vector unit and whether it multiplies bfloat16
     natively), torch version and load average a result was taken under.
+``<!-- benchmark: layouts NAME -->``
+    ``benchmarks/results/NAME.json`` (from ``benchmarks/layouts.py``): step time,
+    optimizer-step time and counted traffic per contender under DDP or FSDP2 + TP.
 ``<!-- benchmark: step-range NAME -->``
     One list item: the fastest and slowest median step time per accumulation of a
     distributed result.
@@ -78,6 +81,10 @@ LABELS: dict[str, dict[str, Any]] = {
         "vs": "vs AdamW (same FSDP2 mode)",
         "units": "Muon traffic, counted (units)",
         "formula": "Formula (units)",
+        "vs_plain": "vs AdamW",
+        "optim_vs": "Optimizer step vs AdamW's",
+        "matrix_units": "Matrix traffic over dp, counted (units)",
+        "tp_units": "Over tp, rank 0 (units)",
         "machine": "Machine",
         "threads": "threads",
         "timed": "timed steps per contender after a warm-up",
@@ -187,6 +194,10 @@ LABELS: dict[str, dict[str, Any]] = {
         "vs": "相对 AdamW（同一 FSDP2 模式）",
         "units": "Muon 通信量，实测（单位）",
         "formula": "公式（单位）",
+        "vs_plain": "相对 AdamW",
+        "optim_vs": "优化器步相对 AdamW",
+        "matrix_units": "矩阵在 dp 上的通信量，实测（单位）",
+        "tp_units": "tp 上，rank 0（单位）",
         "machine": "机器",
         "threads": "线程",
         "timed": "每个参与者在预热后计时的步数",
@@ -353,6 +364,22 @@ def _distributed(name: str, labels: dict[str, str]) -> str:
                 f"| `{peer}` ({info['distribution']} {version}) | {accum} | - | - | - | - | - | "
                 f"{labels['not_run']}: `{shown}` | - | - |"
             )
+    return "\n".join(lines)
+
+
+def _layouts(name: str, labels: dict[str, str]) -> str:
+    result = _load(name)
+    lines = [
+        f"| {labels['contender']} | {labels['step']} | {labels['vs_plain']} | {labels['optim']} | "
+        f"{labels['optim_vs']} | {labels['matrix_units']} | {labels['tp_units']} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| `{r['contender']}` | {r['median_step_s']:.3g} | {r['vs_adamw']:.2f}x | "
+            f"{r['median_optim_step_s']:.3g} | {r['optim_vs_adamw']:.2f}x | "
+            f"{_cell(r['matrix_units'], '.2f')} | {_cell(r['tp_units'], '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -754,6 +781,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _optimizer_step(name or "optimizer_step", labels)
             if kind == "distributed" and name:
                 return _distributed(name, labels)
+            if kind == "layouts" and name:
+                return _layouts(name, labels)
             if kind == "checkpoint-io":
                 return _checkpoint_io(labels)
             if kind == "moe-split":
