@@ -10,6 +10,9 @@ A page asks for generated content with a marker on a line of its own:
 ``<!-- generated: recipe-flags -->``, ``<!-- generated: recipe-presets -->``
     The training recipe's flags (from its argument parser) and model presets (from
     ``dmuon.train.PRESETS``); see ``docs_hooks/recipe_tables.py``.
+``<!-- generated: torch-muon-defaults -->`` and the other ``torch-*`` markers
+    ``dmuon.Muon``'s defaults against ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s,
+    from their signatures; see ``docs_hooks/torch_muon.py``.
 
 Labels follow the page language (English, or Chinese for pages under ``docs/zh/``). If the
 code cannot be imported the hook logs a warning, which fails ``mkdocs build --strict``.
@@ -38,6 +41,7 @@ if str(Path(__file__).parent) not in sys.path:
 import diagrams
 import glossary
 import recipe_tables
+import torch_muon
 
 log = get_plugin_logger("dmuon-docs")
 
@@ -354,6 +358,11 @@ RENDERERS: dict[str, Callable[[Mapping[str, str]], str]] = {
     "recipe-flags": lambda labels: recipe_tables.render_flags(labels["lang"]),
     "recipe-presets": lambda labels: recipe_tables.render_presets(labels["lang"]),
     "glossary": lambda labels: glossary.render_glossary(labels["lang"]),
+    # torch-muon-defaults, torch-muon-differences, ...: see docs_hooks/torch_muon.py.
+    **{
+        name: (lambda labels, render=render: render(labels["lang"]))
+        for name, render in torch_muon.RENDERERS.items()
+    },
 }
 
 

@@ -8,6 +8,7 @@ own state-dict functions on a plain FSDP2 model.
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
@@ -317,8 +318,12 @@ def test_without_dedication_the_functions_are_torchs() -> None:
     assert _max_diff(model.state_dict(), other.state_dict()) == 0.0
 
 
-def test_another_optimizers_state_is_refused_not_mixed_in() -> None:
+def test_an_adamw_state_loads_its_moments_with_strict_false_and_is_explained_without() -> None:
+    """Fine-tuning from FSDP2 + AdamW: strict refuses with the recipe and changes nothing;
+    strict=False keeps dmuon.Muon's settings, loads the AdamW moments of the parameters
+    that are not dedicated (equal to torch's) and starts the Muon momenta at zero."""
     from torch.distributed.checkpoint import state_dict as torch_sd
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     torch.manual_seed(0)
     plain = TinyLlama(vocab=VOCAB)
@@ -327,12 +332,26 @@ def test_another_optimizers_state_is_refused_not_mixed_in() -> None:
     adamw.step()
     adamw_state = torch_sd.get_optimizer_state_dict(plain, adamw)
     model, optimizer = _single_process_model()
-    with pytest.raises(ValueError, match="no Muon momentum"):
+    before = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(ValueError, match="written by another optimizer") as error:
         dmuon.set_optimizer_state_dict(model, optimizer, adamw_state)
-    relaxed = torch.distributed.checkpoint.state_dict.StateDictOptions(strict=False)
-    with pytest.raises(ValueError, match="algorithm None"):
-        dmuon.set_optimizer_state_dict(model, optimizer, adamw_state, options=relaxed)
+    assert "StateDictOptions(strict=False)" in str(error.value)
+    assert optimizer.state_dict()["param_groups"] == before["param_groups"]
+    dmuon.set_optimizer_state_dict(
+        model, optimizer, adamw_state, options=StateDictOptions(strict=False)
+    )
     assert [g["algorithm"] for g in optimizer.param_groups] == ["muon", "adamw"]
+    assert optimizer.param_groups[0]["lr"] == 0.02 and optimizer.param_groups[1]["lr"] == 1e-3
+    names = {id(p): n for n, p in model.named_parameters()}
+    theirs = adamw_state["state"]
+    for p in optimizer.param_groups[1]["params"]:
+        name = names[id(p)]
+        assert torch.equal(optimizer.state[p]["exp_avg"], theirs[name]["exp_avg"]), name
+    for p in optimizer.param_groups[0]["params"]:  # fresh: no momentum yet, or zeros
+        buffer = optimizer.state[p].get("momentum_buffer") if p in optimizer.state else None
+        assert buffer is None or torch.count_nonzero(buffer) == 0
+    cs._loss(model, cs.batch(1)).backward()
+    optimizer.step()  # and it trains from there
 
 
 def test_missing_muon_momentum_is_refused_in_strict_mode() -> None:

@@ -101,9 +101,9 @@ def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
     comm = dmuon.ownership.state.get_dedication(model).runtime.comm
     issue = comm._issue
 
-    def record(kind: str, tensor: torch.Tensor, root: int, call: Any) -> Any:
+    def record(kind: str, tensor: torch.Tensor, root: int, call: Any, **kwargs: Any) -> Any:
         sequence.append((kind, tensor.numel(), root))
-        return issue(kind, tensor, root, call)
+        return issue(kind, tensor, root, call, **kwargs)
 
     comm._issue = record
     idle_here = 0

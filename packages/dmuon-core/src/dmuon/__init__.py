@@ -19,16 +19,20 @@ from dmuon.checkpoint import (
     set_state_dict,
 )
 from dmuon.clip import clip_grad_norm_
-from dmuon.comm import CollectiveTally, CommAudit, StepComm
+from dmuon.comm import CollectiveError, CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
+from dmuon.optim.groups import weight_decay_groups
 from dmuon.ownership.dedicate import dedicate_params
+from dmuon.ownership.gradients import DedicatedGradientError
 from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
 from dmuon.ownership.planner import ExpertRange, OwnerPlan, default_predicate, plan_owners
 from dmuon.updates import parameters_updated
 
 __all__ = [
+    "CollectiveError",
     "CollectiveTally",
     "CommAudit",
+    "DedicatedGradientError",
     "ExpertRange",
     "Muon",
     "NonFiniteGradientError",
@@ -50,4 +54,5 @@ __all__ = [
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",
+    "weight_decay_groups",
 ]

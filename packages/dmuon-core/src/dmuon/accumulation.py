@@ -1,4 +1,4 @@
-"""`no_sync`: gradient accumulation without communication."""
+"""`no_sync`: gradient accumulation without communication (FSDP2, HSDP, DDP)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ from contextlib import ExitStack, contextmanager
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
 
 from dmuon.ownership.fsdp_integration import fsdp_param_groups, is_fsdp_module
-from dmuon.ownership.state import get_dedication
+from dmuon.ownership.state import dedicated_root, get_dedication, unwrap
 
 
 def _requires_gradient_sync(module: FSDPModule) -> bool:
@@ -30,26 +31,44 @@ def _fsdp_no_sync(modules: list[FSDPModule]) -> Iterator[None]:
             module.set_requires_gradient_sync(sync, recurse=False)
 
 
+def _resolve(module: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]:
+    """The whole model ``module`` belongs to, and the DDP wrapper it runs in (if known)."""
+    ddp = module if isinstance(module, DistributedDataParallel) else None
+    module = unwrap(module)
+    root = dedicated_root(module) or module
+    state = get_dedication(root)
+    if ddp is None and state is not None:
+        ddp = state.runtime.ddp()
+    return root, ddp
+
+
 @contextmanager
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Accumulate gradients locally, with no gradient communication, inside the block.
 
-    Dedicated parameters: each backward adds the local full-matrix gradient to
-    ``param._accumulated_grad`` on every rank instead of reducing it to the owner; the next
-    backward outside ``no_sync`` merges it with its own gradient and reduces once.
-    Symmetric (FSDP2) parameters: ``set_requires_gradient_sync(False)`` on every FSDP2
-    module, so FSDP2 keeps unsharded gradients until the next synced backward.
+    Dedicated parameters: each backward adds the local full-matrix gradient to a local
+    total (``_accumulated_grad``) on every rank instead of reducing it to the owner; the
+    next backward outside ``no_sync`` merges it with its own gradient and reduces once.
+    Symmetric parameters: ``set_requires_gradient_sync(False)`` on every FSDP2 module, so
+    FSDP2 keeps unsharded gradients until the next synced backward; under
+    ``DistributedDataParallel``, DDP's own ``no_sync()``, so it skips its all-reduce.
 
-    The previous settings are restored on exit, also when the block raises. On a model
-    with neither dedicated parameters nor FSDP2 modules this does nothing: plain PyTorch
-    already accumulates gradients locally.
+    ``model`` may be the model passed to `dmuon.dedicate_params`, its DDP wrapper, or any
+    module inside it (a Hugging Face model's base model, one layer): the block always
+    covers the whole model, whose traffic would otherwise still flow for the parts outside
+    the module given. The previous settings are restored on exit, also when the block
+    raises. On a model with neither dedicated parameters, FSDP2 modules nor DDP this does
+    nothing: plain PyTorch already accumulates gradients locally.
 
     Args:
-        model: The model passed to `dmuon.dedicate_params` and/or ``fully_shard``.
+        model: The model (or its DDP wrapper, or a module inside it).
     """
-    state = get_dedication(model)
-    fsdp_modules = [m for m in model.modules() if is_fsdp_module(m)]
+    root, ddp = _resolve(model)
+    state = get_dedication(root)
+    fsdp_modules = [m for m in root.modules() if is_fsdp_module(m)]
     with ExitStack() as stack:
+        if ddp is not None:
+            stack.enter_context(ddp.no_sync())
         stack.enter_context(_fsdp_no_sync(fsdp_modules))
         if state is not None:
             stack.enter_context(state.runtime.no_sync())

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon.ownership.fsdp_integration import is_dedicated
-from dmuon.ownership.state import get_dedication
+from dmuon.ownership.state import DedicationState, get_dedication
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
@@ -35,6 +35,9 @@ def _groups_of(model: nn.Module) -> tuple[list[dist.ProcessGroup], torch.device]
     if state is not None:
         comm = state.runtime.comm
         groups = [g for g in (comm.group, comm.replicate_group) if g is not None]
+        tp = _tensor_parallel_size(state)
+        if tp is not None and tp[0] > 1:
+            groups.append(tp[1])
         return groups, comm.device
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         device = torch.device("cpu")
@@ -44,20 +47,34 @@ def _groups_of(model: nn.Module) -> tuple[list[dist.ProcessGroup], torch.device]
     return [], torch.device("cpu")
 
 
-def _local_parts(model: nn.Module, world: int) -> list[tuple[Tensor, float]]:
-    """``(local gradient, how many ranks hold the same elements)`` of every gradient."""
+Parts = list[tuple[Tensor, float]]
+
+
+def _tensor_parallel_size(state: DedicationState) -> tuple[int, dist.ProcessGroup] | None:
+    """``(size, group)`` of the model's tensor-parallel mesh, if it has one."""
+    tp = next((dp.tp for dp in state.params if dp.tp is not None), None)
+    return (tp.size, tp.group) if tp is not None else None
+
+
+def _local_parts(model: nn.Module, world: int) -> tuple[Parts, Parts]:
+    """``(local gradient, how many ranks hold the same elements)`` of every gradient: the
+    dedicated ones (on their owners), then the others."""
     state = get_dedication(model)
     dedicated = {id(dp.param): dp for dp in state.params} if state is not None else {}
-    # Every replica's owner holds the same averaged gradient of its matrices.
+    # Every replica's owner holds the same averaged gradient of its matrices; under tensor
+    # parallelism so does every tp position's, except for the shards of a split matrix.
     owner_copies = float(state.runtime.comm.replicas) if state is not None else 1.0
-    parts: list[tuple[Tensor, float]] = []
+    tp = _tensor_parallel_size(state) if state is not None else None
+    tp_copies = float(tp[0]) if tp is not None else 1.0
+    owned: Parts = []
     # Dedicated gradients come from the dedication's records (a stack split by experts
     # has one per range, each on its owner), not from the module's parameters.
     for dp in dedicated.values():
         assert state is not None
         grad = state.runtime.reduced_grad(dp) if dp.is_owned else None
         if grad is not None:
-            parts.append((grad, owner_copies))
+            owned.append((grad, owner_copies * (1.0 if dp.tp_sharded else tp_copies)))
+    parts: Parts = []
     seen: set[int] = set()
     for param in model.parameters():
         if id(param) in seen or id(param) in dedicated or is_dedicated(param):
@@ -79,19 +96,19 @@ def _local_parts(model: nn.Module, world: int) -> list[tuple[Tensor, float]]:
             parts.append((grad.to_local(), float(replicas)))
         else:
             parts.append((grad, float(world)))
-    return parts
+    return owned, parts
 
 
 def _parts_and_groups(
     model: nn.Module,
-) -> tuple[list[tuple[Tensor, float]], list[dist.ProcessGroup], torch.device]:
+) -> tuple[Parts, Parts, list[dist.ProcessGroup], torch.device]:
     groups, device = _groups_of(model)
     world = math.prod(dist.get_world_size(g) for g in groups)
-    return _local_parts(model, world), groups, device
+    return *_local_parts(model, world), groups, device
 
 
 def _global_norm(
-    parts: list[tuple[Tensor, float]],
+    parts: Parts,
     norm_type: float,
     groups: list[dist.ProcessGroup],
     device: torch.device,
@@ -121,8 +138,8 @@ def total_grad_norm(model: nn.Module, norm_type: float = 2.0) -> Tensor:
     A collective when several ranks take part: call it on every rank. See
     `clip_grad_norm_` for which gradients count.
     """
-    parts, groups, device = _parts_and_groups(model)
-    return _global_norm(parts, float(norm_type), groups, device)
+    owned, others, groups, device = _parts_and_groups(model)
+    return _global_norm(owned + others, float(norm_type), groups, device)
 
 
 @torch.no_grad()
@@ -155,9 +172,9 @@ def clip_grad_norm_(
     Returns:
         The total norm before clipping, as a tensor.
     """
-    parts, groups, device = _parts_and_groups(model)
+    owned, others, groups, device = _parts_and_groups(model)
     # Returned in torch's dtype for float32 gradients.
-    total = _global_norm(parts, float(norm_type), groups, device).float()
+    total = _global_norm(owned + others, float(norm_type), groups, device).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {float(norm_type)} of the gradients is non-finite "
@@ -165,13 +182,14 @@ def clip_grad_norm_(
             "or find the NaN or infinity first (lower the learning rate, check the "
             "loss).".format(total.item())
         )
-    grads = [grad for grad, _ in parts if grad.numel()]
     coefficient = torch.clamp(float(max_norm) / (total.double() + 1e-6), max=1.0)
-    if not grads:
-        return total
+    state = get_dedication(model)
+    if state is not None:
+        state.runtime.scale_reduced_grads(coefficient)
     by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for grad in grads:
-        by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+    for grad, _ in others:
+        if grad.numel():
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, dtype), same in by_kind.items():
         scale = coefficient.to(device, dtype)
         if foreach is False:

@@ -31,6 +31,7 @@ audit: they move state between owners and state-dict layouts, not training traff
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,8 @@ _UNITS_PER_ELEMENT = {
     "all_gather": 1,
     "reduce_scatter": 1,
     "all_reduce": 2,
+    "gather": 1,
+    "scatter": 1,
 }
 
 
@@ -65,8 +68,9 @@ class CollectiveTally:
     bytes: int = 0
 
 
-#: The mesh dimensions the audit tells apart.
-SHARD, REPLICATE = "shard", "replicate"
+#: The mesh dimensions the audit tells apart: the ranks sharing owners (data parallel), the
+#: replicas of HSDP, and tensor parallelism.
+SHARD, REPLICATE, TENSOR = "shard", "replicate", "tensor"
 
 
 def _units(by_kind: dict[str, CollectiveTally], dedicated_elements: int) -> float:
@@ -88,20 +92,26 @@ class StepComm:
     """Collectives issued for dedicated parameters during one optimizer step, on this rank.
 
     ``by_kind`` is the shard dimension: the broadcasts and reduces among the ranks that
-    share the matrices' owners (all ranks of a 1-D mesh). ``replicate`` is the replicate
-    dimension of a 2-D (HSDP) mesh: the all-reduces among the owners of the same matrices
-    in the different replicas (empty on a 1-D mesh).
+    share the matrices' owners (all ranks of a 1-D mesh, the dp ranks under tensor
+    parallelism). ``replicate`` is the replicate dimension of a 2-D (HSDP) mesh: the
+    all-reduces among the owners of the same matrices in the different replicas (empty on
+    a 1-D mesh). ``tensor`` is the tensor-parallel dimension: the gathers and scatters of
+    ``optimizer.step()`` among the owners of a tp-sharded matrix' shards.
     """
 
     dedicated_elements: int
     #: Replicas of the mesh (1 on a 1-D mesh); with more, `as_dict` splits by dimension.
     replicas: int = 1
+    #: Elements of the whole dedicated matrices (more than ``dedicated_elements``, this
+    #: rank's shards, under tensor parallelism); ``None``: the same.
+    global_elements: int | None = None
     by_kind: dict[str, CollectiveTally] = field(
         default_factory=lambda: defaultdict(CollectiveTally)
     )
     replicate: dict[str, CollectiveTally] = field(
         default_factory=lambda: defaultdict(CollectiveTally)
     )
+    tensor: dict[str, CollectiveTally] = field(default_factory=lambda: defaultdict(CollectiveTally))
 
     @property
     def units(self) -> float:
@@ -120,6 +130,16 @@ class StepComm:
         """
         return _units(self.replicate, self.dedicated_elements)
 
+    @property
+    def tensor_units(self) -> float:
+        """This rank's tensor-parallel traffic in units of (T-1)/T x P_M elements.
+
+        P_M counts the whole matrices here. A rank gathers and scatters only the matrices
+        its dp position owns, so the dp ranks add up to 2 units per step when every
+        dedicated matrix is tp-sharded (T is the tensor-parallel group's size).
+        """
+        return _units(self.tensor, self.global_elements or self.dedicated_elements)
+
     def count(self, kind: str) -> int:
         """Number of collectives of ``kind`` (``"broadcast"``, ``"reduce"``, ...)."""
         return self.by_kind[kind].count if kind in self.by_kind else 0
@@ -131,14 +151,20 @@ class StepComm:
             "dedicated_elements": self.dedicated_elements,
             "collectives": _tallies(self.by_kind),
         }
+        dimensions: dict[str, object] = {}
         if self.replicas > 1:
-            summary["dimensions"] = {
-                SHARD: {"units": self.units, "collectives": _tallies(self.by_kind)},
-                REPLICATE: {
-                    "units": self.replicate_units,
-                    "collectives": _tallies(self.replicate),
-                },
+            dimensions[REPLICATE] = {
+                "units": self.replicate_units,
+                "collectives": _tallies(self.replicate),
             }
+        if self.global_elements is not None:
+            dimensions[TENSOR] = {
+                "units": self.tensor_units,
+                "collectives": _tallies(self.tensor),
+            }
+        if dimensions:
+            shard = {SHARD: {"units": self.units, "collectives": _tallies(self.by_kind)}}
+            summary["dimensions"] = shard | dimensions
         return summary
 
 
@@ -149,19 +175,23 @@ class CommAudit:
     it into ``steps`` (one `StepComm` per optimizer step). ``total`` counts everything.
     """
 
-    def __init__(self, dedicated_elements: int, replicas: int = 1) -> None:
+    def __init__(
+        self, dedicated_elements: int, replicas: int = 1, global_elements: int | None = None
+    ) -> None:
         self.dedicated_elements = dedicated_elements
         self.replicas = replicas
-        self.current = StepComm(dedicated_elements, replicas)
-        self.total = StepComm(dedicated_elements, replicas)
+        self.global_elements = global_elements
+        self.current = self._new_step()
+        self.total = self._new_step()
         self.steps: list[StepComm] = []
+
+    def _new_step(self) -> StepComm:
+        return StepComm(self.dedicated_elements, self.replicas, self.global_elements)
 
     def record(self, kind: str, tensor: torch.Tensor, dim: str = SHARD) -> None:
         """Add one collective of ``kind`` over mesh dimension ``dim`` that moved ``tensor``."""
-        if dim == SHARD:
-            tallies = (self.current.by_kind[kind], self.total.by_kind[kind])
-        else:
-            tallies = (self.current.replicate[kind], self.total.replicate[kind])
+        attr = {SHARD: "by_kind", REPLICATE: "replicate", TENSOR: "tensor"}[dim]
+        tallies = (getattr(self.current, attr)[kind], getattr(self.total, attr)[kind])
         for tally in tallies:
             tally.count += 1
             tally.elements += tensor.numel()
@@ -169,7 +199,7 @@ class CommAudit:
 
     def close_step(self) -> StepComm:
         """End the current optimizer step; return its record."""
-        finished, self.current = self.current, StepComm(self.dedicated_elements, self.replicas)
+        finished, self.current = self.current, self._new_step()
         self.steps.append(finished)
         return finished
 
@@ -196,17 +226,40 @@ class Pending:
     some collectives later or at teardown.
     """
 
-    def __init__(self, work: dist.Work | None = None, recent: deque[dist.Work] | None = None):
+    def __init__(
+        self,
+        work: dist.Work | None = None,
+        recent: deque[dist.Work] | None = None,
+        what: str = "collective",
+    ):
         self._work = work
         self._recent = recent
+        self.what = what
 
     def wait(self) -> None:
-        """Block (gloo) or order the current CUDA stream (NCCL) after the collective."""
+        """Block (gloo) or order the current CUDA stream (NCCL) after the collective.
+
+        Raises:
+            CollectiveError: the collective failed or timed out (another rank died or
+                stalled); the message names it.
+        """
         if self._work is not None:
-            self._work.wait()
+            try:
+                self._work.wait()
+            except RuntimeError as error:
+                raise CollectiveError(
+                    f"DMuon's {self.what} did not complete on this rank: {error}. Another rank "
+                    "probably died or stalled before it; look at the other ranks' logs. How long "
+                    "a rank waits is the process group's timeout: "
+                    "dist.init_process_group(..., timeout=datetime.timedelta(minutes=10))."
+                ) from error
             if self._recent is not None:
                 self._recent.append(self._work)
             self._work = None
+
+
+class CollectiveError(RuntimeError):
+    """A DMuon collective failed or timed out; the message names the collective."""
 
 
 class Communicator:
@@ -238,6 +291,17 @@ class Communicator:
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._recent_work: deque[dist.Work] = deque(maxlen=RECENT_WORK_KEPT)
+
+    def separate_from(self, other: dist.ProcessGroup) -> None:
+        """Issue collectives on process groups of their own where this communicator's share
+        ranks with ``other`` (the group of a DDP wrapper), so that neither schedule can
+        interleave with the other. Every rank calls it at the same point."""
+        from dmuon.ownership.ddp_integration import separate_group
+
+        if self.group is not None:
+            self.group = separate_group(self.group, other)
+        if self.replicate_group is not None:
+            self.replicate_group = separate_group(self.replicate_group, other)
 
     def _global(self, group_rank: int) -> int:
         assert self.group is not None
@@ -273,21 +337,33 @@ class Communicator:
                 "forwards and backwards (same hook boundaries, same no_sync blocks)."
             )
 
-    def _issue(self, kind: str, tensor: torch.Tensor, root: int, call, dim: str = SHARD) -> Pending:
+    def _issue(
+        self,
+        kind: str,
+        tensor: torch.Tensor,
+        root: int,
+        call: Callable[[], dist.Work | None],
+        dim: str = SHARD,
+        what: str = "",
+    ) -> Pending:
         if self.check_collectives:
             self._check_same_everywhere(kind, tensor, root, dim)
         self.audit.record(kind, tensor, dim)
+        label = f"{kind} of {tensor.numel()} elements (root {root}, {dim} group{what})"
         if self._stream is None:
-            return Pending(call(), self._recent_work)
+            return Pending(call(), self._recent_work, label)
         ready = torch.cuda.Event()
         ready.record()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             work = call()
-        return Pending(work, self._recent_work)
+        return Pending(work, self._recent_work, label)
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> Pending:
-        """Broadcast ``tensor`` in place from group rank ``src`` to every rank."""
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "") -> Pending:
+        """Broadcast ``tensor`` in place from group rank ``src`` to every rank.
+
+        ``what`` says what it is for (``", hook boundary 'layers.0'"``), in errors.
+        """
         if self.world_size == 1:
             return Pending()
         return self._issue(
@@ -295,9 +371,10 @@ class Communicator:
             tensor,
             src,
             lambda: dist.broadcast(tensor, self._global(src), group=self.group, async_op=True),
+            what=what,
         )
 
-    def reduce_sum(self, tensor: torch.Tensor, dst: int) -> Pending:
+    def reduce_sum(self, tensor: torch.Tensor, dst: int, what: str = "") -> Pending:
         """Sum ``tensor`` over ranks into group rank ``dst`` (in place there)."""
         if self.world_size == 1:
             return Pending()
@@ -308,9 +385,10 @@ class Communicator:
             lambda: dist.reduce(
                 tensor, self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True
             ),
+            what=what,
         )
 
-    def all_reduce_replicas(self, tensor: torch.Tensor) -> Pending:
+    def all_reduce_replicas(self, tensor: torch.Tensor, what: str = "") -> Pending:
         """Sum ``tensor`` in place over the replicate group (every replica gets the sum)."""
         if self.replicas == 1:
             return Pending()
@@ -322,6 +400,7 @@ class Communicator:
                 tensor, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True
             ),
             dim=REPLICATE,
+            what=what,
         )
 
     # ----- checkpoint transfers: synchronous, not audited ---------------------------------

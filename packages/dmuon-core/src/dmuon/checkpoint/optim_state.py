@@ -28,9 +28,21 @@ from dmuon.checkpoint.split_stacks import (
     owner_pieces,
     ranges_by_stack,
 )
+from dmuon.ownership.planner import state_dict_name
 from dmuon.ownership.state import DedicationState
 
 MOMENTUM = "momentum_buffer"
+
+_FOREIGN_HINT = (
+    "the optimizer state dict was written by another optimizer (its param groups have no "
+    "'algorithm', as torch.optim.AdamW's): it holds no Muon momentum, and its "
+    "hyperparameters are not dmuon.Muon's. To fine-tune from it, either load it with "
+    "dmuon.set_optimizer_state_dict(model, optimizer, state, "
+    "options=StateDictOptions(strict=False)), which keeps this optimizer's settings, loads "
+    "the AdamW moments of every parameter that is not dedicated and starts the Muon momenta "
+    "at zero, or load only the model part (dmuon.set_model_state_dict) and start the "
+    "optimizer fresh. Nothing was changed."
+)
 
 
 def as_tuple(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> tuple:
@@ -42,7 +54,7 @@ def as_tuple(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]
 
 def _names(model: nn.Module, state: DedicationState) -> dict[int, str]:
     """``{id(param): fqn}``; every range of a split stack goes by the stack's name."""
-    names = {id(p): name for name, p in model.named_parameters()}
+    names = {id(p): state_dict_name(name) for name, p in model.named_parameters()}
     names.update({id(dp.param): dp.fqn for dp in state.params})
     return names
 
@@ -231,6 +243,12 @@ def set_dedicated_optimizer_state_dict(
         osd = _broadcast_tree(osd if layout.comm.is_rank0 else None, layout)
         options = replace(options, broadcast_from_rank0=False)
     loaded_state: dict[str, dict[str, Any]] = osd.get("state", {})
+    loaded_groups = osd.get("param_groups", [])
+    # A state dict written by a torch optimizer (AdamW, say) has no "algorithm" in its
+    # groups: its moments fit this optimizer's AdamW groups, and nothing fits Muon's.
+    foreign = bool(loaded_groups) and all("algorithm" not in g for g in loaded_groups)
+    if foreign and options.strict:
+        raise ValueError(_FOREIGN_HINT)
     momentum = gather_to_owners(
         layout,
         checkpoint_items(state),
@@ -243,13 +261,12 @@ def set_dedicated_optimizer_state_dict(
     if missing and options.strict:
         raise ValueError(
             f"the optimizer state dict has no Muon momentum for {missing[:5]}; it does not "
-            "come from dmuon.get_optimizer_state_dict of this model. To fine-tune from "
-            "another optimizer's checkpoint, load only its model part "
-            "(dmuon.set_model_state_dict) and start the optimizer fresh, or pass "
-            "StateDictOptions(strict=False) to start these momenta at zero."
+            "come from dmuon.get_optimizer_state_dict of this model. Pass "
+            "options=StateDictOptions(strict=False) to start these momenta at zero (the "
+            "rest loads), or load only the model part (dmuon.set_model_state_dict) and "
+            "start the optimizer fresh."
         )
     dedicated = {id(dp.param): dp for dp in state.params}
-    loaded_groups = osd.get("param_groups", [])
     for optim in optimizers:
         _ensure_state(optim)
         index_state: dict[int, dict[str, Any]] = {}
@@ -258,6 +275,8 @@ def set_dedicated_optimizer_state_dict(
         for group in optim.param_groups:
             fqns = [names[id(p)] for p in group["params"]]
             source = next((g for g in loaded_groups if fqns and fqns[0] in g["params"]), None)
+            if foreign:  # this optimizer's own settings; only the AdamW moments load
+                source = {k: v for k, v in group.items() if k != "params"}
             if source is None and fqns:
                 if options.strict:
                     raise ValueError(
@@ -286,7 +305,7 @@ def set_dedicated_optimizer_state_dict(
                     index_state[position] = {
                         k: _local_value(p, v) for k, v in loaded_state[fqn].items()
                     }
-                elif options.strict and p.requires_grad:
+                elif options.strict and p.requires_grad and not foreign:
                     raise ValueError(
                         f"the optimizer state dict has no state for {fqn!r}; pass "
                         "StateDictOptions(strict=False) to start it fresh"

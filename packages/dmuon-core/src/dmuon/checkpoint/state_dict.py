@@ -8,7 +8,8 @@ model_sd, optim_sd = dmuon.get_state_dict(model, optimizer)
 dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
 ```
 
-On a model without `dmuon.dedicate_params` every function here is torch's own. On a
+On a model without `dmuon.dedicate_params` every function here is torch's own. Each takes
+the model or its ``DistributedDataParallel`` wrapper; keys are the unwrapped model's. On a
 dedicated model the model part has the keys, shapes and dtypes of the unwrapped model's
 ``state_dict()``, and each dedicated matrix (with its Muon momentum) takes the layout
 FSDP2 gives a parameter: a ``Shard(0)`` DTensor by default, or a full tensor with
@@ -36,7 +37,7 @@ from dmuon.checkpoint.optim_state import (
     get_dedicated_optimizer_state_dict,
     set_dedicated_optimizer_state_dict,
 )
-from dmuon.ownership.state import get_dedication
+from dmuon.ownership.state import get_dedication, unwrap
 
 __all__ = [
     "get_model_state_dict",
@@ -66,6 +67,7 @@ def get_model_state_dict(
         options: torch's ``StateDictOptions``.
     """
     options = options or StateDictOptions()
+    model = unwrap(model)
     state = get_dedication(model)
     if state is None:
         return torch_sd.get_model_state_dict(model, options=options)
@@ -94,6 +96,7 @@ def set_model_state_dict(
             whether it is sharded (the same error on every rank).
     """
     options = options or StateDictOptions()
+    model = unwrap(model)
     state = get_dedication(model)
     if state is None:
         return torch_sd.set_model_state_dict(model, model_state_dict, options=options)
@@ -114,6 +117,7 @@ def get_optimizer_state_dict(
     checkpoint can be loaded into it); that changes none of its later steps.
     """
     options = options or StateDictOptions()
+    model = unwrap(model)
     state = get_dedication(model)
     if state is None:
         return torch_sd.get_optimizer_state_dict(model, optimizers, options=options)
@@ -135,6 +139,7 @@ def set_optimizer_state_dict(
             does not fit.
     """
     options = options or StateDictOptions()
+    model = unwrap(model)
     state = get_dedication(model)
     if state is None:
         torch_sd.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
@@ -152,6 +157,7 @@ def get_state_dict(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``(get_model_state_dict(...), get_optimizer_state_dict(...))``."""
     options = options or StateDictOptions()
+    model = unwrap(model)
     if get_dedication(model) is None:
         return torch_sd.get_state_dict(model, optimizers, options=options)
     return (
@@ -170,6 +176,7 @@ def set_state_dict(
 ) -> _IncompatibleKeys:
     """`set_model_state_dict` then `set_optimizer_state_dict`; returns the model's key report."""
     options = options or StateDictOptions()
+    model = unwrap(model)
     if get_dedication(model) is None:
         return torch_sd.set_state_dict(
             model,

@@ -13,9 +13,10 @@
 ``step()`` issues no collective: the ownership runtime has already reduced each dedicated
 gradient to its owner (``param._reduced_grad``), and AdamW works on local shards.
 
-A matrix whose averaged gradient is exactly zero (no rank had a gradient for it, such as an
-expert no token was routed to) is left alone, as torch's optimizers leave a parameter whose
-``.grad`` is ``None``. A non-finite Muon gradient is caught before it touches momentum or
+A matrix no rank had a gradient for (such as an expert no token was routed to anywhere) is
+left alone, as torch's optimizers leave a parameter whose ``.grad`` is ``None``; a gradient
+of zeros (after ``zero_grad(set_to_none=False)``, say) is stepped on, momentum and all, as
+torch does. A non-finite Muon gradient is caught before it touches momentum or
 weights: with
 ``nonfinite="raise"`` (the default) ``step()`` raises `NonFiniteGradientError` naming the
 matrices, with ``"skip"`` those matrices keep their weights and momentum for this step (and
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +35,9 @@ from torch import Tensor, nn
 from torch.optim.adamw import adamw
 
 from dmuon.clip import total_grad_norm
+from dmuon.optim.groups import build_param_groups
 from dmuon.optim.orthogonalize import (
+    Arena,
     Coefficients,
     NewtonSchulzWorkspace,
     _check_dtype,
@@ -43,9 +46,11 @@ from dmuon.optim.orthogonalize import (
     resolve_coefficients,
 )
 from dmuon.optim.split import Split, matrix_pieces, resolve_split
-from dmuon.ownership.fsdp_integration import is_dedicated, verify_not_sharded
+from dmuon.optim.tensor_parallel import agree, tp_updates
+from dmuon.ownership.fsdp_integration import verify_not_sharded
+from dmuon.ownership.gradients import is_absent
 from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.state import DedicationState, get_dedication
+from dmuon.ownership.state import DedicationState, get_dedication, unwrap
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -263,18 +268,21 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.01,
         nonfinite: str = "raise",
         split: Split = None,
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
-                f"Muon takes the model (an nn.Module prepared with dmuon.dedicate_params), "
-                f"not {type(model).__name__}"
+                f"Muon takes the model (an nn.Module prepared with dmuon.dedicate_params, or "
+                f"its DistributedDataParallel wrapper), not {type(model).__name__}; pass "
+                "param_groups=[...] for per-group settings"
             )
+        model = unwrap(model)
         state = get_dedication(model)
         if state is None:
             raise ValueError(
                 "this model has no dedication state: call dmuon.dedicate_params(model, ...) "
-                "first (before fully_shard with FSDP2), then create dmuon.Muon(model, ...) "
-                "(after fully_shard)"
+                "first (before fully_shard or DistributedDataParallel), then create "
+                "dmuon.Muon(model, ...) (after them)"
             )
         for dp in state.params:
             if len(dp.shape) not in (2, 3):
@@ -286,19 +294,7 @@ class Muon(torch.optim.Optimizer):
         self.split_sizes: dict[str, tuple[int, ...]] = resolve_split(split, state.params)
         """``{fqn: output sizes of its parts}`` of the dedicated parameters ``split`` cuts."""
         verify_not_sharded(state)
-        dedicated = [dp.param for dp in state.params]
-        dedicated_ids = {id(p) for p in dedicated}
-        others: list[nn.Parameter] = []
-        seen: set[int] = set()
-        for p in model.parameters():
-            if not p.requires_grad or id(p) in dedicated_ids or id(p) in seen or is_dedicated(p):
-                continue
-            seen.add(id(p))
-            others.append(p)
-        self._init_groups(
-            model,
-            dedicated,
-            others,
+        self._set_group_defaults(
             lr=lr,
             momentum=momentum,
             nesterov=nesterov,
@@ -315,12 +311,17 @@ class Muon(torch.optim.Optimizer):
             adamw_weight_decay=adamw_weight_decay,
             nonfinite=nonfinite,
         )
+        groups = build_param_groups(
+            model,
+            state,
+            param_groups,
+            self._group_defaults["muon"],
+            self._group_defaults["adamw"],
+        )
+        self._init_groups(model, groups)
 
-    def _init_groups(
+    def _set_group_defaults(
         self,
-        model: nn.Module,
-        muon_params: list[nn.Parameter],
-        adamw_params: list[nn.Parameter],
         *,
         lr: float,
         momentum: float,
@@ -336,13 +337,10 @@ class Muon(torch.optim.Optimizer):
         adamw_betas: tuple[float, float],
         adamw_eps: float,
         adamw_weight_decay: float,
-        nonfinite: str = "raise",
-        split: Split = None,
+        nonfinite: str,
+        **_: Any,
     ) -> None:
-        """Validate the hyperparameters and create the Muon and AdamW param groups.
-
-        ``split`` is resolved by ``__init__`` (into `split_sizes`), not here.
-        """
+        """Validate the constructor's hyperparameters; keep them as each algorithm's defaults."""
         self._group_defaults: dict[str, dict[str, Any]] = {
             "muon": {
                 "lr": lr,
@@ -369,12 +367,22 @@ class Muon(torch.optim.Optimizer):
         # Validate everything up front, so the first error names the argument.
         _validate_muon_group(dict(self._group_defaults["muon"]))
         _validate_adamw_group(dict(self._group_defaults["adamw"]))
+
+    def _init_groups(self, model: nn.Module, groups: list[dict[str, Any]]) -> None:
+        """Validate every group and create the optimizer over them."""
+        for group in groups:
+            validate = (
+                _validate_muon_group if group["algorithm"] == "muon" else _validate_adamw_group
+            )
+            try:
+                validate(group)
+            except ValueError as e:
+                where = f"param group {group.get('name')!r} ({group['algorithm']})"
+                raise ValueError(f"{where}: {e}") from None
         self._model = model
         self.skipped_updates = 0
-        groups = [
-            {"params": muon_params, "algorithm": "muon"},
-            {"params": adamw_params, "algorithm": "adamw"},
-        ]
+        # The parameters of the AdamW groups must still be the model's at the first step.
+        self._params_checked = False
         super().__init__(groups, dict(self._group_defaults["muon"], algorithm="muon"))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -419,6 +427,8 @@ class Muon(torch.optim.Optimizer):
         Returns:
             The closure's loss, or ``None``.
         """
+        if not self._params_checked:
+            self._check_params_are_the_models()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -432,6 +442,32 @@ class Muon(torch.optim.Optimizer):
         self._parameters_updated()
         return loss
 
+    def _check_params_are_the_models(self) -> None:
+        """Raise if the model's parameters were replaced after this optimizer was built.
+
+        ``fully_shard`` (or anything else) replacing parameters after ``dmuon.Muon`` would
+        leave the AdamW groups stepping tensors the model no longer uses: embeddings and
+        norms would silently never train.
+        """
+        current = {id(p) for p in self._model.parameters()}
+        stale = [
+            p
+            for group in self.param_groups
+            if group["algorithm"] == "adamw"
+            for p in group["params"]
+            if id(p) not in current
+        ]
+        if stale:
+            raise ValueError(
+                f"{len(stale)} parameters of this optimizer's AdamW groups are no longer the "
+                "model's (shapes "
+                f"{[tuple(p.shape) for p in stale[:3]]}): the model's parameters were replaced "
+                "after dmuon.Muon was created, typically by fully_shard. Create the optimizer "
+                "last: dmuon.dedicate_params, then fully_shard (or DistributedDataParallel), "
+                "then dmuon.Muon."
+            )
+        self._params_checked = True
+
     def _parameters_updated(self) -> None:
         """Tell the ownership runtime that the owners' masters changed."""
         self._dedication().runtime.parameters_updated()
@@ -439,27 +475,39 @@ class Muon(torch.optim.Optimizer):
     def _finite_only(
         self, group: dict[str, Any], pairs: list[tuple[DedicatedParam, Tensor]]
     ) -> list[tuple[DedicatedParam, Tensor]]:
-        """Apply the group's ``nonfinite`` policy to (matrix, gradient) pairs."""
+        """Drop matrices no rank had a gradient for; apply ``nonfinite`` to the rest."""
         if not pairs:
             return pairs
-        # Norms written into a kept buffer (one per count and device), read with one sync:
-        # the hot path allocates nothing.
+        # Norms and first elements written into a kept buffer (one per count and device),
+        # read with one sync: the hot path allocates nothing.
         device = pairs[0][1].device
         buffers: dict[tuple[int, torch.device], Tensor] = self.__dict__.setdefault(
             "_norm_buffers", {}
         )
-        key = (len(pairs), device)
+        count = len(pairs)
+        key = (count, device)
         if key not in buffers:
-            buffers[key] = torch.empty(len(pairs), dtype=torch.float32, device=device)
+            buffers[key] = torch.empty(2 * count, dtype=torch.float32, device=device)
         kept = buffers[key]
         for i, (_, grad) in enumerate(pairs):
             torch.linalg.vector_norm(grad, dtype=torch.float32, out=kept[i])
-        norms = kept.tolist()
-        # An averaged gradient of exactly zero means no rank had a gradient for the matrix
-        # (an expert no token was routed to): leave it alone, as torch's optimizers leave
-        # a parameter whose .grad is None.
-        pairs = [pair for pair, norm in zip(pairs, norms, strict=True) if norm != 0.0]
-        norms = [norm for norm in norms if norm != 0.0]
+            kept[count + i].copy_(grad.reshape(-1)[0])
+        sharded = [i for i, (dp, _) in enumerate(pairs) if dp.tp_sharded]
+        if sharded:  # whole matrices' norms, the same on every tp rank
+            index = torch.tensor(sharded, device=device)
+            norms, firsts = kept[index], kept[count + index]
+            agree([pairs[i][0] for i in sharded], norms, firsts)
+            kept[index], kept[count + index] = norms, firsts
+        values = kept.tolist()
+        # A matrix no rank had a gradient for (an expert no token was routed to anywhere)
+        # is left alone, as torch's optimizers leave a parameter whose .grad is None; a
+        # gradient of zeros is a gradient, as in torch.
+        kept_pairs = [
+            not is_absent(first, norm)
+            for norm, first in zip(values[:count], values[count:], strict=True)
+        ]
+        pairs = [pair for pair, keep in zip(pairs, kept_pairs, strict=True) if keep]
+        norms = [norm for norm, keep in zip(values[:count], kept_pairs, strict=True) if keep]
         finite = [math.isfinite(norm) for norm in norms]
         if all(finite):
             return pairs
@@ -525,7 +573,11 @@ class Muon(torch.optim.Optimizer):
         # parameters each of their parts (views, not copies). A (in, out) layout (Conv1D)
         # gets its own bucket: its learning-rate adjustment reads the shape the other way.
         buckets: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, Tensor]]] = {}
+        sharded: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]] = []
         for dp, p, g, b in zip(stepped, params, grads, bufs, strict=True):
+            if dp.tp_sharded:
+                sharded.append((dp, p, g, b))
+                continue
             sizes = self.split_sizes.get(dp.fqn)
             pieces = zip(
                 matrix_pieces(g, dp.transposed, sizes),
@@ -540,7 +592,14 @@ class Muon(torch.optim.Optimizer):
         for (shape, _, device, is_transposed), members in buckets.items():
             ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
             batch = len(members)
-            ws = self._workspace(batch, shape, ns_dtype, device, group.get("ns_gram", False))
+            ws = self._workspace(
+                batch,
+                shape,
+                ns_dtype,
+                device,
+                group.get("ns_gram", False),
+                members[0][2].dtype,
+            )
             views = ws.source_views
             bucket_grads = [g for g, _, _ in members]
             bucket_bufs = [b for _, b, _ in members]
@@ -557,6 +616,33 @@ class Muon(torch.optim.Optimizer):
             rows, cols = (shape[1], shape[0]) if is_transposed else shape
             adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
             torch._foreach_add_(bucket_params, list(ortho.unbind(0)), alpha=-adjusted_lr)
+        if sharded:
+            self._tensor_parallel_step(group, triples, sharded)
+
+    def _tensor_parallel_step(
+        self,
+        group: dict[str, Any],
+        triples: list[Any],
+        members: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]],
+    ) -> None:
+        """Matrices split by tensor parallelism: gathered to their workers, orthogonalized
+        there, their updates scattered back (see `dmuon.optim.tensor_parallel`)."""
+        momentum = group["momentum"]
+        sources = [
+            torch.lerp(g, b, momentum).float() if group["nesterov"] else b.float().clone()
+            for _, _, g, b in members
+        ]
+        updates = tp_updates(
+            [dp for dp, _, _, _ in members],
+            sources,
+            group,
+            triples,
+            self.split_sizes,
+            adjust_lr_ratio,
+            self._dedication().audit,
+        )
+        for (_, p, _, _), update in zip(members, updates, strict=True):
+            p.add_(update.to(p.dtype), alpha=-group["lr"])
 
     def _workspace(
         self,
@@ -565,17 +651,42 @@ class Muon(torch.optim.Optimizer):
         dtype: torch.dtype,
         device: torch.device,
         gram: bool,
+        out_dtype: torch.dtype,
     ) -> NewtonSchulzWorkspace:
-        """The Newton-Schulz buffers of one bucket, created on first use and then reused."""
-        key = (batch, shape, dtype, device, gram)
+        """The Newton-Schulz buffers of one bucket, created on first use and then reused.
+
+        Every bucket's buffers are carved from one `Arena` per device, from its start:
+        buckets run one after the other, so the optimizer holds the largest bucket's
+        workspace, not the sum of all of them. When a new bucket needs a larger block,
+        the block is replaced and the other buckets' workspaces are made again on it.
+        """
+        key = (batch, shape, dtype, device, gram, out_dtype)
         cache: dict[tuple[Any, ...], NewtonSchulzWorkspace] = self.__dict__.setdefault(
             "_ns_workspaces", {}
         )
         ws = cache.get(key)
-        if ws is None:
-            rows, cols = shape
-            ws = cache[key] = NewtonSchulzWorkspace(batch, rows, cols, dtype, device, gram=gram)
+        if ws is not None:
+            return ws
+        arenas: dict[torch.device, Arena] = self.__dict__.setdefault("_ns_arenas", {})
+        arena = arenas.setdefault(device, Arena(device))
+        rows, cols = shape
+        measure, used = arena.carver(measure_only=True)
+        NewtonSchulzWorkspace(
+            batch, rows, cols, dtype, device, gram=gram, allocate=measure, out_dtype=out_dtype
+        )
+        if arena.reserve(used()):
+            for stale in [k for k in cache if k[3] == device]:
+                del cache[stale]
+        allocate, _ = arena.carver()
+        ws = cache[key] = NewtonSchulzWorkspace(
+            batch, rows, cols, dtype, device, gram=gram, allocate=allocate, out_dtype=out_dtype
+        )
         return ws
+
+    def workspace_bytes(self) -> int:
+        """Bytes of the Newton-Schulz buffers this optimizer keeps (its largest bucket's)."""
+        arenas: dict[torch.device, Arena] = self.__dict__.get("_ns_arenas", {})
+        return sum(arena.nbytes for arena in arenas.values())
 
     @torch.no_grad()
     def init_state(self) -> None:

@@ -82,18 +82,23 @@ class NaiveMuon(Muon):
             )
         self.audit = CommAudit(sum(p.numel() for p in muon))
         defaults = inspect.signature(Muon.__init__).parameters
-        self._init_groups(
-            model,
-            muon,
-            others,
+        self._set_group_defaults(
             **{
                 name: hyperparameters.pop(name, parameter.default)
                 for name, parameter in defaults.items()
                 if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-            },
+            }
         )
+        hyperparameters.pop("param_groups", None)
         if hyperparameters:
             raise TypeError(f"NaiveMuon got unexpected arguments {sorted(hyperparameters)}")
+        self._init_groups(
+            model,
+            [
+                dict(self._group_defaults["muon"], params=muon, algorithm="muon"),
+                dict(self._group_defaults["adamw"], params=others, algorithm="adamw"),
+            ],
+        )
 
     def _dedicated_by_id(self) -> dict[int, DedicatedParam]:
         return {}

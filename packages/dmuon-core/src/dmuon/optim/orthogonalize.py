@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -240,6 +240,56 @@ def uses_gram(rows: int, cols: int, gram: bool = True, dtype: torch.dtype = torc
     return gram and precise and long >= GRAM_MIN_ASPECT * short
 
 
+Allocate = Callable[[tuple[int, ...], torch.dtype], Tensor]
+"""``allocate(shape, dtype)``: a new uninitialized tensor."""
+
+
+class Arena:
+    """One block of memory that the workspaces of an optimizer carve their buffers from.
+
+    The optimizer orthogonalizes its buckets of same-shape matrices one after the other,
+    and a bucket's buffers are read before the next bucket runs, so every bucket's
+    workspace may start at the same place: the block holds the largest workspace, not the
+    sum of all of them. `carver` hands out one workspace's buffers from the start of the
+    block, 64-byte aligned; `measure` gives the bytes a workspace will need.
+    """
+
+    ALIGN = 64
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.block = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the block holds."""
+        return self.block.numel()
+
+    def reserve(self, nbytes: int) -> bool:
+        """Make the block hold at least ``nbytes``; ``True`` when it had to grow (views
+        carved before then no longer share it)."""
+        if nbytes <= self.block.numel():
+            return False
+        self.block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return True
+
+    def carver(self, measure_only: bool = False) -> tuple[Allocate, Callable[[], int]]:
+        """``(allocate, used)``: buffers from the block's start on (meta tensors with
+        ``measure_only``), and the bytes handed out so far."""
+        offset = 0
+
+        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+            nonlocal offset
+            start = -(-offset // self.ALIGN) * self.ALIGN
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            offset = start + nbytes
+            if measure_only:
+                return torch.empty(shape, dtype=dtype, device="meta")
+            return self.block[start : start + nbytes].view(dtype).view(shape)
+
+        return allocate, lambda: offset
+
+
 CPU_ONE_AT_A_TIME_MIN_SIDE: int = 512
 """Short side from which a CPU workspace iterates its matrices one at a time, not batched."""
 
@@ -259,6 +309,11 @@ class NewtonSchulzWorkspace:
         dtype: iteration dtype.
         device: where the buffers live.
         gram: use the Gram iteration where `uses_gram` says so (aspect ratio, dtype).
+        allocate: ``allocate(shape, dtype)`` makes every buffer (default: ``torch.empty``
+            on ``device``); an `Arena` lets workspaces that never run at the same time
+            share their memory.
+        out_dtype: the dtype `cast` will be asked for (the weights'), so that its buffer
+            is made with the others; another one is allocated on first use.
     """
 
     def __init__(
@@ -269,17 +324,20 @@ class NewtonSchulzWorkspace:
         dtype: torch.dtype,
         device: torch.device,
         gram: bool = True,
+        allocate: Allocate | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
+        empty = allocate or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
         self.gram = uses_gram(rows, cols, gram, dtype)
         self.dtype = dtype
         self.short, self.long = min(rows, cols), max(rows, cols)
         tall = rows > cols
         norm_dtype = torch.promote_types(dtype, torch.float32)
-        self.source = torch.empty(batch, rows, cols, dtype=norm_dtype, device=device)
+        self.source = empty((batch, rows, cols), norm_dtype)
         """The matrices to orthogonalize (float32, or float64); `run` may overwrite them."""
         self.source_views = list(self.source.unbind(0))
         """One view per matrix of `source`."""
-        self._norm = torch.empty(batch, 1, 1, dtype=norm_dtype, device=device)
+        self._norm = empty((batch, 1, 1), norm_dtype)
         # The iterate keeps the caller's orientation, so no pass transposes memory: a wide
         # matrix iterates on X (short x long), a tall one on Xᵀ (long x short) with every
         # product transposed to match (A = X Xᵀ, B and the Gram polynomials are symmetric,
@@ -303,8 +361,8 @@ class NewtonSchulzWorkspace:
         if norm_dtype == dtype and not self._result_transposed:
             self._x = self.source  # the iteration starts on the normalized source
         else:
-            self._x = torch.empty(layout, dtype=dtype, device=device)
-        self._y = torch.empty(layout, dtype=dtype, device=device)
+            self._x = empty(layout, dtype)
+        self._y = empty(layout, dtype)
         # X ← aX + BX as X ← (aI + B)X, with a on B's diagonal: the product then writes Y
         # without first copying X into it (baddbmm's beta term), a pass over the long side
         # saved per step. Only at 32 bits or more: in bfloat16 the rounded diagonal a + Bᵢᵢ
@@ -318,8 +376,11 @@ class NewtonSchulzWorkspace:
             self._iterate = self._run_standard
         square = (batch, self.short, self.short)
         count = 5 if self.gram else 2
-        self._small = [torch.empty(square, dtype=dtype, device=device) for _ in range(count)]
+        self._small = [empty(square, dtype) for _ in range(count)]
+        self._empty = empty
         self._cast_buffers: dict[torch.dtype, Tensor] = {}
+        if out_dtype is not None and out_dtype != dtype:
+            self._cast_buffers[out_dtype] = empty((batch, rows, cols), out_dtype)
         # On a CPU, matrices with a short side of CPU_ONE_AT_A_TIME_MIN_SIDE or more iterate
         # one at a time: each one's products then stay in cache (measured on AMX: 8-20%
         # faster from 512 up, while smaller ones are up to 2x faster batched).
@@ -359,7 +420,7 @@ class NewtonSchulzWorkspace:
             return result
         buffer = self._cast_buffers.get(dtype)
         if buffer is None:
-            buffer = self._cast_buffers[dtype] = torch.empty_like(self.source, dtype=dtype)
+            buffer = self._cast_buffers[dtype] = self._empty(tuple(self.source.shape), dtype)
         return buffer.copy_(result)
 
     def _run_long_first(

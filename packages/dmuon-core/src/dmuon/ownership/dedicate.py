@@ -13,14 +13,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon.comm import CommAudit, Communicator
+from dmuon.ownership.ddp_integration import keep_out_of_ddp
 from dmuon.ownership.experts import (
     expert_stacks,
     fused_gate_up_parts,
     routing_gate_ids,
     stores_in_out,
 )
-from dmuon.ownership.fsdp_integration import install_fsdp_filter, is_fsdp_module, mark_dedicated
-from dmuon.ownership.packed_group import PackedGroup
+from dmuon.ownership.flat_buffer import FlatBuffer
+from dmuon.ownership.fsdp_integration import (
+    install_fsdp_filter,
+    is_dedicated,
+    is_fsdp_module,
+    mark_dedicated,
+)
 from dmuon.ownership.param import DedicatedParam
 from dmuon.ownership.planner import (
     ExpertRange,
@@ -30,10 +36,11 @@ from dmuon.ownership.planner import (
     default_predicate,
     find_hook_boundary,
     plan_owners,
+    state_dict_name,
 )
 from dmuon.ownership.runtime import Boundary, DedicationRuntime
-from dmuon.ownership.split_stack import SplitStack
-from dmuon.ownership.state import STATE_ATTR, DedicationState
+from dmuon.ownership.state import STATE_ATTR, DedicationState, attach
+from dmuon.ownership.tp_integration import assign_workers, leaf_for, tensor_parallel_of
 
 ROOT_BOUNDARY = ""
 
@@ -128,7 +135,12 @@ def _tie_reason(model: nn.Module, names: list[str]) -> str:
 
 def _select(
     model: nn.Module, predicate: ParamPredicate | None
-) -> list[tuple[str, nn.Module, str, nn.Parameter, bool]]:
+) -> list[tuple[str, nn.Module, str, nn.Parameter, bool, str]]:
+    """``(name, module, attribute, parameter, transposed, path)`` of every selected one.
+
+    ``name`` is the state-dict name (wrapper modules left out, see `state_dict_name`),
+    what the predicate sees and the dedication calls it; ``path`` the attribute path.
+    """
     names_of: dict[int, list[str]] = defaultdict(list)
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of[id(param)].append(name)
@@ -138,11 +150,12 @@ def _select(
     for module_name, module in model.named_modules():
         stacks = expert_stacks(module)
         for attr, param in module._parameters.items():
-            if param is None or not param.requires_grad:
+            if param is None:
                 continue
-            fqn = f"{module_name}.{attr}" if module_name else attr
-            if names_of[id(param)][0] != fqn:
+            path = f"{module_name}.{attr}" if module_name else attr
+            if names_of[id(param)][0] != path:
                 continue  # a later alias of a tied parameter; the first name decides
+            fqn = state_dict_name(path)
             tied = len(names_of[id(param)]) > 1
             transposed = (_is_conv1d(module) and attr == "weight") or (
                 param.ndim == 3 and stores_in_out(module)
@@ -173,7 +186,7 @@ def _select(
                     "parameters to AdamW, or reshape them into such a layout first."
                 )
             if chosen:
-                selected.append((fqn, module, attr, param, transposed))
+                selected.append((fqn, module, attr, param, transposed, path))
     if not selected:
         candidates = [n for n, p in model.named_parameters() if p.ndim in (2, 3)][:5]
         reason = ""
@@ -201,51 +214,136 @@ def _master_data(
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
-def _split_ranges(
+def _records(
     fqn: str,
     module: nn.Module,
     attr: str,
     param: nn.Parameter,
-    ranges: tuple[ExpertRange, ...],
+    owners: tuple[ExpertRange, ...] | int,
     comm_rank: int,
     device: torch.device,
     boundary: str,
     transposed: bool,
 ) -> list[DedicatedParam]:
-    """One record per range of a stack split by experts; the stack becomes a placeholder.
+    """The dedication records of one selected parameter.
 
-    A range's owner keeps a float32 master of its experts; every other rank, and the
-    module itself on every rank, a 0-element placeholder.
+    ``owners`` is one owner rank (the parameter stays whole) or the ranges of a stack split
+    by experts. Whole: one record; the parameter becomes its owner's float32 master and a
+    0-element placeholder elsewhere. Split: one record per range; a range's owner keeps a
+    float32 master of its experts, and the stack becomes a 0-element placeholder on every
+    rank (what the module holds between forwards).
     """
-    stack_shape = param.shape
+    whole = isinstance(owners, int)
+    full_shape = param.shape
+    tp = tensor_parallel_of(fqn, param)
+    if tp is not None and not whole:
+        raise ValueError(
+            f"{fqn!r} is a tensor-parallel DTensor and a 3-D expert stack; such a stack "
+            "cannot be split by experts: pass dedicate_params(..., split_expert_stacks=False)"
+        )
+    if tp is not None:
+        # The module holds this tp position's shard as a plain parameter between
+        # forwards (the owner's master, a placeholder elsewhere); forward sees the DTensor.
+        local = param.to_local()
+        is_owned = owners == comm_rank
+        registered = nn.Parameter(
+            _master_data(local, is_owned, device, copy=True), requires_grad=param.requires_grad
+        )
+        module._parameters[attr] = registered
+        mark_dedicated(registered, fqn)
+        return [
+            DedicatedParam(
+                fqn=fqn,
+                module=module,
+                attr=attr,
+                owner=owners,
+                shape=local.shape,
+                param=registered,
+                boundary=boundary,
+                is_owned=is_owned,
+                transposed=transposed,
+                fused_parts=fused_gate_up_parts(fqn, module, attr),
+                tp=tp,
+            )
+        ]
+    ranges = [ExpertRange(0, int(full_shape[0]), owners)] if whole else list(owners)
     records = []
     for start, stop, owner in ranges:
         is_owned = owner == comm_rank
-        # A copy: a view of the slice would keep the whole stack's storage alive.
-        data = _master_data(param.data[start:stop], is_owned, device, copy=True)
-        master = nn.Parameter(data, requires_grad=param.requires_grad)
-        mark_dedicated(master, fqn)
+        if whole:
+            with torch.no_grad():
+                param.data = _master_data(param.data, is_owned, device)
+            master = param
+        else:
+            # A copy: a view of the slice would keep the whole stack's storage alive.
+            data = _master_data(param.data[start:stop], is_owned, device, copy=True)
+            master = nn.Parameter(data, requires_grad=param.requires_grad)
+            mark_dedicated(master, fqn)
         records.append(
             DedicatedParam(
                 fqn=fqn,
                 module=module,
                 attr=attr,
                 owner=owner,
-                shape=torch.Size((stop - start, *stack_shape[1:])),
+                shape=full_shape if whole else torch.Size((stop - start, *full_shape[1:])),
                 param=master,
                 boundary=boundary,
                 is_owned=is_owned,
                 transposed=transposed,
                 fused_parts=fused_gate_up_parts(fqn, module, attr),
-                experts=(start, stop),
-                registered=param,
-                stack_shape=stack_shape,
+                experts=None if whole else (start, stop),
+                registered=None if whole else param,
+                stack_shape=None if whole else full_shape,
             )
         )
-    with torch.no_grad():
-        param.data = torch.empty(0, dtype=torch.float32, device=device)
+    if not whole:
+        with torch.no_grad():
+            param.data = torch.empty(0, dtype=torch.float32, device=device)
     mark_dedicated(param, fqn)
     return records
+
+
+def _flat_buffers(
+    records: list[DedicatedParam],
+    dtype: torch.dtype,
+    device: torch.device,
+    comm: Communicator,
+    reduce_dtype: torch.dtype,
+    broadcast_dtype: torch.dtype | None,
+) -> list[FlatBuffer]:
+    """One boundary's buffers: one per owner of its whole matrices (a packed buffer), then
+    one per stack split by experts (its ranges in expert order), the same on every rank."""
+    by_owner: dict[int, list[DedicatedParam]] = defaultdict(list)
+    by_stack: dict[str, list[DedicatedParam]] = defaultdict(list)
+    for dp in records:
+        if dp.is_range:
+            by_stack[dp.fqn].append(dp)
+        else:
+            by_owner[dp.owner].append(dp)
+    buffers = []
+    for owner in sorted(by_owner):
+        packed = by_owner[owner]
+        views = [(dp.module, dp.attr, dp.param, [i], dp.fqn) for i, dp in enumerate(packed)]
+        buffers.append(
+            FlatBuffer.build(
+                packed, views, dtype, device, comm, _leaf, reduce_dtype, broadcast_dtype
+            )
+        )
+    for ranges in by_stack.values():
+        ranges = sorted(ranges, key=lambda dp: dp.experts or (0, 0))
+        first = ranges[0]
+        assert first.registered is not None
+        view = (first.module, first.attr, first.registered, list(range(len(ranges))), first.fqn)
+        buffers.append(
+            FlatBuffer.build(
+                ranges, [view], dtype, device, comm, _leaf, reduce_dtype, broadcast_dtype
+            )
+        )
+    return buffers
+
+
+def _leaf(view: torch.Tensor, requires_grad: bool, record: DedicatedParam) -> nn.Parameter:
+    return leaf_for(record.tp, view, requires_grad)
 
 
 def dedicate_params(
@@ -257,6 +355,8 @@ def dedicate_params(
     hook_boundary_predicate: ModulePredicate | None = None,
     hook_boundary_strict: bool = True,
     param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    broadcast_dtype: torch.dtype | None = None,
     check_collectives: bool | None = None,
     split_expert_stacks: SplitStacks = "auto",
 ) -> dict[str, int]:
@@ -294,6 +394,15 @@ def dedicate_params(
             inputs of each boundary are cast to it, as FSDP2's mixed precision does. Every
             boundary must then be wrapped by ``fully_shard`` with
             ``MixedPrecisionPolicy(param_dtype=...)`` (checked at the first forward).
+        reduce_dtype: The dtype gradients are summed in on their way to the owner (and
+            between replicas under HSDP), as ``MixedPrecisionPolicy(reduce_dtype=...)`` is
+            for FSDP2: ``torch.bfloat16`` halves the reduce's bytes. The local
+            accumulation under `no_sync`, the owner's averaged gradient, the masters and
+            the momentum stay float32. ``None``: float32.
+        broadcast_dtype: The dtype matrices are broadcast in from their owners, then
+            widened into the forward buffers (every rank, the owner too, computes with the
+            same rounded values): ``torch.bfloat16`` halves the broadcasts' bytes while the
+            forward runs in ``param_dtype``. ``None``: ``param_dtype`` (float32 without it).
         check_collectives: Before every collective, all-gather its signature and raise on
             every rank if the ranks disagree (a debugging aid that costs one small
             collective each). ``None`` reads the environment variable
@@ -333,6 +442,16 @@ def dedicate_params(
     """
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("dedicate_params was already called on this model; call it once")
+    for name, value in (
+        ("param_dtype", param_dtype),
+        ("reduce_dtype", reduce_dtype),
+        ("broadcast_dtype", broadcast_dtype),
+    ):
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise ValueError(
+                f"{name} must be a floating-point torch.dtype such as torch.bfloat16, or None, "
+                f"got {value!r}"
+            )
     wrapped = [name or "<root>" for name, m in model.named_modules() if is_fsdp_module(m)]
     if wrapped:
         raise ValueError(
@@ -343,8 +462,8 @@ def dedicate_params(
     group, replicate_group, device = _resolve_group(model, mesh)
     selected = _select(model, predicate)
     boundaries: dict[str, str] = {}
-    for fqn, *_ in selected:
-        boundary = find_hook_boundary(model, fqn, hook_boundary_predicate)
+    for fqn, *_, path in selected:
+        boundary = find_hook_boundary(model, path, hook_boundary_predicate)
         if boundary is None:
             if hook_boundary_strict:
                 raise ValueError(
@@ -358,52 +477,40 @@ def dedicate_params(
     comm_rank = dist.get_rank(group) if group is not None else 0
     world_size = dist.get_world_size(group) if group is not None else 1
     plan = plan_owners(
-        {fqn: p.shape for fqn, _, _, p, _ in selected},
+        {fqn: p.shape for fqn, _, _, p, _, _ in selected},
         world_size,
         boundaries,
         split_expert_stacks=split_expert_stacks,
     )
 
     dedicated: list[DedicatedParam] = []
-    for fqn, module, attr, param, transposed in selected:
-        if fqn in plan.expert_ranges:
-            dedicated.extend(
-                _split_ranges(
-                    fqn,
-                    module,
-                    attr,
-                    param,
-                    plan.expert_ranges[fqn],
-                    comm_rank,
-                    device,
-                    boundaries[fqn],
-                    transposed,
-                )
-            )
-            continue
-        owner = plan.owners[fqn]
-        is_owned = owner == comm_rank
-        shape = param.shape
-        with torch.no_grad():
-            param.data = _master_data(param.data, is_owned, device)
-        mark_dedicated(param, fqn)
-        dedicated.append(
-            DedicatedParam(
-                fqn=fqn,
-                module=module,
-                attr=attr,
-                owner=owner,
-                shape=shape,
-                param=param,
-                boundary=boundaries[fqn],
-                is_owned=is_owned,
-                transposed=transposed,
-                fused_parts=fused_gate_up_parts(fqn, module, attr),
-            )
+    for fqn, module, attr, param, transposed, _ in selected:
+        dedicated += _records(
+            fqn,
+            module,
+            attr,
+            param,
+            plan.expert_ranges.get(fqn, plan.owners.get(fqn, -1)),
+            comm_rank,
+            device,
+            boundaries[fqn],
+            transposed,
         )
 
+    tp_records = [dp for dp in dedicated if dp.tp is not None]
+    if tp_records and replicate_group is not None:
+        raise ValueError(
+            f"{tp_records[0].fqn!r} is tensor-parallel and the mesh is 2-D (HSDP): tensor "
+            "parallelism with HSDP (a 3-D mesh) is not supported. Use a (dp, tp) mesh and "
+            "pass mesh['dp'] to dedicate_params and fully_shard."
+        )
+    assign_workers([(dp.tp, dp.owner) for dp in tp_records if dp.tp is not None])
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
-    audit = CommAudit(sum(dp.numel for dp in dedicated), replicas)
+    audit = CommAudit(
+        sum(dp.numel for dp in dedicated),
+        replicas,
+        sum(dp.global_shape.numel() for dp in dedicated) if tp_records else None,
+    )
     if check_collectives is None:
         check_collectives = os.environ.get("DMUON_CHECK_COLLECTIVES", "0") not in ("", "0")
     comm = Communicator(
@@ -414,42 +521,38 @@ def dedicate_params(
         replicate_group=replicate_group,
     )
     buffer_dtype = param_dtype or torch.float32
+    wire = (reduce_dtype or torch.float32, broadcast_dtype)
     by_boundary: dict[str, list[DedicatedParam]] = defaultdict(list)
     for dp in dedicated:
         by_boundary[dp.boundary].append(dp)
     module_order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     runtime_boundaries = []
     for name in sorted(by_boundary, key=lambda n: module_order[n]):
-        by_owner: dict[int, list[DedicatedParam]] = defaultdict(list)
-        by_stack: dict[str, list[DedicatedParam]] = defaultdict(list)
-        for dp in by_boundary[name]:
-            if dp.is_range:
-                by_stack[dp.fqn].append(dp)
-            else:
-                by_owner[dp.owner].append(dp)
-        groups: list[PackedGroup | SplitStack] = [
-            PackedGroup(by_owner[owner], owner, buffer_dtype, device, comm)
-            for owner in sorted(by_owner)
-        ]
-        # Then each split stack, in parameter order: the same order on every rank.
-        groups += [SplitStack(ranges, buffer_dtype, device, comm) for ranges in by_stack.values()]
-        runtime_boundaries.append(Boundary(name, model.get_submodule(name), groups))
+        runtime_boundaries.append(
+            Boundary(
+                name,
+                model.get_submodule(name),
+                _flat_buffers(by_boundary[name], buffer_dtype, device, comm, *wire),
+            )
+        )
     runtime = DedicationRuntime(
         model, dedicated, runtime_boundaries, comm, reshard_after_forward, param_dtype
     )
     install_fsdp_filter()
+    keep_out_of_ddp(model, [n for n, p in model.named_parameters() if is_dedicated(p)])
     atexit.unregister(_collect_before_teardown)  # registered once however many models
     atexit.register(_collect_before_teardown)
-    setattr(
+    attach(
         model,
-        STATE_ATTR,
         DedicationState(
             rank=comm_rank,
             world_size=world_size,
             runtime=runtime,
             params=dedicated,
             plan=plan,
-            mesh=mesh,
+            mesh=mesh
+            if mesh is not None or group is None
+            else DeviceMesh.from_group(group, device.type),
         ),
     )
     return dict(plan.owners)

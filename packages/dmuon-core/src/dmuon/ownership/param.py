@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from dmuon.ownership.tp_integration import TensorParallel
 
 
 @dataclass(eq=False)
@@ -15,9 +19,9 @@ class DedicatedParam:
     ``param`` is the parameter registered on the module between forwards: the full float32
     master on the owner, a 0-element placeholder on every other rank. The owner's averaged
     gradient is ``param._reduced_grad``; local accumulation under `no_sync` is
-    ``param._accumulated_grad`` (both ``None`` after ``zero_grad``). Only the ownership
-    runtime writes them; read the reduced gradient with
-    ``DedicationRuntime.reduced_grad``.
+    ``_accumulated_grad`` on the parameter the module holds (both ``None`` after
+    ``zero_grad``). Only `dmuon.ownership.gradients` writes them; read the reduced gradient
+    with ``DedicationRuntime.reduced_grad``.
 
     ``transposed`` is ``True`` for layouts that store the matrix as ``(in, out)`` (the
     ``Conv1D`` of GPT-2-style models); Newton-Schulz does not care, the learning-rate
@@ -37,6 +41,10 @@ class DedicatedParam:
     ``fused_parts`` is the number of equal parts a known fused layout concatenates along
     each matrix's output dimension (2 for transformers' ``gate_up_proj``, else 1): what
     ``dmuon.Muon(split="auto")`` splits by.
+
+    ``tp`` describes a matrix that tensor parallelism made a DTensor
+    (`dmuon.ownership.tp_integration`): ``shape``, the master, the momentum and the
+    gradients are then this tp position's shard, and ``global_shape`` the whole matrix's.
     """
 
     fqn: str
@@ -52,6 +60,17 @@ class DedicatedParam:
     experts: tuple[int, int] | None = None
     registered: nn.Parameter | None = None
     stack_shape: torch.Size | None = None
+    tp: TensorParallel | None = None
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The whole matrix's shape (``shape`` unless tensor parallelism shards it)."""
+        return self.tp.global_shape if self.tp is not None else self.shape
+
+    @property
+    def tp_sharded(self) -> bool:
+        """Whether tensor parallelism splits the matrix (Newton-Schulz gathers it)."""
+        return self.tp is not None and self.tp.shard_dim is not None
 
     @property
     def name(self) -> str:
@@ -71,6 +90,12 @@ class DedicatedParam:
         return self.registered if self.registered is not None else self.param
 
     @property
+    def view_shape(self) -> torch.Size:
+        """Shape of the tensor the module holds while the boundary runs: the record's own,
+        or the whole stack's for a range of a split stack."""
+        return self.stack_shape if self.stack_shape is not None else self.shape
+
+    @property
     def numel(self) -> int:
         """Number of elements of the full matrix (of the range, for a split stack)."""
         return self.shape.numel()
@@ -88,5 +113,5 @@ class DedicatedParam:
     @property
     def out_in_shape(self) -> tuple[int, int]:
         """``(out_features, in_features)`` of one matrix, whatever its storage layout."""
-        rows, cols = int(self.shape[-2]), int(self.shape[-1])
+        rows, cols = int(self.global_shape[-2]), int(self.global_shape[-1])
         return (cols, rows) if self.transposed else (rows, cols)

@@ -20,6 +20,16 @@ BOUNDARY_CONTAINER_NAMES: tuple[str, ...] = ("layers", "blocks", "h")
 #: Module names that mark an output head or an embedding; never dedicated by default.
 _EXCLUDED_NAME_PARTS: tuple[str, ...] = ("lm_head", "output", "embed", "wte", "wpe", "norm")
 
+#: Module names that wrappers insert into parameter paths, and that state dicts leave out
+#: (torch's activation-checkpoint wrapper, torch.compile, FSDP1).
+WRAPPER_NAMES: tuple[str, ...] = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def state_dict_name(path: str) -> str:
+    """A parameter's name as torch's state dicts give it: ``path`` without wrapper modules."""
+    return ".".join(part for part in path.split(".") if part not in WRAPPER_NAMES)
+
+
 ParamPredicate = Callable[[str, nn.Parameter], bool]
 ModulePredicate = Callable[[nn.Module], bool]
 

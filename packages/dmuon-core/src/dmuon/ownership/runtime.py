@@ -19,36 +19,44 @@ Per hook boundary (usually one transformer layer):
   owners of the same matrices in the other replicas, so every replica's owner holds the
   same average and steps the matrix alike (no broadcast after the step).
 
-An expert stack split across owners (`SplitStack`) takes part like a packed group: one
-stack-wide buffer, one broadcast and one reduce per range of experts, issued after the
-boundary's packed groups.
+Each boundary drives a list of `FlatBuffer` objects: one per owner for the packed matrices,
+and one per expert stack split across owners (one stack-wide buffer, one broadcast and one
+reduce per range of experts, issued after the boundary's packed buffers).
+
+A boundary's gradients are reduced once per backward, however many forwards of it the
+backward covers (two forwards of one loss, a reused layer): when the inputs of its last
+forward got their gradients, or at the end of backward for forwards whose inputs need none.
 
 Every trigger above is an event every rank sees in the same order (the model's structure,
 not its data), so every rank issues the same collectives in the same order even when
 routing leaves a matrix without a gradient on some ranks.
 
-The rest of the library changes this state only through the methods in the last section:
-`no_sync`, `reduced_grad`, `parameters_updated` and `clear_gradients`.
+The rest of the library changes this state only through the methods in the last section
+(`no_sync`, `invalidate_buffers`, `parameters_updated`, `clear_gradients`,
+`scale_reduced_grads`) and reads it through `reduced_grad`; the
+gradients themselves are written only by `dmuon.ownership.gradients`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+import weakref
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dmuon.comm import Communicator
+from dmuon.ownership import gradients
+from dmuon.ownership.ddp_integration import active_ddp
+from dmuon.ownership.flat_buffer import FlatBuffer
 from dmuon.ownership.fsdp_integration import is_fsdp_module
-from dmuon.ownership.packed_group import PackedGroup
 from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.split_stack import SplitStack
-
-_GRAD_ATTRS = ("_reduced_grad", "_accumulated_grad")
 
 
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -110,37 +118,69 @@ def _load_range(dp: DedicatedParam, full: Any) -> bool:
     return True
 
 
-class Boundary:
-    """One hook boundary: its module, its packed groups and its backward bookkeeping."""
+def _is_whole(dp: DedicatedParam, value: Any) -> bool:
+    """Whether ``value`` is a plain tensor of ``dp``'s whole (global) shape."""
+    return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(dp.global_shape)
 
-    def __init__(
-        self, name: str, module: nn.Module, groups: list[PackedGroup | SplitStack]
-    ) -> None:
+
+class BoundaryState(Enum):
+    """Where a hook boundary stands in the training step (like FSDP2's ``TrainingState``)."""
+
+    #: Between steps, or forward done and backward not yet reached.
+    IDLE = "idle"
+    #: Backward reached the boundary: its buffers are unsharded and its views registered.
+    PRE_BACKWARD = "pre_backward"
+
+
+class Boundary:
+    """One hook boundary: its module, its flat buffers and its backward bookkeeping."""
+
+    def __init__(self, name: str, module: nn.Module, buffers: list[FlatBuffer]) -> None:
         self.name = name
         self.module = module
-        self.groups = groups
-        self.needs_grads = any(leaf.requires_grad for _, leaf in self.grad_leaves())
+        self.buffers = buffers
+        self.state = BoundaryState.IDLE
         # Forward passes of this backward whose gradients are not reduced yet; forwards
         # whose inputs carry no gradient are reduced at the end of backward instead.
         self.pending_by_inputs = 0
         self.pending_at_end = 0
-        self.pre_backward_done = False
+        self._hooked: set[int] = set()
+
+    @property
+    def awaits_backward(self) -> bool:
+        """Whether a forward of this boundary waits for its gradients to be reduced."""
+        return self.pending_by_inputs + self.pending_at_end > 0
 
     def grad_leaves(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(fqn, full-tensor view) pairs whose gradients this boundary reduces."""
-        for group in self.groups:
-            yield from group.grad_leaves()
+        for buffer in self.buffers:
+            yield from buffer.grad_leaves()
+
+    def sync_requires_grad(self, on_grad: Any) -> bool:
+        """Leaves follow their holders' ``requires_grad``; return whether any needs grads.
+
+        ``on_grad(fqn)`` becomes a post-accumulate-grad hook of each leaf the first time it
+        needs gradients.
+        """
+        needs = False
+        for buffer in self.buffers:
+            needs |= buffer.sync_requires_grad()
+        for fqn, leaf in self.grad_leaves():
+            if leaf.requires_grad and id(leaf) not in self._hooked:
+                self._hooked.add(id(leaf))
+                leaf.register_post_accumulate_grad_hook(lambda _t, fqn=fqn: on_grad(fqn))
+        return needs
 
     def register_views(self) -> None:
         """Put the full-matrix views on their modules (forward and recomputation use them)."""
-        for group in self.groups:
-            for module, attr, leaf in group.views():
+        for buffer in self.buffers:
+            for module, attr, leaf in buffer.registered_views():
                 module._parameters[attr] = leaf
 
     def register_params(self) -> None:
         """Put the registered parameters (master / placeholder) back on their modules."""
-        for group in self.groups:
-            for module, attr, param in group.placeholders():
+        for buffer in self.buffers:
+            for module, attr, param in buffer.placeholders():
                 module._parameters[attr] = param
 
     def covered_by_fsdp(self, root: nn.Module) -> bool:
@@ -177,6 +217,8 @@ class DedicationRuntime:
         self._late_grads: list[str] = []
         self._checked_param_dtype = param_dtype is None
         self._root = model
+        #: The DistributedDataParallel wrapper the model ran in, once seen (a weak reference).
+        self.ddp: Callable[[], DistributedDataParallel | None] = lambda: None
         for index, boundary in enumerate(boundaries):
             self._install(index, boundary)
         self._install_state_dict_hooks(model)
@@ -190,11 +232,7 @@ class DedicationRuntime:
         module.register_forward_hook(
             lambda _m, _args, out: self._post_forward(index, out), always_call=True
         )
-        for fqn, leaf in boundary.grad_leaves():
-            if leaf.requires_grad:
-                leaf.register_post_accumulate_grad_hook(
-                    lambda _t, fqn=fqn: self._grad_arrived(index, fqn)
-                )
+        boundary.sync_requires_grad(lambda fqn: self._grad_arrived(index, fqn))
 
     def _install_state_dict_hooks(self, model: nn.Module) -> None:
         """``model.load_state_dict`` works on every rank and refreshes the buffers.
@@ -219,6 +257,13 @@ class DedicationRuntime:
                 given = {dp.attr: state_dict.get(prefix + dp.attr) for dp in dps}
                 for dp in dps:
                     value = given[dp.attr]
+                    if dp.tp is not None and _is_whole(dp, value):
+                        # The owner takes its tp position's shard of the whole matrix.
+                        local = dp.tp.local_of(value) if dp.is_owned else None
+                        state_dict[prefix + dp.attr] = (
+                            local if local is not None else dp.param.detach().new_empty(0)
+                        )
+                        continue
                     if value is None or (dp.is_owned and not dp.is_range):
                         continue
                     if dp.is_range and not _load_range(dp, value):
@@ -231,13 +276,13 @@ class DedicationRuntime:
     # ----- forward -------------------------------------------------------------------------
     def _unshard(self, index: int, prefetch: int | None) -> None:
         boundary = self.boundaries[index]
-        for group in boundary.groups:
-            group.unshard_async()
+        for buffer in boundary.buffers:
+            buffer.unshard_async()
         if prefetch is not None and 0 <= prefetch < len(self.boundaries):
-            for group in self.boundaries[prefetch].groups:
-                group.unshard_async()
-        for group in boundary.groups:
-            group.wait_unshard()
+            for buffer in self.boundaries[prefetch].buffers:
+                buffer.unshard_async()
+        for buffer in boundary.buffers:
+            buffer.wait_unshard()
 
     def _check_param_dtype(self) -> None:
         # Without FSDP2's mixed precision, the boundary's other parameters stay float32 and
@@ -261,8 +306,8 @@ class DedicationRuntime:
         # edited in place since then would silently not reach the other ranks. The first
         # boundary checks every owned matrix, so a stale one stops the forward before any
         # collective; the others check their own (edits between boundaries).
-        groups = self.groups() if index == 0 else iter(self.boundaries[index].groups)
-        stale = [fqn for group in groups for fqn in group.changed_since_broadcast()]
+        buffers = self.buffers() if index == 0 else iter(self.boundaries[index].buffers)
+        stale = [name for buffer in buffers for name in buffer.changed_since_broadcast()]
         if stale:
             raise RuntimeError(
                 f"the dedicated parameters {stale[:5]} were changed in place after their last "
@@ -272,23 +317,42 @@ class DedicationRuntime:
                 "forward."
             )
 
+    def _watch_for_ddp(self) -> None:
+        """The first forward inside a DDP wrapper moves DMuon's collectives to their own
+        process group (see `dmuon.ownership.ddp_integration`)."""
+        ddp = active_ddp(self._root)
+        if ddp is None or self.ddp() is ddp:
+            return
+        self.ddp = weakref.ref(ddp)
+        self.comm.separate_from(ddp.process_group)
+
     def _pre_forward(
         self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if index == 0:
+            # Gradients that model.zero_grad() cleared are freed before the forward
+            # allocates activations (they are otherwise only dropped when next read).
+            self._drop_cleared_gradients()
+        self._watch_for_ddp()
         if not self._checked_param_dtype:
             self._check_param_dtype()
         if not self.reshard_after_forward:
             self._check_not_stale(index)
+        boundary = self.boundaries[index]
+        needs_grads = boundary.sync_requires_grad(lambda fqn: self._grad_arrived(index, fqn))
         self._unshard(index, prefetch=index + 1)
-        self.boundaries[index].register_views()
+        boundary.register_views()
         if self.param_dtype is not None:
             args, kwargs = (
                 _cast_floating(args, self.param_dtype),
                 _cast_floating(kwargs, self.param_dtype),
             )
-        boundary = self.boundaries[index]
-        if not boundary.needs_grads or not torch.is_grad_enabled() or _in_backward():
+        if not needs_grads or not torch.is_grad_enabled():
             return args, kwargs
+        if _in_backward() and boundary.awaits_backward:
+            return args, kwargs  # recomputation of a checkpointed forward the hooks saw
+        # Otherwise, in backward this recomputes a forward that ran without gradients: the
+        # inside of a reentrant activation checkpoint. Its gradients come now.
         flat, spec = tree_flatten((args, kwargs))
         positions = [
             i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
@@ -307,13 +371,13 @@ class DedicationRuntime:
         boundary.register_params()
         if _in_backward():
             return  # recomputation of a checkpointed boundary: backward still needs buffers
-        if torch.is_grad_enabled() and boundary.needs_grads:
+        if torch.is_grad_enabled() and boundary.awaits_backward:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad: self._pre_backward(index, grad))
         if self.reshard_after_forward:
-            for group in boundary.groups:
-                group.free()
+            for buffer in boundary.buffers:
+                buffer.free()
 
     # ----- backward ------------------------------------------------------------------------
     def _queue_final_callback(self) -> None:
@@ -324,23 +388,19 @@ class DedicationRuntime:
     def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
         boundary = self.boundaries[index]
         self._queue_final_callback()
-        if not boundary.pre_backward_done:
-            boundary.pre_backward_done = True
+        if boundary.state is not BoundaryState.PRE_BACKWARD:
+            boundary.state = BoundaryState.PRE_BACKWARD
             previous = index - 1
-            waiting = previous >= 0 and self._awaits_backward(self.boundaries[previous])
+            waiting = previous >= 0 and self.boundaries[previous].awaits_backward
             self._unshard(index, prefetch=previous if waiting else None)
             boundary.register_views()
         return grad
-
-    @staticmethod
-    def _awaits_backward(boundary: Boundary) -> bool:
-        return boundary.pending_by_inputs + boundary.pending_at_end > 0
 
     def _grad_arrived(self, index: int, fqn: str) -> None:
         # Only a guard: a gradient that arrives when its boundary expects none (already
         # reduced in this backward, or a forward the hooks did not see, such as a reentrant
         # activation checkpoint) cannot be reduced without breaking the other ranks' schedule.
-        if not self._awaits_backward(self.boundaries[index]):
+        if not self.boundaries[index].awaits_backward:
             self._late_grads.append(fqn)
 
     def _inputs_grad_done(self, index: int) -> None:
@@ -348,32 +408,33 @@ class DedicationRuntime:
         boundary = self.boundaries[index]
         if boundary.pending_by_inputs > 0:
             boundary.pending_by_inputs -= 1
-            self._post_backward(boundary)
+            if not boundary.awaits_backward:
+                self._post_backward(boundary)
 
     def _post_backward(self, boundary: Boundary) -> None:
-        boundary.pre_backward_done = False
+        """Reduce (or accumulate) the boundary's gradients: once per backward."""
+        boundary.pending_by_inputs = boundary.pending_at_end = 0
+        boundary.state = BoundaryState.IDLE
         boundary.register_params()
-        for group in boundary.groups:
+        for buffer in boundary.buffers:
             if self.sync_grads:
-                group.reduce_async()
+                buffer.reduce_async()
             else:
-                group.accumulate_locally()
+                buffer.accumulate_locally()
             if self.reshard_after_forward:
-                group.free()
+                buffer.free()
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         for boundary in self.boundaries:
-            if self._awaits_backward(boundary):
-                boundary.pending_by_inputs = 0
-                boundary.pending_at_end = 0
+            if boundary.awaits_backward:
                 self._post_backward(boundary)
         for boundary in self.boundaries:
-            boundary.pre_backward_done = False
-            for group in boundary.groups:
-                group.finish_reduce()
-        for group in self.groups():
-            group.finish_replica_reduce()
+            boundary.state = BoundaryState.IDLE
+            for buffer in boundary.buffers:
+                buffer.finish_reduce()
+        for buffer in self.buffers():
+            buffer.finish_replica_reduce()
         late, self._late_grads = self._late_grads, []
         if late:
             raise RuntimeError(
@@ -400,34 +461,35 @@ class DedicationRuntime:
     @staticmethod
     def reduced_grad(dp: DedicatedParam) -> torch.Tensor | None:
         """The owner's averaged gradient of ``dp`` (``None`` if nothing was reduced)."""
-        return getattr(dp.param, "_reduced_grad", None)
+        return gradients.reduced(dp.param, dp.module_param)
+
+    def scale_reduced_grads(self, scale: torch.Tensor) -> None:
+        """Multiply every owned averaged gradient by ``scale`` (gradient clipping)."""
+        grads = (self.reduced_grad(dp) for dp in self.params if dp.is_owned)
+        gradients.scale_reduced([g for g in grads if g is not None], scale)
 
     def invalidate_buffers(self) -> None:
         """Owners changed their masters: the next forward broadcasts them again."""
-        for group in self.groups():
-            group.invalidate()
+        for buffer in self.buffers():
+            buffer.invalidate()
 
     def parameters_updated(self) -> None:
         """An optimizer step changed the masters: invalidate buffers, close the audit step."""
         self.invalidate_buffers()
         self.comm.audit.close_step()
 
+    def _drop_cleared_gradients(self) -> None:
+        for dp in self.params:
+            gradients.accumulated(dp.module_param)  # applies a cleared or zeroed marker
+
     def clear_gradients(self, set_to_none: bool = True) -> None:
-        """Clear ``_reduced_grad`` and ``_accumulated_grad`` of every dedicated parameter."""
+        """Clear (or zero) every stored gradient of every dedicated parameter."""
         holders = {
             id(p): p for dp in self.params for p in (dp.param, dp.registered) if p is not None
         }
-        for param in holders.values():
-            for attr in _GRAD_ATTRS:
-                grad = getattr(param, attr, None)
-                if grad is None:
-                    continue
-                if set_to_none:
-                    setattr(param, attr, None)
-                else:
-                    grad.zero_()
+        gradients.clear(holders.values(), set_to_none)
 
-    def groups(self) -> Iterator[PackedGroup | SplitStack]:
-        """Every packed group, boundary by boundary."""
+    def buffers(self) -> Iterator[FlatBuffer]:
+        """Every flat buffer, boundary by boundary."""
         for boundary in self.boundaries:
-            yield from boundary.groups
+            yield from boundary.buffers

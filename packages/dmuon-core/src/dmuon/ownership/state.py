@@ -6,6 +6,7 @@ that changes during training (broadcast buffers, gradient attributes, the sync f
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from dmuon.ownership.runtime import DedicationRuntime
 
 STATE_ATTR = "_dmuon_state"
+#: On every module of a dedicated model: a weak reference to the model.
+ROOT_ATTR = "_dmuon_dedicated_root"
 
 
 @dataclass(eq=False)
@@ -32,7 +35,8 @@ class DedicationState:
     runtime: DedicationRuntime
     params: list[DedicatedParam] = field(default_factory=list)
     plan: OwnerPlan | None = None
-    #: The mesh passed to `dedicate_params` (``None``: the default process group).
+    #: The mesh passed to `dedicate_params`, or one over the default process group
+    #: (``None`` in one process); state dicts place dedicated tensors on it.
     mesh: DeviceMesh | None = None
 
     def __deepcopy__(self, memo: dict[int, object]) -> DedicationState:
@@ -52,9 +56,38 @@ class DedicationState:
         return [p for p in self.params if p.is_owned]
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a ``DistributedDataParallel`` wrapper (``model`` itself otherwise).
+
+    Every public function takes the model or its wrapper; keys and names are the
+    unwrapped model's, as torch's own state-dict functions give them.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
 def get_dedication(model: nn.Module) -> DedicationState | None:
-    """Return the dedication state `dedicate_params` attached to ``model``, or ``None``."""
-    return getattr(model, STATE_ATTR, None)
+    """Return the dedication state `dedicate_params` attached to ``model`` (or to the model
+    a DDP wrapper holds), or ``None``."""
+    return getattr(unwrap(model), STATE_ATTR, None)
+
+
+def attach(model: nn.Module, state: DedicationState) -> None:
+    """Attach ``state`` to ``model``, and tell each of its modules which model it is in."""
+    setattr(model, STATE_ATTR, state)
+    root = weakref.ref(model)
+    for module in model.modules():
+        object.__setattr__(module, ROOT_ATTR, root)
+
+
+def dedicated_root(module: nn.Module) -> nn.Module | None:
+    """The dedicated model ``module`` is part of (itself, an ancestor), or ``None``."""
+    ref = getattr(module, ROOT_ATTR, None)
+    root = ref() if ref is not None else None
+    return root if root is not None and get_dedication(root) is not None else None
 
 
 def require_dedication(model: nn.Module) -> DedicationState:
