@@ -2,7 +2,8 @@
 
 The six functions have the signatures of `torch.distributed.checkpoint.state_dict`;
 ``python -m dmuon.checkpoint export CKPT_DIR --output FILE`` writes one file of full
-weights from a sharded checkpoint.
+weights from a sharded checkpoint, and ``python -m dmuon.checkpoint export-hf CKPT_DIR DIR``
+a Hugging Face model directory (`dmuon.checkpoint.hf_export`).
 """
 
 from dmuon.checkpoint.state_dict import (
