@@ -57,7 +57,7 @@ from torch import nn
 import dmuon
 from dmuon.train.data import Corpus, GlobalBatchSampler, load_corpus, validation_windows
 from dmuon.train.loop import lr_lambda
-from dmuon.train.model import PRESETS, build_model, lm_loss
+from dmuon.train.models.preset import PRESETS, build_model, lm_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plots  # the figures: benchmarks/plots.py

@@ -156,7 +156,7 @@ def tiny_plan(world_size: int = 3) -> tuple[dict[str, tuple[int, int]], dict[str
     """
     torch = importlib.import_module("torch")
     nn = importlib.import_module("torch.nn")
-    model_mod = importlib.import_module("dmuon.train.model")
+    model_mod = importlib.import_module("dmuon.train.models.preset")
     planner = importlib.import_module("dmuon._ownership.planner")
     with torch.device("meta"):
         model = model_mod.Transformer(model_mod.PRESETS["tiny"])

@@ -22,7 +22,7 @@ import torch
 
 from dmuon.checkpoint._export import load_full_weights
 from dmuon.train.__main__ import main
-from dmuon.train.model import build_model
+from dmuon.train.models.preset import build_model
 
 STEPS = 4
 COMMON = [

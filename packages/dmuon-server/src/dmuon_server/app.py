@@ -21,7 +21,7 @@ from dmuon_server.launchers.slurm_jobs import check_slurm
 from dmuon_server.limits import BodySizeLimitMiddleware
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.openapi import build_openapi
-from dmuon_server.routers import jobs, metrics, service
+from dmuon_server.routers import artifacts, jobs, metrics, service
 from dmuon_server.store import Store, StoreError
 from dmuon_server.supervisor import Supervisor
 
@@ -77,6 +77,7 @@ def create_app(settings: Settings | None = None, *, lock: DataDirLock | None = N
     app.include_router(service.router)
     app.include_router(jobs.router)
     app.include_router(metrics.router)
+    app.include_router(artifacts.router)
     app.add_middleware(BodySizeLimitMiddleware, max_bytes=settings.max_body_bytes)
     if settings.token:
         app.add_middleware(BearerAuthMiddleware, token=settings.token)

@@ -11,7 +11,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dmuon_server.admission import assess
+import dmuon_recipe_contract as contract
+
+from dmuon_server.admission import ModelInputs, assess
 from dmuon_server.config import (
     DATA_DIR_ENV_MARKER,
     JOB_ENV_MARKER,
@@ -20,8 +22,10 @@ from dmuon_server.config import (
     usable_cpus,
 )
 from dmuon_server.errors import field_error, invalid_request
+from dmuon_server.hf_models import ModelDirError, read_model_dir, tokenizer_vocab
 from dmuon_server.jobfiles import (
     CHECKPOINT_DIR,
+    EXPORT_DIR,
     INIT_DIR,
     METRICS_FILE,
     TORCHRUN_LOG_DIR,
@@ -30,8 +34,15 @@ from dmuon_server.jobfiles import (
     list_checkpoints,
     metrics_file,
 )
-from dmuon_server.paths import DataPathError, PublicPaths, resolve_data_path
-from dmuon_server.schemas import SLURM_ONLY_FIELDS, Admission, FieldError, JobCreate, LaunchPlan
+from dmuon_server.paths import DataPathError, PublicPaths, resolve_data_path, resolve_model_path
+from dmuon_server.schemas import (
+    SLURM_ONLY_FIELDS,
+    Admission,
+    FieldError,
+    JobCreate,
+    LaunchPlan,
+    ModelPath,
+)
 
 #: Environment variables of the server that must not leak into a job: torchrun reads its
 #: options from PET_* variables, and rank variables would confuse the workers.
@@ -54,13 +65,106 @@ _SCRUBBED_VARS = frozenset(
 
 @dataclass
 class Review:
-    """A spec the server accepts: its data path, the estimates and the warnings, and the
+    """A spec the server accepts: its paths, the estimates and the warnings, and the
     checkpoint ``init_from`` names."""
 
     data_path: Path | None
     admission: Admission
     warnings: list[str] = field(default_factory=list)
     init_checkpoint: CheckpointInfo | None = None
+    model_path: Path | None = None
+    tokenizer_path: Path | None = None
+
+
+def with_recipe_defaults(spec: JobCreate) -> JobCreate:
+    """``spec`` with the recipe's defaults written into the fields left out that the job
+    record shows (``lr``, ``adamw_lr``, ``optimizer``, ``mode``, ``seed``).
+
+    The defaults are the recipe's own (`dmuon_recipe_contract`); ``adamw_lr`` follows the
+    optimizer: ``lr`` under dmuon, the baseline's rate under adamw.
+    """
+    t = spec.train
+    optimizer = t.optimizer or contract.flag("optimizer").default
+    lr = t.lr if t.lr is not None else contract.flag("lr").default
+    adamw_lr = t.adamw_lr
+    if adamw_lr is None:
+        adamw_lr = lr if optimizer == "dmuon" else contract.ADAMW_BASELINE_LR
+    filled = t.model_copy(
+        update={
+            "optimizer": optimizer,
+            "lr": lr,
+            "adamw_lr": adamw_lr,
+            "mode": t.mode or contract.flag("mode").default,
+            "seed": t.seed if t.seed is not None else contract.flag("seed").default,
+        }
+    )
+    return spec.model_copy(update={"train": filled})
+
+
+def _token_data(data_path: Path | None) -> bool:
+    """Whether the data are token files (a ``.bin``, or a folder holding them)."""
+    if data_path is None:
+        return False
+    if data_path.is_file():
+        return contract.data_kind(data_path) == "tokens"
+    return next(data_path.rglob(f"*{contract.TOKEN_SUFFIX}"), None) is not None
+
+
+def _resolve_model(
+    settings: Settings, spec: JobCreate, errors: list[FieldError], data_path: Path | None
+) -> tuple[ModelInputs | None, Path | None, Path | None]:
+    """The model side of a spec: ``(inputs for the estimates, model dir, tokenizer path)``.
+
+    Appends to ``errors`` (with the recipe's messages) what the recipe would refuse.
+    """
+    t = spec.train
+    public = PublicPaths(settings)
+    tokenizer_path: Path | None = None
+    if t.tokenizer is not None:
+        try:
+            tokenizer_path = resolve_model_path(settings, t.tokenizer, "tokenizer")
+        except DataPathError as e:
+            errors.append(field_error(("body", "train", "tokenizer"), str(e), "value_error"))
+            return None, None, None
+    if not isinstance(t.model, ModelPath):
+        vocab = 256 if tokenizer_path is None else tokenizer_vocab(tokenizer_path)
+        embed = contract.PRESETS[t.model].vocab_size
+        if vocab is not None and vocab > embed:
+            what = "--tokenizer " + public.text(str(tokenizer_path))
+            errors.append(
+                field_error(("body", "train", "tokenizer"),
+                            contract.vocab_message(vocab, embed, what, t.model), "admission")
+            )  # fmt: skip
+        return ModelInputs(t.model, None, vocab), None, tokenizer_path
+    loc = ("body", "train", "model", "path")
+    try:
+        model_dir = resolve_model_path(settings, t.model.path, "model")
+    except DataPathError as e:
+        errors.append(field_error(loc, str(e), "value_error"))
+        return None, None, None
+    label = public.text(str(model_dir))
+    try:
+        hf = read_model_dir(model_dir, label)
+    except ModelDirError as e:
+        errors.append(field_error(loc, str(e), "value_error"))
+        return None, None, None
+    tokens_only = _token_data(data_path)
+    if tokenizer_path is None and not hf.has_tokenizer and not tokens_only:
+        errors.append(
+            field_error(
+                ("body", "train", "tokenizer"), contract.no_tokenizer_message(label), "value_error"
+            )
+        )
+        return None, None, None
+    source = tokenizer_path or (model_dir if hf.has_tokenizer else None)
+    vocab = tokenizer_vocab(source) if source is not None else None
+    if vocab is not None and vocab > hf.vocab_size:
+        what = "the tokenizer " + public.text(str(source))
+        errors.append(
+            field_error(("body", "train", "tokenizer"),
+                        contract.vocab_message(vocab, hf.vocab_size, what, label), "admission")
+        )  # fmt: skip
+    return ModelInputs(label, hf, vocab), model_dir, tokenizer_path
 
 
 def resolve_init_from(settings: Settings, spec: JobCreate) -> CheckpointInfo | FieldError | None:
@@ -160,20 +264,21 @@ def review(settings: Settings, spec: JobCreate) -> Review:
             label = PublicPaths(settings).text(str(data_path))
         except DataPathError as e:
             errors.append(field_error(("body", "train", "data"), str(e), "value_error"))
+    model, model_path, tokenizer_path = _resolve_model(settings, spec, errors, data_path)
     init = resolve_init_from(settings, spec)
     if isinstance(init, FieldError):
         errors.append(init)
         init = None
-    if errors:  # the estimates need a valid world size and data path
+    if errors:  # the estimates need a valid world size, model and data path
         raise invalid_request(errors)
     admission, refusals, warnings = assess(
-        spec.train, spec.nproc_per_node, data_path, label, settings.max_job_memory
+        spec.train, spec.nproc_per_node, data_path, label, settings.max_job_memory, model
     )
     if refusals:
         problem = invalid_request([field_error(r.loc, r.message, "admission") for r in refusals])
         problem.extra = {"admission": admission.model_dump(mode="json")}
         raise problem
-    return Review(data_path, admission, warnings, init)
+    return Review(data_path, admission, warnings, init, model_path, tokenizer_path)
 
 
 def _fmt_float(x: float) -> str:
@@ -194,62 +299,62 @@ def init_path(job_dir: Path, init: CheckpointInfo) -> Path:
     return job_dir / INIT_DIR / checkpoint_name(init.step)
 
 
+def _option(dest: str) -> str:
+    """The recipe's spelling of a flag (``--micro-batch-size``), from its contract."""
+    return contract.flag(dest).option
+
+
 def build_command(
     settings: Settings,
     spec: JobCreate,
     job_dir: Path,
     data_path: Path | None,
     init: CheckpointInfo | None = None,
+    *,
+    model_path: Path | None = None,
+    tokenizer_path: Path | None = None,
 ) -> Command:
     """The runner's argv, the equivalent torchrun argv and the variables set for the job.
 
     This is the first attempt's command; :func:`attempt_argv` derives the later ones.
+    ``spec`` has the recipe's defaults filled in (`with_recipe_defaults`); ``model_path``
+    and ``tokenizer_path`` are the resolved ``train.model.path`` and ``train.tokenizer``.
     """
-    t = spec.train
+    t = with_recipe_defaults(spec).train
     n = spec.nproc_per_node
-    recipe = [
-        "-m",
-        settings.train_module,
-        "--model",
-        t.model,
-        "--steps",
-        str(t.steps),
-        "--micro-batch-size",
-        str(t.micro_batch_size),
-        "--accum-steps",
-        str(t.accum_steps),
-        "--seq-len",
-        str(t.seq_len),
-        "--lr",
-        _fmt_float(t.lr),
-        "--adamw-lr",
-        _fmt_float(t.adamw_lr),
-        "--optimizer",
-        t.optimizer,
-        "--mode",
-        t.mode,
-        "--seed",
-        str(t.seed),
+    model = str(model_path) if isinstance(t.model, ModelPath) else t.model
+    values: list[tuple[str, str | None]] = [
+        ("model", model),
+        ("steps", str(t.steps)),
+        ("micro_batch_size", str(t.micro_batch_size)),
+        ("accum_steps", str(t.accum_steps)),
+        ("seq_len", str(t.seq_len)),
+        ("lr", _fmt_float(t.lr)),  # type: ignore[arg-type]
+        ("adamw_lr", _fmt_float(t.adamw_lr)),  # type: ignore[arg-type]
+        ("optimizer", t.optimizer),
+        ("mode", t.mode),
+        ("seed", str(t.seed)),
+        ("warmup_steps", None if t.warmup_steps is None else str(t.warmup_steps)),
+        ("eval_every", None if t.eval_every is None else str(t.eval_every)),
+        ("metrics_file", str(job_dir / METRICS_FILE)),
+        ("tokenizer", None if tokenizer_path is None else str(tokenizer_path)),
+        ("data", None if data_path is None else str(data_path)),
+        ("text_field", t.text_field),
+        ("param_dtype", t.param_dtype),
+        ("checkpoint_dir", str(job_dir / CHECKPOINT_DIR)),
+        ("checkpoint_every", str(t.checkpoint_every)),
+        ("keep_checkpoints", str(t.keep_checkpoints)),
+        ("resume", "auto"),
+        ("init_from", None if init is None else str(init_path(job_dir, init))),
+        ("export_hf", str(job_dir / EXPORT_DIR) if t.export_hf else None),
     ]
-    if t.warmup_steps is not None:
-        recipe += ["--warmup-steps", str(t.warmup_steps)]
-    if t.eval_every is not None:
-        recipe += ["--eval-every", str(t.eval_every)]
-    recipe += ["--metrics-file", str(job_dir / METRICS_FILE)]
-    if data_path is not None:
-        recipe += ["--data", str(data_path)]
-    recipe += [
-        "--checkpoint-dir",
-        str(job_dir / CHECKPOINT_DIR),
-        "--checkpoint-every",
-        str(t.checkpoint_every),
-        "--keep-checkpoints",
-        str(t.keep_checkpoints),
-        "--resume",
-        "auto",
-    ]
-    if init is not None:
-        recipe += ["--init-from", str(init_path(job_dir, init))]
+    recipe = ["-m", settings.train_module]
+    for dest, value in values:
+        if value is not None:
+            recipe += [_option(dest), value]
+    for dest in ("activation_checkpointing", "compile"):
+        if getattr(t, dest):
+            recipe.append(_option(dest))
     torchrun_opts = [
         "--standalone",
         "--nproc_per_node",
@@ -296,10 +401,10 @@ def attempt_argv(
     checkpoint) ``--init-from`` is dropped: the checkpoint already holds the trained
     weights, and the recipe refuses both.
     """
-    out = _set_flag(argv, "--metrics-file", str(job_dir / metrics_file(attempt)))
-    out = _set_flag(out, "--steps", str(steps))
+    out = _set_flag(argv, _option("metrics_file"), str(job_dir / metrics_file(attempt)))
+    out = _set_flag(out, _option("steps"), str(steps))
     if resuming:
-        out = _set_flag(out, "--init-from", None)
+        out = _set_flag(out, _option("init_from"), None)
     return out
 
 
@@ -310,10 +415,19 @@ def plan_view(
 
     Server paths are shown as placeholders (:class:`dmuon_server.paths.PublicPaths`).
     """
+    spec = with_recipe_defaults(spec)
     t = spec.train
     n = spec.nproc_per_node
     job_dir = settings.job_dir("<job-id>")
-    cmd = build_command(settings, spec, job_dir, accepted.data_path, accepted.init_checkpoint)
+    cmd = build_command(
+        settings,
+        spec,
+        job_dir,
+        accepted.data_path,
+        accepted.init_checkpoint,
+        model_path=accepted.model_path,
+        tokenizer_path=accepted.tokenizer_path,
+    )
     public = PublicPaths(settings, job_dir)
     cpus = usable_cpus()
     warnings: list[str] = []

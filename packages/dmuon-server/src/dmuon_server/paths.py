@@ -2,7 +2,8 @@
 
 Clients never see the server's absolute paths: the data directory is shown as
 ``<data-dir>``, a job's folder as ``<job-dir>``, a data root as ``<data-root>`` (``<data-root-2>``
-and so on when there are several), and the interpreter as ``python``.
+and so on when there are several), a model root as ``<model-root>`` (likewise), and the
+interpreter as ``python``.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from dmuon_server.config import Settings
 
 
 class DataPathError(ValueError):
-    """A ``train.data`` path that does not exist or lies outside the data roots."""
+    """A path of a job spec that does not exist or lies outside its roots."""
 
 
-def root_label(index: int, count: int) -> str:
-    """The placeholder of data root number ``index`` (0-based) out of ``count``."""
-    return "<data-root>" if count == 1 else f"<data-root-{index + 1}>"
+def root_label(index: int, count: int, kind: str = "data") -> str:
+    """The placeholder of root number ``index`` (0-based) out of ``count`` (``kind``:
+    ``data`` or ``model``)."""
+    return f"<{kind}-root>" if count == 1 else f"<{kind}-root-{index + 1}>"
 
 
 def resolve_data_path(settings: Settings, data: str) -> Path:
@@ -29,24 +31,39 @@ def resolve_data_path(settings: Settings, data: str) -> Path:
     root once symlinks and ``..`` are resolved. Messages name the path as the client
     wrote it, never the resolved server path.
     """
-    if "\x00" in data:
-        raise DataPathError("the path contains a NUL character")
-    roots = settings.data_roots
-    if not roots:
+    if not settings.data_roots:
         raise DataPathError(
             "this server accepts no data paths (it was started without --data-root); omit "
             "train.data to train on the recipe's built-in corpus"
         )
+    return resolve_in_roots(settings.data_roots, data, "data")
+
+
+def resolve_model_path(settings: Settings, path: str, what: str) -> Path:
+    """Resolve a model directory or tokenizer path (``what``) against the model roots."""
+    if not settings.model_roots:
+        raise DataPathError(
+            f"this server accepts no {what} paths (it was started without --model-root); "
+            'train a preset (train.model: "tiny", ...) or ask for a server with '
+            "--model-root"
+        )
+    return resolve_in_roots(settings.model_roots, path, "model")
+
+
+def resolve_in_roots(roots: tuple[Path, ...], data: str, kind: str) -> Path:
+    """Resolve ``data`` inside one of ``roots`` (see `resolve_data_path`)."""
+    if "\x00" in data:
+        raise DataPathError("the path contains a NUL character")
     candidates = (
         [Path(os.path.realpath(data))]
         if os.path.isabs(data)
         else [Path(os.path.realpath(root / data)) for root in roots]
     )
-    labels = ", ".join(root_label(i, len(roots)) for i in range(len(roots)))
+    labels = ", ".join(root_label(i, len(roots), kind) for i in range(len(roots)))
     inside = [c for c in candidates if any(c == r or c.is_relative_to(r) for r in roots)]
     if not inside:
         raise DataPathError(
-            f"{data!r} lies outside the data roots ({labels}); give a path inside one of "
+            f"{data!r} lies outside the {kind} roots ({labels}); give a path inside one of "
             "them (relative paths are taken from the roots)"
         )
     for c in inside:
@@ -55,7 +72,7 @@ def resolve_data_path(settings: Settings, data: str) -> Path:
                 return c
         except OSError as e:  # a name too long, a loop of symlinks...
             raise DataPathError(f"{data!r} cannot be read: {e.strerror or e}") from None
-    raise DataPathError(f"{data!r} does not exist in the data roots ({labels})")
+    raise DataPathError(f"{data!r} does not exist in the {kind} roots ({labels})")
 
 
 class PublicPaths:
@@ -69,6 +86,8 @@ class PublicPaths:
             pairs.append((str(job_dir), "<job-dir>"))
         pairs.append((str(settings.data_dir), "<data-dir>"))
         pairs += [(str(r), root_label(i, len(roots))) for i, r in enumerate(roots)]
+        models = settings.model_roots
+        pairs += [(str(r), root_label(i, len(models), "model")) for i, r in enumerate(models)]
         # Longest first, so a job folder wins over the data directory it lies in.
         self._pairs = sorted(pairs, key=lambda p: len(p[0]), reverse=True)
         self._python = settings.python

@@ -13,6 +13,7 @@ import io
 import sys
 from collections.abc import Sequence
 
+import dmuon_recipe_contract as contract
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from dmuon.train.cli import TrainConfig, parse_args
@@ -50,12 +51,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"dmuon-train: error: {exc}", file=sys.stderr)
         ErrorHandler().record_exception(exc)
-        return 2
+        return contract.EXIT_USAGE
     except TrainingDiverged as exc:
         print(f"dmuon-train: error: {exc}", file=sys.stderr)
         ErrorHandler().record_exception(exc)
-        return 3
-    return 0
+        return contract.EXIT_DIVERGED
+    return contract.EXIT_OK
 
 
 if __name__ == "__main__":

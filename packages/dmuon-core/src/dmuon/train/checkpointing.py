@@ -3,10 +3,13 @@
 Layout of ``--checkpoint-dir DIR``:
 
 * ``DIR/step_{step:08d}/`` is one complete checkpoint: a ``torch.distributed.checkpoint``
-  directory (its ``.metadata`` file and one data file per rank) holding
-  ``{"model": ..., "optim": ...}`` from `get_state_dict` (saved from all ranks at once),
-  plus ``trainer_state.pt`` (step, LR scheduler, elapsed time, batch geometry; written by
-  rank 0) and ``rng_rank{r}.pt`` (rank ``r``'s random number generator states).
+  directory (its ``.metadata`` file and one data file per rank) holding the
+  ``Stateful`` objects ``{"model": ModelState, "optim": OptimizerState}`` (saved from all
+  ranks at once), plus ``trainer_state.pt`` (``{"train": TrainState, "scheduler": ...}``,
+  written by rank 0), ``rng_rank{r}.pt`` (rank ``r``'s `RNGState`) and ``hf/`` (what an
+  HF export needs besides the weights: ``config.json``, the tokenizer's files and, for a
+  preset, ``keys.json`` mapping its names to HF's; see `dmuon.checkpoint._hf_export`).
+  The names come from `dmuon_recipe_contract`.
 * A checkpoint is written as ``DIR/.tmp_step_{step:08d}/`` and renamed by rank 0 after
   every rank has finished writing (a barrier). A process killed during a save therefore
   leaves a ``.tmp_`` folder, which is never a checkpoint and is removed by the next run;
@@ -21,23 +24,19 @@ draws the batches of steps ``k + 1, k + 2, ...`` exactly as an uninterrupted run
 from __future__ import annotations
 
 import os
-import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import dmuon_recipe_contract as contract
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-
-# dmuon's state-dict functions have the signatures of torch.distributed.checkpoint's
-# and are torch's on a model without dedicated parameters (the AdamW baseline).
-from dmuon import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 __all__ = [
     "TRAINER_STATE_FILE",
@@ -46,31 +45,28 @@ __all__ = [
     "find_checkpoints",
     "is_complete",
     "latest_checkpoint",
-    "load_training_state",
-    "load_weights",
+    "load_checkpoint",
     "read_trainer_state",
     "remove_incomplete",
     "require_checkpoint",
-    "restore_rng_state",
-    "rng_state",
     "rotate_checkpoints",
     "save_checkpoint",
 ]
 
-TRAINER_STATE_FILE = "trainer_state.pt"
-"""Rank 0's file in a checkpoint: step, scheduler state, elapsed time, batch geometry."""
+TRAINER_STATE_FILE = contract.TRAINER_STATE_FILE
+"""Rank 0's file in a checkpoint: the train state and the LR scheduler."""
 
-_NAME = re.compile(r"step_(\d{8})")
-_TMP_NAME = re.compile(r"\.tmp_(?:old_)?step_(\d{8})")  # a save cut short, or a replaced one
+_NAME = contract.CHECKPOINT_NAME_PATTERN
+_TMP_NAME = re.compile(
+    re.escape(contract.TEMPORARY_PREFIX) + r"(?:old_)?" + contract.CHECKPOINT_NAME_PATTERN.pattern
+)  # a save cut short, or a replaced one
 
 
 class CheckpointError(ValueError):
     """A checkpoint path given by the user is missing, incomplete or not a checkpoint."""
 
 
-def checkpoint_name(step: int) -> str:
-    """The folder name of the checkpoint after ``step``: ``step_`` and 8 digits."""
-    return f"step_{step:08d}"
+checkpoint_name = contract.checkpoint_name
 
 
 def _rng_file(rank: int) -> str:
@@ -93,7 +89,7 @@ def _quiet_single_process() -> Iterator[None]:
 def is_complete(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a complete checkpoint folder (DCP metadata and trainer state)."""
     path = Path(path)
-    return (path / ".metadata").is_file() and (path / TRAINER_STATE_FILE).is_file()
+    return (path / contract.DCP_METADATA_FILE).is_file() and (path / TRAINER_STATE_FILE).is_file()
 
 
 def find_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -180,62 +176,45 @@ def require_checkpoint(path: str | os.PathLike[str], flag: str) -> Path:
     raise CheckpointError(f"{path}: not a complete checkpoint: {hint}")
 
 
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's random number generator states (torch CPU, CUDA if used, Python)."""
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    """Set the generators from a `rng_state` result."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
 def save_checkpoint(
     directory: str | os.PathLike[str],
     step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any],
     *,
+    distributed: Mapping[str, Stateful],
+    rank_zero: Mapping[str, Stateful],
+    rng: Stateful,
     rank: int,
     barrier: Callable[[], None],
-    device: torch.device,
     keep: int = 0,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` under ``directory`` from every rank; return its path.
 
-    A collective: every rank calls it. The model and optimizer go through DCP (each rank
-    writes its part), rank 0 adds ``trainer_state`` and each rank its RNG states; then,
+    A collective: every rank calls it. ``distributed`` goes through DCP (each rank writes
+    its part), ``rank_zero`` into rank 0's ``trainer_state.pt``, ``rng`` into this rank's
+    ``rng_rank{r}.pt``; ``write_extra(folder)`` runs on rank 0 (the ``hf/`` files). Then,
     after a barrier, rank 0 renames the temporary folder, removes leftovers of
     interrupted saves and keeps the newest ``keep`` checkpoints.
     """
     directory = Path(directory)
     final = directory / checkpoint_name(step)
-    tmp = directory / f".tmp_{checkpoint_name(step)}"
+    tmp = directory / f"{contract.TEMPORARY_PREFIX}{checkpoint_name(step)}"
     if rank == 0:
         directory.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=_no_dist())
-    torch.save(rng_state(device), tmp / _rng_file(rank))
+        dcp.save(dict(distributed), checkpoint_id=tmp, no_dist=_no_dist())
+    torch.save(rng.state_dict(), tmp / _rng_file(rank))
     if rank == 0:
-        torch.save({"step": step, **trainer_state}, tmp / TRAINER_STATE_FILE)
+        if write_extra is not None:
+            write_extra(tmp)
+        torch.save({k: s.state_dict() for k, s in rank_zero.items()}, tmp / TRAINER_STATE_FILE)
     barrier()
     if rank == 0:
         if final.exists():  # a later step of an earlier run in the same folder
-            old = directory / f".tmp_old_{final.name}"
+            old = directory / f"{contract.TEMPORARY_PREFIX}old_{final.name}"
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
             tmp.rename(final)
@@ -248,43 +227,33 @@ def save_checkpoint(
     return final
 
 
-def load_training_state(
+def load_checkpoint(
     path: str | os.PathLike[str],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
     *,
-    rank: int,
-    device: torch.device,
+    distributed: Mapping[str, Stateful],
+    rank_zero: Mapping[str, Stateful] | None = None,
+    rng: Stateful | None = None,
+    rank: int = 0,
 ) -> None:
-    """Load model, optimizer and this rank's RNG states from checkpoint ``path``.
+    """Load checkpoint ``path`` into the given ``Stateful`` objects (a collective).
 
-    A collective: every rank calls it, on the freshly built model and optimizer (any
-    world size). RNG states are restored only when the checkpoint has a file for this
-    rank (it may have been written at a smaller world size). The trainer state is read
-    separately, with `read_trainer_state`.
+    Every rank calls it, on freshly built objects (any world size). Pass only
+    ``{"model": ...}`` as ``distributed`` to take the weights alone. RNG states are
+    restored only when the checkpoint has a file for this rank (it may have been written
+    at a smaller world size).
     """
     path = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+        dcp.load(dict(distributed), checkpoint_id=path, no_dist=_no_dist())
+    if rank_zero:
+        blob = read_trainer_state(path)
+        for key, state in rank_zero.items():
+            state.load_state_dict(blob[key])
     rng_path = path / _rng_file(rank)
-    if rng_path.is_file():
-        restore_rng_state(torch.load(rng_path, weights_only=True), device)
+    if rng is not None and rng_path.is_file():
+        rng.load_state_dict(torch.load(rng_path, weights_only=True))
 
 
 def read_trainer_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Rank 0's trainer state of checkpoint ``path`` (``step``, ``scheduler``, ...)."""
+    """Rank 0's file of checkpoint ``path``: ``{"train": {"step": ...}, "scheduler": ...}``."""
     return torch.load(Path(path) / TRAINER_STATE_FILE, weights_only=True)
-
-
-def load_weights(path: str | os.PathLike[str], model: nn.Module) -> None:
-    """Load only the model part of checkpoint ``path`` into ``model`` (a collective)."""
-    model_sd = get_model_state_dict(model)
-    state = {"model": model_sd}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=Path(path), no_dist=_no_dist())
-    set_model_state_dict(model, state["model"])

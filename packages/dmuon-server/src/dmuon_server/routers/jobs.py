@@ -22,7 +22,13 @@ from dmuon_server.jobfiles import (
     list_checkpoints,
     tail_lines,
 )
-from dmuon_server.launch import build_command, init_path, plan_view, review
+from dmuon_server.launch import (
+    build_command,
+    init_path,
+    plan_view,
+    review,
+    with_recipe_defaults,
+)
 from dmuon_server.paths import PublicPaths
 from dmuon_server.schemas import (
     TERMINAL_STATES,
@@ -104,11 +110,20 @@ def create_job(
     Refused with 422 when it cannot run: the checks and estimates of `:validate`.
     """
     accepted = review(settings, body)
+    body = with_recipe_defaults(body)  # the job record shows the values used
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     job_id = uuid.uuid4().hex
     job_dir = settings.job_dir(job_id)
     init = accepted.init_checkpoint
-    command = build_command(settings, body, job_dir, accepted.data_path, init)
+    command = build_command(
+        settings,
+        body,
+        job_dir,
+        accepted.data_path,
+        init,
+        model_path=accepted.model_path,
+        tokenizer_path=accepted.tokenizer_path,
+    )
     if init is not None:
         # The job gets its own (hard-linked) copy before it exists in the store, so the
         # source job may prune or delete its checkpoint while this one waits in the queue.

@@ -43,6 +43,12 @@ Presets (``PRESETS``; parameter counts for vocabulary 256, all parameters includ
 
 (``tests/core/test_model.py`` checks the table against ``ModelConfig.num_params``.)
 
+Every preset maps exactly onto a Hugging Face architecture, which is what ``--export-hf``
+writes: the dense presets onto ``LlamaForCausalLM`` (same rotary convention, RMSNorm,
+SwiGLU, no biases, untied head) and ``moe`` onto ``MixtralForCausalLM`` (softmax router,
+top-k renormalized, fused ``gate_up_proj``/``down_proj`` stacks). `hf_config` gives the
+config and `hf_key_map` the parameter names.
+
 Initialization is a pure function of the seed: the model is built on the meta device and
 then filled from a private ``torch.Generator``, so every rank that builds it with the same
 seed holds bit-identical weights before sharding, and the global RNG is left untouched.
@@ -53,6 +59,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import dmuon_recipe_contract as contract
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -67,6 +74,8 @@ __all__ = [
     "ModelConfig",
     "Transformer",
     "build_model",
+    "hf_config",
+    "hf_key_map",
     "lm_loss",
 ]
 
@@ -138,12 +147,20 @@ class ModelConfig:
 
 
 PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(n_layers=2, dim=64, n_heads=4, ffn_dim=192),
-    "small": ModelConfig(n_layers=4, dim=256, n_heads=4, ffn_dim=768),
-    "base": ModelConfig(n_layers=8, dim=512, n_heads=8, ffn_dim=1536),
-    "moe": ModelConfig(n_layers=2, dim=64, n_heads=4, ffn_dim=128, n_experts=4, top_k=2),
+    name: ModelConfig(
+        n_layers=shape.n_layers,
+        dim=shape.dim,
+        n_heads=shape.n_heads,
+        ffn_dim=shape.ffn_dim,
+        vocab_size=shape.vocab_size,
+        max_seq_len=shape.max_seq_len,
+        n_experts=shape.n_experts,
+        top_k=shape.top_k,
+    )
+    for name, shape in contract.PRESETS.items()
 }
-"""Named model sizes for ``--model``; see the module docstring for the table."""
+"""Named model sizes for ``--model`` (from `dmuon_recipe_contract.PRESETS`); see the module
+docstring for the table."""
 
 
 def _rope_tables(config: ModelConfig, device: torch.device) -> tuple[Tensor, Tensor]:
@@ -378,3 +395,65 @@ def build_model(
     model.to_empty(device=device)
     model.init_weights(seed)
     return model.to(dtype=dtype)
+
+
+def hf_config(config: ModelConfig) -> dict[str, object]:
+    """The Hugging Face ``config.json`` of the architecture a preset maps onto exactly.
+
+    Dense presets are ``LlamaForCausalLM``; a mixture of experts is ``MixtralForCausalLM``
+    (no sliding window, no router jitter). Together with `hf_key_map` it lets
+    ``transformers`` load a preset's weights and compute the same logits.
+    """
+    common: dict[str, object] = {
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.dim,
+        "intermediate_size": config.ffn_dim,
+        "num_hidden_layers": config.n_layers,
+        "num_attention_heads": config.n_heads,
+        "num_key_value_heads": config.n_heads,
+        "head_dim": config.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_seq_len,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+    if config.n_experts == 0:
+        return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **common,
+                "mlp_bias": False}  # fmt: skip
+    return {
+        "model_type": "mixtral",
+        "architectures": ["MixtralForCausalLM"],
+        **common,
+        "num_local_experts": config.n_experts,
+        "num_experts_per_tok": config.top_k,
+        "sliding_window": None,
+        "router_jitter_noise": 0.0,
+        "output_router_logits": False,
+    }
+
+
+def hf_key_map(config: ModelConfig) -> dict[str, str]:
+    """``{preset parameter name: Hugging Face name}`` for every parameter of a preset."""
+    keys = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+            "lm_head.weight": "lm_head.weight"}  # fmt: skip
+    for i in range(config.n_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        keys[ours + "attn_norm.weight"] = theirs + "input_layernorm.weight"
+        keys[ours + "mlp_norm.weight"] = theirs + "post_attention_layernorm.weight"
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            keys[f"{ours}attn.{proj}.weight"] = f"{theirs}self_attn.{proj}.weight"
+        if config.n_experts == 0:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                keys[f"{ours}mlp.{proj}.weight"] = f"{theirs}mlp.{proj}.weight"
+        else:
+            keys[ours + "mlp.gate.weight"] = theirs + "mlp.gate.weight"
+            for stack in ("gate_up_proj", "down_proj"):
+                keys[f"{ours}mlp.experts.{stack}"] = f"{theirs}mlp.experts.{stack}"
+    return keys
