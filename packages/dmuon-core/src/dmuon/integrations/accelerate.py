@@ -129,9 +129,10 @@ class _Hooks:
         """Keep Accelerate's own state saving away from the DMuon models and optimizers."""
         acc = self.accelerator
         models, optimizers = acc._models, acc._optimizers
-        mine_models = {id(e.model) for e in self.prepared}
+        # Accelerate lists a model as given or as wrapped, depending on the wrapper.
+        mine_models = {id(_dedicated_model(e.model)) for e in self.prepared}
         mine_optimizers = {id(e.optimizer) for e in self.prepared}
-        acc._models = [m for m in models if id(m) not in mine_models]
+        acc._models = [m for m in models if id(_dedicated_model(m)) not in mine_models]
         acc._optimizers = [o for o in optimizers if id(o) not in mine_optimizers]
         try:
             yield
