@@ -55,6 +55,28 @@ _SAFE_WEIGHTS = "model.safetensors"
 _SAFE_WEIGHTS_INDEX = "model.safetensors.index.json"
 
 
+#: The ``Trainer`` methods DMuonTrainer replaces; a transformers release without them
+#: prepares or checkpoints the model in another way, which DMuonTrainer would not follow.
+_REPLACED = (
+    "_prepare_for_training",
+    "_clip_grad_norm",
+    "_get_grad_norm",
+    "_save_optimizer_and_scheduler",
+    "_load_from_checkpoint",
+    "_load_optimizer_and_scheduler",
+    "_load_best_model",
+)
+_missing = [name for name in _REPLACED if not hasattr(Trainer, name)]
+if _missing:
+    import transformers
+
+    raise ImportError(
+        f"DMuonTrainer needs a transformers whose Trainer has {_missing} (transformers "
+        f"5.24 has); this is transformers {transformers.__version__}: pip install -U "
+        "'transformers>=5.24'"
+    )
+
+
 def muon_arguments(args: TrainingArguments) -> dict[str, Any]:
     """The `dmuon.Muon` arguments ``DMuonTrainer`` takes from ``TrainingArguments``.
 
