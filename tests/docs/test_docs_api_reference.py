@@ -46,7 +46,14 @@ def test_public_name_documented(name: str, lang: str, site: Path) -> None:
 
 
 #: The packages whose ``__all__`` is the public API, each one a section of the API page.
-PACKAGES = ("dmuon", "dmuon.optim", "dmuon.checkpoint", "dmuon.train")
+PACKAGES = (
+    "dmuon",
+    "dmuon.optim",
+    "dmuon.checkpoint",
+    "dmuon.train",
+    "dmuon.integrations.transformers",
+    "dmuon.integrations.accelerate",
+)
 
 
 def _exported() -> set[str]:
