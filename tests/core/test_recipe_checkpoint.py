@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from dmuon.checkpoint import write_manifest
 from dmuon.train import TrainConfig, Trainer, parse_args, run
 from dmuon.train import checkpointing as ckpt
 from dmuon.train.__main__ import main
@@ -53,6 +54,7 @@ def _fake_checkpoint(path: Path, complete: bool = True) -> Path:
     (path / ".metadata").write_bytes(b"x")
     if complete:
         (path / ckpt.TRAINER_STATE_FILE).write_bytes(b"x")
+        write_manifest(path)
     return path
 
 

@@ -11,7 +11,7 @@ both sides must agree on is defined here once:
 * checkpoint folder naming (`checkpoint_name`, `CHECKPOINT_NAME_PATTERN`, ...) and the HF
   export layout (`HF_CONFIG_FILE`, ...);
 * the data formats `--data` reads (`RECORD_SUFFIXES`, `TOKEN_SUFFIX`, `sidecar_path`, ...);
-* the exit codes (`EXIT_OK`, `EXIT_USAGE`, `EXIT_DIVERGED`).
+* the exit codes (`EXIT_OK`, `EXIT_USAGE`, `EXIT_DIVERGED`, `EXIT_CHECKPOINT_WRITE`).
 
 Only the standard library is imported, so ``import dmuon_recipe_contract`` costs a few
 milliseconds. ``tests/server/test_server_recipe_contract.py`` holds the recipe, the server
@@ -27,11 +27,14 @@ from typing import Any, Literal
 
 __all__ = [
     "ADAMW_BASELINE_LR",
+    "CHECKPOINT_FAILED_EVENT",
     "CHECKPOINT_NAME_PATTERN",
     "CHECKPOINT_PREFIX",
+    "CHECKPOINT_SKIPPED_EVENT",
     "DCP_METADATA_FILE",
     "DEFAULT_TEXT_FIELD",
     "EVENT_KEY",
+    "EXIT_CHECKPOINT_WRITE",
     "EXIT_DIVERGED",
     "EXIT_OK",
     "EXIT_USAGE",
@@ -168,6 +171,12 @@ EVENT_KEY = "event"
 """Lines with this key are events, not metric points."""
 STOPPED_EVENT = "stopped"
 """``{"event": "stopped", "step": k, "signal": ..., "checkpoint": ...}`` ends a stopped run."""
+CHECKPOINT_SKIPPED_EVENT = "checkpoint_skipped"
+"""``{"event": "checkpoint_skipped", "checkpoint": ..., "problems": [...]}``: ``--resume auto``
+passed over a damaged checkpoint."""
+CHECKPOINT_FAILED_EVENT = "checkpoint_failed"
+"""``{"event": "checkpoint_failed", "step": k, "message": ...}``: a checkpoint could not be
+written and ``--on-checkpoint-error warn`` kept the run going."""
 
 
 # ----- checkpoints -----------------------------------------------------------------------
@@ -261,6 +270,8 @@ EXIT_USAGE = 2
 """Bad flags or inputs (argparse's own status too)."""
 EXIT_DIVERGED = 3
 """A NaN or infinite loss or gradient norm."""
+EXIT_CHECKPOINT_WRITE = 4
+"""A checkpoint could not be written (a full disk) under ``--on-checkpoint-error stop``."""
 
 
 # ----- flags -----------------------------------------------------------------------------
@@ -362,6 +373,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("hsdp", "int", 1, "replicate degree of an HSDP (replicate, shard) mesh: R replicas "
          "of world_size / R shards each (usually R = number of nodes); 1 = a 1-D mesh",
          _OPT, minimum=1, metavar="R"),
+    Flag("reduce_dtype", "choice", "float32", "dtype dmuon sums the dedicated matrices' "
+         "gradients in on their way to the owner; bfloat16 halves the reduce's bytes "
+         "(accumulation, masters and momentum stay float32)", _OPT,
+         choices=("float32", "bfloat16")),
+    Flag("broadcast_dtype", "choice", "auto", "dtype dmuon broadcasts the dedicated matrices "
+         "in; auto = the compute dtype (--param-dtype); bfloat16 halves the broadcasts' bytes",
+         _OPT, choices=("auto", "float32", "bfloat16")),
     Flag("ns_dtype", "choice", "auto", "Newton-Schulz dtype of dmuon; auto = bfloat16 on "
          "CUDA and on CPUs that multiply it natively (AMX-BF16, AVX512-BF16), float32 "
          "elsewhere", _OPT, choices=("auto", "float32", "bfloat16")),
@@ -394,6 +412,10 @@ FLAGS: tuple[Flag, ...] = (
          "--checkpoint-dir); 0 = only at the end", _CKPT, minimum=0, metavar="N"),
     Flag("keep_checkpoints", "int", 3, "keep the newest K complete checkpoints in "
          "--checkpoint-dir; 0 keeps all", _CKPT, minimum=0, metavar="K"),
+    Flag("on_checkpoint_error", "choice", "stop", "a checkpoint that cannot be written (a "
+         "full disk): stop = end the run with an error naming the folder and the space it "
+         "needs; warn = say so each time and keep training; the earlier checkpoints stay "
+         "intact either way", _CKPT, choices=("stop", "warn")),
     Flag("resume", "checkpoint", "auto", "auto = continue from the latest checkpoint in "
          "--checkpoint-dir if there is one; never = start fresh; PATH = continue from that "
          "checkpoint", _CKPT, choices=("auto", "never"), metavar="{auto,never,PATH}"),

@@ -22,6 +22,7 @@ __all__ = [
     "MANIFEST",
     "CheckpointDamagedError",
     "check",
+    "fsync_dir",
     "fsync_tree",
     "verify",
     "write_manifest",
@@ -50,7 +51,8 @@ def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename or a new file in it) to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -65,7 +67,7 @@ def fsync_tree(folder: str | os.PathLike[str]) -> None:
         with path.open("rb") as f:
             os.fsync(f.fileno())
     for directory in sorted({p.parent for p in _files(root)} | {root}):
-        _fsync_dir(directory)
+        fsync_dir(directory)
 
 
 def write_manifest(folder: str | os.PathLike[str]) -> Path:
@@ -89,7 +91,7 @@ def write_manifest(folder: str | os.PathLike[str]) -> Path:
         f.flush()
         os.fsync(f.fileno())
     partial.replace(manifest)
-    _fsync_dir(root)
+    fsync_dir(root)
     return manifest
 
 

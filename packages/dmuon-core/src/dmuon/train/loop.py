@@ -84,6 +84,10 @@ KNOWN_PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "B200": 225
                                        "A100": 312.0}  # fmt: skip
 
 
+#: The recipe's dtype names (``auto`` is absent: the library's default).
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
 class TrainingDiverged(RuntimeError):
     """The loss or the gradient norm became NaN or infinite; training stopped."""
 
@@ -233,6 +237,8 @@ class Trainer:
         self.stop = StopRequest()
         self.start_step = 0
         self.resumed_from: Path | None = None
+        #: Events for the metrics file noticed before it is open (a damaged checkpoint).
+        self.notes: list[dict[str, Any]] = []
         self._resumed_geometry: tuple[Any, Any] = (None, None)
         self._threads_before = torch.get_num_threads()
         self._owns_process_group = False
@@ -292,6 +298,8 @@ class Trainer:
             param_dtype=param_dtype,
             activation_checkpointing=config.activation_checkpointing,
             compile=config.compile,
+            reduce_dtype=_DTYPES.get(config.reduce_dtype),
+            broadcast_dtype=_DTYPES.get(config.broadcast_dtype),
         )
         # One process has no FSDP2 to cast with: bfloat16 compute is torch.autocast.
         self._autocast = param_dtype is not None and self.mesh is None
@@ -362,11 +370,7 @@ class Trainer:
         if cfg.resume == "never":
             target = None
         elif cfg.resume == "auto":
-            target = (
-                checkpointing.latest_checkpoint(cfg.checkpoint_dir)
-                if cfg.checkpoint_dir is not None
-                else None
-            )
+            target = self._latest_verified() if cfg.checkpoint_dir is not None else None
         else:
             target = checkpointing.require_checkpoint(cfg.resume, "--resume")
         if target is not None and cfg.init_from is not None:
@@ -382,6 +386,29 @@ class Trainer:
             checkpointing.load_checkpoint(
                 cfg.init_from, distributed={"model": ModelState(self.model)}
             )
+
+    def _latest_verified(self) -> Path | None:
+        """The newest checkpoint whose files match its manifest, found on rank 0 (it reads
+        every file once) and told to the other ranks; damaged ones are reported."""
+        assert self.config.checkpoint_dir is not None
+        found: list[Path | None] = [None]
+        if self.rank == 0:
+
+            def damaged(path: Path, problems: list[str]) -> None:
+                text = f"skipping damaged checkpoint {path}: " + "; ".join(problems)
+                print(f"dmuon-train: warning: {text}", file=sys.stderr, flush=True)
+                self.notes.append(
+                    {
+                        contract.EVENT_KEY: contract.CHECKPOINT_SKIPPED_EVENT,
+                        "checkpoint": str(path),
+                        "problems": problems,
+                    }
+                )
+
+            found[0] = checkpointing.latest_checkpoint(self.config.checkpoint_dir, damaged)
+        if self.distributed:
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
 
     def _resume(self, path: Path) -> None:
         cfg = self.config
@@ -605,6 +632,8 @@ class Trainer:
         if is_main and cfg.metrics_file is not None and self.start_step > 0:
             truncate_after(cfg.metrics_file, self.start_step)
         writer = MetricsWriter(cfg.metrics_file if is_main else None)
+        for note in self.notes:
+            writer.write(note)
         bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]
         progress = ProgressReporter(
             cfg.steps,
@@ -674,7 +703,19 @@ class Trainer:
                     if cfg.checkpoint_dir is not None and (
                         periodic or stopping or step == cfg.steps
                     ):
-                        checkpoint = self.save_checkpoint(step, elapsed())
+                        try:
+                            checkpoint = self.save_checkpoint(step, elapsed())
+                        except checkpointing.CheckpointWriteError as error:
+                            writer.write(
+                                {
+                                    contract.EVENT_KEY: contract.CHECKPOINT_FAILED_EVENT,
+                                    "step": step,
+                                    "message": error.strerror,
+                                }
+                            )
+                            if cfg.on_checkpoint_error != "warn":
+                                raise
+                            progress.message(f"warning: {error.strerror}; training goes on")
                     if stopping:
                         writer.write(
                             {

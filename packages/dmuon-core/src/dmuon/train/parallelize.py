@@ -157,13 +157,16 @@ def parallelize(
     param_dtype: torch.dtype | None,
     activation_checkpointing: bool,
     compile: bool,
+    reduce_dtype: torch.dtype | None = None,
+    broadcast_dtype: torch.dtype | None = None,
 ) -> dict[str, int]:
     """Apply compile, activation checkpointing, dedication and FSDP2 to ``model`` in place.
 
     ``param_dtype`` (bfloat16 or None) is FSDP2's ``MixedPrecisionPolicy`` with float32
     gradient reduction and dedication's forward dtype; it needs a mesh (one process uses
-    ``torch.autocast`` instead, see `dmuon.train.loop`). Returns `dedicate_params`'s
-    owners (empty for the AdamW baseline).
+    ``torch.autocast`` instead, see `dmuon.train.loop`). ``reduce_dtype`` and
+    ``broadcast_dtype`` are dedication's communication dtypes (None: float32 and the
+    compute dtype). Returns `dedicate_params`'s owners (empty for the AdamW baseline).
     """
     if compile:
         apply_compile(layers)
@@ -180,6 +183,8 @@ def parallelize(
             reshard_after_forward=z3,
             hook_boundary_predicate=lambda module: id(module) in boundaries,
             param_dtype=distributed_dtype,
+            reduce_dtype=reduce_dtype,
+            broadcast_dtype=broadcast_dtype,
         )
     if mesh is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
