@@ -3,7 +3,7 @@
 Contenders train the same model on the same batches on N ranks (gloo on CPU, NCCL with
 ``--cuda``), interleaved round-robin in one process group so drift hits them alike:
 FSDP2 + AdamW at Z2 and Z3 (FSDP2 ``reshard_after_forward`` False/True), DMuon Z2 and Z3,
-naive FSDP2 + Muon (`dmuon.optim.naive.NaiveMuon`, Z3), and the two published peers on
+naive FSDP2 + Muon (`naive_muon.NaiveMuon`, Z3), and the two published peers on
 FSDP2 (Z3), driven through their public API and never patched: ``muon-fsdp2`` 0.3.0 and
 ``dtensor-muon`` 0.1.0 (``pip install -e 'packages/dmuon-core[bench]'``). A peer that cannot
 run in a configuration is recorded with the exception it raised. Traffic is counted by
@@ -109,11 +109,11 @@ def _free_port() -> int:
 
 
 def _build(contender: str, args: argparse.Namespace, device: str) -> tuple[Any, Any, int]:
+    from naive_muon import NaiveMuon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.optim.naive import NaiveMuon
     from dmuon.train import build_model
 
     mesh = init_device_mesh(device, (dist.get_world_size(),))

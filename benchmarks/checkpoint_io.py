@@ -272,7 +272,7 @@ def _export_seconds(checkpoint: Path, output: Path) -> float:
 
 
 def _export_in_process(checkpoint: Path, output: Path) -> float:
-    from dmuon.checkpoint.export import export_weights
+    from dmuon.checkpoint._export import export_weights
 
     start = time.perf_counter()
     export_weights(checkpoint, output)
@@ -329,7 +329,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "export_in_process_time": dmuon_row["median_export_in_process_s"]
         / adamw_row["median_export_in_process_s"],
     }
-    from dmuon.train.model import PRESETS
+    from dmuon.train.models.preset import PRESETS
 
     return {
         "model": args.model,
@@ -381,7 +381,7 @@ def format_table(result: dict[str, Any]) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line flags."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="base", help="a preset of dmuon.train.model")
+    parser.add_argument("--model", default="base", help="a preset of dmuon.train.models.preset")
     parser.add_argument("--nproc", type=positive_int, default=2)
     parser.add_argument("--seq-len", type=positive_int, default=64)
     parser.add_argument("--micro-batch", type=positive_int, default=2)

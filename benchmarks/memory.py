@@ -11,7 +11,7 @@ objects, the allocator's slack). On CUDA, ``torch.cuda.max_memory_allocated`` du
 second step minus ``memory_allocated`` before the build gives the same quantity.
 
 Dedicated bytes after forward: the storage of every packed buffer of DMuon's ownership
-runtime (``PackedGroup.buffer``) that is allocated when the forward has returned and the
+runtime (``FlatBuffer.buffer``) that is allocated when the forward has returned and the
 backward has not begun, next to the formula of docs/z2-vs-z3.md: Z2 keeps every full
 matrix, P_M x b bytes (b: bytes per element of the broadcast dtype); Z3 frees each hook
 boundary's buffers when its forward ends, so 0.
@@ -99,12 +99,12 @@ def _is_cpu_memory(event: Any) -> bool:
 
 def dedicated_bytes_held(model: Any) -> int | None:
     """Bytes of DMuon's packed buffers that hold storage now (``None``: not a DMuon model)."""
-    from dmuon.ownership.state import get_dedication
+    from dmuon._ownership.state import get_dedication
 
     state = get_dedication(model)
     if state is None:
         return None
-    return sum(group.buffer.untyped_storage().nbytes() for group in state.runtime.groups())
+    return sum(group.buffer.untyped_storage().nbytes() for group in state.runtime.buffers())
 
 
 def dedicated_bytes_formula(contender: str, p_m: int, element_size: int) -> int | None:

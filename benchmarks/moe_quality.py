@@ -31,8 +31,9 @@ the comparison.
 
 Writes ``benchmarks/results/moe_quality.json`` (settings, the sweep, the best learning
 rate of each contender, its training and validation curves, the machine) and
-``benchmarks/results/moe_quality.png`` (the curves; needs matplotlib, part of the
-``bench`` extra). About 10 minutes on 2 CPU cores with the defaults::
+``benchmarks/results/moe_quality.png`` with its Chinese twin ``moe_quality.zh.png`` (the
+curves, drawn by ``benchmarks/plots.py``; needs matplotlib, part of the ``bench`` extra).
+About 10 minutes on 2 CPU cores with the defaults::
 
     python benchmarks/moe_quality.py
 """
@@ -56,9 +57,10 @@ from torch import nn
 import dmuon
 from dmuon.train.data import Corpus, GlobalBatchSampler, load_corpus, validation_windows
 from dmuon.train.loop import lr_lambda
-from dmuon.train.model import PRESETS, build_model, lm_loss
+from dmuon.train.models.preset import PRESETS, build_model, lm_loss
 
 sys.path.insert(0, str(Path(__file__).parent))
+import plots  # the figures: benchmarks/plots.py
 from cli_types import positive_int
 from machine import machine_info
 
@@ -193,37 +195,6 @@ def train(
     }
 
 
-def plot(result: dict[str, Any], path: Path) -> None:
-    """Training loss (moving average over 10 steps) and validation loss of the best runs."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
-    for contender, best in result["best"].items():
-        run = result["runs"][contender][str(best["lr"])]
-        losses = run["train_loss"]
-        window = 10
-        smooth = [
-            statistics.fmean(losses[max(0, i - window + 1) : i + 1]) for i in range(len(losses))
-        ]
-        label = f"{contender} ({SWEEPS[contender][0].replace('_', ' ')} {best['lr']:g})"
-        left.plot(range(1, len(losses) + 1), smooth, label=label)
-        steps, values = zip(*run["val_loss"], strict=True)
-        right.plot(steps, values, marker="o", markersize=3, label=label)
-    left.set(xlabel="step", ylabel="training loss (mean of 10 steps)", title="Training loss")
-    right.set(xlabel="step", ylabel="validation loss", title="Validation loss")
-    low = min(best["final_val_loss"] for best in result["best"].values())
-    for axis in (left, right):
-        axis.set_ylim(low - 0.2, low + 1.6)
-        axis.grid(alpha=0.3)
-        axis.legend()
-    fig.suptitle(f"moe preset, {result['settings']['steps']} steps, best of 3 learning rates each")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=Settings.steps)
@@ -271,13 +242,14 @@ def main() -> None:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, args.png)
+    for lang, path in plots.moe_quality_paths(args.png).items():
+        plots.moe_quality(result, path, lang)  # one figure per language of the docs
     for contender, entry in best.items():
         print(
             f"best {contender:20s} {entry['swept']}={entry['lr']:g} "
             f"val={entry['final_val_loss']:.4f} ({entry['val_minus_adamw']:+.4f} vs adamw)"
         )
-    print(f"wrote {args.json} and {args.png} ({result['seconds']:.0f} s)")
+    print(f"wrote {args.json} and the figures {args.png} ({result['seconds']:.0f} s)")
 
 
 if __name__ == "__main__":

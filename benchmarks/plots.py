@@ -5,10 +5,17 @@
 * ``loss-curves.png``: validation loss over steps of every run of the learning-rate sweeps
   (``results/quality.json``);
 * ``scaling.png``: step time and counted traffic per rank as the model and the ranks grow
-  (``results/scaling.json``).
+  (``results/scaling.json``);
+* ``moe_quality.png``: training and validation loss of the ``moe`` preset's best runs
+  (``results/moe_quality.json``; ``benchmarks/moe_quality.py`` draws it too).
 
-Written to ``docs/assets/benchmarks/`` for the results page, with a copy in
-``docs/zh/assets/benchmarks/`` for its Chinese mirror. A missing result is skipped.
+Each figure is drawn once per language of the docs, with its titles, axes and legends in
+that language: ``docs/assets/benchmarks/`` for the English pages and
+``docs/zh/assets/benchmarks/`` for the Chinese ones (``moe_quality.png`` and
+``moe_quality.zh.png`` in ``results/``, where the docs build picks them up). Each PNG
+carries its texts in its ``Description`` metadata, which the docs tests read. The Chinese
+figures need a CJK font (Debian: ``apt-get install fonts-noto-cjk``). A missing result is
+skipped.
 
     python benchmarks/plots.py
 """
@@ -17,25 +24,58 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
+import statistics
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
-OUT = Path(__file__).resolve().parents[1] / "docs" / "assets" / "benchmarks"
-OUT_ZH = Path(__file__).resolve().parents[1] / "docs" / "zh" / "assets" / "benchmarks"
-"""The Chinese pages resolve images under their own folder, so they get a copy."""
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+OUT = {"en": DOCS / "assets" / "benchmarks", "zh": DOCS / "zh" / "assets" / "benchmarks"}
+LANGS = tuple(OUT)
+#: Fonts tried for Chinese text; matplotlib falls back glyph by glyph along the list.
+CJK_FONTS = ("Noto Sans CJK SC", "Source Han Sans SC", "WenQuanYi Micro Hei")
 
-
-def _pyplot() -> Any:
-    """matplotlib's pyplot on the file backend (imported when a plot is drawn, so that
-    ``--help`` works without the ``bench`` extra)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+TEXT: dict[str, dict[str, str]] = {
+    "en": {
+        "accumulation": "accumulation {accum}",
+        "ratio_axis": "step time / FSDP2 + AdamW (same mode)",
+        "ratio_title": "{model}, N={nproc}, {device} (medians, one run)",
+        "step_axis": "optimizer step",
+        "val_axis": "validation loss",
+        "best": " (best)",
+        "run": "{optimizer} lr {lr:g}",
+        "curves_title": "{model}, same seed and tokens; dashed: AdamW's best final loss",
+        "time_axis": "median step time (s)",
+        "moved_axis": "elements moved per rank per step (M, over (N-1)/N)",
+        "scaling_title": "scaling, accumulation 1 (configurations that ran)",
+        "moe_run": "{contender} ({swept} {lr:g})",
+        "moe_train_axis": "training loss (mean of 10 steps)",
+        "moe_train_title": "Training loss",
+        "moe_val_title": "Validation loss",
+        "moe_title": "moe preset, {steps} steps, best of 3 learning rates each",
+        "step": "step",
+    },
+    "zh": {
+        "accumulation": "梯度累积 {accum}",
+        "ratio_axis": "步时 / FSDP2 + AdamW（同一模式）",
+        "ratio_title": "{model}，N={nproc}，{device}（中位数，一次运行）",
+        "step_axis": "优化器步",
+        "val_axis": "验证损失",
+        "best": "（最佳）",
+        "run": "{optimizer} 学习率 {lr:g}",
+        "curves_title": "{model}，相同的随机种子和词元；虚线：AdamW 最佳的最终损失",
+        "time_axis": "步时中位数（秒）",
+        "moved_axis": "每个 rank 每步传输的元素数（百万，按 (N-1)/N 计）",
+        "scaling_title": "扩展性，梯度累积 1（已运行的配置）",
+        "moe_run": "{contender}（{swept} {lr:g}）",
+        "moe_train_axis": "训练损失（10 步平均）",
+        "moe_train_title": "训练损失",
+        "moe_val_title": "验证损失",
+        "moe_title": "moe 预设，{steps} 步，各取 3 个学习率中最好的",
+        "step": "步",
+    },
+}
 
 
 def _load(name: str) -> Any | None:
@@ -43,9 +83,43 @@ def _load(name: str) -> Any | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def step_ratios(result: dict[str, Any], path: Path) -> None:
+def _pyplot(lang: str) -> Any:
+    """matplotlib's pyplot, set up to draw ``lang`` text (a CJK font for Chinese)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import font_manager
+    from matplotlib import pyplot as plt
+
+    fonts = ["DejaVu Sans"]
+    if lang == "zh":
+        installed = {f.name for f in font_manager.fontManager.ttflist}
+        cjk = [name for name in CJK_FONTS if name in installed]
+        if not cjk:
+            raise SystemExit(
+                f"no CJK font for the Chinese figures (tried {', '.join(CJK_FONTS)}); "
+                "install one, e.g. apt-get install fonts-noto-cjk"
+            )
+        fonts += cjk[:1]
+    plt.rcParams["font.family"] = fonts  # a list: glyphs missing from one come from the next
+    return plt
+
+
+def _save(fig: Any, path: Path, dpi: int) -> None:
+    """Write ``fig`` with every text it shows in the PNG's ``Description`` metadata."""
+    texts = [
+        text.get_text()
+        for text in fig.findobj(lambda artist: hasattr(artist, "get_text"))
+        if text.get_text().strip()
+    ]
+    description = " | ".join(dict.fromkeys(texts))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, metadata={"Description": description})
+
+
+def step_ratios(result: dict[str, Any], path: Path, lang: str) -> None:
     """Grouped bars: each contender's step time over AdamW's (same mode), per accumulation."""
-    plt = _pyplot()
+    t, plt = TEXT[lang], _pyplot(lang)
     accums = sorted({r["accum"] for r in result["rows"]})
     names = [c for c in result["contenders"] if any(r["contender"] == c for r in result["rows"])]
     width = 0.8 / max(1, len(names))
@@ -58,18 +132,18 @@ def step_ratios(result: dict[str, Any], path: Path) -> None:
         ax.bar(xs, ratios, width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")  # the slowest peer is tens of times AdamW's step
-    ax.set_xticks(range(len(accums)), [f"accumulation {a}" for a in accums])
-    ax.set_ylabel("step time / FSDP2 + AdamW (same mode)")
-    ax.set_title(f"{result['model']}, N={result['nproc']}, {result['device']} (medians, one run)")
+    ax.set_xticks(range(len(accums)), [t["accumulation"].format(accum=a) for a in accums])
+    ax.set_ylabel(t["ratio_axis"])
+    ax.set_title(t["ratio_title"].format(**result))
     ax.legend(fontsize=8, ncols=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, 100)
     plt.close(fig)
 
 
-def loss_curves(result: dict[str, Any], path: Path) -> None:
+def loss_curves(result: dict[str, Any], path: Path, lang: str) -> None:
     """Validation loss against step for every (optimizer, rate); the best runs drawn bold."""
-    plt = _pyplot()
+    t, plt = TEXT[lang], _pyplot(lang)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     colors = {"dmuon": "tab:blue", "adamw": "tab:orange"}
     for run in result["runs"]:
@@ -81,23 +155,23 @@ def loss_curves(result: dict[str, Any], path: Path) -> None:
             color=colors[run["optimizer"]],
             linewidth=2.2 if best else 0.9,
             alpha=1.0 if best else 0.5,
-            label=f"{run['optimizer']} lr {run['lr']:g}" + (" (best)" if best else ""),
+            label=t["run"].format(**run) + (t["best"] if best else ""),
         )
     target = result["best_final_val_loss"]["adamw"]
     ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
     ax.set_ylim(top=min(max(r["curve"][1][1] for r in result["runs"]), 10))
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("validation loss")
-    ax.set_title(f"{result['model']}, same seed and tokens; dashed: AdamW's best final loss")
+    ax.set_xlabel(t["step_axis"])
+    ax.set_ylabel(t["val_axis"])
+    ax.set_title(t["curves_title"].format(**result))
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, 100)
     plt.close(fig)
 
 
-def scaling(result: dict[str, Any], path: Path) -> None:
+def scaling(result: dict[str, Any], path: Path, lang: str) -> None:
     """Two panels: step time per preset and rank count; elements moved per rank."""
-    plt = _pyplot()
+    t, plt = TEXT[lang], _pyplot(lang)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     labels = [f"{r['model']}\nN={r['nproc']}" for r in result["runs"]]
     contenders = sorted({row["contender"] for r in result["runs"] for row in r["rows"]})
@@ -109,35 +183,71 @@ def scaling(result: dict[str, Any], path: Path) -> None:
             moved.append(sum(row["elements_per_rank"].values()) / 1e6 if row else float("nan"))
         left.plot(labels, times, marker="o", label=name)
         right.plot(labels, moved, marker="o", label=name)
-    left.set_ylabel("median step time (s)")
+    left.set_ylabel(t["time_axis"])
     left.set_yscale("log")
-    right.set_ylabel("elements moved per rank per step (M, over (N-1)/N)")
+    right.set_ylabel(t["moved_axis"])
     left.legend(fontsize=8)
-    fig.suptitle("scaling, accumulation 1 (configurations that ran)")
+    fig.suptitle(t["scaling_title"])
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    _save(fig, path, 100)
     plt.close(fig)
 
 
+def moe_quality(result: dict[str, Any], path: Path, lang: str) -> None:
+    """Training loss (moving average over 10 steps) and validation loss of the best runs."""
+    t, plt = TEXT[lang], _pyplot(lang)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for contender, best in result["best"].items():
+        run = result["runs"][contender][str(best["lr"])]
+        losses = run["train_loss"]
+        window = 10
+        smooth = [
+            statistics.fmean(losses[max(0, i - window + 1) : i + 1]) for i in range(len(losses))
+        ]
+        swept = best["swept"].replace("_", " ")
+        label = t["moe_run"].format(contender=contender, swept=swept, lr=best["lr"])
+        left.plot(range(1, len(losses) + 1), smooth, label=label)
+        steps, values = zip(*run["val_loss"], strict=True)
+        right.plot(steps, values, marker="o", markersize=3, label=label)
+    left.set(xlabel=t["step"], ylabel=t["moe_train_axis"], title=t["moe_train_title"])
+    right.set(xlabel=t["step"], ylabel=t["val_axis"], title=t["moe_val_title"])
+    low = min(best["final_val_loss"] for best in result["best"].values())
+    for axis in (left, right):
+        axis.set_ylim(low - 0.2, low + 1.6)
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.suptitle(t["moe_title"].format(steps=result["settings"]["steps"]))
+    _save(fig, path, 110)
+    plt.close(fig)
+
+
+def moe_quality_paths(png: Path) -> dict[str, Path]:
+    """Where ``moe_quality`` writes each language: ``X.png`` and ``X.zh.png``."""
+    return {lang: png if lang == "en" else png.with_suffix(f".{lang}.png") for lang in LANGS}
+
+
+Draw = Callable[[dict[str, Any], Path, str], None]
+
+
 def main() -> None:
-    """Draw every plot whose results exist."""
+    """Draw every plot whose results exist, in every language."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--distributed", default="small-n2", help="results/<name>.json")
     args = parser.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
-    OUT_ZH.mkdir(parents=True, exist_ok=True)
-    for name, draw, filename in (
-        (args.distributed, step_ratios, "step-ratios.png"),
-        ("quality", loss_curves, "loss-curves.png"),
-        ("scaling", scaling, "scaling.png"),
-    ):
+    figures: list[tuple[str, Draw, dict[str, Path]]] = [
+        (args.distributed, step_ratios, {lang: OUT[lang] / "step-ratios.png" for lang in LANGS}),
+        ("quality", loss_curves, {lang: OUT[lang] / "loss-curves.png" for lang in LANGS}),
+        ("scaling", scaling, {lang: OUT[lang] / "scaling.png" for lang in LANGS}),
+        ("moe_quality", moe_quality, moe_quality_paths(RESULTS / "moe_quality.png")),
+    ]
+    for name, draw, paths in figures:
         result = _load(name)
         if result is None:
-            print(f"skipped {filename}: no results/{name}.json")
+            print(f"skipped {name}: no results/{name}.json")
             continue
-        draw(result, OUT / filename)
-        shutil.copyfile(OUT / filename, OUT_ZH / filename)
-        print(f"wrote {OUT / filename} and its copy in {OUT_ZH}")
+        for lang, path in paths.items():
+            draw(result, path, lang)
+            print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -54,7 +54,7 @@ from machine import machine_info
 from traffic import TrafficCounter
 
 import dmuon
-from dmuon.optim.orthogonalize import NewtonSchulzWorkspace
+from dmuon.optim._orthogonalize import NewtonSchulzWorkspace
 from dmuon.train import lm_loss
 
 CONTENDERS = ("adamw-z2", "adamw-z3", "dmuon-z2", "dmuon-z3")

@@ -16,8 +16,8 @@ A page asks for a table with a marker on a line of its own:
     ``benchmarks/results/moe_quality.json``: the ``moe`` preset with Muon on the expert
     stacks, with the experts on AdamW and with AdamW only; the sweep and the best rates.
 ``<!-- benchmark: figure NAME -->``
-    ``benchmarks/results/NAME.png``, which this hook copies into the site (under
-    ``assets/benchmarks/`` of each language).
+    ``benchmarks/results/NAME.png`` (English) or ``NAME.zh.png`` (Chinese), which this hook
+    copies into the site (under ``assets/benchmarks/`` of each language).
 ``<!-- benchmark: quality -->``
     ``benchmarks/results/quality.json``: final validation loss per optimizer and rate, and
     the steps DMuon needs to reach AdamW's best.
@@ -36,7 +36,14 @@ A page asks for a table with a marker on a line of its own:
     The same file: inside one ``optimizer.step()`` on rank 0 under torch.profiler, the
     allocations and the share of operator time in matrix products and in copies.
 ``<!-- benchmark: machine NAME -->``
-    One line: the machine, torch version and load average a result was taken under.
+    One line: the machine (with its vector unit and whether it multiplies bfloat16
+    natively), torch version and load average a result was taken under.
+``<!-- benchmark: layouts NAME -->``
+    ``benchmarks/results/NAME.json`` (from ``benchmarks/layouts.py``): step time,
+    optimizer-step time and counted traffic per contender under DDP or FSDP2 + TP.
+``<!-- benchmark: step-range NAME -->``
+    One list item: the fastest and slowest median step time per accumulation of a
+    distributed result.
 
 Numbers are never typed into the pages. A missing or unreadable file logs a warning, which
 fails ``mkdocs build --strict``.
@@ -74,10 +81,18 @@ LABELS: dict[str, dict[str, Any]] = {
         "vs": "vs AdamW (same FSDP2 mode)",
         "units": "Muon traffic, counted (units)",
         "formula": "Formula (units)",
+        "vs_plain": "vs AdamW",
+        "optim_vs": "Optimizer step vs AdamW's",
+        "matrix_units": "Matrix traffic over dp, counted (units)",
+        "tp_units": "Over tp, rank 0 (units)",
         "machine": "Machine",
         "threads": "threads",
         "timed": "timed steps per contender after a warm-up",
         "load": "load average",
+        "bf16_native": "native bfloat16",
+        "bf16_emulated": "no native bfloat16",
+        "step_range": "{lo} to {hi} ms at accumulation {accum}",
+        "range_sep": ", ",
         "not_run": "Not run",
         "save": "Save (s)",
         "load_s": "Load (s)",
@@ -179,10 +194,18 @@ LABELS: dict[str, dict[str, Any]] = {
         "vs": "相对 AdamW（同一 FSDP2 模式）",
         "units": "Muon 通信量，实测（单位）",
         "formula": "公式（单位）",
+        "vs_plain": "相对 AdamW",
+        "optim_vs": "优化器步相对 AdamW",
+        "matrix_units": "矩阵在 dp 上的通信量，实测（单位）",
+        "tp_units": "tp 上，rank 0（单位）",
         "machine": "机器",
         "threads": "线程",
         "timed": "每个参与者在预热后计时的步数",
         "load": "负载均值",
+        "bf16_native": "原生支持 bfloat16",
+        "bf16_emulated": "不原生支持 bfloat16",
+        "step_range": "梯度累积 {accum} 时 {lo} 至 {hi} 毫秒",
+        "range_sep": "，",
         "not_run": "未运行",
         "save": "保存（秒）",
         "load_s": "加载（秒）",
@@ -341,6 +364,22 @@ def _distributed(name: str, labels: dict[str, str]) -> str:
                 f"| `{peer}` ({info['distribution']} {version}) | {accum} | - | - | - | - | - | "
                 f"{labels['not_run']}: `{shown}` | - | - |"
             )
+    return "\n".join(lines)
+
+
+def _layouts(name: str, labels: dict[str, str]) -> str:
+    result = _load(name)
+    lines = [
+        f"| {labels['contender']} | {labels['step']} | {labels['vs_plain']} | {labels['optim']} | "
+        f"{labels['optim_vs']} | {labels['matrix_units']} | {labels['tp_units']} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"| `{r['contender']}` | {r['median_step_s']:.3g} | {r['vs_adamw']:.2f}x | "
+            f"{r['median_optim_step_s']:.3g} | {r['optim_vs_adamw']:.2f}x | "
+            f"{_cell(r['matrix_units'], '.2f')} | {_cell(r['tp_units'], '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -680,7 +719,10 @@ def _machine(name: str, labels: dict[str, str]) -> str:
         data = data[0]
     m = data.get("machine", {})
     load = data.get("load_average") or m.get("load_average") or []
-    parts = [m.get("gpu", ""), m.get("cpu", ""), f"{m.get('cores', '?')} cores" if m else ""]
+    parts = [m.get("gpu", ""), m.get("cpu", ""), m.get("cpu_capability", "")]
+    if "native_bf16" in m:
+        parts.append(labels["bf16_native"] if m["native_bf16"] else labels["bf16_emulated"])
+    parts.append(f"{m.get('cores', '?')} cores" if m else "")
     parts += [f"torch {m['torch']}" if "torch" in m else ""]
     if "threads" in data:
         parts.append(f"{data['threads']} {labels['threads']}")
@@ -691,13 +733,37 @@ def _machine(name: str, labels: dict[str, str]) -> str:
     return f"*{labels['machine']}:* " + ", ".join(p for p in parts if p)
 
 
+def _step_range(name: str, labels: dict[str, str]) -> str:
+    """``- `preset`: fastest to slowest median step, per accumulation`` of one run."""
+    data = _load(name)
+    by_accum: dict[int, list[float]] = {}
+    for row in data["rows"]:
+        if row.get("median_step_s"):
+            by_accum.setdefault(row["accum"], []).append(row["median_step_s"])
+    spans = [
+        labels["step_range"].format(lo=_ms(min(times)), hi=_ms(max(times)), accum=accum)
+        for accum, times in sorted(by_accum.items())
+    ]
+    return f"- `{data['model']}`: " + labels["range_sep"].join(spans)
+
+
+def figure_sources(name: str) -> dict[str, Path]:
+    """The PNG of figure ``name`` per language: ``NAME.png`` (English), ``NAME.zh.png``."""
+    return {"en": RESULTS / f"{name}.png", "zh": RESULTS / f"{name}.zh.png"}
+
+
 def on_files(files: Files, config: MkDocsConfig) -> Files:
-    """Add every figure of benchmarks/results/ to the site, once per language."""
+    """Add every figure of benchmarks/results/ to the site, in its own language's version."""
     for png in sorted(RESULTS.glob("*.png")):
-        for prefix in ("", "zh/"):
-            uri = f"{prefix}{FIGURES}/{png.name}"
+        if png.name.endswith(".zh.png"):
+            continue
+        for lang, source in figure_sources(png.name.removesuffix(".png")).items():
+            if not source.is_file():
+                log.warning("no %s: draw it with benchmarks/plots.py", source)
+                continue
+            uri = f"{'zh/' if lang == 'zh' else ''}{FIGURES}/{png.name}"
             if files.get_file_from_path(uri) is None:
-                files.append(File.generated(config, uri, abs_src_path=str(png)))
+                files.append(File.generated(config, uri, abs_src_path=str(source)))
     return files
 
 
@@ -715,6 +781,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _optimizer_step(name or "optimizer_step", labels)
             if kind == "distributed" and name:
                 return _distributed(name, labels)
+            if kind == "layouts" and name:
+                return _layouts(name, labels)
             if kind == "checkpoint-io":
                 return _checkpoint_io(labels)
             if kind == "moe-split":
@@ -737,6 +805,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _profile_step(name, labels)
             if kind == "machine" and name:
                 return _machine(name, labels)
+            if kind == "step-range" and name:
+                return _step_range(name, labels)
         except (OSError, ValueError, KeyError, IndexError) as e:
             log.warning("%s: cannot render %r: %s", page.file.src_uri, match[0], e)
             return match[0]

@@ -18,6 +18,7 @@ diagrams.css``), so it stays legible in the dark scheme.
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from html import escape
@@ -32,7 +33,6 @@ TEXT: dict[str, dict[str, str]] = {
         "buffers": "one packed buffer per owner, broadcast to every rank in forward",
         "rank": "rank",
         "owner_of": "owner: rank",
-        "elements": "elements",
         "storage": "Each rank keeps float32 masters and Muon state only for the matrices it "
         "owns; elsewhere the parameter is a 0-element placeholder.",
         "timeline_title": "One optimizer step, two layers: packed buffers of dedicated matrices",
@@ -51,6 +51,7 @@ TEXT: dict[str, dict[str, str]] = {
         "nosync_title": "Gradient accumulation over k = 3 micro-batches with dmuon.no_sync",
         "mb": "micro-batch",
         "under_no_sync": "under no_sync",
+        "paren": "({})",
         "synced": "synced",
         "all_ranks": "every rank",
         "owner": "owner",
@@ -69,7 +70,6 @@ TEXT: dict[str, dict[str, str]] = {
         "buffers": "每个所有者一个打包缓冲区，前向时广播给所有 rank",
         "rank": "rank",
         "owner_of": "所有者：rank",
-        "elements": "个元素",
         "storage": "每个 rank 只为自己拥有的矩阵保存 float32 主副本和 Muon 状态；"
         "在其他 rank 上，该参数是 0 元素的占位张量。",
         "timeline_title": "一个优化器步、两层模型：专属矩阵的打包缓冲区",
@@ -88,6 +88,7 @@ TEXT: dict[str, dict[str, str]] = {
         "nosync_title": "用 dmuon.no_sync 在 k = 3 个微批次上累积梯度",
         "mb": "微批次",
         "under_no_sync": "在 no_sync 中",
+        "paren": "（{}）",
         "synced": "同步",
         "all_ranks": "每个 rank",
         "owner": "所有者",
@@ -155,8 +156,8 @@ def tiny_plan(world_size: int = 3) -> tuple[dict[str, tuple[int, int]], dict[str
     """
     torch = importlib.import_module("torch")
     nn = importlib.import_module("torch.nn")
-    model_mod = importlib.import_module("dmuon.train.model")
-    planner = importlib.import_module("dmuon.ownership.planner")
+    model_mod = importlib.import_module("dmuon.train.models.preset")
+    planner = importlib.import_module("dmuon._ownership.planner")
     with torch.device("meta"):
         model = model_mod.Transformer(model_mod.PRESETS["tiny"])
     shapes: dict[str, tuple[int, int]] = {}
@@ -180,7 +181,8 @@ def render_ownership(lang: str) -> str:
     total_per_boundary = max(
         sum(s[0] * s[1] for f, s in shapes.items() if boundaries[f] == b) for b in order
     )
-    svg = Svg(800, 120 + 150 * len(order), t["ownership_title"])
+    storage = wrap_lines(t["storage"], 780, SMALL_CHAR_W)
+    svg = Svg(800, 110 + 150 * len(order) + SMALL_LINE_H * len(storage), t["ownership_title"])
     for rank in range(world):
         x = 470 + rank * 105
         svg.rect(x, 34, 16, 16, f"dg-chip {OWNER_CLASSES[rank]}")
@@ -215,7 +217,8 @@ def render_ownership(lang: str) -> str:
             svg.text(x + 6, y + 120, f"{t['rank']} {rank}: {names} ({elements:,})", "dg-small")
             x += w
         y += 150
-    svg.text(10, y + 6, t["storage"], "dg-small")
+    for i, line in enumerate(storage):
+        svg.text(10, y + 6 + i * SMALL_LINE_H, line, "dg-small")
     return svg.render("ownership")
 
 
@@ -287,37 +290,50 @@ def render_timeline(lang: str) -> str:
 def render_no_sync(lang: str) -> str:
     t = TEXT[lang]
     col0, col_w = 120, 160
-    svg = Svg(820, 310, t["nosync_title"])
+    text_w = col_w - 20
+    # Column heads on two lines: "micro-batch 1" over "(under no_sync)".
     heads = [
-        f"{t['mb']} 1 ({t['under_no_sync']})",
-        f"{t['mb']} 2 ({t['under_no_sync']})",
-        f"{t['mb']} 3 ({t['synced']})",
-        t["step"],
+        (f"{t['mb']} 1", t["paren"].format(t["under_no_sync"])),
+        (f"{t['mb']} 2", t["paren"].format(t["under_no_sync"])),
+        (f"{t['mb']} 3", t["paren"].format(t["synced"])),
+        (t["step"], ""),
     ]
-    for i, head in enumerate(heads):
+    local, merge, ns = (wrap_lines(t[key], text_w) for key in ("local", "merge", "ns"))
+    rank_h = 16 + LINE_H * max(len(local), len(merge))
+    owner_h = 16 + LINE_H * len(ns)
+    rank_y = 82
+    owner_y = rank_y + rank_h + 24
+    bcast_y = owner_y + owner_h + 28
+    svg = Svg(820, bcast_y + 80, t["nosync_title"])
+    for i, (first, second) in enumerate(heads):
         x = col0 + i * col_w
-        svg.rect(x, 34, col_w - 8, 24, "dg-phase")
-        svg.text(x + (col_w - 8) / 2, 51, head, "dg-small", "middle")
-    svg.text(10, 92, t["all_ranks"], "dg-strong")
+        svg.rect(x, 30, col_w - 8, 38, "dg-phase")
+        center = x + (col_w - 8) / 2
+        if second:
+            svg.text(center, 46, first, "dg-small", "middle")
+            svg.text(center, 61, second, "dg-small", "middle")
+        else:
+            svg.text(center, 53, first, "dg-small", "middle")
+    svg.text(10, rank_y + 20, t["all_ranks"], "dg-strong")
     for i in range(2):
         x = col0 + i * col_w
-        svg.rect(x, 70, col_w - 8, 56, "dg-local")
-        _wrap(svg, x + 6, 88, t["local"], col_w - 20)
+        svg.rect(x, rank_y, col_w - 8, rank_h, "dg-local")
+        _write_lines(svg, x + 6, rank_y + 18, local)
     x = col0 + 2 * col_w
-    svg.rect(x, 70, col_w - 8, 56, "dg-reduce")
-    _wrap(svg, x + 6, 88, t["merge"], col_w - 20)
+    svg.rect(x, rank_y, col_w - 8, rank_h, "dg-reduce")
+    _write_lines(svg, x + 6, rank_y + 18, merge)
     for i in range(2):
         arrow_x = col0 + (i + 1) * col_w - 8
-        svg.line(arrow_x, 98, arrow_x + 8, 98, "dg-arrow")
-    svg.text(10, 172, t["owner"], "dg-strong")
+        svg.line(arrow_x, rank_y + 28, arrow_x + 8, rank_y + 28, "dg-arrow")
+    svg.text(10, owner_y + 22, t["owner"], "dg-strong")
     x = col0 + 3 * col_w
-    svg.line(col0 + 2 * col_w + 80, 126, x + 40, 150, "dg-arrow")
-    svg.rect(x, 150, col_w - 8, 40, "dg-update")
-    _wrap(svg, x + 6, 166, t["ns"], col_w - 20)
+    svg.line(col0 + 2 * col_w + 80, rank_y + rank_h, x + 40, owner_y, "dg-arrow")
+    svg.rect(x, owner_y, col_w - 8, owner_h, "dg-update")
+    _write_lines(svg, x + 6, owner_y + 18, ns)
     # Broadcasts per mode, per micro-batch.
     rows = (("z2_bcast", (1, 0, 0)), ("z3_bcast", (2, 2, 2)))
     for r, (key, counts) in enumerate(rows):
-        y = 222 + r * 40
+        y = bcast_y + r * 40
         svg.text(10, y + 16, t[key], "dg-strong")
         for i, count in enumerate(counts):
             for k in range(count):
@@ -328,23 +344,44 @@ def render_no_sync(lang: str) -> str:
     return svg.render("no-sync-flow")
 
 
-def _wrap(svg: Svg, x: float, y: float, content: str, width: float) -> None:
-    """Write ``content`` on lines that fit ``width`` (CJK characters count double)."""
-    per_line = max(8, int(width / 6.2))
+#: Line height of wrapped ``dg-tiny`` text (10.5 px type), in viewBox units.
+LINE_H = 14
+#: Width of one Latin character of ``dg-tiny`` text, a generous average so lines never run
+#: past their box (CJK characters count double).
+CHAR_W = 6.2
+#: The same for ``dg-small`` text (12 px type).
+SMALL_CHAR_W = 7.0
+SMALL_LINE_H = 16
+
+
+#: Where a line may break: at spaces, and before or after any CJK character.
+_PIECES = re.compile(r"\s+|[\u2e80-\uffff]|[^\s\u2e80-\uffff]+")
+
+
+def wrap_lines(content: str, width: float, char_w: float = CHAR_W) -> list[str]:
+    """``content`` split into lines that fit ``width``, at spaces or next to CJK characters.
+
+    Every word is kept: a box grows with its label instead of cutting it.
+    """
+    per_line = max(8, int(width / char_w))
     lines: list[str] = []
     current = ""
-    tokens = content.split(" ") if " " in content else list(content)
-    joiner = " " if " " in content else ""
-    for token in tokens:
-        candidate = f"{current}{joiner}{token}" if current else token
-        if _display_len(candidate) > per_line and current:
-            lines.append(current)
-            current = token
+    for piece in _PIECES.findall(content):
+        if piece.isspace():
+            current += " " if current else ""
+            continue
+        if current and _display_len(current + piece) > per_line:
+            lines.append(current.rstrip())
+            current = piece
         else:
-            current = candidate
-    lines.append(current)
-    for i, line in enumerate(lines[:3]):
-        svg.text(x, y + i * 14, line, "dg-tiny")
+            current += piece
+    lines.append(current.rstrip())
+    return lines
+
+
+def _write_lines(svg: Svg, x: float, y: float, lines: list[str]) -> None:
+    for i, line in enumerate(lines):
+        svg.text(x, y + i * LINE_H, line, "dg-tiny")
 
 
 def _display_len(text: str) -> int:

@@ -3,13 +3,16 @@
 A page asks for generated content with a marker on a line of its own:
 
 ``<!-- generated: ns-coefficients -->``
-    The Newton-Schulz coefficient sets, read from ``dmuon.optim.orthogonalize``.
+    The Newton-Schulz coefficient sets, read from ``dmuon.optim._orthogonalize``.
 ``<!-- generated: rest-reference -->``
     The REST reference, rendered from the job service's OpenAPI document
     (``dmuon_server.app``), so the page cannot drift from the routes.
 ``<!-- generated: recipe-flags -->``, ``<!-- generated: recipe-presets -->``
     The training recipe's flags (from its argument parser) and model presets (from
     ``dmuon.train.PRESETS``); see ``docs_hooks/recipe_tables.py``.
+``<!-- generated: torch-muon-defaults -->`` and the other ``torch-*`` markers
+    ``dmuon.Muon``'s defaults against ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s,
+    from their signatures; see ``docs_hooks/torch_muon.py``.
 
 Labels follow the page language (English, or Chinese for pages under ``docs/zh/``). If the
 code cannot be imported the hook logs a warning, which fails ``mkdocs build --strict``.
@@ -38,6 +41,7 @@ if str(Path(__file__).parent) not in sys.path:
 import diagrams
 import glossary
 import recipe_tables
+import torch_muon
 
 log = get_plugin_logger("dmuon-docs")
 
@@ -123,7 +127,7 @@ def _fmt(x: float) -> str:
 
 def render_ns_coefficients(labels: Mapping[str, str]) -> str:
     """Tables of every named coefficient set, straight from the code's constants."""
-    ns = importlib.import_module("dmuon.optim.orthogonalize")
+    ns = importlib.import_module("dmuon.optim._orthogonalize")
     sets: Mapping[str, tuple[tuple[float, float, float], ...]] = ns.COEFFICIENT_SETS
     out: list[str] = []
     for name, triples in sets.items():
@@ -354,6 +358,11 @@ RENDERERS: dict[str, Callable[[Mapping[str, str]], str]] = {
     "recipe-flags": lambda labels: recipe_tables.render_flags(labels["lang"]),
     "recipe-presets": lambda labels: recipe_tables.render_presets(labels["lang"]),
     "glossary": lambda labels: glossary.render_glossary(labels["lang"]),
+    # torch-muon-defaults, torch-muon-differences, ...: see docs_hooks/torch_muon.py.
+    **{
+        name: (lambda labels, render=render: render(labels["lang"]))
+        for name, render in torch_muon.RENDERERS.items()
+    },
 }
 
 

@@ -4,7 +4,10 @@ The i18n plugin builds the site once per language into the same folder. This hoo
 
 * gives each language its own search index (``search/search_index.json`` holds the English
   pages, ``zh/search/search_index.json`` the Chinese ones) and points the Chinese pages'
-  search at theirs, so a search on a Chinese page returns Chinese pages;
+  search at theirs, so a search on a Chinese page returns Chinese pages. The i18n plugin
+  drops a Chinese section whose title and text equal the English one (the API reference,
+  generated from English docstrings), expecting one shared index; each such section is put
+  back into the Chinese index, so it finds everything its pages show;
 * keeps one 404 page per language (``404.html`` in English, ``zh/404.html`` in Chinese),
   each with its own chrome and language links to the two home pages;
 * drops the ``<link rel="alternate" hreflang>`` tags from page heads: the theme fetches a
@@ -128,6 +131,8 @@ def split_search_index(site: Path) -> None:
         return
     index = json.loads(index_path.read_text(encoding="utf-8"))
     docs = index.get("docs", [])
+    others = tuple(f"{lang}/" for lang in OTHER_LANGS)
+    default_docs = [doc for doc in docs if not doc["location"].startswith(others)]
     for lang in OTHER_LANGS:
         prefix = f"{lang}/"
         mine = [
@@ -135,14 +140,20 @@ def split_search_index(site: Path) -> None:
             for doc in docs
             if doc["location"].startswith(prefix)
         ]
+        # Sections the i18n plugin removed as duplicates had the English title and text.
+        have = {doc["location"] for doc in mine}
+        mine += [
+            doc
+            for doc in default_docs
+            if doc["location"] not in have
+            and (site / lang / doc["location"].split("#", 1)[0]).is_dir()
+        ]
         target = site / lang / "search" / "search_index.json"
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(
             json.dumps({**index, "docs": mine}, ensure_ascii=False, separators=(",", ":")),
             encoding="utf-8",
         )
-    others = tuple(f"{lang}/" for lang in OTHER_LANGS)
-    default_docs = [doc for doc in docs if not doc["location"].startswith(others)]
     index_path.write_text(
         json.dumps({**index, "docs": default_docs}, ensure_ascii=False, separators=(",", ":")),
         encoding="utf-8",

@@ -17,18 +17,29 @@ from typing import Any
 # Prose that reads better than the one-line ``--help`` text (links, fuller sentences).
 MEANING: dict[str, dict[str, str]] = {
     "en": {
-        "--model": "model preset ([below](#presets))",
-        "--data": "a text file, or a folder read recursively (hidden and binary files skipped)",
+        "--model": "a model preset ([below](#presets)), or a Hugging Face model directory "
+        "([Train your own model](train-your-own-model.md#models))",
+        "--tokenizer": "a `tokenizer.json` or tokenizer directory "
+        "([tokenizers](train-your-own-model.md#tokenizers))",
+        "--data": "a file or a folder read recursively: text, `.jsonl`/`.json`, `.parquet`, "
+        "or `.bin` token files ([data formats](train-your-own-model.md#data))",
+        "--text-field": "the field (column) holding the text of `.jsonl`, `.json` and "
+        "`.parquet` records",
         "--cache-dir": "where the tokenized corpus is cached",
         "--val-fraction": "share of files (of bytes, for a single file) held out for validation",
         "--steps": "optimizer steps",
         "--micro-batch-size": "sequences per micro-batch per process",
         "--accum-steps": "micro-batches accumulated per optimizer step",
-        "--seq-len": "tokens (bytes) per sequence",
+        "--seq-len": "tokens per sequence (bytes, for the presets)",
         "--seed": "initialization and data-order seed",
         "--device": "`auto` = CUDA if available, else CPU",
         "--threads": "intra-op CPU threads per process",
-        "--dtype": "parameter and compute dtype (`float64` for exactness checks)",
+        "--dtype": "master parameter dtype (`float64` for exactness checks)",
+        "--param-dtype": "compute dtype; `bfloat16` = FSDP2 mixed precision with float32 "
+        "masters and reduction ([precision](train-your-own-model.md#precision))",
+        "--activation-checkpointing": "recompute each decoder layer in backward",
+        "--compile": "`torch.compile` each decoder layer's forward",
+        "--peak-tflops": "peak TFLOP/s of one device, for the `mfu` metric",
         "--optimizer": "`dmuon` = DMuon on the hidden matrices (2-D `Linear` weights, and the "
         "expert stacks of `moe`) plus AdamW on the rest; `adamw` = `torch.optim.AdamW` on "
         "everything",
@@ -62,20 +73,32 @@ MEANING: dict[str, dict[str, str]] = {
         "from that checkpoint",
         "--init-from": "start a new run from the weights of this checkpoint (optimizer, "
         "schedule and step start fresh); an error if `--resume` also finds a checkpoint",
+        "--export-hf": "at the end, write a Hugging Face model directory here "
+        "([export](train-your-own-model.md#export))",
     },
     "zh": {
-        "--model": "模型预设（见[下文](#presets)）",
-        "--data": "一个文本文件，或递归读取的文件夹（跳过隐藏文件和二进制文件）",
+        "--model": "模型预设（见[下文](#presets)），或 Hugging Face 模型目录"
+        "（[训练你自己的模型](train-your-own-model.md#models)）",
+        "--tokenizer": "`tokenizer.json` 或分词器目录"
+        "（[分词器](train-your-own-model.md#tokenizers)）",
+        "--data": "一个文件或递归读取的文件夹：文本、`.jsonl`/`.json`、`.parquet` 或 `.bin` "
+        "token 文件（[数据格式](train-your-own-model.md#data)）",
+        "--text-field": "`.jsonl`、`.json` 和 `.parquet` 记录中存放文本的字段（列）",
         "--cache-dir": "分词后语料的缓存位置",
         "--val-fraction": "留作验证集的文件比例（单个文件时为字节比例）",
         "--steps": "优化器步数",
         "--micro-batch-size": "每个进程每个微批次的序列数",
         "--accum-steps": "每个优化器步累积的微批次数",
-        "--seq-len": "每条序列的 token（字节）数",
+        "--seq-len": "每条序列的 token 数（预设为字节数）",
         "--seed": "初始化和数据顺序的种子",
         "--device": "`auto` = 有 CUDA 就用，否则用 CPU",
         "--threads": "每个进程的算子内 CPU 线程数",
-        "--dtype": "参数和计算的数据类型（`float64` 用于精确性检查）",
+        "--dtype": "主参数的数据类型（`float64` 用于精确性检查）",
+        "--param-dtype": "计算数据类型；`bfloat16` = FSDP2 混合精度，主权重和归约保持 float32"
+        "（[精度](train-your-own-model.md#precision)）",
+        "--activation-checkpointing": "在反向中重新计算每个解码层",
+        "--compile": "对每个解码层的前向调用 `torch.compile`",
+        "--peak-tflops": "单个设备的峰值 TFLOP/s，用于 `mfu` 指标",
         "--optimizer": "`dmuon` = 隐藏层矩阵（二维 `Linear` 权重，以及 `moe` 的专家堆叠）用 "
         "DMuon，其余用 AdamW；`adamw` = 全部用 `torch.optim.AdamW`",
         "--ns-dtype": "`dmuon` 的 [Newton-Schulz 数据类型](newton-schulz.md#iteration)：`auto` "
@@ -105,6 +128,8 @@ MEANING: dict[str, dict[str, str]] = {
         "`never` = 从头开始；路径 = 从该检查点继续",
         "--init-from": "用这个检查点的权重开始一次新的训练（优化器、学习率调度和步数都从头开始）；"
         "若 `--resume` 也找到了检查点则报错",
+        "--export-hf": "训练结束时在这里写出 Hugging Face 模型目录"
+        "（[导出](train-your-own-model.md#export)）",
     },
 }
 
@@ -120,6 +145,9 @@ RUNTIME_DEFAULT: dict[str, dict[str, str]] = {
         "--checkpoint-dir": "none (no checkpoints)",
         "--init-from": "none",
         "--adamw-lr": "`--lr` under `dmuon`, `{ADAMW_BASELINE_LR!r}` under `adamw`",
+        "--tokenizer": "the model directory's; raw bytes for presets",
+        "--peak-tflops": "known for A100, H100, H200 and B200 in bfloat16; else no `mfu`",
+        "--export-hf": "none (no export)",
     },
     "zh": {
         "--data": "标准库源代码",
@@ -129,6 +157,9 @@ RUNTIME_DEFAULT: dict[str, dict[str, str]] = {
         "--checkpoint-dir": "无（不写检查点）",
         "--init-from": "无",
         "--adamw-lr": "`dmuon` 下等于 `--lr`，`adamw` 下为 `{ADAMW_BASELINE_LR!r}`",
+        "--tokenizer": "模型目录自带的；预设为原始字节",
+        "--peak-tflops": "A100、H100、H200 和 B200 在 bfloat16 下已知；否则没有 `mfu`",
+        "--export-hf": "无（不导出）",
     },
 }
 
@@ -246,7 +277,7 @@ def render_presets(lang: str) -> str:
     For a mixture-of-experts preset the MLP width is that of one expert.
     """
     labels = LABELS[lang]
-    presets: Mapping[str, Any] = importlib.import_module("dmuon.train.model").PRESETS
+    presets: Mapping[str, Any] = importlib.import_module("dmuon.train.models.preset").PRESETS
     rows = [
         f"| {labels['preset']} | {labels['layers']} | {labels['width']} | {labels['heads']} | "
         f"{labels['mlp']} | {labels['experts']} | {labels['params']} |",

@@ -17,12 +17,14 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +32,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from tiny_llama import TinyLlama
 
-from dmuon.optim.naive import NaiveMuon
-from dmuon.ownership.fsdp_integration import fsdp_param_groups
+# The naive FSDP2 + Muon baseline lives with the benchmarks that compare against it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from naive_muon import NaiveMuon
+
+from dmuon._ownership.fsdp_integration import fsdp_param_groups
 
 #: Modules the CPU ranks' fork server imports once, so that each rank starts in well under a
 #: second instead of importing torch (several seconds of CPU on a 2-core machine) itself.
@@ -61,6 +66,11 @@ class Scenario:
     #: ``(replicas, shard size)`` of a 2-D HSDP mesh; ``None`` for a 1-D mesh of the world.
     #: A mesh smaller than the world runs once per group of that many ranks.
     mesh_shape: tuple[int, int] | None = None
+    #: How the rest of the model is distributed: ``"fsdp"`` (fully_shard) or ``"ddp"``.
+    layout: str = "fsdp"
+    #: ``dedicate_params``'s communication dtypes (``None``: float32).
+    reduce_dtype: torch.dtype | None = None
+    broadcast_dtype: torch.dtype | None = None
 
 
 def make_model(scenario: Scenario) -> TinyLlama:
@@ -95,12 +105,14 @@ def reference_train(
     muon_names: set[str],
     step_batches: list[torch.Tensor],
     bf16: bool = False,
+    before_step: Callable[[int, torch.nn.Module], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Train ``model`` one step per global batch: Muon written out here, AdamW for the rest.
 
     Muon (float32 Newton-Schulz, Nesterov momentum 0.95, ``match_rms_adamw`` scaling) on
-    the parameters named in ``muon_names``; ``torch.optim.AdamW`` on every other one.
-    Returns the final parameters.
+    the parameters named in ``muon_names``; ``torch.optim.AdamW`` on every other one
+    (frozen ones included: they train once unfrozen). ``before_step(step, model)`` runs
+    before each step's forward. Returns the final parameters.
     """
     from dmuon import newton_schulz
 
@@ -109,7 +121,9 @@ def reference_train(
     others = [p for n, p in params.items() if n not in muon_names]
     adamw = torch.optim.AdamW(others, lr=ADAMW_LR, weight_decay=0.01)
     momentum = {n: torch.zeros_like(p) for n, p in muon_params.items()}
-    for tokens in step_batches:
+    for step, tokens in enumerate(step_batches):
+        if before_step is not None:
+            before_step(step, model)
         with torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext():
             loss = _loss(model, tokens)
         loss.backward()
@@ -156,7 +170,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor on every rank (collective)."""
     from torch.distributed.tensor import DTensor
 
-    from dmuon.ownership.state import get_dedication
+    from dmuon._ownership.state import get_dedication
 
     records: dict[str, list[Any]] = {}
     for dp in _dedicated(model):
@@ -184,19 +198,49 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return full
 
 
+def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every gradient as a full tensor on every rank (collective); dedicated ones come from
+    their owners' ``_reduced_grad`` (matrices no rank had a gradient for are absent)."""
+    from torch.distributed.tensor import DTensor
+
+    from dmuon._ownership.state import get_dedication
+
+    state = get_dedication(model)
+    group = state.runtime.comm.group if state is not None else None
+    dedicated = {dp.fqn: dp for dp in _dedicated(model)}
+    grads = {}
+    for name, param in model.named_parameters():
+        if name in dedicated:
+            dp = dedicated[name]
+            reduced = state.runtime.reduced_grad(dp) if dp.is_owned else None
+            box = torch.tensor([0 if reduced is None else 1])
+            full = reduced.clone() if reduced is not None else torch.zeros(dp.shape)
+            if group is not None:
+                src = dist.get_global_rank(group, dp.owner)
+                dist.broadcast(box, src=src, group=group)
+                dist.broadcast(full, src=src, group=group)
+            if box.item():
+                grads[name] = full
+        elif isinstance(param.grad, DTensor):
+            grads[name] = param.grad.full_tensor()
+        elif param.grad is not None:
+            grads[name] = param.grad.clone()
+    return grads
+
+
 def _dedicated(model: torch.nn.Module) -> list[Any]:
-    from dmuon.ownership.state import get_dedication
+    from dmuon._ownership.state import get_dedication
 
     state = get_dedication(model)
     return state.params if state is not None else []
 
 
 def _memory_report(model: torch.nn.Module) -> dict[str, Any]:
-    from dmuon.ownership.state import get_dedication
+    from dmuon._ownership.state import get_dedication
 
     state = get_dedication(model)
     assert state is not None and state.runtime is not None
-    groups = list(state.runtime.groups())
+    groups = list(state.runtime.buffers())
     return {
         "buffer_bytes": sum(g.buffer.untyped_storage().size() for g in groups),
         "packed_bytes": sum(g.numel * g.buffer.element_size() for g in groups),
@@ -313,18 +357,24 @@ def run_scenario(
             mesh,
             reshard_after_forward=scenario.mode == "z3",
             param_dtype=torch.bfloat16 if scenario.bf16 else None,
+            reduce_dtype=scenario.reduce_dtype,
+            broadcast_dtype=scenario.broadcast_dtype,
         )
     mp_policy = (
         MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         if scenario.bf16
         else MixedPrecisionPolicy()
     )
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    wrapped: torch.nn.Module = model
+    if scenario.layout == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     make_optimizer = NaiveMuon if scenario.naive else dmuon.Muon
     optimizer = make_optimizer(
-        model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
+        wrapped, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
     )
     audit = optimizer.audit if scenario.naive else dmuon.comm_audit(model)
     memory_after_forward: dict[str, Any] = {}
@@ -335,15 +385,15 @@ def run_scenario(
         per_rank = tokens.chunk(world)[rank].to(device_type)
         for micro, chunk in enumerate(per_rank.chunk(scenario.accum)):
             accumulating = micro + 1 < scenario.accum
-            ctx = dmuon.no_sync(model) if accumulating and scenario.use_no_sync else nullcontext()
+            ctx = dmuon.no_sync(wrapped) if accumulating and scenario.use_no_sync else nullcontext()
             with ctx:
-                loss = _loss(model, chunk) / scenario.accum
+                loss = _loss(wrapped, chunk) / scenario.accum
                 if step == 0 and micro == 0 and not scenario.naive:
                     memory_after_forward = _memory_report(model)
                 loss.backward()
-        if step == 0 and scenario.mesh_shape is not None:
+        if step == 0 and (scenario.mesh_shape is not None or scenario.layout == "ddp"):
             # Clipping with a bound no gradient reaches returns the global norm, unchanged.
-            first_grad_norm = float(dmuon.clip_grad_norm_(model, max_norm=1e9))
+            first_grad_norm = float(dmuon.clip_grad_norm_(wrapped, max_norm=1e9))
         with count_collectives() as issued:
             optimizer.step()
         step_issued.append(issued)
@@ -396,7 +446,7 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.layers[0].set_requires_gradient_sync(False, recurse=False)
-    runtime = dmuon.ownership.state.get_dedication(model).runtime
+    runtime = dmuon._ownership.state.get_dedication(model).runtime
 
     def flags() -> list[bool]:
         return [
@@ -519,6 +569,7 @@ __all__ = [
     "Scenario",
     "asdict",
     "count_collectives",
+    "full_gradients",
     "full_parameters",
     "reference_eval_loss",
     "reference_run",

@@ -8,6 +8,7 @@ own state-dict functions on a plain FSDP2 model.
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from dist_harness import VOCAB, spawn_ranks
 from tiny_llama import TinyLlama
 
 import dmuon
-from dmuon.checkpoint.export import load_full_weights
+from dmuon.checkpoint._export import load_full_weights
 
 MODES = ("z2", "z3")
 #: (save world, load world) pairs the checkpoints are resharded across.
@@ -230,7 +231,7 @@ def test_export_command_explains_bad_input(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "not a DCP checkpoint" in done.stderr
     with pytest.raises(ValueError, match=r"\.pt or \.safetensors"):
-        dmuon.checkpoint.export.export_weights(tmp_path, tmp_path / "w.bin")
+        dmuon.checkpoint._export.export_weights(tmp_path, tmp_path / "w.bin")
 
 
 def test_load_full_weights_names_the_entries_when_the_key_is_wrong(saved) -> None:
@@ -317,8 +318,12 @@ def test_without_dedication_the_functions_are_torchs() -> None:
     assert _max_diff(model.state_dict(), other.state_dict()) == 0.0
 
 
-def test_another_optimizers_state_is_refused_not_mixed_in() -> None:
+def test_an_adamw_state_loads_its_moments_with_strict_false_and_is_explained_without() -> None:
+    """Fine-tuning from FSDP2 + AdamW: strict refuses with the recipe and changes nothing;
+    strict=False keeps dmuon.Muon's settings, loads the AdamW moments of the parameters
+    that are not dedicated (equal to torch's) and starts the Muon momenta at zero."""
     from torch.distributed.checkpoint import state_dict as torch_sd
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     torch.manual_seed(0)
     plain = TinyLlama(vocab=VOCAB)
@@ -327,12 +332,26 @@ def test_another_optimizers_state_is_refused_not_mixed_in() -> None:
     adamw.step()
     adamw_state = torch_sd.get_optimizer_state_dict(plain, adamw)
     model, optimizer = _single_process_model()
-    with pytest.raises(ValueError, match="no Muon momentum"):
+    before = copy.deepcopy(optimizer.state_dict())
+    with pytest.raises(ValueError, match="written by another optimizer") as error:
         dmuon.set_optimizer_state_dict(model, optimizer, adamw_state)
-    relaxed = torch.distributed.checkpoint.state_dict.StateDictOptions(strict=False)
-    with pytest.raises(ValueError, match="algorithm None"):
-        dmuon.set_optimizer_state_dict(model, optimizer, adamw_state, options=relaxed)
+    assert "StateDictOptions(strict=False)" in str(error.value)
+    assert optimizer.state_dict()["param_groups"] == before["param_groups"]
+    dmuon.set_optimizer_state_dict(
+        model, optimizer, adamw_state, options=StateDictOptions(strict=False)
+    )
     assert [g["algorithm"] for g in optimizer.param_groups] == ["muon", "adamw"]
+    assert optimizer.param_groups[0]["lr"] == 0.02 and optimizer.param_groups[1]["lr"] == 1e-3
+    names = {id(p): n for n, p in model.named_parameters()}
+    theirs = adamw_state["state"]
+    for p in optimizer.param_groups[1]["params"]:
+        name = names[id(p)]
+        assert torch.equal(optimizer.state[p]["exp_avg"], theirs[name]["exp_avg"]), name
+    for p in optimizer.param_groups[0]["params"]:  # fresh: no momentum yet, or zeros
+        buffer = optimizer.state[p].get("momentum_buffer") if p in optimizer.state else None
+        assert buffer is None or torch.count_nonzero(buffer) == 0
+    cs._loss(model, cs.batch(1)).backward()
+    optimizer.step()  # and it trains from there
 
 
 def test_missing_muon_momentum_is_refused_in_strict_mode() -> None:
@@ -342,3 +361,38 @@ def test_missing_muon_momentum_is_refused_in_strict_mode() -> None:
     del state["state"][name]
     with pytest.raises(ValueError, match=rf"no Muon momentum for \['{re.escape(name)}'\]"):
         dmuon.set_optimizer_state_dict(model, optimizer, state)
+
+
+def test_state_dicts_alias_live_state_as_torchs_do_except_the_dedicated_entries() -> None:
+    """torch's get_state_dict returns the live parameters and optimizer moments (views that
+    share their storage); DMuon's does the same for everything FSDP2 and AdamW hold, and
+    copies of the dedicated matrices and their momentum (moved from the owner)."""
+    from torch.distributed.checkpoint import state_dict as torch_sd
+
+    def shares(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    torch.manual_seed(0)
+    plain = TinyLlama(vocab=VOCAB)
+    adamw = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    model, optimizer = _single_process_model()
+    for net, opt in ((plain, adamw), (model, optimizer)):
+        cs._loss(net, cs.batch(0)).backward()
+        opt.step()
+    theirs = torch_sd.get_state_dict(plain, adamw)
+    ours = dmuon.get_state_dict(model, optimizer)
+    dedicated = {dp.fqn for dp in dmuon.dedicated_parameters(model)}
+    live = dict(model.named_parameters())
+    live_plain = dict(plain.named_parameters())
+    for name in live:
+        if name in dedicated:
+            assert not shares(ours[0][name], live[name]), name
+            momentum = optimizer.state[live[name]]["momentum_buffer"]
+            assert not shares(ours[1]["state"][name]["momentum_buffer"], momentum), name
+        else:
+            assert shares(theirs[0][name], live_plain[name]) == shares(ours[0][name], live[name])
+            mine = ours[1]["state"][name]["exp_avg"]
+            assert shares(mine, optimizer.state[live[name]]["exp_avg"]), name
+            assert shares(
+                theirs[1]["state"][name]["exp_avg"], adamw.state[live_plain[name]]["exp_avg"]
+            )

@@ -6,6 +6,7 @@ import os
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,7 +31,7 @@ def _write_tree(root: Path) -> dict[str, bytes]:
     (root / ".hidden").write_bytes(b"secret")
     (root / ".git").mkdir()
     (root / ".git" / "HEAD").write_bytes(b"ref: refs/heads/main\n")
-    (root / "blob.bin").write_bytes(b"\x00\x01\x02binary")
+    (root / "blob.dat").write_bytes(b"\x00\x01\x02binary")
     (root / "empty.txt").write_bytes(b"")
     return files
 
@@ -38,7 +39,7 @@ def _write_tree(root: Path) -> dict[str, bytes]:
 def test_default_corpus_is_the_stdlib_split_by_file(stdlib_cache: Path) -> None:
     root, files = list_source_files(None)
     assert root == stdlib_root()
-    rel = [f.relative_to(root).as_posix() for f in files]
+    rel = [f.relative for f in files]
     assert "os.py" in rel and "json/__init__.py" in rel
     assert not any("site-packages" in r for r in rel)
     train, val = split_files(rel, 0.05)
@@ -54,7 +55,7 @@ def test_default_corpus_is_the_stdlib_split_by_file(stdlib_cache: Path) -> None:
     # Validation bytes are exactly the validation files joined by newlines.
     expected_val = b"\n".join((root / r).read_bytes() for r in val)
     assert bytes(corpus.val.tolist()) == expected_val
-    assert corpus.train.dtype == torch.uint8 and corpus.train.numel() > 1_000_000
+    assert corpus.train.dtype == np.uint8 and corpus.train.numel() > 1_000_000
 
 
 def test_cache_hit_on_second_load(tmp_path: Path) -> None:
@@ -63,7 +64,8 @@ def test_cache_hit_on_second_load(tmp_path: Path) -> None:
     second = load_corpus(tmp_path / "data", cache_dir=tmp_path / "cache")
     assert not first.from_cache and second.from_cache
     assert first.cache_path == second.cache_path and first.cache_path.is_file()
-    assert torch.equal(first.train, second.train) and torch.equal(first.val, second.val)
+    assert first.train.tolist() == second.train.tolist()
+    assert first.val.tolist() == second.val.tolist()
     # Editing a source file invalidates the cache.
     target = tmp_path / "data" / "doc00.txt"
     target.write_bytes(b"changed\n")
@@ -82,7 +84,7 @@ def test_data_folder_reads_text_files_only(tmp_path: Path) -> None:
     assert bytes(corpus.val.tolist()) == joined(files[r] for r in val_rel)
 
 
-def test_data_single_file_is_split_by_bytes(tmp_path: Path) -> None:
+def test_data_single_file_is_split_by_tokens(tmp_path: Path) -> None:
     text = bytes(range(32, 127)) * 40  # 3800 bytes
     (tmp_path / "book.txt").write_bytes(text)
     corpus = load_corpus(tmp_path / "book.txt", cache_dir=tmp_path / "cache", val_fraction=0.1)
@@ -98,9 +100,34 @@ def test_missing_or_empty_data_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="empty file"):
         load_corpus(tmp_path / "empty.txt", cache_dir=tmp_path / "cache")
     (tmp_path / "folder").mkdir()
-    (tmp_path / "folder" / "x.bin").write_bytes(b"\0\0")
-    with pytest.raises(ValueError, match="without any non-empty text file"):
+    (tmp_path / "folder" / "x.dat").write_bytes(b"\0\0")
+    with pytest.raises(ValueError, match="without any non-empty file to read"):
         load_corpus(tmp_path / "folder", cache_dir=tmp_path / "cache")
+
+
+def test_links_may_lead_into_the_job_services_data_roots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dmuon_recipe_contract as contract
+
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    outside.mkdir()
+    (root / "a" / "own.txt").write_text("own text\n")
+    (root / "b" / "shared.txt").write_text("shared text\n")
+    (outside / "secret.txt").write_text("secret\n")
+    (root / "a" / "shared.txt").symlink_to(root / "b" / "shared.txt")
+    # Alone, the recipe reads only the folder itself.
+    with pytest.raises(ValueError, match=r"shared\.txt is a symbolic link to .*outside the data"):
+        list_source_files(root / "a")
+    monkeypatch.setenv(contract.DATA_ROOTS_ENV, os.pathsep.join([str(root), str(tmp_path / "x")]))
+    _, files = list_source_files(root / "a")
+    assert sorted(f.relative for f in files) == ["own.txt", "shared.txt"]
+    # A root is not a way out: a link beyond every root is refused as before.
+    (root / "a" / "leak.txt").symlink_to(outside / "secret.txt")
+    with pytest.raises(ValueError, match=r"leak\.txt is a symbolic link to"):
+        list_source_files(root / "a")
 
 
 def _tokens(n: int = 5000) -> torch.Tensor:

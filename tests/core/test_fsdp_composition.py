@@ -140,6 +140,6 @@ class _FakeFSDPModule:
     ],
 )
 def test_fsdp_param_groups_reads_both_torch_layouts(state: dict, expected: list) -> None:
-    from dmuon.ownership.fsdp_integration import fsdp_param_groups
+    from dmuon._ownership.fsdp_integration import fsdp_param_groups
 
     assert fsdp_param_groups(_FakeFSDPModule(**state)) == expected

@@ -90,7 +90,7 @@ def _momenta(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     import dmuon
-    from dmuon.checkpoint.optim_state import MOMENTUM
+    from dmuon.checkpoint._optim_state import MOMENTUM
 
     osd = dmuon.get_optimizer_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True)

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from dmuon.train import PRESETS, ModelConfig, build_model, lm_loss
-from dmuon.train.model import _apply_rope
+from dmuon.train.models.preset import _apply_rope
 
-# The table in dmuon.train.model's docstring, computed by hand:
+# The table in dmuon.train.models.preset's docstring, computed by hand:
 # 2*256*dim (embed + lm_head) + L * (4*dim^2 + mlp + 2*dim) + dim, where the MLP has
 # 3*dim*ffn parameters, or experts * (3*dim*ffn + dim) with the router.
 DOCUMENTED = {
@@ -34,7 +34,7 @@ def test_preset_sizes_match_documentation(name: str) -> None:
 
 
 def test_docstring_table_is_the_documented_one() -> None:
-    import dmuon.train.model as module
+    import dmuon.train.models.preset as module
 
     rows = {}
     for line in (module.__doc__ or "").splitlines():

@@ -186,10 +186,12 @@ class MoECase:
     mode: str
     split: bool
     checkpoint: bool = False
+    #: The rest of the model under ``fully_shard`` (``"fsdp"``) or DDP (``"ddp"``).
+    layout: str = "fsdp"
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.mode}-{'split' if self.split else 'whole'}"
+        return f"{self.kind}-{self.mode}-{'split' if self.split else 'whole'}-{self.layout}"
 
 
 #: Each model in Z2 and Z3, each with gate_up_proj whole once and split once.
@@ -199,8 +201,12 @@ WORLDS = {
         MoECase("mixtral", "z3", True),
         MoECase("qwen2_moe", "z2", True),
         MoECase("qwen2_moe", "z3", False),
+        MoECase("qwen2_moe", "z3", True, layout="ddp"),
     ],
-    3: [MoECase("mixtral", "z2", True, checkpoint=True)],
+    3: [
+        MoECase("mixtral", "z2", True, checkpoint=True),
+        MoECase("mixtral", "z2", False, layout="ddp"),
+    ],
 }
 
 
@@ -244,11 +250,26 @@ def dedicate_and_shard(
 
 
 def _build(case: MoECase, world: int) -> tuple[nn.Module, dmuon.Muon]:
+    """The case's model (its DDP wrapper under DDP) and optimizer."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
 
     model = MODELS[case.kind]()
     mesh = init_device_mesh("cpu", (world,))
     split = "auto" if case.split else None
+    if case.layout == "ddp":
+        dmuon.dedicate_params(model, mesh, reshard_after_forward=case.mode == "z3")
+        # Routers and gates of idle experts get no gradient on some ranks.
+        ddp = DistributedDataParallel(model, find_unused_parameters=True)
+        optimizer = dmuon.Muon(
+            ddp,
+            lr=LR,
+            ns_dtype=torch.float32,
+            adamw_lr=ADAMW_LR,
+            adamw_weight_decay=ADAMW_WD,
+            split=split,
+        )
+        return ddp, optimizer
     return model, dedicate_and_shard(model, mesh, case.mode == "z3", split=split)
 
 
@@ -308,14 +329,15 @@ def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
         nonlocal idle
         idle += int(args[1].unique().numel() < 4)  # top_k_index: experts with tokens
 
-    for layer in model.model.layers:
+    inner = model.module if case.layout == "ddp" else model
+    for layer in inner.model.layers:
         layer.mlp.experts.register_forward_pre_hook(count_idle)
     norms, units = [], []
     for step in range(STEPS):
         norms.append(_step(model, optimizer, step, rank, world))
         units.append(dmuon.comm_audit(model).last_step().units)
     result = {
-        "params": full_parameters(model),
+        "params": full_parameters(inner),
         "norms": norms,
         "units": units,
         "idle": idle,

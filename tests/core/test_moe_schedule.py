@@ -98,12 +98,12 @@ def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
         model.set_reduce_scatter_unused_params(True)
     optimizer = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR)
     sequence: list[tuple[str, int]] = []
-    comm = dmuon.ownership.state.get_dedication(model).runtime.comm
+    comm = dmuon._ownership.state.get_dedication(model).runtime.comm
     issue = comm._issue
 
-    def record(kind: str, tensor: torch.Tensor, root: int, call: Any) -> Any:
+    def record(kind: str, tensor: torch.Tensor, root: int, call: Any, **kwargs: Any) -> Any:
         sequence.append((kind, tensor.numel(), root))
-        return issue(kind, tensor, root, call)
+        return issue(kind, tensor, root, call, **kwargs)
 
     comm._issue = record
     idle_here = 0

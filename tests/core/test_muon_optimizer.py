@@ -17,11 +17,11 @@ import torch.distributed as dist
 from dist_harness import spawn_ranks
 from torch import nn
 
-from dmuon.comm import CommAudit, Communicator
+from dmuon._comm import CommAudit, Communicator
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.runtime import DedicationRuntime
+from dmuon._ownership.state import STATE_ATTR, DedicationState, get_dedication
 from dmuon.optim import Muon
-from dmuon.ownership.param import DedicatedParam
-from dmuon.ownership.runtime import DedicationRuntime
-from dmuon.ownership.state import STATE_ATTR, DedicationState, get_dedication
 
 KELLER = (3.4445, -4.7750, 2.0315)
 PE_SAFE = [
@@ -124,7 +124,9 @@ def max_diff(a: nn.Module, b: nn.Module, names: list[str] | None = None) -> floa
 
 
 def others(names: list[str] = DEDICATED) -> list[str]:
-    return [n for n, p in make_model().named_parameters() if n not in names and p.requires_grad]
+    """The AdamW group's parameters: every other one, frozen ones included (they train once
+    unfrozen, as with torch.optim.AdamW(model.parameters()))."""
+    return [n for n in dict(make_model().named_parameters()) if n not in names]
 
 
 # --------------------------------------------------------------------------- groups
@@ -395,7 +397,7 @@ def test_step_marks_parameters_updated_and_issues_no_collective(
     state = dedicate_by_hand(model)
     opt = Muon(model)
     calls: list[int] = []
-    monkeypatch.setattr(state.runtime, "parameters_updated", lambda: calls.append(1))
+    monkeypatch.setattr(state.runtime, "step_finished", lambda: calls.append(1))
 
     def forbidden(*args: object, **kwargs: object) -> None:
         raise AssertionError("step() issued a collective")
@@ -631,3 +633,43 @@ def test_step_allocates_no_buffers_after_the_first(dtype: torch.dtype) -> None:
         opt.step()
     sizes = [e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0]
     assert max(sizes, default=0) <= 8
+
+
+def _buffer_bytes(ws: object) -> int:
+    """Bytes of every buffer a workspace holds (each storage once)."""
+    storages: dict[int, int] = {}
+    for value in vars(ws).values():
+        items = (
+            value
+            if isinstance(value, list)
+            else list(value.values())
+            if isinstance(value, dict)
+            else [value]
+        )
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                storage = item.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+def test_workspaces_share_one_block_sized_for_the_largest_bucket(ns_dtype: torch.dtype) -> None:
+    from dmuon.optim._orthogonalize import Arena, NewtonSchulzWorkspace
+
+    model = make_model()
+    dedicate_by_hand(model)
+    opt = Muon(model, ns_dtype=ns_dtype)
+    run_dmuon(model, opt, range(2))
+    # The buckets of Net: three 32 x 32 matrices, one 48 x 32, one 32 x 48.
+    alone = [
+        _buffer_bytes(
+            NewtonSchulzWorkspace(
+                b, r, c, ns_dtype, torch.device("cpu"), gram=False, out_dtype=torch.float32
+            )
+        )
+        for b, r, c in [(3, 32, 32), (1, 48, 32), (1, 32, 48)]
+    ]
+    slack = 16 * Arena.ALIGN  # alignment between a workspace's buffers
+    assert max(alone) <= opt.workspace_bytes() <= max(alone) + slack
+    assert opt.workspace_bytes() < sum(alone)

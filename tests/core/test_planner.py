@@ -11,7 +11,7 @@ from tiny_llama import TinyLlama
 from torch import nn
 
 import dmuon
-from dmuon.ownership.planner import find_hook_boundary, newton_schulz_cost
+from dmuon._ownership.planner import find_hook_boundary, newton_schulz_cost
 
 
 def llama_shapes(layers: int, dim: int = 512, ffn: int = 1376, kv: int = 256):

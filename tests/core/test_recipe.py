@@ -205,7 +205,7 @@ def test_accumulation_matches_large_batch_first_update_dmuon(base: TrainConfig) 
         (["--steps", "0"], "--steps: must be >= 1, got 0"),
         (["--accum-steps", "0"], "--accum-steps: must be >= 1, got 0"),
         (["--micro-batch-size", "x"], "--micro-batch-size: expected an integer"),
-        (["--model", "huge"], "--model: invalid choice: 'huge'"),
+        (["--model", "huge"], "--model: 'huge' is neither a preset (base, moe, small, tiny)"),
         (["--optimizer", "sgd"], "--optimizer: invalid choice"),
         (["--mode", "z1"], "--mode: invalid choice"),
         (["--lr", "-1"], "--lr: must be a positive finite number"),

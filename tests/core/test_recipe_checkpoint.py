@@ -20,10 +20,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from dmuon.checkpoint import write_manifest
 from dmuon.train import TrainConfig, Trainer, parse_args, run
 from dmuon.train import checkpointing as ckpt
 from dmuon.train.__main__ import main
 from dmuon.train.metrics import truncate_after
+from dmuon.train.state import RNGState
 from dmuon.train.stopping import StopRequest
 
 
@@ -52,6 +54,7 @@ def _fake_checkpoint(path: Path, complete: bool = True) -> Path:
     (path / ".metadata").write_bytes(b"x")
     if complete:
         (path / ckpt.TRAINER_STATE_FILE).write_bytes(b"x")
+        write_manifest(path)
     return path
 
 
@@ -121,19 +124,19 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_latest(
     base: TrainConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = replace(base, steps=4, checkpoint_every=2, checkpoint_dir=str(tmp_path))
-    real_rng_state = ckpt.rng_state
+    real_state_dict = RNGState.state_dict
     saves = []
 
-    def dies_on_second_save(device: torch.device) -> dict[str, Any]:
+    def dies_on_second_save(self: RNGState) -> dict[str, Any]:
         saves.append(1)
         if len(saves) == 2:  # after DCP wrote the folder, before the trainer state
             raise KeyboardInterrupt("killed during the save")
-        return real_rng_state(device)
+        return real_state_dict(self)
 
-    monkeypatch.setattr(ckpt, "rng_state", dies_on_second_save)
+    monkeypatch.setattr(RNGState, "state_dict", dies_on_second_save)
     with pytest.raises(KeyboardInterrupt):
         run(cfg)
-    monkeypatch.setattr(ckpt, "rng_state", real_rng_state)
+    monkeypatch.setattr(RNGState, "state_dict", real_state_dict)
     leftover = tmp_path / ".tmp_step_00000004"
     assert (leftover / ".metadata").is_file()  # DCP finished, the checkpoint did not
     assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "step_00000002"

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmuon.checkpoint.export import load_full_weights
+from dmuon.checkpoint._export import load_full_weights
 from dmuon.train.__main__ import main
-from dmuon.train.model import build_model
+from dmuon.train.models.preset import build_model
 
 STEPS = 4
 COMMON = [

@@ -59,6 +59,8 @@ class CodeBlock:
     marker_kind: str | None = None
     marker_arg: str = ""
     text_above: str = ""
+    title: str = ""
+    """The fence's ``title="..."`` (Material shows it above the block), often a file name."""
 
     @property
     def where(self) -> str:
@@ -120,6 +122,8 @@ def code_blocks(path: Path) -> list[CodeBlock]:
             i += 1
         i += 1
         block = CodeBlock(rel(path), start + 1, lang, "\n".join(body) + "\n")
+        title = re.search(r'\btitle="([^"]*)"', info)
+        block.title = title.group(1) if title else ""
         j = start - 1
         while j >= 0 and not lines[j].strip():
             j -= 1

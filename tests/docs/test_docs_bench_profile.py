@@ -195,7 +195,7 @@ def test_amx_section_claim_holds_in_the_committed_run() -> None:
     ],
 )
 def test_one_at_a_time_threshold_is_the_code_constant(page: str, phrase: str) -> None:
-    from dmuon.optim.orthogonalize import CPU_ONE_AT_A_TIME_MIN_SIDE
+    from dmuon.optim._orthogonalize import CPU_ONE_AT_A_TIME_MIN_SIDE
 
     text = (RESULTS.parents[1] / page).read_text(encoding="utf-8")
     stated = re.findall(phrase, " ".join(text.split()))

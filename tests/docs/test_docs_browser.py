@@ -2,9 +2,11 @@
 
 Screenshots of the home, gradient-accumulation and Z2 vs Z3 pages in both languages, light
 and dark, at 1,280 and 390 px wide, are kept under ``test-artifacts/screenshots/``. Each
-render fails on a table with a horizontal scrollbar, a missing diagram, a cut first
-example on the home page, or a request the site cannot answer. The language switcher and
-Chinese search are checked the way a reader uses them.
+render fails on a table with a horizontal scrollbar, a missing diagram, a code block that
+wraps its lines instead of scrolling, a first example on the home page that does not fit
+at desktop width, or a request the site cannot answer. Diagram labels must not overlap
+each other or run out of their boxes. The language switcher and Chinese search are checked
+the way a reader uses them.
 
 Without Chromium these tests skip, except in CI (``CI=true``), where they must run.
 """
@@ -74,7 +76,12 @@ OVERFLOW_JS = """() => {
   const diagrams = [...document.querySelectorAll('figure.dmuon-diagram svg')]
     .filter((svg) => svg.getBoundingClientRect().width > 100).length;
   const firstCode = document.querySelector('.md-content pre > code');
-  return {tables, page, diagrams, firstCodeCut: firstCode ? wide(firstCode) : null};
+  // Code keeps its lines (indentation reads as written) and scrolls sideways when too wide.
+  const wrapping = [...document.querySelectorAll('.md-content pre > code')]
+    .filter((el) => getComputedStyle(el).whiteSpace !== 'pre'
+      || !['auto', 'scroll'].includes(getComputedStyle(el).overflowX))
+    .map((el) => el.textContent.trim().slice(0, 40));
+  return {tables, page, diagrams, wrapping, firstCodeCut: firstCode ? wide(firstCode) : null};
 }"""
 
 
@@ -107,11 +114,65 @@ def test_pages_render_without_overflow(
                     problems.append(f"{where}: the page scrolls sideways")
                 if path in DIAGRAM_PAGES and found["diagrams"] < 1:
                     problems.append(f"{where}: diagram missing")
-                if path == "" and found["firstCodeCut"]:
+                if found["wrapping"]:
+                    problems.append(f"{where}: code blocks wrap: {found['wrapping']}")
+                if path == "" and width >= 1000 and found["firstCodeCut"]:
                     problems.append(f"{where}: the first example does not fit")
     finally:
         context.close()
     assert not missing, f"requests the site cannot answer: {missing}"
+    assert not problems, "\n".join(problems)
+
+
+DIAGRAM_LAYOUT_JS = """() => {
+  const problems = [];
+  for (const figure of document.querySelectorAll('figure.dmuon-diagram')) {
+    const name = figure.dataset.diagram;
+    const svg = figure.querySelector('svg');
+    const view = svg.viewBox.baseVal;
+    const texts = [...svg.querySelectorAll('text')].map((el) => ({el, box: el.getBBox()}));
+    const rects = [...svg.querySelectorAll('rect')].map((el) => el.getBBox());
+    const inside = (a, b, slack) => a.x >= b.x - slack && a.y >= b.y - slack
+      && a.x + a.width <= b.x + b.width + slack && a.y + a.height <= b.y + b.height + slack;
+    // Boxes include the font's line gap (CJK faces: about 1.5 em), so stacked lines touch;
+    // a collision is an overlap of more than a quarter of a line.
+    const overlap = (a, b) => a.x < b.x + b.width - 1 && b.x < a.x + a.width - 1
+      && Math.min(a.y + a.height, b.y + b.height) - Math.max(a.y, b.y)
+        > 0.25 * Math.min(a.height, b.height);
+    for (const [i, t] of texts.entries()) {
+      const label = t.el.textContent;
+      if (!inside(t.box, view, 0)) problems.push(`${name}: '${label}' runs out of the drawing`);
+      // The smallest box the label starts in must hold all of it.
+      const x = +t.el.getAttribute('x'), y = +t.el.getAttribute('y');
+      const anchor = t.el.getAttribute('text-anchor') === 'middle' ? x : x + 1;
+      const holders = rects.filter((r) => anchor >= r.x && anchor <= r.x + r.width
+        && y - 3 >= r.y && y - 3 <= r.y + r.height);
+      holders.sort((a, b) => a.width * a.height - b.width * b.height);
+      if (holders.length && !inside(t.box, holders[0], 1.5)) {
+        problems.push(`${name}: '${label}' runs out of its box`);
+      }
+      for (const u of texts.slice(i + 1)) {
+        if (overlap(t.box, u.box)) {
+          problems.push(`${name}: '${label}' overlaps '${u.el.textContent}'`);
+        }
+      }
+    }
+  }
+  return problems;
+}"""
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_diagram_labels_do_not_collide(base_url: str, browser: Any, lang: str) -> None:
+    """Every label of every diagram, measured as the browser lays it out."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    problems = []
+    try:
+        for path in ("concepts/", "gradient-accumulation/", "z2-vs-z3/"):
+            page.goto(base_url + ("zh/" if lang == "zh" else "") + path, wait_until="load")
+            problems += [f"{lang}/{path}: {p}" for p in page.evaluate(DIAGRAM_LAYOUT_JS)]
+    finally:
+        page.close()
     assert not problems, "\n".join(problems)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import re
 from importlib.metadata import version
+from pathlib import Path
 
 import pytest
 from docs_md import DOCS, ZH
@@ -35,9 +36,11 @@ def test_changelog_versions(lang: str) -> None:
 def test_unreleased_names_modules_that_exist() -> None:
     text = (DOCS / "changelog.md").read_text(encoding="utf-8")
     unreleased = text.split("## [Unreleased]", 1)[1].split("\n## [", 1)[0]
-    for module in ("dmuon.optim.orthogonalize", "dmuon.optim.naive"):
+    for module in ("dmuon.optim._orthogonalize", "dmuon._ownership.introspection"):
         assert f"`{module}`" in unreleased
         importlib.import_module(module)
+    assert "`benchmarks/naive_muon.py`" in unreleased
+    assert (Path(__file__).resolve().parents[2] / "benchmarks" / "naive_muon.py").is_file()
     import dmuon
 
     for gone in ("NaiveMuon", "naive_muon"):

@@ -1,7 +1,9 @@
 """Every Python code block of the docs runs on CPU, or says visibly why it cannot.
 
 Blocks are read from the English pages (the Chinese pages carry the same code, checked by
-the parity test). See ``docs_md`` for the markers.
+the parity test). See ``docs_md`` for the markers. A multi-process example shows readers
+its file name and the ``torchrun`` command that launches it, and runs here as each command
+the page shows for that file (with its arguments).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -31,6 +35,10 @@ from docs_md import (
 
 TIMEOUT_S = 240
 ERROR_PREFIXES = ("ValueError: ", "RuntimeError: ", "TypeError: ")
+LAUNCH = re.compile(
+    r"^torchrun --standalone --nproc[_-]per[_-]node[ =](?P<nproc>\d+) (?P<script>\S+\.py)"
+    r"(?P<args>(?: [^#]*?)?)\s*(?:#.*)?$"
+)
 
 
 @dataclass
@@ -39,10 +47,12 @@ class Example:
 
     blocks: list[CodeBlock] = field(default_factory=list)
     launcher: str = "python"  # "python", "torchrun N" or "bash"
+    args: tuple[str, ...] = ()  # the script's arguments in the launch command it runs as
 
     @property
     def id(self) -> str:
-        return self.blocks[0].where
+        where = self.blocks[0].where
+        return f"{where} {' '.join(self.args)}" if self.args else where
 
     @property
     def script(self) -> str:
@@ -80,7 +90,9 @@ def collect() -> tuple[list[Example], list[CodeBlock], list[str]]:
             if kind == "run" and arg.startswith("torchrun"):
                 if not is_python:
                     errors.append(f"{block.where}: 'run: {arg}' on a {block.lang} block")
-                examples.append(Example([block], arg))
+                commands = launch_commands(page).get(script_name(block), [])
+                for args in dict.fromkeys(args for _, args in commands) or [()]:
+                    examples.append(Example([block], arg, args))
                 continue
             if kind == "run":
                 errors.append(f"{block.where}: unknown marker 'run: {arg}'")
@@ -89,6 +101,32 @@ def collect() -> tuple[list[Example], list[CodeBlock], list[str]]:
                 last["python"] = Example([block], "python")
                 examples.append(last["python"])
     return examples, skipped, errors
+
+
+def script_name(block: CodeBlock) -> str:
+    """The file name a script block shows: its fence title, or a first line ``# name.py``."""
+    if block.title:
+        return block.title
+    first = block.code.splitlines()[0] if block.code.strip() else ""
+    match = re.fullmatch(r"#\s*(\S+\.py)\s*", first)
+    return match.group(1) if match else ""
+
+
+def launch_commands(page: Path) -> dict[str, list[tuple[int, tuple[str, ...]]]]:
+    """Every ``torchrun --standalone --nproc_per_node N SCRIPT ARGS`` line of the page's shell
+    blocks: script -> [(N, ARGS)]."""
+    commands: dict[str, list[tuple[int, tuple[str, ...]]]] = {}
+    for block in code_blocks(page):
+        if block.lang not in SHELL_LANGS:
+            continue
+        for line in block.code.splitlines():
+            match = LAUNCH.match(line.strip())
+            if match:
+                args = tuple(shlex.split(match.group("args")))
+                commands.setdefault(match.group("script"), []).append(
+                    (int(match.group("nproc")), args)
+                )
+    return commands
 
 
 EXAMPLES, SKIPPED, MARKER_ERRORS = collect()
@@ -116,6 +154,43 @@ def test_norun_blocks_show_their_reason() -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.parametrize("page", [*en_pages(), *zh_pages()], ids=lambda p: str(p.relative_to(DOCS)))
+def test_multiprocess_examples_show_how_to_launch_them(page: Path) -> None:
+    """A ``run: torchrun N`` script shows its file name, and the next block on the page is
+    the command that launches it on N processes (run with ``python``, it would stop with
+    "environment variable RANK expected")."""
+    blocks = code_blocks(page)
+    problems = []
+    for i, block in enumerate(blocks):
+        if block.marker_kind != "run" or not block.marker_arg.startswith("torchrun"):
+            continue
+        nproc = int(block.marker_arg.split()[1]) if len(block.marker_arg.split()) > 1 else 2
+        name = script_name(block)
+        if not name:
+            problems.append(f'{block.where}: no file name (give the fence title="NAME.py")')
+            continue
+        following = blocks[i + 1] if i + 1 < len(blocks) else None
+        shown = [] if following is None else launch_commands_of(following)
+        if (nproc, name) not in shown:
+            problems.append(
+                f"{block.where}: the next block must launch it: "
+                f"torchrun --standalone --nproc_per_node {nproc} {name}"
+            )
+    assert not problems, "\n".join(problems)
+
+
+def launch_commands_of(block: CodeBlock) -> list[tuple[int, str]]:
+    """(N, script) of every torchrun line of one shell block."""
+    if block.lang not in SHELL_LANGS:
+        return []
+    found = []
+    for line in block.code.splitlines():
+        match = LAUNCH.match(line.strip())
+        if match:
+            found.append((int(match.group("nproc")), match.group("script")))
+    return found
+
+
 def test_docs_have_examples() -> None:
     assert len(EXAMPLES) >= 10, [e.id for e in EXAMPLES]
     assert any(e.launcher.startswith("torchrun") for e in EXAMPLES)
@@ -136,6 +211,7 @@ def _command(example: Example, script: Path) -> list[str]:
         "--standalone",
         f"--nproc_per_node={nproc}",
         str(script),
+        *example.args,
     ]
 
 

@@ -12,7 +12,7 @@ from docs_md import built_page, load_hook, parse_html
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_newton_schulz_table_matches_code(lang: str, site: Path) -> None:
     # The module, not the function of the same name that dmuon.optim re-exports.
-    ns = importlib.import_module("dmuon.optim.orthogonalize")
+    ns = importlib.import_module("dmuon.optim._orthogonalize")
     text = parse_html(built_page(site, "newton-schulz.md", lang)).text
     for name, triples in ns.COEFFICIENT_SETS.items():
         assert name in text

@@ -32,6 +32,8 @@ PRESET_HEADER = {"en": "preset", "zh": "预设"}
 
 
 def _spelled(value: object) -> str:
+    if isinstance(value, bool):  # a switch: the command line's spelling
+        return str(value).lower()
     return repr(value) if isinstance(value, float) else str(value)
 
 
@@ -74,7 +76,7 @@ def test_flag_defaults_agree_with_the_train_config() -> None:
 def _count_parameters(config: object) -> int:
     import torch
 
-    from dmuon.train.model import Transformer
+    from dmuon.train.models.preset import Transformer
 
     with torch.device("meta"):
         model = Transformer(config)  # type: ignore[arg-type]
@@ -83,7 +85,7 @@ def _count_parameters(config: object) -> int:
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_preset_table_cells_match_the_models(lang: str, site: Path) -> None:
-    from dmuon.train.model import PRESETS
+    from dmuon.train.models.preset import PRESETS
 
     rows = _table_with_header(site, lang, PRESET_HEADER[lang])[1:]
     assert [row[0] for row in rows] == list(PRESETS)

@@ -126,6 +126,10 @@ def test_each_language_has_its_own_search_index(site: Path) -> None:
     zh_text = "".join(d["text"] for d in _index(site, "zh")["docs"])
     en_text = "".join(d["text"] for d in _index(site, "en")["docs"])
     assert "微批次" in zh_text and "微批次" not in en_text
+    # Every section is searchable in both languages, also those whose text is the same in
+    # both (the API reference's English docstrings).
+    locations = {lang: {d["location"] for d in _index(site, lang)["docs"]} for lang in ("en", "zh")}
+    assert locations["en"] == locations["zh"], locations["en"] ^ locations["zh"]
 
 
 def _config_base(path: Path) -> Path:

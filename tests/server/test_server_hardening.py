@@ -69,7 +69,7 @@ def _expected_per_rank(model: str, b: int, t: int, accum: int, n: int, corpus: i
     )
     act = 4 * b * t * (m.n_layers * (12 * m.dim + 4 * m.ffn_dim) + 2 * m.dim + 3 * 256)
     batch = 8 * (t + 1) * (accum * b + math.ceil(64 / n))
-    return 16 * params + act + batch + 3 * corpus + (512 << 20)
+    return 16 * params + act + batch + 3 * min(corpus, 4 << 20) + (512 << 20)
 
 
 def test_validate_reports_the_estimates(client: TestClient, tmp_path: Path) -> None:
@@ -139,7 +139,7 @@ def test_data_the_recipe_would_reject_is_refused_at_once(
     (root / "tiny.txt").write_text("hello")
     (root / "short.txt").write_text("y" * 1000)
     cases = {
-        "empty": "no non-empty text file",
+        "empty": "holds no non-empty file to read",
         "tiny.txt": "fewer than seq_len + 1",
     }
     for data, why in cases.items():

@@ -84,6 +84,8 @@ def test_links_out_of_the_data_roots_are_refused(tmp_path: Path, start_server: S
         size = (root / "fine" / "a.txt").stat().st_size
         assert plan.json()["admission"]["data"]["bytes"] == 2 * size
         assert plan.json()["admission"]["data"]["files"] == 2
+        # ...and the recipe, told the roots, reads it too (it refuses links out of the folder).
+        assert plan.json()["env"]["DMUON_DATA_ROOTS"] == "<data-root>"
     assert os.path.islink(root / "dir" / "leak.txt")  # nothing was changed on disk
 
 

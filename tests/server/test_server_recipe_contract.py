@@ -1,5 +1,6 @@
-"""The server against the real recipe (``dmuon.train``): the preset table the server keeps,
-non-finite metrics, and failure causes reported through torchrun's error files.
+"""The server against the real recipe (``dmuon.train``): both built from the one contract
+module (flags, presets, defaults, metric keys, checkpoint naming), non-finite metrics, and
+failure causes reported through torchrun's error files.
 
 The server never imports ``dmuon``; these tests do, to hold the two sides to one contract.
 """
@@ -21,6 +22,70 @@ from dmuon_server.metrics import parse_lines
 from dmuon_server.schemas import MetricPoint
 
 train = pytest.importorskip("dmuon.train", reason="dmuon.train (the real recipe) is not installed")
+
+
+def test_the_contract_module_imports_no_torch() -> None:
+    code = (
+        "import sys, dmuon_recipe_contract, dmuon_server.launch, dmuon_server.admission; "
+        "bad = [m for m in ('torch', 'dmuon', 'transformers') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_recipes_parser_and_config_are_built_from_the_contract() -> None:
+    import argparse
+    from dataclasses import fields
+
+    import dmuon_recipe_contract as contract
+
+    parser = train.build_parser()
+    options = {
+        a.dest: a
+        for a in parser._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction)
+    }
+    assert list(options) == [f.dest for f in contract.FLAGS]  # same flags, same order
+    for spec in contract.FLAGS:
+        action = options[spec.dest]
+        assert action.option_strings == [spec.option], spec.dest
+        assert action.default == spec.default and action.help == spec.help, spec.dest
+        if spec.kind == "choice":
+            assert tuple(action.choices) == spec.choices, spec.dest
+    assert [f.name for f in fields(train.TrainConfig)] == [f.dest for f in contract.FLAGS]
+    assert train.TrainConfig() == train.parse_args([])
+    assert train.REQUIRED_KEYS == contract.METRIC_KEYS
+
+
+def test_the_servers_spec_and_command_are_built_from_the_contract(tmp_path: Path) -> None:
+    import typing
+
+    import dmuon_recipe_contract as contract
+
+    from dmuon.train.checkpointing import checkpoint_name as recipe_checkpoint_name
+    from dmuon_server.config import Settings
+    from dmuon_server.jobfiles import checkpoint_name
+    from dmuon_server.launch import build_command
+    from dmuon_server.schemas import JobCreate, TrainSpec
+
+    dests = {f.dest for f in contract.FLAGS}
+    assert set(TrainSpec.model_fields) <= dests, set(TrainSpec.model_fields) - dests
+    for name, info in TrainSpec.model_fields.items():
+        spec = contract.flag(name)
+        if spec.kind == "choice":
+            literal = next(a for a in typing.get_args(info.annotation) if a is not type(None))
+            assert typing.get_args(literal) == spec.choices, name
+    spec = JobCreate.model_validate(
+        {"nproc_per_node": 1, "train": {"model": "tiny", "steps": 3, "micro_batch_size": 1,
+                                        "accum_steps": 1, "seq_len": 8, "compile": True}}
+    )  # fmt: skip
+    argv = build_command(Settings(data_dir=tmp_path), spec, tmp_path / "job", None).torchrun_argv
+    recipe = argv[argv.index("dmuon.train") + 1 :]
+    parsed = train.parse_args(recipe)  # the recipe accepts the server's command line
+    assert parsed.compile and parsed.lr == contract.flag("lr").default and parsed.steps == 3
+    assert set(a for a in recipe if a.startswith("--")) <= {f.option for f in contract.FLAGS}
+    assert checkpoint_name(7) == recipe_checkpoint_name(7) == contract.checkpoint_name(7)
 
 
 def test_the_servers_preset_table_is_the_recipes() -> None:

@@ -9,7 +9,14 @@ with dmuon.no_sync(model): ...          # around accumulating micro-batches
 ```
 """
 
-from dmuon.accumulation import no_sync
+from dmuon._accumulation import no_sync
+from dmuon._clip import clip_grad_norm_
+from dmuon._comm import CollectiveError, CollectiveTally, CommAudit, StepComm
+from dmuon._ownership.dedicate import dedicate_params
+from dmuon._ownership.gradients import DedicatedGradientError
+from dmuon._ownership.introspection import comm_audit, dedicated_parameters, owner_plan
+from dmuon._ownership.planner import ExpertRange, OwnerPlan, default_predicate, plan_owners
+from dmuon._updates import parameters_updated
 from dmuon.checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -18,17 +25,14 @@ from dmuon.checkpoint import (
     set_optimizer_state_dict,
     set_state_dict,
 )
-from dmuon.clip import clip_grad_norm_
-from dmuon.comm import CollectiveTally, CommAudit, StepComm
 from dmuon.optim import Muon, NonFiniteGradientError, newton_schulz
-from dmuon.ownership.dedicate import dedicate_params
-from dmuon.ownership.inspect import comm_audit, dedicated_parameters, owner_plan
-from dmuon.ownership.planner import ExpertRange, OwnerPlan, default_predicate, plan_owners
-from dmuon.updates import parameters_updated
+from dmuon.optim._groups import weight_decay_groups
 
 __all__ = [
+    "CollectiveError",
     "CollectiveTally",
     "CommAudit",
+    "DedicatedGradientError",
     "ExpertRange",
     "Muon",
     "NonFiniteGradientError",
@@ -50,4 +54,5 @@ __all__ = [
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",
+    "weight_decay_groups",
 ]

@@ -23,7 +23,7 @@ from dmuon_server.limits import BodySizeLimitMiddleware
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.openapi import build_openapi
 from dmuon_server.protocol import HeadMiddleware, JsonBodyMiddleware
-from dmuon_server.routers import jobs, metrics, service
+from dmuon_server.routers import artifacts, jobs, metrics, service
 from dmuon_server.store import Store, StoreError
 from dmuon_server.supervisor import Supervisor
 from dmuon_server.users import Users, UsersFileError
@@ -97,6 +97,7 @@ def create_app(
     app.include_router(service.router)
     app.include_router(jobs.router)
     app.include_router(metrics.router)
+    app.include_router(artifacts.router)
     # Middleware added later runs first: host check, dashboard files, token, body size,
     # JSON bodies, HEAD, then the routes.
     app.add_middleware(HeadMiddleware)

@@ -128,6 +128,15 @@ def build_parser() -> argparse.ArgumentParser:
         "on the recipe's built-in corpus",
     )
     p.add_argument(
+        "--model-root",
+        action="append",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="folder train.model.path and train.tokenizer may point into (repeatable); "
+        "default: none, jobs train presets only",
+    )
+    p.add_argument(
         "--code-root",
         action="append",
         type=Path,
@@ -260,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error("--cancel-grace-s >= 0 and --heartbeat > 0")
     if args.max_job_memory is not None and not args.max_job_memory > 0:
         return _error("--max-job-memory must be a positive number of GiB")
-    for flag, roots in (("--data-root", args.data_root), ("--code-root", args.code_root)):
+    for flag, roots in (
+        ("--data-root", args.data_root),
+        ("--model-root", args.model_root),
+        ("--code-root", args.code_root),
+    ):
         for root in roots or ():
             if not root.is_dir():
                 return _error(f"{flag} {root} is not an existing folder; create it or fix the path")
@@ -274,6 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         max_concurrent_jobs=args.max_concurrent_jobs,
         max_nproc_per_node=args.max_nproc,
         data_roots=tuple(args.data_root or ()),
+        model_roots=tuple(args.model_root or ()),
         cancel_grace_s=args.cancel_grace,
         heartbeat_s=args.heartbeat,
         max_body_bytes=args.max_body_bytes,

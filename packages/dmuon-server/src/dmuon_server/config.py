@@ -51,6 +51,8 @@ class Settings:
             number of usable CPUs: the recipe runs one process per CPU core with gloo.
         data_roots: Folders a job's ``train.data`` path must lie in (after resolving symlinks
             and ``..``). None by default: jobs then train on the recipe's default corpus only.
+        model_roots: Folders a job's ``train.model.path`` and ``train.tokenizer`` must lie
+            in, resolved the same way. None by default: jobs then train presets only.
         train_module: The Python module torchrun runs (``-m``); ``dmuon.train`` unless
             ``DMUON_SERVER_TRAIN_MODULE`` says otherwise.
         python: The interpreter jobs run with (the server's own by default).
@@ -83,6 +85,7 @@ class Settings:
     max_concurrent_jobs: int | None = None
     max_nproc_per_node: int = field(default_factory=usable_cpus)
     data_roots: tuple[Path, ...] = ()
+    model_roots: tuple[Path, ...] = ()
     train_module: str = field(
         default_factory=lambda: os.environ.get(TRAIN_MODULE_ENV) or "dmuon.train"
     )
@@ -107,6 +110,8 @@ class Settings:
         object.__setattr__(self, "data_dir", data_dir)
         roots = self.data_roots or ()
         object.__setattr__(self, "data_roots", tuple(Path(os.path.realpath(r)) for r in roots))
+        models = self.model_roots or ()
+        object.__setattr__(self, "model_roots", tuple(Path(os.path.realpath(r)) for r in models))
         code = self.code_roots or ()
         object.__setattr__(self, "code_roots", tuple(Path(os.path.realpath(r)) for r in code))
         if self.max_concurrent_jobs is None:

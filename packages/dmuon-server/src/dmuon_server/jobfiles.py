@@ -5,7 +5,8 @@ teed, all attempts), ``metrics.jsonl`` (the recipe's metrics file of the first a
 ``metrics.attempt-N.jsonl`` for attempt N >= 2), ``exit.json`` (the runner's exit report of
 the latest attempt, see :mod:`dmuon_server.runner`), ``torchrun-logs/`` (one folder per
 rank), ``checkpoints/`` (the recipe's ``step_XXXXXXXX`` checkpoint folders) and ``init/``
-(the checkpoint named by ``init_from``, linked in at submission).
+(the checkpoint named by ``init_from``, linked in at submission) and ``export/`` (the
+Hugging Face directory of a job with ``train.export_hf``).
 """
 
 from __future__ import annotations
@@ -19,13 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import dmuon_recipe_contract as contract
+
 from dmuon_server.runner import EXIT_FILE
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
+#: Where a job with ``train.export_hf`` writes its Hugging Face model directory.
+EXPORT_DIR = "export"
 INIT_DIR = "init"
 #: A complete checkpoint folder, as the recipe names it (temporary ones start with a dot).
-_CHECKPOINT_NAME = re.compile(r"^step_([0-9]{8})$")
+_CHECKPOINT_NAME = re.compile(f"^{contract.CHECKPOINT_NAME_PATTERN.pattern}$")
 LOG_FILE = "job.log"
 SPEC_FILE = "spec.json"
 TORCHRUN_LOG_DIR = "torchrun-logs"
@@ -44,7 +49,7 @@ def metrics_file(attempt: int) -> str:
 
 def checkpoint_name(step: int) -> str:
     """The folder name of the checkpoint of ``step`` (``step_00000005``)."""
-    return f"step_{step:08d}"
+    return contract.checkpoint_name(step)
 
 
 @dataclass(frozen=True)

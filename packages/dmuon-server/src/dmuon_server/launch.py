@@ -10,7 +10,9 @@ Every process of a job gets ``DMUON_JOB_ID``, ``DMUON_METRICS_FILE`` (the file o
 attempt), ``DMUON_CHECKPOINT_DIR``, ``DMUON_RESUME_FROM`` (the checkpoint an attempt
 resumes from, when there is one), ``CUDA_VISIBLE_DEVICES`` (its GPUs, on a server with
 GPUs) and, for a script that gives them, ``DMUON_STEPS``, ``DMUON_MICRO_BATCH_SIZE`` and
-``DMUON_ACCUM_STEPS``.
+``DMUON_ACCUM_STEPS``. A recipe job on a server with data roots gets them in
+``DMUON_DATA_ROOTS`` (`dmuon_recipe_contract.DATA_ROOTS_ENV`): a link inside its data folder
+may lead anywhere in them, as admission allowed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dmuon_server.admission import assess
+import dmuon_recipe_contract as contract
+
+from dmuon_server.admission import ModelInputs, assess
 from dmuon_server.config import (
     DATA_DIR_ENV_MARKER,
     JOB_ENV_MARKER,
@@ -30,8 +34,10 @@ from dmuon_server.config import (
 )
 from dmuon_server.errors import field_error
 from dmuon_server.gpus import visible_devices
+from dmuon_server.hf_models import ModelDirError, read_model_dir, tokenizer_vocab
 from dmuon_server.jobfiles import (
     CHECKPOINT_DIR,
+    EXPORT_DIR,
     INIT_DIR,
     METRICS_FILE,
     TORCHRUN_LOG_DIR,
@@ -40,8 +46,21 @@ from dmuon_server.jobfiles import (
     list_checkpoints,
     metrics_file,
 )
-from dmuon_server.paths import DataPathError, PublicPaths, resolve_code_path, resolve_data_path
-from dmuon_server.schemas import SLURM_ONLY_FIELDS, Admission, FieldError, JobCreate, LaunchPlan
+from dmuon_server.paths import (
+    DataPathError,
+    PublicPaths,
+    resolve_code_path,
+    resolve_data_path,
+    resolve_model_path,
+)
+from dmuon_server.schemas import (
+    SLURM_ONLY_FIELDS,
+    Admission,
+    FieldError,
+    JobCreate,
+    LaunchPlan,
+    ModelPath,
+)
 
 #: The variables every process of a job finds (see the module docstring).
 JOB_ID_ENV = "DMUON_JOB_ID"
@@ -75,7 +94,8 @@ _SCRUBBED_VARS = frozenset(
 class Review:
     """What :func:`review` found: the fields to change (none: the server accepts the spec),
     the resolved data path or script, the estimates, the warnings, the checkpoint
-    ``init_from`` names, and the GPUs per node the job takes."""
+    ``init_from`` names, the GPUs per node the job takes, and the resolved model directory
+    and tokenizer."""
 
     errors: list[FieldError] = field(default_factory=list)
     data_path: Path | None = None
@@ -84,11 +104,108 @@ class Review:
     warnings: list[str] = field(default_factory=list)
     init_checkpoint: CheckpointInfo | None = None
     gpus_per_node: int = 0
+    model_path: Path | None = None
+    tokenizer_path: Path | None = None
 
     @property
     def accepted(self) -> bool:
         """Whether the job can run as given."""
         return not self.errors
+
+
+def with_recipe_defaults(spec: JobCreate) -> JobCreate:
+    """``spec`` with the recipe's defaults written into the fields left out that the job
+    record shows (``lr``, ``adamw_lr``, ``optimizer``, ``mode``, ``seed``).
+
+    The defaults are the recipe's own (`dmuon_recipe_contract`); ``adamw_lr`` follows the
+    optimizer: ``lr`` under dmuon, the baseline's rate under adamw. A script job is
+    returned as it is.
+    """
+    t = spec.train
+    if t is None:
+        return spec
+    optimizer = t.optimizer or contract.flag("optimizer").default
+    lr = t.lr if t.lr is not None else contract.flag("lr").default
+    adamw_lr = t.adamw_lr
+    if adamw_lr is None:
+        adamw_lr = lr if optimizer == "dmuon" else contract.ADAMW_BASELINE_LR
+    filled = t.model_copy(
+        update={
+            "optimizer": optimizer,
+            "lr": lr,
+            "adamw_lr": adamw_lr,
+            "mode": t.mode or contract.flag("mode").default,
+            "seed": t.seed if t.seed is not None else contract.flag("seed").default,
+        }
+    )
+    return spec.model_copy(update={"train": filled})
+
+
+def _token_data(data_path: Path | None) -> bool:
+    """Whether the data are token files (a ``.bin``, or a folder holding them)."""
+    if data_path is None:
+        return False
+    if data_path.is_file():
+        return contract.data_kind(data_path) == "tokens"
+    return next(data_path.rglob(f"*{contract.TOKEN_SUFFIX}"), None) is not None
+
+
+def _resolve_model(
+    settings: Settings, spec: JobCreate, errors: list[FieldError], data_path: Path | None
+) -> tuple[ModelInputs | None, Path | None, Path | None]:
+    """The model side of a spec: ``(inputs for the estimates, model dir, tokenizer path)``.
+
+    Appends to ``errors`` (with the recipe's messages) what the recipe would refuse.
+    """
+    t = spec.train
+    assert t is not None
+    public = PublicPaths(settings)
+    tokenizer_path: Path | None = None
+    if t.tokenizer is not None:
+        try:
+            tokenizer_path = resolve_model_path(settings, t.tokenizer, "tokenizer")
+        except DataPathError as e:
+            errors.append(field_error(("body", "train", "tokenizer"), str(e), "value_error"))
+            return None, None, None
+    if not isinstance(t.model, ModelPath):
+        vocab = 256 if tokenizer_path is None else tokenizer_vocab(tokenizer_path)
+        embed = contract.PRESETS[t.model].vocab_size
+        if vocab is not None and vocab > embed:
+            what = "--tokenizer " + public.text(str(tokenizer_path))
+            errors.append(
+                field_error(("body", "train", "tokenizer"),
+                            contract.vocab_message(vocab, embed, what, t.model), "admission")
+            )  # fmt: skip
+        return ModelInputs(t.model, None, vocab), None, tokenizer_path
+    loc = ("body", "train", "model", "path")
+    try:
+        model_dir = resolve_model_path(settings, t.model.path, "model")
+    except DataPathError as e:
+        errors.append(field_error(loc, str(e), "value_error"))
+        return None, None, None
+    label = public.text(str(model_dir))
+    try:
+        hf = read_model_dir(model_dir, label)
+    except ModelDirError as e:
+        errors.append(field_error(loc, str(e), "value_error"))
+        return None, None, None
+    tokens_only = _token_data(data_path)
+    if tokenizer_path is None and not hf.has_tokenizer and not tokens_only:
+        errors.append(
+            field_error(
+                ("body", "train", "tokenizer"), contract.no_tokenizer_message(label), "value_error"
+            )
+        )
+        return None, None, None
+    source = tokenizer_path or (model_dir if hf.has_tokenizer else None)
+    vocab = tokenizer_vocab(source) if source is not None else None
+    if vocab is not None and vocab > hf.vocab_size:
+        what = "the tokenizer " + public.text(str(source))
+        errors.append(
+            field_error(("body", "train", "tokenizer"),
+                        contract.vocab_message(vocab, hf.vocab_size, what, label), "admission")
+        )  # fmt: skip
+    return ModelInputs(label, hf, vocab), model_dir, tokenizer_path
 
 
 def resolve_init_from(
@@ -258,11 +375,12 @@ def review(
             label = PublicPaths(settings).text(str(data_path))
         except DataPathError as e:
             errors.append(field_error(("body", "train", "data"), str(e), "value_error"))
+    model, model_path, tokenizer_path = _resolve_model(settings, spec, errors, data_path)
     init = resolve_init_from(settings, spec, visible)
     if isinstance(init, FieldError):
         errors.append(init)
         init = None
-    if errors:  # the estimates need a valid world size and data path
+    if errors:  # the estimates need a valid world size, model and data path
         return Review(errors, gpus_per_node=gpus)
     admission, refusals, warnings = assess(
         spec.train,
@@ -270,10 +388,13 @@ def review(
         data_path,
         label,
         settings.max_job_memory,
+        model,
         settings.data_roots,
     )
     errors = [field_error(r.loc, r.message, "admission") for r in refusals]
-    return Review(errors, data_path, None, admission, warnings, init, gpus)
+    return Review(
+        errors, data_path, None, admission, warnings, init, gpus, model_path, tokenizer_path
+    )
 
 
 def _fmt_float(x: float) -> str:
@@ -294,18 +415,22 @@ def init_path(job_dir: Path, init: CheckpointInfo) -> Path:
     return job_dir / INIT_DIR / checkpoint_name(init.step)
 
 
-def build_command(settings: Settings, spec: JobCreate, job_dir: Path, accepted: Review) -> Command:
+def build_command(
+    settings: Settings, spec: JobCreate, job_dir: Path, accepted: Review | None = None
+) -> Command:
     """The runner's argv, the equivalent torchrun argv and the variables set for the job.
 
     This is the first attempt's command; :func:`attempt_argv` and :func:`launch_env`
-    derive the later ones.
+    derive the later ones. ``accepted`` is the spec's :func:`review` (None: a recipe job
+    with no paths to resolve, as for a preset on the built-in corpus).
     """
+    accepted = accepted or Review()
     n = spec.nproc_per_node
     if spec.script is not None:
         assert accepted.script_path is not None
         program = [str(accepted.script_path), *spec.script.args]
     else:
-        program = _recipe(settings, spec, job_dir, accepted.data_path, accepted.init_checkpoint)
+        program = _recipe(settings, spec, job_dir, accepted)
     torchrun_opts = [
         "--standalone",
         "--nproc_per_node",
@@ -330,59 +455,53 @@ def build_command(settings: Settings, spec: JobCreate, job_dir: Path, accepted: 
     return Command(argv, torchrun_argv, env)
 
 
-def _recipe(
-    settings: Settings,
-    spec: JobCreate,
-    job_dir: Path,
-    data_path: Path | None,
-    init: CheckpointInfo | None,
-) -> list[str]:
-    """``-m <recipe> <flags>``: the recipe and its flags for ``spec.train``."""
-    t = spec.train
+def _option(dest: str) -> str:
+    """The recipe's spelling of a flag (``--micro-batch-size``), from its contract."""
+    return contract.flag(dest).option
+
+
+def _recipe(settings: Settings, spec: JobCreate, job_dir: Path, accepted: Review) -> list[str]:
+    """``-m <recipe> <flags>``: the recipe and its flags for ``spec.train``, with the
+    recipe's defaults filled in (`with_recipe_defaults`) and the paths ``accepted`` resolved.
+    """
+    t = with_recipe_defaults(spec).train
     assert t is not None
-    recipe = [
-        "-m",
-        settings.train_module,
-        "--model",
-        t.model,
-        "--steps",
-        str(t.steps),
-        "--micro-batch-size",
-        str(t.micro_batch_size),
-        "--accum-steps",
-        str(t.accum_steps),
-        "--seq-len",
-        str(t.seq_len),
-        "--lr",
-        _fmt_float(t.lr),
-        "--adamw-lr",
-        _fmt_float(t.adamw_lr),
-        "--optimizer",
-        t.optimizer,
-        "--mode",
-        t.mode,
-        "--seed",
-        str(t.seed),
+    init = accepted.init_checkpoint
+    model = str(accepted.model_path) if isinstance(t.model, ModelPath) else t.model
+    tokenizer = accepted.tokenizer_path
+    data = accepted.data_path
+    values: list[tuple[str, str | None]] = [
+        ("model", model),
+        ("steps", str(t.steps)),
+        ("micro_batch_size", str(t.micro_batch_size)),
+        ("accum_steps", str(t.accum_steps)),
+        ("seq_len", str(t.seq_len)),
+        ("lr", _fmt_float(t.lr)),  # type: ignore[arg-type]
+        ("adamw_lr", _fmt_float(t.adamw_lr)),  # type: ignore[arg-type]
+        ("optimizer", t.optimizer),
+        ("mode", t.mode),
+        ("seed", str(t.seed)),
+        ("warmup_steps", None if t.warmup_steps is None else str(t.warmup_steps)),
+        ("eval_every", None if t.eval_every is None else str(t.eval_every)),
+        ("metrics_file", str(job_dir / METRICS_FILE)),
+        ("tokenizer", None if tokenizer is None else str(tokenizer)),
+        ("data", None if data is None else str(data)),
+        ("text_field", t.text_field),
+        ("param_dtype", t.param_dtype),
+        ("checkpoint_dir", str(job_dir / CHECKPOINT_DIR)),
+        ("checkpoint_every", str(t.checkpoint_every)),
+        ("keep_checkpoints", str(t.keep_checkpoints)),
+        ("resume", "auto"),
+        ("init_from", None if init is None else str(init_path(job_dir, init))),
+        ("export_hf", str(job_dir / EXPORT_DIR) if t.export_hf else None),
     ]
-    if t.warmup_steps is not None:
-        recipe += ["--warmup-steps", str(t.warmup_steps)]
-    if t.eval_every is not None:
-        recipe += ["--eval-every", str(t.eval_every)]
-    recipe += ["--metrics-file", str(job_dir / METRICS_FILE)]
-    if data_path is not None:
-        recipe += ["--data", str(data_path)]
-    recipe += [
-        "--checkpoint-dir",
-        str(job_dir / CHECKPOINT_DIR),
-        "--checkpoint-every",
-        str(t.checkpoint_every),
-        "--keep-checkpoints",
-        str(t.keep_checkpoints),
-        "--resume",
-        "auto",
-    ]
-    if init is not None:
-        recipe += ["--init-from", str(init_path(job_dir, init))]
+    recipe = ["-m", settings.train_module]
+    for dest, value in values:
+        if value is not None:
+            recipe += [_option(dest), value]
+    for dest in ("activation_checkpointing", "compile"):
+        if getattr(t, dest):
+            recipe.append(_option(dest))
     return recipe
 
 
@@ -428,10 +547,10 @@ def attempt_argv(
     if spec.train is None:
         return list(argv)
     steps = spec.train.steps
-    out = _set_flag(argv, "--metrics-file", str(job_dir / metrics_file(attempt)))
-    out = _set_flag(out, "--steps", str(steps))
+    out = _set_flag(argv, _option("metrics_file"), str(job_dir / metrics_file(attempt)))
+    out = _set_flag(out, _option("steps"), str(steps))
     if resuming:
-        out = _set_flag(out, "--init-from", None)
+        out = _set_flag(out, _option("init_from"), None)
     return out
 
 
@@ -442,6 +561,7 @@ def plan_view(
 
     Server paths are shown as placeholders (:class:`dmuon_server.paths.PublicPaths`).
     """
+    spec = with_recipe_defaults(spec)
     t = spec.train
     n = spec.nproc_per_node
     world = n * spec.nnodes
@@ -520,6 +640,8 @@ def launch_env(
     }
     if resume_from is not None:
         env[RESUME_FROM_ENV] = str(resume_from)
+    if spec.train is not None and spec.train.data is not None and settings.data_roots:
+        env[contract.DATA_ROOTS_ENV] = os.pathsep.join(map(str, settings.data_roots))
     if settings.launcher == "local" and settings.gpus and gpus is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible_devices(gpus)
     s = spec.script

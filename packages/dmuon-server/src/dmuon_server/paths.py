@@ -2,10 +2,10 @@
 
 Clients never see the server's absolute paths: the data directory is shown as
 ``<data-dir>``, a job's folder as ``<job-dir>``, a data root as ``<data-root>``
-(``<data-root-2>`` and so on when there are several), a code root as ``<code-root>``, the
-interpreter as ``python`` in a command line and ``<python>`` in text, its virtual
-environment as ``<venv>`` and the Python installation as ``<python-home>`` (the folders
-tracebacks of a job name).
+(``<data-root-2>`` and so on when there are several), a model root as ``<model-root>`` and a
+code root as ``<code-root>`` (likewise), the interpreter as ``python`` in a command line and
+``<python>`` in text, its virtual environment as ``<venv>`` and the Python installation as
+``<python-home>`` (the folders tracebacks of a job name).
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from dmuon_server.config import Settings
 
 
 class DataPathError(ValueError):
-    """A ``train.data`` or ``script.path`` that does not exist or lies outside its roots."""
+    """A path of a job spec that does not exist or lies outside its roots."""
 
 
 def root_label(index: int, count: int, kind: str = "data") -> str:
-    """The placeholder of root number ``index`` (0-based) out of ``count``: ``<data-root>``
-    (``<data-root-2>``, ...), or ``<code-root>`` for ``kind="code"``."""
+    """The placeholder of root number ``index`` (0-based) out of ``count`` (``kind``:
+    ``data``, ``model`` or ``code``): ``<data-root>``, or ``<data-root-2>``, ... when there
+    are several."""
     return f"<{kind}-root>" if count == 1 else f"<{kind}-root-{index + 1}>"
 
 
@@ -40,7 +41,18 @@ def resolve_data_path(settings: Settings, data: str) -> Path:
             "this server accepts no data paths (it was started without --data-root); omit "
             "train.data to train on the recipe's built-in corpus"
         )
-    return _resolve(data, settings.data_roots, "data")
+    return resolve_in_roots(settings.data_roots, data, "data")
+
+
+def resolve_model_path(settings: Settings, path: str, what: str) -> Path:
+    """Resolve a model directory or tokenizer path (``what``) against the model roots."""
+    if not settings.model_roots:
+        raise DataPathError(
+            f"this server accepts no {what} paths (it was started without --model-root); "
+            'train a preset (train.model: "tiny", ...) or ask for a server with '
+            "--model-root"
+        )
+    return resolve_in_roots(settings.model_roots, path, "model")
 
 
 def resolve_code_path(settings: Settings, script: str) -> Path:
@@ -51,7 +63,7 @@ def resolve_code_path(settings: Settings, script: str) -> Path:
             "this server runs no scripts of its users (it was started without --code-root); "
             "use train to run the recipe, or ask for a server with --code-root"
         )
-    path = _resolve(script, settings.code_roots, "code")
+    path = resolve_in_roots(settings.code_roots, script, "code")
     if not path.is_file():
         raise DataPathError(f"{script!r} is a folder, not a Python file; give the script's file")
     if path.suffix != ".py":
@@ -59,9 +71,9 @@ def resolve_code_path(settings: Settings, script: str) -> Path:
     return path
 
 
-def _resolve(given: str, roots: tuple[Path, ...], kind: str) -> Path:
-    """``given`` resolved inside one of ``roots`` (of ``kind`` ``data`` or ``code``)."""
-    data = given
+def resolve_in_roots(roots: tuple[Path, ...], data: str, kind: str) -> Path:
+    """Resolve ``data`` inside one of ``roots`` (of ``kind`` ``data``, ``model`` or
+    ``code``; see `resolve_data_path`)."""
     if "\x00" in data:
         raise DataPathError("the path contains a NUL character")
     candidates = (
@@ -107,6 +119,8 @@ class PublicPaths:
             pairs.append((str(job_dir), "<job-dir>"))
         pairs.append((str(settings.data_dir), "<data-dir>"))
         pairs += [(str(r), root_label(i, len(roots))) for i, r in enumerate(roots)]
+        models = settings.model_roots
+        pairs += [(str(r), root_label(i, len(models), "model")) for i, r in enumerate(models)]
         code = settings.code_roots
         pairs += [(str(r), root_label(i, len(code), "code")) for i, r in enumerate(code)]
         pairs += _installation(settings.python)

@@ -12,7 +12,17 @@ import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+import dmuon_recipe_contract as contract
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 JobState = Literal["queued", "starting", "running", "succeeded", "failed", "cancelled"]
 #: States of a finished job; only ``POST /v1/jobs/{id}/resume`` takes a job out of one.
@@ -63,10 +73,58 @@ DEFAULT_KEEP_CHECKPOINTS = 3
 PositiveLR = Annotated[float, Field(gt=0.0, le=10.0, allow_inf_nan=False)]
 
 
-class TrainSpec(_Strict):
-    """The recipe's settings; each maps to one ``python -m dmuon.train`` flag."""
+def _choices(dest: str) -> Any:
+    """The ``Literal`` of a recipe flag's choices (from the recipe's contract)."""
+    return Literal[contract.flag(dest).choices]  # type: ignore[valid-type]
 
-    model: Literal["tiny", "small", "base", "moe"] = Field(description="Model preset (`--model`).")
+
+def _default_text(dest: str) -> str:
+    value = contract.flag(dest).default
+    return "the recipe's default" if value is None else f"the recipe's default, `{value}`"
+
+
+PresetName = Literal[tuple(sorted(contract.PRESETS))]  # type: ignore[valid-type]
+RootedPath = Annotated[str, Field(min_length=1, max_length=4096)]
+
+
+class ModelPath(_Strict):
+    """A Hugging Face model directory inside one of the server's model roots."""
+
+    path: RootedPath = Field(
+        description="The directory (`config.json`, with or without `*.safetensors` weights), "
+        "relative to a model root or absolute inside one; symlinks and `..` cannot leave "
+        "the roots."
+    )
+
+
+def _one_model_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """Validate ``train.model`` as a preset or a path, with one error naming both forms."""
+    try:
+        return handler(value)
+    except ValidationError:
+        presets = ", ".join(sorted(contract.PRESETS))
+        raise PydanticCustomError(
+            "model_type",
+            'must be a preset name ({presets}) or an object with a "path": a Hugging Face '
+            "model directory inside a model root",
+            {"presets": presets},
+        ) from None
+
+
+ModelChoice = Annotated[PresetName | ModelPath, WrapValidator(_one_model_error)]
+
+
+class TrainSpec(_Strict):
+    """The recipe's settings; each maps to one ``python -m dmuon.train`` flag.
+
+    Field names, choices and defaults are the recipe's own (`dmuon_recipe_contract`); a
+    field left out takes the recipe's default, and the job record shows the value used.
+    """
+
+    model: ModelChoice = Field(
+        description='A preset name, or `{"path": ...}`: a Hugging Face model directory '
+        "inside a model root (`--model`)."
+    )
     steps: int = Field(ge=1, le=1_000_000, description="Optimizer steps (`--steps`).")
     micro_batch_size: int = Field(
         ge=1, le=4096, description="Sequences per rank per micro-batch (`--micro-batch-size`)."
@@ -75,13 +133,26 @@ class TrainSpec(_Strict):
         ge=1, le=1024, description="Micro-batches accumulated per optimizer step (`--accum-steps`)."
     )
     seq_len: int = Field(ge=1, le=65_536, description="Tokens per sequence (`--seq-len`).")
-    lr: PositiveLR = Field(description="Muon learning rate (`--lr`).")
-    adamw_lr: PositiveLR = Field(
-        description="AdamW learning rate for the non-matrix parameters (`--adamw-lr`)."
+    lr: PositiveLR | None = Field(
+        default=None, description=f"Muon learning rate (`--lr`); {_default_text('lr')}."
     )
-    optimizer: Literal["dmuon", "adamw"] = Field(description="Optimizer (`--optimizer`).")
-    mode: Literal["z2", "z3"] = Field(description="DMuon sharding mode (`--mode`).")
-    seed: int = Field(ge=0, le=2**32 - 1, description="Random seed (`--seed`).")
+    adamw_lr: PositiveLR | None = Field(
+        default=None,
+        description="AdamW learning rate (`--adamw-lr`); the recipe's default: `lr` under "
+        f"dmuon, `{contract.ADAMW_BASELINE_LR}` under adamw.",
+    )
+    optimizer: _choices("optimizer") | None = Field(  # type: ignore[valid-type]
+        default=None, description=f"Optimizer (`--optimizer`); {_default_text('optimizer')}."
+    )
+    mode: _choices("mode") | None = Field(  # type: ignore[valid-type]
+        default=None, description=f"DMuon sharding mode (`--mode`); {_default_text('mode')}."
+    )
+    seed: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**32 - 1,
+        description=f"Random seed (`--seed`); {_default_text('seed')}.",
+    )
     eval_every: int | None = Field(
         default=None,
         ge=0,
@@ -97,14 +168,46 @@ class TrainSpec(_Strict):
         le=1_000_000,
         description="Linear warm-up steps (`--warmup-steps`); the recipe's default when omitted.",
     )
+    tokenizer: RootedPath | None = Field(
+        default=None,
+        description="A `tokenizer.json` or tokenizer directory inside a model root "
+        "(`--tokenizer`); default: the model directory's tokenizer, raw bytes for presets.",
+    )
     data: str | None = Field(
         default=None,
         min_length=1,
         max_length=4096,
         description=(
-            "Training data path (`--data`). Must lie inside one of the server's data roots "
-            "after symlinks and `..` are resolved; the recipe's built-in data when omitted."
+            "Training data path (`--data`): a text file or folder, `.jsonl`/`.json`, "
+            "`.parquet`, or `.bin` token files with their `FILE.bin.json` sidecar. Must lie "
+            "inside one of the server's data roots after symlinks and `..` are resolved; "
+            "the recipe's built-in data when omitted."
         ),
+    )
+    text_field: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        pattern=r"^[^\x00-\x1f]+$",
+        description="Field holding the text of `.jsonl`, `.json` and `.parquet` records "
+        f"(`--text-field`); {_default_text('text_field')}.",
+    )
+    param_dtype: _choices("param_dtype") | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="Compute dtype (`--param-dtype`): `bfloat16` is FSDP2 mixed precision "
+        f"with float32 masters and reduction; {_default_text('param_dtype')}.",
+    )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Recompute each decoder layer in backward (`--activation-checkpointing`).",
+    )
+    compile: bool = Field(
+        default=False, description="`torch.compile` each decoder layer (`--compile`)."
+    )
+    export_hf: bool = Field(
+        default=False,
+        description="At the end, write a Hugging Face model directory into the job's "
+        "`export/` folder (`--export-hf`), listed under `GET /v1/jobs/{id}/artifacts`.",
     )
     checkpoint_every: int = Field(
         default=DEFAULT_CHECKPOINT_EVERY,
@@ -122,6 +225,11 @@ class TrainSpec(_Strict):
         le=1_000_000,
         description="Keep the newest K checkpoints (`--keep-checkpoints`); 0 keeps all.",
     )
+
+    @property
+    def preset(self) -> str | None:
+        """The preset name, or None for a model directory."""
+        return self.model if isinstance(self.model, str) else None
 
 
 #: An argument of a script: any text but NUL (it becomes one argv entry, never shell text).
@@ -492,7 +600,7 @@ class MemoryEstimate(BaseModel):
     parameters_bytes: int = Field(description="Weights, gradients and optimizer state.")
     activations_bytes: int = Field(description="What autograd keeps for one micro-batch.")
     batch_bytes: int = Field(description="The step's token windows and the validation windows.")
-    corpus_bytes: int = Field(description="The text while the corpus is built.")
+    corpus_bytes: int = Field(description="Tokenization's batch of text and its ids.")
     runtime_bytes: int = Field(description="Interpreter, torch and communication per process.")
     per_rank_bytes: int = Field(description="Sum of the above, for one rank.")
     job_bytes: int = Field(description="per_rank_bytes x nproc_per_node.")
@@ -502,12 +610,22 @@ class MemoryEstimate(BaseModel):
 
 
 class DataEstimate(BaseModel):
-    """The training text as the recipe will see it."""
+    """The training data as the recipe will see it."""
 
     source: str = Field(description="`built-in` or the path relative to a data root.")
-    files: int = Field(description="Text files read.")
-    bytes: int = Field(description="Their size; one token per byte.")
+    files: int = Field(description="Files read.")
+    bytes: int = Field(description="Their size.")
     complete: bool = Field(description="False when the folder was too large to count fully.")
+    format: Literal["text", "records", "parquet", "tokens", "mixed"] = Field(
+        default="text",
+        description="How the files are read: text, records (`.jsonl`/`.json`), parquet, "
+        "tokens (`.bin`), or mixed.",
+    )
+    tokens_exact: bool = Field(
+        default=True,
+        description="Whether the token counts are exact (raw bytes, token files) or "
+        "estimated (a tokenizer: about 4 bytes per token).",
+    )
     train_tokens: int = Field(default=0, description="Training split (estimated for folders).")
     val_tokens: int = Field(default=0, description="Validation split (estimated for folders).")
 
@@ -515,8 +633,24 @@ class DataEstimate(BaseModel):
 class Admission(BaseModel):
     """What the job needs, as the server estimates it before starting anything."""
 
-    model_params: int
-    max_seq_len: int = Field(description="Longest seq_len the model preset supports.")
+    model: str = Field(
+        default="", description="The preset, or the model directory as `<model-root>/...`."
+    )
+    model_type: str | None = Field(
+        default=None, description="`model_type` of a model directory's config.json."
+    )
+    model_params: int = Field(description="Parameters (counted from config.json for HF).")
+    params_exact: bool = Field(
+        default=True, description="False when the count follows a Llama-like layout guess."
+    )
+    max_seq_len: int | None = Field(
+        description="Longest seq_len the model supports (null: not stated in its config)."
+    )
+    tokenizer_vocab: int | None = Field(
+        default=None,
+        description="Tokens the tokenizer can produce (256 for raw bytes; null for token "
+        "files without a tokenizer, or a tokenizer without tokenizer.json).",
+    )
     tokens_per_step: int
     memory: MemoryEstimate
     data: DataEstimate
@@ -548,6 +682,26 @@ class LaunchPlan(BaseModel):
         description="The recipe's estimates (null for a script: the server cannot know)."
     )
     warnings: list[str]
+
+
+ArtifactKind = Literal["checkpoint", "export", "metrics", "log"]
+
+
+class Artifact(BaseModel):
+    """A file a job wrote."""
+
+    path: str = Field(description="Relative to the job's folder, e.g. `export/config.json`.")
+    bytes: int
+    kind: ArtifactKind = Field(
+        description="`checkpoint` (under `checkpoints/`), `export` (the HF directory under "
+        "`export/`), `metrics` (the metrics files), `log` (the job log and the ranks' logs)."
+    )
+
+
+class ArtifactList(BaseModel):
+    """A job's files, sorted by path."""
+
+    items: list[Artifact]
 
 
 class LogLines(BaseModel):

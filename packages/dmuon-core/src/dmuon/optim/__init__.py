@@ -1,13 +1,17 @@
-"""Muon with dedicated ownership: the Newton-Schulz iteration and the optimizer."""
+"""Muon with dedicated ownership: the optimizer, the Newton-Schulz iteration and its
+constants.
 
-from dmuon.optim.muon import (
+Everything a user calls is exported here; the modules inside are private.
+"""
+
+from dmuon.optim._muon import (
     ADJUST_LR_FNS,
     NONFINITE_POLICIES,
     Muon,
     NonFiniteGradientError,
     adjust_lr_ratio,
 )
-from dmuon.optim.orthogonalize import (
+from dmuon.optim._orthogonalize import (
     COEFFICIENT_SETS,
     GRAM_MIN_ASPECT,
     KELLER_COEFFICIENTS,
@@ -16,13 +20,13 @@ from dmuon.optim.orthogonalize import (
     POLAR_EXPRESS_SAFETY_FACTOR,
     Coefficients,
     CoefficientTriple,
-    NewtonSchulzWorkspace,
     cpu_has_native_bf16,
     default_ns_dtype,
     newton_schulz,
     resolve_coefficients,
     uses_gram,
 )
+from dmuon.optim._split import resolve_split
 
 __all__ = [
     "ADJUST_LR_FNS",
@@ -36,12 +40,12 @@ __all__ = [
     "CoefficientTriple",
     "Coefficients",
     "Muon",
-    "NewtonSchulzWorkspace",
     "NonFiniteGradientError",
     "adjust_lr_ratio",
     "cpu_has_native_bf16",
     "default_ns_dtype",
     "newton_schulz",
     "resolve_coefficients",
+    "resolve_split",
     "uses_gram",
 ]

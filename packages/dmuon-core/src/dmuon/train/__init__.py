@@ -1,17 +1,21 @@
 """The reference training recipe: the canonical example of the public ``dmuon`` API.
 
 Launch it as ``python -m dmuon.train`` (console script ``dmuon-train``) for one process, or
-``torchrun --standalone --nproc_per_node N -m dmuon.train`` for N. The same pieces are
-importable:
+``torchrun --standalone --nproc_per_node N -m dmuon.train`` for N. It is laid out as
+torchtitan lays out its trainer, and every piece is importable:
 
-* `build_model` / `PRESETS` - a byte-level Llama-style transformer
-  (`dmuon.train.model`).
-* `load_corpus` / `GlobalBatchSampler` - offline text (the standard library
-  source by default), split by file, cached; batches defined on the global batch
-  (`dmuon.train.data`, which documents the equivalence rule).
+* `dmuon.train.models` - the model builders: byte-level presets (`build_model`,
+  `PRESETS`, in `dmuon.train.models.preset`) and Hugging Face model directories
+  (`dmuon.train.models.hf`).
+* `dmuon.train.data` - sources (text, JSON lines, parquet, token files), tokenizers, the
+  token cache (`load_corpus`) and `GlobalBatchSampler` (the equivalence rule).
+* `dmuon.train.parallelize` - process group, mesh, dedication, ``fully_shard``, the
+  optimizer.
+* `dmuon.train.state` - the trainer's state as ``Stateful`` objects;
+  `dmuon.train.checkpointing` - the checkpoint folders.
 * `run` / `Trainer` - the loop (`dmuon.train.loop`).
-* `parse_args` / `TrainConfig` - flags (`dmuon.train.cli`); the demo's settings are in
-  `dmuon.train.demo`.
+* `parse_args` / `TrainConfig` - flags (`dmuon.train.cli`), defined in the torch-free
+  contract module `dmuon_recipe_contract`; the demo's settings are in `dmuon.train.demo`.
 * `MetricsWriter` - the metrics file format (`dmuon.train.metrics`); `log_metrics` writes
   it from your own script run by the job service (`dmuon.train.user_metrics`).
 """
@@ -20,7 +24,7 @@ from dmuon.train.cli import TrainConfig, build_parser, parse_args
 from dmuon.train.data import Corpus, GlobalBatchSampler, load_corpus, validation_windows
 from dmuon.train.loop import Trainer, run
 from dmuon.train.metrics import REQUIRED_KEYS, MetricsWriter
-from dmuon.train.model import PRESETS, ModelConfig, Transformer, build_model, lm_loss
+from dmuon.train.models import PRESETS, ModelConfig, Transformer, build_model, lm_loss
 from dmuon.train.user_metrics import log_metrics
 
 __all__ = [

@@ -13,8 +13,10 @@ import io
 import sys
 from collections.abc import Sequence
 
+import dmuon_recipe_contract as contract
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
+from dmuon.train.checkpointing import CheckpointWriteError
 from dmuon.train.cli import TrainConfig, parse_args
 from dmuon.train.loop import TrainingDiverged, run
 
@@ -42,7 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, train, and return the exit status.
 
     0: trained; 2: bad flags or inputs (argparse also exits 2); 3: training diverged (a
-    NaN or infinite loss or gradient norm; the message names the step).
+    NaN or infinite loss or gradient norm; the message names the step); 4: a checkpoint
+    could not be written and ``--on-checkpoint-error stop`` ended the run (the message
+    names the folder and the space it needs).
     """
     config = _parse(sys.argv[1:] if argv is None else argv)
     try:
@@ -50,12 +54,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"dmuon-train: error: {exc}", file=sys.stderr)
         ErrorHandler().record_exception(exc)
-        return 2
+        return contract.EXIT_USAGE
+    except CheckpointWriteError as exc:
+        print(f"dmuon-train: error: {exc.strerror}", file=sys.stderr)
+        ErrorHandler().record_exception(exc)
+        return contract.EXIT_CHECKPOINT_WRITE
     except TrainingDiverged as exc:
         print(f"dmuon-train: error: {exc}", file=sys.stderr)
         ErrorHandler().record_exception(exc)
-        return 3
-    return 0
+        return contract.EXIT_DIVERGED
+    return contract.EXIT_OK
 
 
 if __name__ == "__main__":

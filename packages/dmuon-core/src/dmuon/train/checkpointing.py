@@ -3,15 +3,27 @@
 Layout of ``--checkpoint-dir DIR``:
 
 * ``DIR/step_{step:08d}/`` is one complete checkpoint: a ``torch.distributed.checkpoint``
-  directory (its ``.metadata`` file and one data file per rank) holding
-  ``{"model": ..., "optim": ...}`` from `get_state_dict` (saved from all ranks at once),
-  plus ``trainer_state.pt`` (step, LR scheduler, elapsed time, batch geometry; written by
-  rank 0) and ``rng_rank{r}.pt`` (rank ``r``'s random number generator states).
+  directory (its ``.metadata`` file and one data file per rank) holding the
+  ``Stateful`` objects ``{"model": ModelState, "optim": OptimizerState}`` (saved from all
+  ranks at once), plus ``trainer_state.pt`` (``{"train": TrainState, "scheduler": ...}``,
+  written by rank 0), ``rng_rank{r}.pt`` (rank ``r``'s `RNGState`) and ``hf/`` (what an
+  HF export needs besides the weights: ``config.json``, the tokenizer's files and, for a
+  preset, ``keys.json`` mapping its names to HF's; see `dmuon.checkpoint._hf_export`).
+  The names come from `dmuon_recipe_contract`.
 * A checkpoint is written as ``DIR/.tmp_step_{step:08d}/`` and renamed by rank 0 after
   every rank has finished writing (a barrier). A process killed during a save therefore
   leaves a ``.tmp_`` folder, which is never a checkpoint and is removed by the next run;
   the previous checkpoint stays the latest.
-* The latest checkpoint is the complete ``step_*`` folder with the highest step.
+* Once every rank's files are written, rank 0 flushes them to disk and writes the
+  folder's manifest last (`dmuon.checkpoint.write_manifest`: every file's size and
+  SHA-256); only then is the folder renamed into place. A folder without a manifest is
+  not complete.
+* A save that cannot be written (a full disk, ENOSPC) is agreed on by every rank and raised
+  as `CheckpointWriteError`, naming the folder, the space the checkpoint needs and the
+  space left; the temporary folder is removed and the earlier checkpoints are untouched.
+* The latest checkpoint is the complete ``step_*`` folder with the highest step whose files
+  match its manifest; `latest_checkpoint` skips a damaged one (a file missing, truncated or
+  altered) and reports it.
 
 The data position needs no state of its own: the sampler is indexed by the step
 (`dmuon.train.data.GlobalBatchSampler.rank_batch`), so a run resumed after step ``k``
@@ -20,57 +32,58 @@ draws the batches of steps ``k + 1, k + 2, ...`` exactly as an uninterrupted run
 
 from __future__ import annotations
 
+import errno
 import os
-import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import dmuon_recipe_contract as contract
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
 
-# dmuon's state-dict functions have the signatures of torch.distributed.checkpoint's
-# and are torch's on a model without dedicated parameters (the AdamW baseline).
-from dmuon import get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict
+from dmuon.checkpoint import _manifest as manifest
 
 __all__ = [
     "TRAINER_STATE_FILE",
     "CheckpointError",
+    "CheckpointWriteError",
     "checkpoint_name",
     "find_checkpoints",
     "is_complete",
     "latest_checkpoint",
-    "load_training_state",
-    "load_weights",
+    "load_checkpoint",
     "read_trainer_state",
     "remove_incomplete",
     "require_checkpoint",
-    "restore_rng_state",
-    "rng_state",
     "rotate_checkpoints",
     "save_checkpoint",
 ]
 
-TRAINER_STATE_FILE = "trainer_state.pt"
-"""Rank 0's file in a checkpoint: step, scheduler state, elapsed time, batch geometry."""
+TRAINER_STATE_FILE = contract.TRAINER_STATE_FILE
+"""Rank 0's file in a checkpoint: the train state and the LR scheduler."""
 
-_NAME = re.compile(r"step_(\d{8})")
-_TMP_NAME = re.compile(r"\.tmp_(?:old_)?step_(\d{8})")  # a save cut short, or a replaced one
+_NAME = contract.CHECKPOINT_NAME_PATTERN
+_TMP_NAME = re.compile(
+    re.escape(contract.TEMPORARY_PREFIX) + r"(?:old_)?" + contract.CHECKPOINT_NAME_PATTERN.pattern
+)  # a save cut short, or a replaced one
 
 
 class CheckpointError(ValueError):
     """A checkpoint path given by the user is missing, incomplete or not a checkpoint."""
 
 
-def checkpoint_name(step: int) -> str:
-    """The folder name of the checkpoint after ``step``: ``step_`` and 8 digits."""
-    return f"step_{step:08d}"
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, say); nothing earlier was lost."""
+
+
+checkpoint_name = contract.checkpoint_name
 
 
 def _rng_file(rank: int) -> str:
@@ -91,9 +104,13 @@ def _quiet_single_process() -> Iterator[None]:
 
 
 def is_complete(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a complete checkpoint folder (DCP metadata and trainer state)."""
+    """Whether ``path`` is a complete checkpoint folder: DCP metadata, trainer state, and
+    the manifest written last (whether the files still match it is `verify`'s question)."""
     path = Path(path)
-    return (path / ".metadata").is_file() and (path / TRAINER_STATE_FILE).is_file()
+    return all(
+        (path / name).is_file()
+        for name in (contract.DCP_METADATA_FILE, TRAINER_STATE_FILE, manifest.MANIFEST)
+    )
 
 
 def find_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:
@@ -113,10 +130,22 @@ def find_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]
     return sorted(found)
 
 
-def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
-    """The complete checkpoint with the highest step in ``directory``, or None."""
-    found = find_checkpoints(directory)
-    return found[-1][1] if found else None
+def latest_checkpoint(
+    directory: str | os.PathLike[str],
+    on_damaged: Callable[[Path, list[str]], None] | None = None,
+) -> Path | None:
+    """The newest complete checkpoint in ``directory`` whose files match its manifest.
+
+    A damaged one (a file missing, truncated or changed since it was written) is skipped
+    and passed to ``on_damaged(path, problems)``; None when no checkpoint verifies.
+    """
+    for _, path in reversed(find_checkpoints(directory)):
+        problems = manifest.verify(path)
+        if not problems:
+            return path
+        if on_damaged is not None:
+            on_damaged(path, problems)
+    return None
 
 
 def remove_incomplete(directory: str | os.PathLike[str]) -> list[Path]:
@@ -164,6 +193,13 @@ def require_checkpoint(path: str | os.PathLike[str], flag: str) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; pass a step_NNNNNNNN checkpoint")
     if is_complete(path) and not _TMP_NAME.fullmatch(path.name):
+        problems = manifest.verify(path)
+        if problems:
+            raise CheckpointError(
+                f"{path}: the checkpoint is damaged: " + "; ".join(problems) + ". Pass an "
+                "earlier checkpoint, or --resume auto with --checkpoint-dir to take the "
+                "newest one that verifies"
+            )
         return path
     inside = latest_checkpoint(path)
     if inside is not None:
@@ -174,117 +210,169 @@ def require_checkpoint(path: str | os.PathLike[str], flag: str) -> Path:
         hint = "it is a save that did not finish; use an earlier step_NNNNNNNN checkpoint"
     else:
         hint = (
-            f"it has no complete checkpoint (.metadata and {TRAINER_STATE_FILE}); pass a "
-            "step_NNNNNNNN directory written with --checkpoint-dir"
+            f"it has no complete checkpoint (.metadata, {TRAINER_STATE_FILE} and "
+            f"{manifest.MANIFEST}); pass a step_NNNNNNNN directory written with --checkpoint-dir"
         )
     raise CheckpointError(f"{path}: not a complete checkpoint: {hint}")
 
 
-def rng_state(device: torch.device) -> dict[str, Any]:
-    """This process's random number generator states (torch CPU, CUDA if used, Python)."""
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "python": random.getstate(),
-    }
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+def _bytes_of(states: Mapping[str, Stateful]) -> int:
+    """Bytes of the tensors this rank holds in ``states`` (a DTensor counts its shard)."""
+    total = 0
+
+    def count(value: Any) -> None:
+        nonlocal total
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                count(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                count(item)
+
+    for state in states.values():
+        count(state.state_dict())
+    return total
 
 
-def restore_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    """Set the generators from a `rng_state` result."""
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"], device)
+def _any_rank(flag: bool, distributed: bool) -> bool:
+    """Whether ``flag`` holds on any rank (one all-reduce when distributed)."""
+    if not distributed:
+        return flag
+    value = torch.tensor([float(flag)], dtype=torch.float64)
+    dist.all_reduce(value)
+    return bool(value.item())
+
+
+def _total_bytes(states: Mapping[str, Stateful], distributed: bool) -> int:
+    """Bytes of ``states`` over every rank (a collective: the state dicts are gathered)."""
+    value = torch.tensor([float(_bytes_of(states))], dtype=torch.float64)
+    if distributed:
+        dist.all_reduce(value)
+    return int(value.item())
 
 
 def save_checkpoint(
     directory: str | os.PathLike[str],
     step: int,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any],
     *,
+    distributed: Mapping[str, Stateful],
+    rank_zero: Mapping[str, Stateful],
+    rng: Stateful,
     rank: int,
     barrier: Callable[[], None],
-    device: torch.device,
     keep: int = 0,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` under ``directory`` from every rank; return its path.
 
-    A collective: every rank calls it. The model and optimizer go through DCP (each rank
-    writes its part), rank 0 adds ``trainer_state`` and each rank its RNG states; then,
-    after a barrier, rank 0 renames the temporary folder, removes leftovers of
-    interrupted saves and keeps the newest ``keep`` checkpoints.
+    A collective: every rank calls it. ``distributed`` goes through DCP (each rank writes
+    its part), ``rank_zero`` into rank 0's ``trainer_state.pt``, ``rng`` into this rank's
+    ``rng_rank{r}.pt``; ``write_extra(folder)`` runs on rank 0 (the ``hf/`` files). Then,
+    after a barrier, rank 0 flushes the folder to disk, writes its manifest, renames it
+    into place, removes leftovers of interrupted saves and keeps the newest ``keep``
+    checkpoints.
+
+    Raises:
+        CheckpointWriteError: on every rank alike, when any rank could not write its part
+            (ENOSPC, a read-only folder): the folder, the space the checkpoint needs and
+            the space left are named, the temporary folder is gone and the earlier
+            checkpoints are as they were.
     """
     directory = Path(directory)
     final = directory / checkpoint_name(step)
-    tmp = directory / f".tmp_{checkpoint_name(step)}"
-    if rank == 0:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
+    tmp = directory / f"{contract.TEMPORARY_PREFIX}{checkpoint_name(step)}"
+    multi = not _no_dist()
+    error: OSError | None = None
+    try:
+        if rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+    except OSError as e:
+        error = e
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp, no_dist=_no_dist())
-    torch.save(rng_state(device), tmp / _rng_file(rank))
-    if rank == 0:
-        torch.save({"step": step, **trainer_state}, tmp / TRAINER_STATE_FILE)
+    try:
+        with _quiet_single_process():
+            dcp.save(dict(distributed), checkpoint_id=tmp, no_dist=_no_dist())
+    except Exception as e:  # DCP raises one CheckpointException on every rank alike
+        error = error or OSError(f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}")
+    if error is None:
+        try:
+            torch.save(rng.state_dict(), tmp / _rng_file(rank))
+            if rank == 0:
+                if write_extra is not None:
+                    write_extra(tmp)
+                torch.save(
+                    {k: s.state_dict() for k, s in rank_zero.items()}, tmp / TRAINER_STATE_FILE
+                )
+        except OSError as e:
+            error = e
     barrier()
+    if rank == 0 and error is None:
+        try:
+            manifest.write_manifest(tmp)
+        except OSError as e:
+            error = e
+    if _any_rank(error is not None, multi):
+        needed = _total_bytes(distributed, multi)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(directory).free if directory.is_dir() else 0
+        cause = f" ({error.strerror or error})" if error is not None else " (on another rank)"
+        barrier()
+        raise CheckpointWriteError(
+            errno.ENOSPC if error is None else (error.errno or errno.EIO),
+            f"the checkpoint of step {step} could not be written to {directory}{cause}: it "
+            f"needs about {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free there. "
+            "Free space (or pass a --checkpoint-dir with room, or lower --keep-checkpoints); "
+            "the earlier checkpoints are intact",
+        )
     if rank == 0:
         if final.exists():  # a later step of an earlier run in the same folder
-            old = directory / f".tmp_old_{final.name}"
+            old = directory / f"{contract.TEMPORARY_PREFIX}old_{final.name}"
             shutil.rmtree(old, ignore_errors=True)
             final.rename(old)
             tmp.rename(final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(final)
+        manifest.fsync_dir(directory)  # the rename itself is durable
         remove_incomplete(directory)
         rotate_checkpoints(directory, keep, protect=final)
     barrier()
     return final
 
 
-def load_training_state(
+def load_checkpoint(
     path: str | os.PathLike[str],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
     *,
-    rank: int,
-    device: torch.device,
+    distributed: Mapping[str, Stateful],
+    rank_zero: Mapping[str, Stateful] | None = None,
+    rng: Stateful | None = None,
+    rank: int = 0,
 ) -> None:
-    """Load model, optimizer and this rank's RNG states from checkpoint ``path``.
+    """Load checkpoint ``path`` into the given ``Stateful`` objects (a collective).
 
-    A collective: every rank calls it, on the freshly built model and optimizer (any
-    world size). RNG states are restored only when the checkpoint has a file for this
-    rank (it may have been written at a smaller world size). The trainer state is read
-    separately, with `read_trainer_state`.
+    Every rank calls it, on freshly built objects (any world size). Pass only
+    ``{"model": ...}`` as ``distributed`` to take the weights alone. RNG states are
+    restored only when the checkpoint has a file for this rank (it may have been written
+    at a smaller world size).
     """
     path = Path(path)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=path, no_dist=_no_dist())
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
+        dcp.load(dict(distributed), checkpoint_id=path, no_dist=_no_dist())
+    if rank_zero:
+        blob = read_trainer_state(path)
+        for key, state in rank_zero.items():
+            state.load_state_dict(blob[key])
     rng_path = path / _rng_file(rank)
-    if rng_path.is_file():
-        restore_rng_state(torch.load(rng_path, weights_only=True), device)
+    if rng is not None and rng_path.is_file():
+        rng.load_state_dict(torch.load(rng_path, weights_only=True))
 
 
 def read_trainer_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Rank 0's trainer state of checkpoint ``path`` (``step``, ``scheduler``, ...)."""
+    """Rank 0's file of checkpoint ``path``: ``{"train": {"step": ...}, "scheduler": ...}``."""
     return torch.load(Path(path) / TRAINER_STATE_FILE, weights_only=True)
-
-
-def load_weights(path: str | os.PathLike[str], model: nn.Module) -> None:
-    """Load only the model part of checkpoint ``path`` into ``model`` (a collective)."""
-    model_sd = get_model_state_dict(model)
-    state = {"model": model_sd}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=Path(path), no_dist=_no_dist())
-    set_model_state_dict(model, state["model"])

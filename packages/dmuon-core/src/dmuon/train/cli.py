@@ -1,7 +1,10 @@
 """Command line of the recipe: flags (kebab-case) and their validation.
 
-``parse_args(argv)`` turns a list of flags into a `TrainConfig`; invalid values
-exit with an argparse error that names the flag and what is allowed.
+The flags themselves (spellings, types, defaults, choices, bounds, help) are defined once,
+in the torch-free contract module `dmuon_recipe_contract` that the job service builds
+from too; this module turns them into an ``argparse`` parser and a `TrainConfig`.
+``parse_args(argv)`` returns a `TrainConfig`; invalid values exit with an argparse error
+that names the flag and what is allowed.
 """
 
 from __future__ import annotations
@@ -9,62 +12,78 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from dmuon_recipe_contract import ADAMW_BASELINE_LR, FLAGS, PRESETS, Flag, flag
 
 from dmuon.train.checkpointing import CheckpointError, require_checkpoint
-from dmuon.train.model import PRESETS
 
 __all__ = [
+    "ADAMW_BASELINE_LR",
     "TrainConfig",
     "build_parser",
     "parse_args",
 ]
 
 
-ADAMW_BASELINE_LR = 1.5e-3
-"""Peak rate of the ``adamw`` baseline when ``--adamw-lr`` is not given."""
+def _default(dest: str) -> Any:
+    return flag(dest).default
 
 
 @dataclass(frozen=True)
 class TrainConfig:
     """All settings of a run; field names are the flag names with ``_`` for ``-``.
 
-    ``lr`` is the Muon rate (used by ``optimizer="dmuon"`` only); ``adamw_lr`` is the
-    AdamW rate: of the embedding, norms and ``lm_head`` under ``dmuon``, and of every
-    parameter under the ``adamw`` baseline. Left at ``None`` it depends on the optimizer
-    (`adamw_rate`). See `build_parser` for every field.
+    Defaults come from `dmuon_recipe_contract.FLAGS`. ``lr`` is the Muon rate (used by
+    ``optimizer="dmuon"`` only); ``adamw_lr`` is the AdamW rate: of the embedding, norms
+    and ``lm_head`` under ``dmuon``, and of every parameter under the ``adamw`` baseline.
+    Left at ``None`` it depends on the optimizer (`adamw_rate`). ``model`` is a preset
+    name or the path of a Hugging Face model directory. See `build_parser` for every
+    field.
     """
 
-    model: str = "small"
-    data: str | None = None
-    cache_dir: str | None = None
-    val_fraction: float = 0.05
-    steps: int = 60
-    micro_batch_size: int = 4
-    accum_steps: int = 1
-    seq_len: int = 128
-    lr: float = 0.02
-    adamw_lr: float | None = None
-    optimizer: str = "dmuon"
-    ns_dtype: str = "auto"
-    mode: str = "z3"
-    hsdp: int = 1
-    seed: int = 0
-    warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
-    clip_grad: float = 1.0
-    eval_every: int = 20
-    eval_sequences: int = 64
-    metrics_file: str | None = None
-    log_every: int = 1
-    device: str = "auto"
-    dtype: str = "float32"
-    threads: int | None = None
-    progress: str = "auto"
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 3
-    resume: str = "auto"
-    init_from: str | None = None
+    model: str = _default("model")
+    tokenizer: str | None = _default("tokenizer")
+    data: str | None = _default("data")
+    text_field: str = _default("text_field")
+    cache_dir: str | None = _default("cache_dir")
+    val_fraction: float = _default("val_fraction")
+    steps: int = _default("steps")
+    micro_batch_size: int = _default("micro_batch_size")
+    accum_steps: int = _default("accum_steps")
+    seq_len: int = _default("seq_len")
+    seed: int = _default("seed")
+    device: str = _default("device")
+    threads: int | None = _default("threads")
+    dtype: str = _default("dtype")
+    param_dtype: str = _default("param_dtype")
+    activation_checkpointing: bool = _default("activation_checkpointing")
+    compile: bool = _default("compile")
+    peak_tflops: float | None = _default("peak_tflops")
+    optimizer: str = _default("optimizer")
+    mode: str = _default("mode")
+    hsdp: int = _default("hsdp")
+    reduce_dtype: str = _default("reduce_dtype")
+    broadcast_dtype: str = _default("broadcast_dtype")
+    ns_dtype: str = _default("ns_dtype")
+    lr: float = _default("lr")
+    adamw_lr: float | None = _default("adamw_lr")
+    warmup_steps: int = _default("warmup_steps")
+    min_lr_ratio: float = _default("min_lr_ratio")
+    clip_grad: float = _default("clip_grad")
+    eval_every: int = _default("eval_every")
+    eval_sequences: int = _default("eval_sequences")
+    metrics_file: str | None = _default("metrics_file")
+    log_every: int = _default("log_every")
+    progress: str = _default("progress")
+    checkpoint_dir: str | None = _default("checkpoint_dir")
+    checkpoint_every: int = _default("checkpoint_every")
+    keep_checkpoints: int = _default("keep_checkpoints")
+    on_checkpoint_error: str = _default("on_checkpoint_error")
+    resume: str = _default("resume")
+    init_from: str | None = _default("init_from")
+    export_hf: str | None = _default("export_hf")
 
     @property
     def adamw_rate(self) -> float:
@@ -84,6 +103,11 @@ class TrainConfig:
         """The peak rate logged as ``lr``: ``lr`` (Muon) for dmuon, `adamw_rate` for adamw."""
         return self.lr if self.optimizer == "dmuon" else self.adamw_rate
 
+    @property
+    def is_preset(self) -> bool:
+        """Whether ``model`` names a preset (else it is a model directory)."""
+        return self.model in PRESETS
+
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
@@ -99,51 +123,47 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def _positive_float(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
-    return value
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+def _bounded_float(bound: str | None) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        value = _number(text)
+        if bound == "positive" and not (0 < value < float("inf")):
+            raise argparse.ArgumentTypeError(f"must be a positive finite number, got {text}")
+        if bound == "non_negative" and not 0.0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+        if bound in ("fraction", "open_fraction") and not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
+        if bound == "open_fraction" and value in (0.0, 1.0):
+            raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {text}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be between 0 and 1, got {text}")
-    return value
+def _model(text: str) -> str:
+    if text in PRESETS or Path(text).expanduser().is_dir():
+        return text
+    raise argparse.ArgumentTypeError(
+        f"{text!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor an existing "
+        "directory; pass a preset name or a Hugging Face model directory"
+    )
 
 
-def _open_fraction(text: str) -> float:
-    value = _fraction(text)
-    if value in (0.0, 1.0):
-        raise argparse.ArgumentTypeError(f"must be strictly between 0 and 1, got {text}")
-    return value
-
-
-def _checkpoint_path(flag: str, *keywords: str) -> Callable[[str], str]:
-    """A parser for ``flag``: one of ``keywords``, or a complete checkpoint folder."""
+def _checkpoint_path(option: str, keywords: tuple[str, ...]) -> Callable[[str], str]:
+    """A parser for ``option``: one of ``keywords``, or a complete checkpoint folder."""
 
     def parse(text: str) -> str:
         if text in keywords:
             return text
         try:
-            require_checkpoint(text, flag)
+            require_checkpoint(text, option)
         except CheckpointError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
         return text
@@ -151,216 +171,50 @@ def _checkpoint_path(flag: str, *keywords: str) -> Callable[[str], str]:
     return parse
 
 
+def _non_empty(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return text
+
+
+def _add(group: argparse._ArgumentGroup, spec: Flag) -> None:
+    kwargs: dict = {"default": spec.default, "help": spec.help, "dest": spec.dest}
+    if spec.metavar is not None:
+        kwargs["metavar"] = spec.metavar
+    if spec.kind == "bool":
+        group.add_argument(spec.option, action="store_true", **kwargs)
+        return
+    if spec.kind == "int":
+        kwargs["type"] = _int_at_least(spec.minimum) if spec.minimum is not None else int
+    elif spec.kind == "float":
+        kwargs["type"] = _bounded_float(spec.bound)
+    elif spec.kind == "choice":
+        kwargs["choices"] = spec.choices
+    elif spec.kind == "model":
+        kwargs["type"] = _model
+    elif spec.kind == "checkpoint":
+        kwargs["type"] = _checkpoint_path(spec.option, spec.choices or ())
+    else:  # str, path
+        kwargs["type"] = _non_empty
+    group.add_argument(spec.option, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``dmuon-train`` / ``python -m dmuon.train`` argument parser."""
-    d = TrainConfig()
     p = argparse.ArgumentParser(
         prog="dmuon-train",
         description=(
-            "Train a byte-level Llama-style transformer with DMuon (or the AdamW "
+            "Train a byte-level preset or a Hugging Face model with DMuon (or the AdamW "
             "baseline). Run directly for one process, or under "
             "`torchrun --standalone --nproc_per_node N -m dmuon.train` for N."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    model = p.add_argument_group("model and data")
-    model.add_argument(
-        "--model",
-        choices=sorted(PRESETS),
-        default=d.model,
-        help="model preset (sizes in dmuon.train.PRESETS)",
-    )
-    model.add_argument(
-        "--data",
-        metavar="PATH",
-        default=d.data,
-        help="text file or folder; default: the Python standard library source",
-    )
-    model.add_argument(
-        "--cache-dir",
-        metavar="DIR",
-        default=d.cache_dir,
-        help="tokenized-corpus cache; default $DMUON_CACHE_DIR or ~/.cache/dmuon",
-    )
-    model.add_argument(
-        "--val-fraction",
-        type=_open_fraction,
-        default=d.val_fraction,
-        help="share of files (bytes, for one file) held out for validation",
-    )
-
-    loop = p.add_argument_group("loop")
-    loop.add_argument("--steps", type=_int_at_least(1), default=d.steps, help="optimizer steps")
-    loop.add_argument(
-        "--micro-batch-size",
-        type=_int_at_least(1),
-        default=d.micro_batch_size,
-        help="sequences per micro-batch per process",
-    )
-    loop.add_argument(
-        "--accum-steps",
-        type=_int_at_least(1),
-        default=d.accum_steps,
-        help="micro-batches accumulated per optimizer step",
-    )
-    loop.add_argument(
-        "--seq-len", type=_int_at_least(1), default=d.seq_len, help="tokens (bytes) per sequence"
-    )
-    loop.add_argument("--seed", type=int, default=d.seed, help="initialization and data-order seed")
-    loop.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default=d.device,
-        help="auto = cuda if available, else cpu",
-    )
-    loop.add_argument(
-        "--threads",
-        type=_int_at_least(1),
-        default=d.threads,
-        help="intra-op CPU threads per process; default: OMP_NUM_THREADS if set, else "
-        "the available cores divided by the local process count",
-    )
-    loop.add_argument(
-        "--dtype",
-        choices=("float32", "float64"),
-        default=d.dtype,
-        help="parameter and compute dtype (float64 for exactness checks)",
-    )
-
-    opt = p.add_argument_group("optimizer")
-    opt.add_argument(
-        "--optimizer",
-        choices=("dmuon", "adamw"),
-        default=d.optimizer,
-        help="dmuon = DMuon on 2-D Linear weights + AdamW on the rest; "
-        "adamw = torch.optim.AdamW on everything (the baseline)",
-    )
-    opt.add_argument(
-        "--mode",
-        choices=("z2", "z3"),
-        default=d.mode,
-        help="sharding mode of DMuon and FSDP2: z3 reshards parameters after forward, "
-        "z2 keeps them resident until the optimizer step",
-    )
-    opt.add_argument(
-        "--hsdp",
-        type=_int_at_least(1),
-        default=d.hsdp,
-        metavar="R",
-        help="replicate degree of an HSDP (replicate, shard) mesh: R replicas of "
-        "world_size / R shards each (usually R = number of nodes); 1 = a 1-D mesh",
-    )
-    opt.add_argument(
-        "--ns-dtype",
-        choices=("auto", "float32", "bfloat16"),
-        default=d.ns_dtype,
-        help="Newton-Schulz dtype of dmuon; auto = bfloat16 on CUDA and on CPUs that "
-        "multiply it natively (AMX-BF16, AVX512-BF16), float32 elsewhere",
-    )
-    opt.add_argument(
-        "--lr",
-        type=_positive_float,
-        default=d.lr,
-        help="peak Muon learning rate of the dedicated matrices (dmuon only)",
-    )
-    opt.add_argument(
-        "--adamw-lr",
-        type=_positive_float,
-        default=d.adamw_lr,
-        help="peak AdamW rate: embeddings, norms and lm_head under dmuon; every "
-        f"parameter under the adamw baseline; default: --lr under dmuon, "
-        f"{ADAMW_BASELINE_LR:g} under adamw",
-    )
-    opt.add_argument(
-        "--warmup-steps",
-        type=_int_at_least(0),
-        default=d.warmup_steps,
-        help="linear warmup steps, then cosine decay to min-lr-ratio x peak",
-    )
-    opt.add_argument(
-        "--min-lr-ratio",
-        type=_fraction,
-        default=d.min_lr_ratio,
-        help="final learning rate as a fraction of the peak",
-    )
-    opt.add_argument(
-        "--clip-grad",
-        type=_non_negative_float,
-        default=d.clip_grad,
-        help="clip the global gradient norm to this value (0 disables); the logged "
-        "grad_norm is the norm before clipping",
-    )
-
-    out = p.add_argument_group("evaluation and output")
-    out.add_argument(
-        "--eval-every",
-        type=_int_at_least(0),
-        default=d.eval_every,
-        help="evaluate at step 0, every N steps and at the end; 0 = never",
-    )
-    out.add_argument(
-        "--eval-sequences",
-        type=_int_at_least(1),
-        default=d.eval_sequences,
-        help="fixed validation windows per evaluation",
-    )
-    out.add_argument(
-        "--metrics-file",
-        metavar="PATH",
-        default=d.metrics_file,
-        help="append one JSON object per optimizer step here (rank 0)",
-    )
-    out.add_argument(
-        "--log-every",
-        type=_int_at_least(1),
-        default=d.log_every,
-        help="print every N steps when not showing a progress bar",
-    )
-    out.add_argument(
-        "--progress",
-        choices=("auto", "bar", "plain"),
-        default=d.progress,
-        help="auto = a tqdm bar on a terminal, plain lines otherwise",
-    )
-
-    ckpt = p.add_argument_group("checkpoints")
-    ckpt.add_argument(
-        "--checkpoint-dir",
-        metavar="DIR",
-        default=d.checkpoint_dir,
-        help="write checkpoints here (step_NNNNNNNN folders); a final one is always "
-        "written at the end and on SIGTERM/SIGINT",
-    )
-    ckpt.add_argument(
-        "--checkpoint-every",
-        type=_int_at_least(0),
-        metavar="N",
-        default=d.checkpoint_every,
-        help="also checkpoint every N steps (needs --checkpoint-dir); 0 = only at the end",
-    )
-    ckpt.add_argument(
-        "--keep-checkpoints",
-        type=_int_at_least(0),
-        metavar="K",
-        default=d.keep_checkpoints,
-        help="keep the newest K complete checkpoints in --checkpoint-dir; 0 keeps all",
-    )
-    ckpt.add_argument(
-        "--resume",
-        type=_checkpoint_path("--resume", "auto", "never"),
-        metavar="{auto,never,PATH}",
-        default=d.resume,
-        help="auto = continue from the latest checkpoint in --checkpoint-dir if there is "
-        "one; never = start fresh; PATH = continue from that checkpoint",
-    )
-    ckpt.add_argument(
-        "--init-from",
-        type=_checkpoint_path("--init-from"),
-        metavar="PATH",
-        default=d.init_from,
-        help="start from the weights of this checkpoint (optimizer, schedule and step "
-        "start fresh); an error if --resume also finds a checkpoint",
-    )
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for spec in FLAGS:
+        if spec.group not in groups:
+            groups[spec.group] = p.add_argument_group(spec.group)
+        _add(groups[spec.group], spec)
     return p
 
 

@@ -1,54 +1,91 @@
-"""The training loop: process group, the three-line DMuon integration, accumulation, eval.
+"""The training loop: the three-line DMuon integration, accumulation, evaluation, export.
 
-One code path serves one process (no process group, ``dedicate_params(model, None)``) and
-``torchrun`` (gloo on CPU, NCCL on CUDA):
+The pieces live apart, as in torchtitan: the model builders in `dmuon.train.models`
+(presets and Hugging Face directories), the data in `dmuon.train.data`, process group,
+mesh, dedication, ``fully_shard`` and the optimizer in `dmuon.train.parallelize`, the
+trainer's state as ``Stateful`` objects in `dmuon.train.state`, checkpoint folders in
+`dmuon.train.checkpointing`. One code path serves one process (no process group,
+``dedicate_params(model, None)``) and ``torchrun`` (gloo on CPU, NCCL on CUDA).
 
-```python
-z3 = mode == "z3"
-dmuon.dedicate_params(model, mesh, reshard_after_forward=z3)  # dmuon only
-for layer in model.layers:                                    # when world_size > 1
-    fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
-fully_shard(model, mesh=mesh, reshard_after_forward=z3)
-optimizer = dmuon.Muon(model, lr=..., adamw_lr=...)
-```
+Every input a user can get wrong (the model directory, the tokenizer, the data, the
+export folder) is checked before the process group exists and before any file is
+written (`preflight`). The corpus is tokenized by local rank 0 of each node while the
+other ranks wait for its cache.
 
 Gradient accumulation follows the gradient-accumulation guide: the loss of each
 micro-batch is divided by ``accum_steps`` and every micro-batch but the last runs under
-``dmuon.no_sync(model)``; ``optimizer.step()`` and ``optimizer.zero_grad()`` follow the
-last one. (The AdamW baseline, which has no dedicated parameters, uses FSDP2's own
-``set_requires_gradient_sync(False)`` in the same place.)
+``dmuon.no_sync(model)`` (on the AdamW baseline it turns FSDP2's gradient sync off the
+same way); ``optimizer.step()`` and ``optimizer.zero_grad()`` follow the last one.
 
 The logged loss is the mean over the global batch: each rank's accumulated
 ``sum(loss / accum_steps)`` is all-reduced with SUM and divided by the world size. Data
-order is defined on the global batch (see `dmuon.train.data`), so runs with the
+order is defined on the global batch (see `dmuon.train.data.sampler`), so runs with the
 same global batch see the same sequences whatever the process count.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 import math
 import os
+import resource
+import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import dmuon_recipe_contract as contract
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import dmuon
 from dmuon.train import checkpointing
 from dmuon.train.cli import TrainConfig, parse_args
-from dmuon.train.data import GlobalBatchSampler, load_corpus, validation_windows
+from dmuon.train.data import (
+    CorpusPlan,
+    GlobalBatchSampler,
+    check_fits,
+    load_tokenizer,
+    plan_corpus,
+    validation_windows,
+)
+from dmuon.train.data.sources import list_source_files
+from dmuon.train.data.tokenizer import TextTokenizer
 from dmuon.train.metrics import MetricsWriter, ProgressReporter, format_summary, truncate_after
-from dmuon.train.model import build_model, lm_loss
+from dmuon.train.models import BuiltModel, ModelSource, build, lm_loss, resolve_model
+from dmuon.train.parallelize import (
+    build_mesh,
+    build_optimizer,
+    check_hsdp_degree,
+    init_distributed,
+    parallelize,
+)
+from dmuon.train.state import ModelState, OptimizerState, RNGState, TrainState
 from dmuon.train.stopping import StopRequest
 
-__all__ = ["Trainer", "TrainingDiverged", "configure_threads", "lr_lambda", "run"]
+__all__ = [
+    "Inputs",
+    "Trainer",
+    "TrainingDiverged",
+    "check_hsdp_degree",
+    "configure_threads",
+    "lr_lambda",
+    "preflight",
+    "run",
+]
+
+#: Dense bfloat16 peak TFLOP/s of one device, by a part of its CUDA name, for ``mfu``.
+KNOWN_PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "B200": 2250.0,
+                                       "A100": 312.0}  # fmt: skip
+
+
+#: The recipe's dtype names (``auto`` is absent: the library's default).
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class TrainingDiverged(RuntimeError):
@@ -60,22 +97,6 @@ class TrainingDiverged(RuntimeError):
             "--adamw-lr, raise --warmup-steps, or resume from an earlier checkpoint."
         )
         self.step = step
-
-
-def check_hsdp_degree(replicas: int, world_size: int) -> int:
-    """Validate ``--hsdp R`` against the number of processes; return ``R``.
-
-    Raises:
-        ValueError: ``R`` does not divide the world size.
-    """
-    if world_size % replicas != 0:
-        raise ValueError(
-            f"--hsdp {replicas} needs a number of processes divisible by {replicas}, but "
-            f"this run has {world_size} (torchrun's --nnodes x --nproc-per-node). Pass "
-            "--hsdp R with R dividing the process count, usually R = the number of nodes, "
-            "or --hsdp 1 for a 1-D mesh."
-        )
-    return replicas
 
 
 def configure_threads(local_world_size: int, threads: int | None = None) -> int:
@@ -115,13 +136,76 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable
     return factor
 
 
-@contextmanager
-def _fsdp_no_sync(model: nn.Module) -> Iterator[None]:
-    model.set_requires_gradient_sync(False)  # type: ignore[operator]
+@dataclass
+class Inputs:
+    """The checked inputs of a run (see `preflight`)."""
+
+    model: ModelSource
+    tokenizer: TextTokenizer | None
+    corpus: CorpusPlan
+
+
+def preflight(config: TrainConfig) -> Inputs:
+    """Check every input a user can get wrong, before any process group or file exists.
+
+    The model (a preset, or a model directory transformers builds, with enough positions
+    for ``--seq-len``), the tokenizer (loads, has an EOS token, fits the model's
+    embedding), the data (exists, readable formats, links inside its folder, token files
+    with their sidecars and a vocabulary that fits) and the export folder.
+
+    Raises:
+        FileNotFoundError, ValueError: with a message naming the flag, the file and what
+            to do.
+    """
+    source = resolve_model(config.model, config.seq_len)
+    if config.export_hf is not None:
+        from dmuon.checkpoint._hf_export import check_export_target
+
+        check_export_target(config.export_hf)
+    model_dir = None if source.hf is None else source.hf.path
+    # Token files need no tokenizer; a model directory without one still trains on them.
+    _, files = list_source_files(config.data)
+    needs_tokenizer = files[0].kind != "tokens"
+    tokenizer: TextTokenizer | None
     try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)  # type: ignore[operator]
+        tokenizer = load_tokenizer(config.tokenizer, model_dir)
+    except ValueError:
+        if needs_tokenizer or config.tokenizer is not None:
+            raise
+        tokenizer = None
+    plan = plan_corpus(
+        config.data,
+        val_fraction=config.val_fraction,
+        cache_dir=config.cache_dir,
+        tokenizer=tokenizer,
+        text_field=config.text_field,
+    )
+    if plan.cache_bin is not None:
+        if not plan.is_cached:
+            plan.check_records()  # a missing text field, before any process group
+        if tokenizer is None:
+            tokenizer = load_tokenizer(config.tokenizer, model_dir)  # raises its error
+        what = (
+            f"--tokenizer {tokenizer.name}"
+            if config.tokenizer
+            else f"the tokenizer {tokenizer.name}"
+        )
+        check_fits(tokenizer.vocab_size, source.vocab_size, what, config.model)
+    else:
+        from dmuon.train.data.sources import read_sidecar
+
+        for f in (*plan.train, *plan.val):
+            info = read_sidecar(f.path, f.relative)
+            check_fits(info.vocab_size, source.vocab_size, f"token file {f.relative}", config.model)
+    return Inputs(source, tokenizer, plan)
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: CUDA's allocator peak, else the peak resident set."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
 
 
 class Trainer:
@@ -132,29 +216,33 @@ class Trainer:
 
     Attributes:
         config: the settings.
+        inputs: the checked inputs (`preflight`).
         rank, world_size: this process and the process count (1 without torchrun).
         device: where the model runs.
-        model: the (possibly dedicated and sharded) transformer.
+        built: the `BuiltModel` (its ``module`` is ``model``).
+        model: the (possibly dedicated and sharded) model.
         optimizer: ``dmuon.Muon`` or ``torch.optim.AdamW``.
         sampler: the global-batch sampler.
+        train_state: the `TrainState` (step, time) checkpoints hold.
         start_step: the step the run continues from (0, or the resumed checkpoint's).
         resumed_from: the checkpoint the run resumed from, or None.
         stop: the stop request (SIGTERM/SIGINT while `fit` runs, or ``stop.request``).
     """
 
     def __init__(self, config: TrainConfig) -> None:
-        """Set up everything; initializes the process group when ``WORLD_SIZE`` > 1.
-
-        If setup fails, what was changed (threads, process group) is undone first.
+        """Check the inputs, then set everything up (the process group when ``WORLD_SIZE``
+        > 1). If setup fails, what was changed (threads, process group) is undone first.
         """
         self.config = config
         self.stop = StopRequest()
         self.start_step = 0
         self.resumed_from: Path | None = None
-        self._time_offset = 0.0  # seconds of training before the resumed checkpoint
-        self._resumed_geometry: tuple[Any, Any] = (None, None)  # its global batch, seq-len
-        self._owns_process_group = False
+        #: Events for the metrics file noticed before it is open (a damaged checkpoint).
+        self.notes: list[dict[str, Any]] = []
+        self._resumed_geometry: tuple[Any, Any] = (None, None)
         self._threads_before = torch.get_num_threads()
+        self._owns_process_group = False
+        self.inputs = preflight(config)
         try:
             self._setup()
         except BaseException:
@@ -163,29 +251,15 @@ class Trainer:
 
     def _setup(self) -> None:
         config = self.config
-        world_env = int(os.environ.get("WORLD_SIZE", "1"))
-        if world_env > 1 and not dist.is_initialized():
-            backend = "nccl" if self._want_cuda() else "gloo"
-            dist.init_process_group(backend)
-            self._owns_process_group = True
-        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.distributed = self.world_size > 1
+        env = init_distributed(config.device)
+        self._owns_process_group = env.owns_process_group
+        self.env = env
+        self.rank, self.world_size, self.device = env.rank, env.world_size, env.device
+        self.distributed = env.distributed
         replicas = check_hsdp_degree(config.hsdp, self.world_size)
-        self.threads = configure_threads(
-            int(os.environ.get("LOCAL_WORLD_SIZE", "1")), config.threads
-        )
+        self.threads = configure_threads(env.local_world_size, config.threads)
 
-        if self._want_cuda():
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            self.device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(self.device)
-        else:
-            self.device = torch.device("cpu")
-
-        self.corpus = load_corpus(
-            config.data, val_fraction=config.val_fraction, cache_dir=config.cache_dir
-        )
+        self.corpus = self._load_corpus()
         self.sampler = GlobalBatchSampler(
             self.corpus.train,
             seq_len=config.seq_len,
@@ -203,62 +277,90 @@ class Trainer:
         )
 
         # Same seed on every rank: identical weights before sharding.
-        model = build_model(
-            config.model,
+        self.built: BuiltModel = build(
+            self.inputs.model,
             seed=config.seed,
-            max_seq_len=config.seq_len,
+            seq_len=config.seq_len,
             device=self.device,
             dtype=getattr(torch, config.dtype),
         )
+        model = self.built.module
         self.num_params = sum(p.numel() for p in model.parameters())
-        self.mesh = None
-        if self.distributed:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            if replicas > 1:
-                # HSDP: replicas across nodes, FSDP2 and DMuon's owners within each.
-                self.mesh = init_device_mesh(
-                    self.device.type,
-                    (replicas, self.world_size // replicas),
-                    mesh_dim_names=("replicate", "shard"),
-                )
-            else:
-                self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-        self.dedicated: dict[str, int] = {}
-        z3 = config.mode == "z3"
-        if config.optimizer == "dmuon":
-            self.dedicated = dmuon.dedicate_params(model, self.mesh, reshard_after_forward=z3)
-        if self.distributed:
-            from torch.distributed.fsdp import fully_shard
-
-            # The same mode for FSDP2's parameters, or Z2 would still all-gather them
-            # before every backward.
-            for layer in model.layers:
-                fully_shard(layer, mesh=self.mesh, reshard_after_forward=z3)
-            fully_shard(model, mesh=self.mesh, reshard_after_forward=z3)
+        self.flops_per_token = self.built.flops_per_token(config.seq_len)
+        self.mesh = build_mesh(env, replicas)
+        param_dtype = torch.bfloat16 if config.param_dtype == "bfloat16" else None
+        self.dedicated = parallelize(
+            model,
+            self.built.layers,
+            self.mesh,
+            optimizer=config.optimizer,
+            mode=config.mode,
+            param_dtype=param_dtype,
+            activation_checkpointing=config.activation_checkpointing,
+            compile=config.compile,
+            reduce_dtype=_DTYPES.get(config.reduce_dtype),
+            broadcast_dtype=_DTYPES.get(config.broadcast_dtype),
+        )
+        # One process has no FSDP2 to cast with: bfloat16 compute is torch.autocast.
+        self._autocast = param_dtype is not None and self.mesh is None
         self.model = model
 
         self.lr = config.effective_lr  # the rate logged as ``lr``
-        self.optimizer: torch.optim.Optimizer
-        if config.optimizer == "dmuon":
-            ns_dtype = None if config.ns_dtype == "auto" else getattr(torch, config.ns_dtype)
-            self.optimizer = dmuon.Muon(
-                model, lr=config.lr, adamw_lr=config.adamw_rate, ns_dtype=ns_dtype
-            )
-        else:
-            # The baseline: AdamW on everything, with the hyperparameters DMuon's
-            # AdamW groups use by default.
-            self.optimizer = torch.optim.AdamW(
-                model.parameters(),
-                lr=config.adamw_rate,
-                betas=(0.9, 0.999),
-                eps=1e-8,
-                weight_decay=0.01,
-            )
+        self.optimizer = build_optimizer(
+            model,
+            optimizer=config.optimizer,
+            lr=config.lr,
+            adamw_lr=config.adamw_rate,
+            ns_dtype=config.ns_dtype,
+        )
         self._lr_factor = lr_lambda(config.warmup_steps, config.steps, config.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.tokens_per_step = self.sampler.global_batch_size * config.seq_len
+        self.train_state = TrainState(
+            model=config.model,
+            optimizer=config.optimizer,
+            global_batch_size=self.sampler.global_batch_size,
+            seq_len=config.seq_len,
+            world_size=self.world_size,
+        )
+        self.peak_flops = self._peak_flops()
         self._restore()
+
+    def _load_corpus(self) -> Any:
+        """Tokenize on local rank 0 while the node's other ranks wait for its cache."""
+        plan = self.inputs.corpus
+        bar = {"auto": None, "bar": True, "plain": False}[self.config.progress]
+        builder = self.env.local_rank == 0
+        if self.distributed:
+            if builder:
+                plan.clear_error()
+            self._barrier()  # no rank reads an earlier build's error
+        if builder:
+            plan.build(bar if self.rank == 0 else False)
+        else:
+            plan.wait()
+        self._barrier()
+        return plan.open()
+
+    def _peak_flops(self) -> float | None:
+        if self.config.peak_tflops is not None:
+            return self.config.peak_tflops * 1e12
+        if self.device.type == "cuda" and self.config.param_dtype == "bfloat16":
+            name = torch.cuda.get_device_name(self.device)
+            for part, tflops in KNOWN_PEAK_TFLOPS.items():
+                if part in name:
+                    return tflops * 1e12
+        return None
+
+    def _states(self) -> dict[str, Any]:
+        return {
+            "distributed": {
+                "model": ModelState(self.model),
+                "optim": OptimizerState(self.model, self.optimizer),
+            },
+            "rank_zero": {"train": self.train_state, "scheduler": self.scheduler},
+            "rng": RNGState(self.device),
+        }
 
     def _restore(self) -> None:
         """Resume from a checkpoint or take initial weights, as the flags say."""
@@ -268,11 +370,7 @@ class Trainer:
         if cfg.resume == "never":
             target = None
         elif cfg.resume == "auto":
-            target = (
-                checkpointing.latest_checkpoint(cfg.checkpoint_dir)
-                if cfg.checkpoint_dir is not None
-                else None
-            )
+            target = self._latest_verified() if cfg.checkpoint_dir is not None else None
         else:
             target = checkpointing.require_checkpoint(cfg.resume, "--resume")
         if target is not None and cfg.init_from is not None:
@@ -285,32 +383,72 @@ class Trainer:
             self._resume(target)
             return
         if cfg.init_from is not None:
-            checkpointing.load_weights(cfg.init_from, self.model)
+            checkpointing.load_checkpoint(
+                cfg.init_from, distributed={"model": ModelState(self.model)}
+            )
+
+    def _latest_verified(self) -> Path | None:
+        """The newest checkpoint whose files match its manifest, found on rank 0 (it reads
+        every file once) and told to the other ranks; damaged ones are reported."""
+        assert self.config.checkpoint_dir is not None
+        found: list[Path | None] = [None]
+        if self.rank == 0:
+
+            def damaged(path: Path, problems: list[str]) -> None:
+                text = f"skipping damaged checkpoint {path}: " + "; ".join(problems)
+                print(f"dmuon-train: warning: {text}", file=sys.stderr, flush=True)
+                self.notes.append(
+                    {
+                        contract.EVENT_KEY: contract.CHECKPOINT_SKIPPED_EVENT,
+                        "checkpoint": str(path),
+                        "problems": problems,
+                    }
+                )
+
+            found[0] = checkpointing.latest_checkpoint(self.config.checkpoint_dir, damaged)
+        if self.distributed:
+            dist.broadcast_object_list(found, src=0)
+        return found[0]
 
     def _resume(self, path: Path) -> None:
         cfg = self.config
-        state = checkpointing.read_trainer_state(path)
-        step = int(state["step"])
-        for key, flag in (("model", "--model"), ("optimizer", "--optimizer")):
-            if state.get(key) not in (None, getattr(cfg, key)):
+        saved = TrainState()
+        saved.load_state_dict(checkpointing.read_trainer_state(path)["train"])
+        for key, option in (("model", "--model"), ("optimizer", "--optimizer")):
+            if getattr(saved, key) not in (None, getattr(cfg, key)):
                 raise ValueError(
-                    f"checkpoint {path} was written with {flag} {state[key]}, this run has "
-                    f"{flag} {getattr(cfg, key)}. Resume with the same {flag}, or start a "
-                    f"new run from its weights with --init-from {path} --resume never."
+                    f"checkpoint {path} was written with {option} {getattr(saved, key)}, this "
+                    f"run has {option} {getattr(cfg, key)}. Resume with the same {option}, or "
+                    f"start a new run from its weights with --init-from {path} --resume never."
                 )
-        if step > cfg.steps:
+        if saved.step > cfg.steps:
             raise ValueError(
-                f"checkpoint {path} is at step {step}, past --steps {cfg.steps}. Raise "
+                f"checkpoint {path} is at step {saved.step}, past --steps {cfg.steps}. Raise "
                 "--steps to continue it, or pass --resume never to start over."
             )
-        checkpointing.load_training_state(
-            path, self.model, self.optimizer, rank=self.rank, device=self.device
-        )
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.start_step = step
+        geometry = (saved.global_batch_size, saved.seq_len)
+        states = self._states()
+        checkpointing.load_checkpoint(path, **states, rank=self.rank)
+        self.start_step = self.train_state.step
         self.resumed_from = path
-        self._time_offset = float(state.get("time", 0.0))
-        self._resumed_geometry = (state.get("global_batch_size"), state.get("seq_len"))
+        self._resumed_geometry = geometry
+        # What this run was started with, not the checkpoint's (the note in `fit` says so).
+        self.train_state.global_batch_size = self.sampler.global_batch_size
+        self.train_state.seq_len = cfg.seq_len
+        self.train_state.world_size = self.world_size
+
+    def _write_hf_snapshot(self, folder: Path) -> None:
+        """Write into ``folder/hf`` what an HF export needs besides the weights."""
+        from dmuon.checkpoint._hf_export import KEYS_FILE
+
+        hf = folder / contract.HF_SNAPSHOT_DIR
+        hf.mkdir(exist_ok=True)
+        config = {k: v for k, v in self.built.hf_config.items() if k != "use_cache"}
+        (hf / contract.HF_CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
+        if self.built.hf_keys:
+            (hf / KEYS_FILE).write_text(json.dumps(self.built.hf_keys, indent=2), encoding="utf-8")
+        if self.inputs.tokenizer is not None:
+            self.inputs.tokenizer.save(hf)
 
     def save_checkpoint(self, step: int, elapsed: float) -> Path:
         """Write the checkpoint after ``step`` into ``--checkpoint-dir`` (a collective).
@@ -320,44 +458,55 @@ class Trainer:
         cfg = self.config
         if cfg.checkpoint_dir is None:
             raise ValueError("save_checkpoint needs --checkpoint-dir")
-        trainer_state = {
-            "scheduler": self.scheduler.state_dict(),
-            "time": elapsed,
-            "model": cfg.model,
-            "optimizer": cfg.optimizer,
-            "global_batch_size": self.sampler.global_batch_size,
-            "seq_len": cfg.seq_len,
-            "world_size": self.world_size,
-        }
+        self.train_state.step = step
+        self.train_state.time = elapsed
         return checkpointing.save_checkpoint(
             cfg.checkpoint_dir,
             step,
-            self.model,
-            self.optimizer,
-            trainer_state,
+            **self._states(),
             rank=self.rank,
             barrier=self._barrier,
-            device=self.device,
             keep=cfg.keep_checkpoints,
+            write_extra=self._write_hf_snapshot,
         )
+
+    def export_hf(self, output: str | os.PathLike[str]) -> Path:
+        """Write the model as a Hugging Face directory into ``output`` (a collective).
+
+        Every rank contributes its part of the full weights; rank 0 writes them with the
+        model's config, its tokenizer and a generation config
+        (`dmuon.checkpoint._hf_export.save_hf_model`).
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        from dmuon.checkpoint._hf_export import save_hf_model
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        weights = dmuon.get_model_state_dict(self.model, options=options)
+        out = Path(output)
+        if self.rank == 0:
+            with tempfile.TemporaryDirectory() as scratch:
+                self._write_hf_snapshot(Path(scratch))
+                hf = Path(scratch) / contract.HF_SNAPSHOT_DIR
+                config = json.loads((hf / contract.HF_CONFIG_FILE).read_text(encoding="utf-8"))
+                save_hf_model(
+                    {k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
+                    config,
+                    out,
+                    keys=self.built.hf_keys or None,
+                    tokenizer_files=hf,
+                )
+        self._barrier()
+        return out
 
     def _barrier(self) -> None:
         if self.distributed:
             dist.barrier()
 
-    def _want_cuda(self) -> bool:
-        if self.config.device == "cuda":
-            if not torch.cuda.is_available():
-                raise RuntimeError("--device cuda was given but no CUDA device is available")
-            return True
-        return self.config.device == "auto" and torch.cuda.is_available()
-
     def _no_sync(self) -> AbstractContextManager[Any]:
-        if self.config.optimizer == "dmuon":
-            return dmuon.no_sync(self.model)
-        if self.distributed:
-            return _fsdp_no_sync(self.model)
-        return nullcontext()
+        # dmuon.no_sync covers dedicated matrices and FSDP2 modules alike, so the AdamW
+        # baseline (FSDP2 alone) accumulates through the same call.
+        return dmuon.no_sync(self.model)
 
     def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.distributed:
@@ -374,12 +523,25 @@ class Trainer:
         max_norm = self.config.clip_grad if self.config.clip_grad > 0 else math.inf
         return float(dmuon.clip_grad_norm_(self.model, max_norm))
 
-    def train_step(self, step: int) -> dict[str, float]:
+    def _compute(self) -> AbstractContextManager[Any]:
+        if self._autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return nullcontext()
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss of windows ``tokens`` (batch, seq_len + 1)."""
+        with self._compute():
+            logits = self.built.logits(tokens[:, :-1])
+        return lm_loss(logits, tokens[:, 1:])
+
+    def train_step(self, step: int) -> dict[str, Any]:
         """Run optimizer step ``step`` (1-based): accumulate, step, schedule.
 
         Returns ``loss`` (global-batch mean), ``lr`` (the logged rate for this step),
-        ``grad_norm``, ``seconds`` (wall time of the step) and ``stop`` (1.0 when any rank
-        was asked to stop; the flag rides on the loss all-reduce, so all ranks agree).
+        ``grad_norm``, ``seconds`` (wall time of the step), ``stop`` (1.0 when any rank
+        was asked to stop; the flag rides on the loss all-reduce, so all ranks agree) and
+        ``peak_memory_bytes`` (every rank's peak so far, index = rank; the same
+        all-reduce).
         """
         accum_steps = self.config.accum_steps
         start = time.perf_counter()
@@ -393,7 +555,7 @@ class Trainer:
             is_accumulating = (i + 1) % accum_steps != 0
             ctx = self._no_sync() if is_accumulating else nullcontext()
             with ctx:
-                loss = lm_loss(self.model(micro[:, :-1]), micro[:, 1:]) / accum_steps
+                loss = self.loss(micro) / accum_steps
                 loss.backward()
             loss_sum += loss.detach()
             if not is_accumulating:
@@ -403,8 +565,11 @@ class Trainer:
                 self.optimizer.step()
                 self.optimizer.zero_grad()
                 self.scheduler.step()
-        stop_flag = torch.full_like(loss_sum, 1.0 if self.stop.requested else 0.0)
-        reduced = self._all_reduce_sum(torch.stack([loss_sum, stop_flag]))
+        shared = torch.zeros(2 + self.world_size, dtype=torch.float64, device=self.device)
+        shared[0] = loss_sum
+        shared[1] = 1.0 if self.stop.requested else 0.0
+        shared[2 + self.rank] = float(_peak_memory_bytes(self.device))
+        reduced = self._all_reduce_sum(shared).cpu()
         mean_loss = float(reduced[0] / self.world_size)
         if not math.isfinite(mean_loss):
             raise TrainingDiverged(step, "loss", mean_loss)
@@ -414,6 +579,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "seconds": time.perf_counter() - start,
             "stop": 1.0 if float(reduced[1]) > 0 else 0.0,
+            "peak_memory_bytes": [int(v) for v in reduced[2:].tolist()],
         }
 
     @torch.no_grad()
@@ -423,12 +589,35 @@ class Trainer:
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
         windows = self.val_windows.to(self.device)
         for chunk in windows.split(self.config.micro_batch_size):
-            logits = self.model(chunk[:, :-1])
+            with self._compute():
+                logits = self.built.logits(chunk[:, :-1])
             sums[0] += lm_loss(logits, chunk[:, 1:], reduction="sum").double()
             sums[1] += chunk[:, 1:].numel()
         self.model.train()
         self._all_reduce_sum(sums)
         return float(sums[0] / sums[1])
+
+    def _describe(self) -> str:
+        cfg = self.config
+        corpus = self.corpus
+        tokenizer = self.inputs.tokenizer
+        extras = [
+            f"param dtype {cfg.param_dtype}" if cfg.param_dtype != "float32" else "",
+            "activation checkpointing" if cfg.activation_checkpointing else "",
+            "compiled layers" if cfg.compile else "",
+        ]
+        return (
+            f"dmuon.train: model {cfg.model} ({self.num_params / 1e6:.2f} M params, "
+            f"{len(self.built.layers)} layers), optimizer {cfg.optimizer}"
+            + (f" {cfg.mode} ({len(self.dedicated)} dedicated)" if cfg.optimizer == "dmuon" else "")
+            + f", {self.world_size} process(es) x {self.threads} thread(s) on {self.device.type}"
+            + "".join(f", {e}" for e in extras if e)
+            + f", global batch {self.sampler.global_batch_size} x {cfg.seq_len} tokens "
+            f"(micro-batch {cfg.micro_batch_size}, accumulation {cfg.accum_steps}), "
+            f"data {corpus.source} ({corpus.train.numel() / 1e6:.2f} M train / "
+            f"{corpus.val.numel() / 1e6:.3f} M val tokens, tokenizer "
+            f"{tokenizer.name if tokenizer is not None else 'none (token files)'})"
+        )
 
     def fit(self) -> dict[str, Any]:
         """Train steps ``start_step + 1 .. config.steps`` with eval, metrics, checkpoints.
@@ -436,12 +625,15 @@ class Trainer:
         Returns a summary. SIGTERM or SIGINT while it runs (or ``stop.request``) ends it
         after the current step with a checkpoint (with ``--checkpoint-dir``) and a
         ``{"event": "stopped", ...}`` metrics line; the summary then has ``stopped_by``.
+        With ``--export-hf`` a run that reaches ``--steps`` ends with the export.
         """
         cfg = self.config
         is_main = self.rank == 0
         if is_main and cfg.metrics_file is not None and self.start_step > 0:
             truncate_after(cfg.metrics_file, self.start_step)
         writer = MetricsWriter(cfg.metrics_file if is_main else None)
+        for note in self.notes:
+            writer.write(note)
         bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]
         progress = ProgressReporter(
             cfg.steps,
@@ -450,16 +642,7 @@ class Trainer:
             log_every=cfg.log_every,
             initial=self.start_step,
         )
-        progress.message(
-            f"dmuon.train: model {cfg.model} ({self.num_params / 1e6:.2f} M params), "
-            f"optimizer {cfg.optimizer}"
-            + (f" {cfg.mode} ({len(self.dedicated)} dedicated)" if cfg.optimizer == "dmuon" else "")
-            + f", {self.world_size} process(es) x {self.threads} thread(s) on {self.device.type}, "
-            f"global batch {self.sampler.global_batch_size} x {cfg.seq_len} tokens "
-            f"(micro-batch {cfg.micro_batch_size}, accumulation {cfg.accum_steps}), "
-            f"data {self.corpus.source} ({self.corpus.train.numel() / 1e6:.1f} M train / "
-            f"{self.corpus.val.numel() / 1e6:.2f} M val bytes)"
-        )
+        progress.message(self._describe())
         if self.resumed_from is not None:
             progress.message(f"resumed from {self.resumed_from} (step {self.start_step})")
             geometry = (self.sampler.global_batch_size, cfg.seq_len)
@@ -475,11 +658,14 @@ class Trainer:
         train_seconds = 0.0
         last_step = self.start_step
         checkpoint: Path | None = None
+        exported: Path | None = None
         stopped = False
+        peak_memory: list[int] = []
+        time_offset = self.train_state.time
         t0 = time.perf_counter()
 
         def elapsed() -> float:
-            return self._time_offset + time.perf_counter() - t0
+            return time_offset + time.perf_counter() - t0
 
         try:
             with self.stop:
@@ -492,6 +678,7 @@ class Trainer:
                     train_seconds += stats["seconds"]
                     loss = stats["loss"]
                     last_step = step
+                    peak_memory = stats["peak_memory_bytes"]
                     stopping = stats["stop"] > 0 and step < cfg.steps  # else: done anyway
                     tokens_per_s = self.tokens_per_step / stats["seconds"]
                     record: dict[str, Any] = {
@@ -500,7 +687,11 @@ class Trainer:
                         "lr": stats["lr"],
                         "tokens_per_s": tokens_per_s,
                         "grad_norm": stats["grad_norm"],
+                        "peak_memory_bytes": peak_memory,
                     }
+                    if self.peak_flops is not None:
+                        achieved = self.flops_per_token * tokens_per_s
+                        record["mfu"] = achieved / (self.peak_flops * self.world_size)
                     if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
                         end_val = self.evaluate()
                         record["val_loss"] = end_val
@@ -512,11 +703,23 @@ class Trainer:
                     if cfg.checkpoint_dir is not None and (
                         periodic or stopping or step == cfg.steps
                     ):
-                        checkpoint = self.save_checkpoint(step, elapsed())
+                        try:
+                            checkpoint = self.save_checkpoint(step, elapsed())
+                        except checkpointing.CheckpointWriteError as error:
+                            writer.write(
+                                {
+                                    contract.EVENT_KEY: contract.CHECKPOINT_FAILED_EVENT,
+                                    "step": step,
+                                    "message": error.strerror,
+                                }
+                            )
+                            if cfg.on_checkpoint_error != "warn":
+                                raise
+                            progress.message(f"warning: {error.strerror}; training goes on")
                     if stopping:
                         writer.write(
                             {
-                                "event": "stopped",
+                                contract.EVENT_KEY: contract.STOPPED_EVENT,
                                 "step": step,
                                 "signal": self.stop.signal_name,
                                 "checkpoint": None if checkpoint is None else str(checkpoint),
@@ -528,6 +731,9 @@ class Trainer:
                         )
                         stopped = True
                         break
+                if cfg.export_hf is not None and not stopped and last_step == cfg.steps:
+                    exported = self.export_hf(cfg.export_hf)
+                    progress.message(f"exported a Hugging Face model directory to {exported}")
         finally:
             progress.close()
             writer.close()
@@ -545,10 +751,12 @@ class Trainer:
             "optimizer": cfg.optimizer,
             "model": cfg.model,
             "params": self.num_params,
+            "peak_memory_bytes": peak_memory,
             "start_step": self.start_step,
             "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
             "stopped_by": (self.stop.signal_name or "signal") if stopped else None,
             "checkpoint": None if checkpoint is None else str(checkpoint),
+            "export": None if exported is None else str(exported),
             "config": asdict(cfg),
         }
         progress.message(format_summary(summary))

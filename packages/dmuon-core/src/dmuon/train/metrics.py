@@ -8,7 +8,10 @@ object per line, appended and flushed line by line.
   the Muon rate ``--lr`` under dmuon, ``--adamw-lr`` under the adamw baseline),
   ``tokens_per_s`` (global tokens of the step / its wall time), ``grad_norm`` (global L2
   norm of the gradient before the update), ``time`` (seconds since training started,
-  after setup), and on evaluation steps also ``val_loss``.
+  after setup), ``peak_memory_bytes`` (a list: each rank's peak memory so far, index =
+  rank; CUDA's allocator peak, or the process's peak resident set on CPU), ``mfu``
+  (model FLOPs utilization, only where a peak is known: ``--peak-tflops``, or a known
+  CUDA device in bfloat16), and on evaluation steps also ``val_loss``.
 * When evaluation is on (``--eval-every`` > 0), one extra line **before** the first step:
   ``{"step": 0, "loss": null, "lr": null, "tokens_per_s": null, "grad_norm": null,
   "time": ..., "val_loss": ...}`` carrying the validation loss of the initial weights.
@@ -35,6 +38,8 @@ import sys
 from pathlib import Path
 from typing import IO, Any
 
+import dmuon_recipe_contract as contract
+
 __all__ = [
     "REQUIRED_KEYS",
     "MetricsWriter",
@@ -43,8 +48,8 @@ __all__ = [
     "truncate_after",
 ]
 
-REQUIRED_KEYS = ("step", "loss", "lr", "tokens_per_s", "grad_norm", "time")
-"""Keys present on every line of the metrics file."""
+REQUIRED_KEYS = contract.METRIC_KEYS
+"""Keys present on every line of the metrics file (`dmuon_recipe_contract.METRIC_KEYS`)."""
 
 
 def _clean(value: Any) -> Any:
@@ -202,6 +207,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     elif summary.get("checkpoint"):
         lines.append(f"checkpoint {summary['checkpoint']}")
+    if summary.get("export"):
+        lines.append(f"export {summary['export']}")
     start, end = summary.get("start_val_loss"), summary.get("end_val_loss")
     if start is not None and end is not None:
         drop = (start - end) / start * 100 if start else float("nan")

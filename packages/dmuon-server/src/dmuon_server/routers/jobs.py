@@ -31,7 +31,14 @@ from dmuon_server.jobfiles import (
     list_checkpoints,
     tail_lines,
 )
-from dmuon_server.launch import Review, build_command, init_path, plan_view, review
+from dmuon_server.launch import (
+    Review,
+    build_command,
+    init_path,
+    plan_view,
+    review,
+    with_recipe_defaults,
+)
 from dmuon_server.paths import PublicPaths
 from dmuon_server.schemas import (
     TERMINAL_STATES,
@@ -135,6 +142,7 @@ def create_job(
     `Idempotency-Key` is the submitting user's own.
     """
     accepted = _accepted(settings, store, user, body)
+    body = with_recipe_defaults(body)  # the job record shows the values used
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     job_id = uuid.uuid4().hex
     job_dir = settings.job_dir(job_id)

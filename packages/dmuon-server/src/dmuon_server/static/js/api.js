@@ -58,14 +58,15 @@ async function problemOf(response) {
   }
 }
 
-/** Call the API; resolves to the JSON body (null for 204), rejects with ApiError. */
-export async function api(method, path, { body, headers = {}, signal } = {}) {
+/** Call the API; resolves to the JSON body (null for 204; a Blob with `raw`), rejects
+ * with ApiError. */
+export async function api(method, path, { body, headers = {}, signal, raw = false } = {}) {
   for (let attempt = 0; ; attempt += 1) {
     const init = {
       method,
       signal,
       cache: "no-store",
-      headers: authHeaders({ Accept: "application/json", ...headers }),
+      headers: authHeaders({ Accept: raw ? "*/*" : "application/json", ...headers }),
     };
     if (body !== undefined) {
       init.body = JSON.stringify(body);
@@ -79,7 +80,7 @@ export async function api(method, path, { body, headers = {}, signal } = {}) {
     }
     if (!response.ok) throw new ApiError(response.status, await problemOf(response));
     if (response.status === 204) return null;
-    return response.json();
+    return raw ? response.blob() : response.json();
   }
 }
 

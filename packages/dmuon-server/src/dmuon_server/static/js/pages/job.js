@@ -11,6 +11,7 @@ import {
   errorText,
   fmt,
   fmtDuration,
+  fmtInt,
   fmtTime,
   h,
   jobLabel,
@@ -63,6 +64,7 @@ export function renderJob(main, jobId) {
   const failure = h("section", { id: "job-failure", hidden: true });
   const history = h("tbody");
   const checkpoints = h("section", { id: "job-checkpoints", hidden: true });
+  const artifacts = h("section", { id: "job-artifacts", hidden: true });
   const attempts = h("section", { id: "job-attempts", hidden: true });
   const recipe = h("section", { id: "job-recipe", hidden: true });
   const logs = h("pre", { id: "job-logs", tabindex: "0" });
@@ -105,6 +107,7 @@ export function renderJob(main, jobId) {
     extraTitle,
     extra,
     checkpoints,
+    artifacts,
     attempts,
     h("h2", {}, t("job.history")),
     h(
@@ -335,7 +338,35 @@ export function renderJob(main, jobId) {
         checkpoints.hidden = true;
       }
     }
+    if (await hasRoute("/v1/jobs/{job_id}/artifacts")) {
+      try {
+        const out = await api("GET", `${path}/artifacts`);
+        const exported = (out.items || []).filter((a) => a.kind === "export");
+        artifacts.hidden = !exported.length;
+        artifacts.replaceChildren(h("h2", {}, t("job.export")),
+          h("p", { class: "muted" }, t("job.export_help")),
+          h("ul", { id: "export-files" }, exported.map((a) => h("li", {},
+            h("a", { href: "#", dataset: { path: a.path }, onclick: (event) => download(event, a.path) }, a.path),
+            ` (${fmtInt(a.bytes)} B)`))));
+      } catch {
+        artifacts.hidden = true;
+      }
+    }
     resume.hidden = !(await hasRoute("/v1/jobs/{job_id}/resume", "post")) || !job || !["failed", "cancelled"].includes(job.state);
+  }
+
+  /** Fetch an artifact with the token and hand it to the browser as a download. */
+  async function download(event, file) {
+    event.preventDefault();
+    try {
+      const blob = await api("GET", `${path}/artifacts/${file.split("/").map(encodeURIComponent).join("/")}`, { raw: true });
+      const link = h("a", { href: URL.createObjectURL(blob), download: file.split("/").pop() });
+      link.click();
+      setTimeout(() => URL.revokeObjectURL(link.href), 10_000);
+    } catch (err) {
+      error.textContent = errorText(err);
+      error.hidden = false;
+    }
   }
 
   function startStream() {

@@ -28,20 +28,25 @@ function leaves(doc, schema, prefix = []) {
       out.push({ group: path, title: base.title || name, fields: leaves(doc, base, path) });
       continue;
     }
+    // A choice or an object (train.model: a preset, or {"path": ...}): the choice, then
+    // the object's fields, optional; a filled-in object field wins in body().
+    const alternative = variants.find((v) => v !== base && v.type === "object" && v.properties);
+    const extra = alternative ? leaves(doc, alternative, path).map((f) => ({ ...f, optional: true })) : [];
     out.push({
       path,
       key: path.join("."),
       id: `field-${path.join("-")}`,
       type: base.type || "string",
-      choices: base.enum || (base.const !== undefined ? [base.const] : null),
+      choices: base.enum || (base.const !== undefined ? [base.const] : null) || (base.type === "boolean" ? [true, false] : null),
       maxLength: base.maxLength,
       min: base.minimum ?? base.exclusiveMinimum,
       max: base.maximum ?? base.exclusiveMaximum,
       exclusiveMin: base.exclusiveMinimum !== undefined,
-      optional: !required.has(name) || variants.some((v) => v.type === "null"),
+      optional: !required.has(name) || variants.some((v) => v.type === "null") || Boolean(alternative),
       default: prop.default ?? raw.default,
       description: prop.description || raw.description || "",
     });
+    out.push(...extra);
   }
   return out;
 }
@@ -101,8 +106,12 @@ export function renderSubmit(main, params) {
     for (const f of fields) {
       const value = f.path.reduce((node, k) => (node == null ? undefined : node[k]), values);
       const input = controls.get(f.key);
-      if (Array.isArray(value)) input.value = value.join("\n");
-      else input.value = value === undefined || value === null ? "" : String(value);
+      if (Array.isArray(value)) {
+        input.value = value.join("\n");
+      } else {
+        const plain = value === undefined || value === null || typeof value === "object";
+        input.value = plain ? "" : String(value);
+      }
     }
     if (groupBoxes.has("script")) setKind(values && values.script ? "script" : "train");
   }
@@ -131,9 +140,14 @@ export function renderSubmit(main, params) {
       } else if (f.type === "integer" || f.type === "number") {
         const n = Number(raw);
         if (raw !== "" && Number.isFinite(n)) value = n;
+      } else if (f.type === "boolean") {
+        value = raw === "true";
       }
       let node = out;
-      for (const k of f.path.slice(0, -1)) node = node[k] ??= {};
+      for (const k of f.path.slice(0, -1)) {
+        if (node[k] === null || typeof node[k] !== "object") node[k] = {};  // a path wins over a choice
+        node = node[k];
+      }
       node[f.path[f.path.length - 1]] = value;
     }
     return out;
@@ -247,7 +261,7 @@ export function renderSubmit(main, params) {
     const error = h("p", { class: "error", id: errId, hidden: true });
     errors.set(f.key, error);
     return [
-      h("label", { for: f.id }, f.path[f.path.length - 1]),
+      h("label", { for: f.id }, f.path.slice(f.path[0] === "train" ? 1 : 0).join(".")),
       h("div", { class: "field" }, input,
         h("p", { class: "hint", id: hintId }, withCode(f.description), f.description && bits.length ? " — " : "", bits.join(" · ")),
         error),

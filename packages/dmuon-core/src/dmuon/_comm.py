@@ -1,0 +1,485 @@
+"""The only place DMuon issues collectives, and the audit of what it sent.
+
+One code path, two transports. Every collective is issued asynchronously and returns a
+`Pending` handle that is waited on where the data is needed:
+
+- CPU / gloo: the work handle of an ``async_op=True`` collective.
+- CUDA / NCCL: the collective is issued from a dedicated communication stream after an
+  event recorded on the compute stream (so it sees the producer's writes); waiting makes
+  the compute stream wait on the collective, without blocking the host.
+
+Averages are SUM followed by a division on the receiving side: gloo's AVG is not reliable
+across versions.
+
+With ``check_collectives`` (``dedicate_params(..., check_collectives=True)`` or the
+environment variable ``DMUON_CHECK_COLLECTIVES=1``) every collective is preceded by a small
+all-gather of its signature (sequence number, kind, size, root), and every rank raises the
+same error at the first collective on which the ranks disagree, instead of mixing data or
+hanging. It costs one extra synchronous collective each, so it is for debugging.
+
+On a 2-D ``(replicate, shard)`` mesh (HSDP) the broadcasts and reduces run inside the
+shard group, and the owners of a matrix (one per replica, at the same shard rank) average
+its gradient with one all-reduce over the replicate group. The audit keeps the two
+dimensions apart: `StepComm.by_kind` and `StepComm.units` describe the shard dimension
+(the whole traffic of a 1-D mesh), `StepComm.replicate` the replicate dimension.
+
+Checkpoint transfers (`Communicator.scatter_rows`, `gather_rows`, `send`, `recv`,
+`broadcast_now`, `all_gather_codes`) are synchronous and are not part of the per-step
+audit: they move state between owners and state-dict layouts, not training traffic.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_KIND_CODES = {
+    "broadcast": 1,
+    "reduce": 2,
+    "all_gather": 3,
+    "reduce_scatter": 4,
+    "all_reduce": 5,
+    "scatter": 6,
+    "gather": 7,
+}
+
+#: How many "units" one collective of E elements costs, in units of (N-1)/N x E.
+_UNITS_PER_ELEMENT = {
+    "broadcast": 1,
+    "reduce": 1,
+    "all_gather": 1,
+    "reduce_scatter": 1,
+    "all_reduce": 2,
+    "gather": 1,
+    "scatter": 1,
+}
+
+
+@dataclass
+class CollectiveTally:
+    """Count, elements and bytes of one kind of collective."""
+
+    count: int = 0
+    elements: int = 0
+    bytes: int = 0
+
+
+#: The mesh dimensions the audit tells apart: the ranks sharing owners (data parallel), the
+#: replicas of HSDP, and tensor parallelism.
+SHARD, REPLICATE, TENSOR = "shard", "replicate", "tensor"
+
+
+def _units(by_kind: dict[str, CollectiveTally], dedicated_elements: int) -> float:
+    if dedicated_elements == 0:
+        return 0.0
+    moved = sum(_UNITS_PER_ELEMENT[kind] * t.elements for kind, t in by_kind.items())
+    return moved / dedicated_elements
+
+
+def _tallies(by_kind: dict[str, CollectiveTally]) -> dict[str, dict[str, int]]:
+    return {
+        kind: {"count": t.count, "elements": t.elements, "bytes": t.bytes}
+        for kind, t in sorted(by_kind.items())
+    }
+
+
+@dataclass
+class StepComm:
+    """Collectives issued for dedicated parameters during one optimizer step, on this rank.
+
+    ``by_kind`` is the shard dimension: the broadcasts and reduces among the ranks that
+    share the matrices' owners (all ranks of a 1-D mesh, the dp ranks under tensor
+    parallelism). ``replicate`` is the replicate dimension of a 2-D (HSDP) mesh: the
+    all-reduces among the owners of the same matrices in the different replicas (empty on
+    a 1-D mesh). ``tensor`` is the tensor-parallel dimension: the gathers and scatters of
+    ``optimizer.step()`` among the owners of a tp-sharded matrix' shards.
+    """
+
+    dedicated_elements: int
+    #: Replicas of the mesh (1 on a 1-D mesh); with more, `as_dict` splits by dimension.
+    replicas: int = 1
+    #: Elements of the whole dedicated matrices (more than ``dedicated_elements``, this
+    #: rank's shards, under tensor parallelism); ``None``: the same.
+    global_elements: int | None = None
+    by_kind: dict[str, CollectiveTally] = field(
+        default_factory=lambda: defaultdict(CollectiveTally)
+    )
+    replicate: dict[str, CollectiveTally] = field(
+        default_factory=lambda: defaultdict(CollectiveTally)
+    )
+    tensor: dict[str, CollectiveTally] = field(default_factory=lambda: defaultdict(CollectiveTally))
+
+    @property
+    def units(self) -> float:
+        """Shard-dimension traffic in units of (N-1)/N x P_M elements.
+
+        N is the shard group's size and P_M the number of dedicated elements.
+        """
+        return _units(self.by_kind, self.dedicated_elements)
+
+    @property
+    def replicate_units(self) -> float:
+        """This rank's replicate-dimension traffic in units of (R-1)/R x P_M elements.
+
+        A rank all-reduces only the matrices it owns, so the ranks of one shard group add
+        up to 2 units per synchronised backward (R is the replicate group's size).
+        """
+        return _units(self.replicate, self.dedicated_elements)
+
+    @property
+    def tensor_units(self) -> float:
+        """This rank's tensor-parallel traffic in units of (T-1)/T x P_M elements.
+
+        P_M counts the whole matrices here. A rank gathers and scatters only the matrices
+        its dp position owns, so the dp ranks add up to 2 units per step when every
+        dedicated matrix is tp-sharded (T is the tensor-parallel group's size).
+        """
+        return _units(self.tensor, self.global_elements or self.dedicated_elements)
+
+    def count(self, kind: str) -> int:
+        """Number of collectives of ``kind`` (``"broadcast"``, ``"reduce"``, ...)."""
+        return self.by_kind[kind].count if kind in self.by_kind else 0
+
+    def as_dict(self) -> dict[str, object]:
+        """A JSON-friendly summary: per-kind tallies and the total in units."""
+        summary: dict[str, object] = {
+            "units": self.units,
+            "dedicated_elements": self.dedicated_elements,
+            "collectives": _tallies(self.by_kind),
+        }
+        dimensions: dict[str, object] = {}
+        if self.replicas > 1:
+            dimensions[REPLICATE] = {
+                "units": self.replicate_units,
+                "collectives": _tallies(self.replicate),
+            }
+        if self.global_elements is not None:
+            dimensions[TENSOR] = {
+                "units": self.tensor_units,
+                "collectives": _tallies(self.tensor),
+            }
+        if dimensions:
+            shard = {SHARD: {"units": self.units, "collectives": _tallies(self.by_kind)}}
+            summary["dimensions"] = shard | dimensions
+        return summary
+
+
+class CommAudit:
+    """Per-optimizer-step record of the collectives DMuon issued for dedicated parameters.
+
+    ``current`` collects what was sent since the last optimizer step; ``Muon.step()`` closes
+    it into ``steps`` (one `StepComm` per optimizer step). ``total`` counts everything.
+    """
+
+    def __init__(
+        self, dedicated_elements: int, replicas: int = 1, global_elements: int | None = None
+    ) -> None:
+        self.dedicated_elements = dedicated_elements
+        self.replicas = replicas
+        self.global_elements = global_elements
+        self.current = self._new_step()
+        self.total = self._new_step()
+        self.steps: list[StepComm] = []
+
+    def _new_step(self) -> StepComm:
+        return StepComm(self.dedicated_elements, self.replicas, self.global_elements)
+
+    def record(self, kind: str, tensor: torch.Tensor, dim: str = SHARD) -> None:
+        """Add one collective of ``kind`` over mesh dimension ``dim`` that moved ``tensor``."""
+        attr = {SHARD: "by_kind", REPLICATE: "replicate", TENSOR: "tensor"}[dim]
+        tallies = (getattr(self.current, attr)[kind], getattr(self.total, attr)[kind])
+        for tally in tallies:
+            tally.count += 1
+            tally.elements += tensor.numel()
+            tally.bytes += tensor.numel() * tensor.element_size()
+
+    def close_step(self) -> StepComm:
+        """End the current optimizer step; return its record."""
+        finished, self.current = self.current, self._new_step()
+        self.steps.append(finished)
+        return finished
+
+    def last_step(self) -> StepComm:
+        """The record of the most recent finished optimizer step."""
+        if not self.steps:
+            raise ValueError("no optimizer step has finished yet; call optimizer.step() first")
+        return self.steps[-1]
+
+
+RECENT_WORK_KEPT = 16
+"""Finished collectives whose work handles a `Communicator` keeps referenced (see `Pending`)."""
+
+
+class Pending:
+    """A collective in flight. ``wait()`` makes its result visible to the caller.
+
+    A finished work handle goes to ``recent`` (a bounded deque) instead of being dropped.
+    gloo's worker thread still holds the work for a moment after ``wait()`` returns; if it
+    dropped the last reference, the work's tensors would be freed on that thread, which
+    must then take the GIL for any tensor whose Python object was already released. Near
+    interpreter exit that aborts the process ("terminate called without an active
+    exception"). Kept here, the last reference is dropped by Python, on a Python thread,
+    some collectives later or at teardown.
+    """
+
+    def __init__(
+        self,
+        work: dist.Work | None = None,
+        recent: deque[dist.Work] | None = None,
+        what: str = "collective",
+    ):
+        self._work = work
+        self._recent = recent
+        self.what = what
+
+    def wait(self) -> None:
+        """Block (gloo) or order the current CUDA stream (NCCL) after the collective.
+
+        Raises:
+            CollectiveError: the collective failed or timed out (another rank died or
+                stalled); the message names it.
+        """
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as error:
+                raise CollectiveError(
+                    f"DMuon's {self.what} did not complete on this rank: {error}. Another rank "
+                    "probably died or stalled before it; look at the other ranks' logs. How long "
+                    "a rank waits is the process group's timeout: "
+                    "dist.init_process_group(..., timeout=datetime.timedelta(minutes=10))."
+                ) from error
+            if self._recent is not None:
+                self._recent.append(self._work)
+            self._work = None
+
+
+class CollectiveError(RuntimeError):
+    """A DMuon collective failed or timed out; the message names the collective."""
+
+
+class Communicator:
+    """Collectives over one process group (and its replicate group under HSDP), audited.
+
+    With no process group (one process) every call is a no-op that returns a finished
+    `Pending`, so the single-process path runs the same code. ``replicate_group`` links
+    this rank to the ranks at the same position of the other replicas of a 2-D mesh
+    (``None``: one replica).
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        audit: CommAudit,
+        check_collectives: bool = False,
+        replicate_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.group = group
+        self.replicate_group = replicate_group
+        self.replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+        self.replica_rank = dist.get_rank(replicate_group) if replicate_group is not None else 0
+        self.device = device
+        self.audit = audit
+        self.check_collectives = check_collectives
+        self._sequence = {SHARD: 0, REPLICATE: 0}
+        self.rank = dist.get_rank(group) if group is not None else 0
+        self.world_size = dist.get_world_size(group) if group is not None else 1
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._recent_work: deque[dist.Work] = deque(maxlen=RECENT_WORK_KEPT)
+
+    def separate_from(self, other: dist.ProcessGroup) -> None:
+        """Issue collectives on process groups of their own where this communicator's share
+        ranks with ``other`` (the group of a DDP wrapper), so that neither schedule can
+        interleave with the other. Every rank calls it at the same point."""
+        from dmuon._ownership.ddp_integration import separate_group
+
+        if self.group is not None:
+            self.group = separate_group(self.group, other)
+        if self.replicate_group is not None:
+            self.replicate_group = separate_group(self.replicate_group, other)
+
+    def _global(self, group_rank: int) -> int:
+        assert self.group is not None
+        return dist.get_global_rank(self.group, group_rank)
+
+    def _check_same_everywhere(
+        self, kind: str, tensor: torch.Tensor, root: int, dim: str = SHARD
+    ) -> None:
+        """All-gather this collective's signature; raise on every rank if ranks disagree."""
+        group, size = (
+            (self.group, self.world_size) if dim == SHARD else (self.replicate_group, self.replicas)
+        )
+        # Each dimension counts its own collectives: only owners take part in the
+        # replicate dimension's, so one counter would drift apart between shard ranks.
+        self._sequence[dim] += 1
+        mine = torch.tensor(
+            [self._sequence[dim], _KIND_CODES[kind], tensor.numel(), root],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        every = torch.empty(size * 4, dtype=torch.int64, device=self.device)
+        dist.all_gather_single(every, mine, group=group)
+        rows = every.view(size, 4).tolist()
+        if any(row != rows[0] for row in rows):
+            names = {code: name for name, code in _KIND_CODES.items()}
+            lines = "; ".join(
+                f"rank {r}: #{seq} {names.get(code, code)} of {numel} elements, root {root}"
+                for r, (seq, code, numel, root) in enumerate(rows)
+            )
+            raise RuntimeError(
+                "DMuon's ranks are about to issue different collectives (" + lines + "). "
+                "Something rank-local changed the schedule: make every rank run the same "
+                "forwards and backwards (same hook boundaries, same no_sync blocks)."
+            )
+
+    def _issue(
+        self,
+        kind: str,
+        tensor: torch.Tensor,
+        root: int,
+        call: Callable[[], dist.Work | None],
+        dim: str = SHARD,
+        what: str = "",
+    ) -> Pending:
+        if self.check_collectives:
+            self._check_same_everywhere(kind, tensor, root, dim)
+        self.audit.record(kind, tensor, dim)
+        label = f"{kind} of {tensor.numel()} elements (root {root}, {dim} group{what})"
+        if self._stream is None:
+            return Pending(call(), self._recent_work, label)
+        ready = torch.cuda.Event()
+        ready.record()
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(ready)
+            work = call()
+        return Pending(work, self._recent_work, label)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "") -> Pending:
+        """Broadcast ``tensor`` in place from group rank ``src`` to every rank.
+
+        ``what`` says what it is for (``", hook boundary 'layers.0'"``), in errors.
+        """
+        if self.world_size == 1:
+            return Pending()
+        return self._issue(
+            "broadcast",
+            tensor,
+            src,
+            lambda: dist.broadcast(tensor, self._global(src), group=self.group, async_op=True),
+            what=what,
+        )
+
+    def reduce_sum(self, tensor: torch.Tensor, dst: int, what: str = "") -> Pending:
+        """Sum ``tensor`` over ranks into group rank ``dst`` (in place there)."""
+        if self.world_size == 1:
+            return Pending()
+        return self._issue(
+            "reduce",
+            tensor,
+            dst,
+            lambda: dist.reduce(
+                tensor, self._global(dst), op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            ),
+            what=what,
+        )
+
+    def all_reduce_replicas(self, tensor: torch.Tensor, what: str = "") -> Pending:
+        """Sum ``tensor`` in place over the replicate group (every replica gets the sum)."""
+        if self.replicas == 1:
+            return Pending()
+        return self._issue(
+            "all_reduce",
+            tensor,
+            0,
+            lambda: dist.all_reduce(
+                tensor, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True
+            ),
+            dim=REPLICATE,
+            what=what,
+        )
+
+    # ----- checkpoint transfers: synchronous, not audited ---------------------------------
+    def _checked(self, kind: str, tensor: torch.Tensor, root: int) -> None:
+        if self.check_collectives:
+            self._check_same_everywhere(kind, tensor, root)
+
+    def scatter_rows(self, chunks: list[torch.Tensor] | None, out: torch.Tensor, src: int) -> None:
+        """Scatter equally sized ``chunks`` (given on group rank ``src`` only) into ``out``."""
+        self._checked("scatter", out, src)
+        dist.scatter(out, chunks, src=self._global(src), group=self.group)
+
+    def gather_rows(self, chunk: torch.Tensor, chunks: list[torch.Tensor] | None, dst: int) -> None:
+        """Gather every rank's equally sized ``chunk`` into ``chunks`` on group rank ``dst``."""
+        self._checked("gather", chunk, dst)
+        dist.gather(chunk, chunks, dst=self._global(dst), group=self.group)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to group rank ``dst`` (point to point)."""
+        dist.send(tensor, self._global(dst), group=self.group)
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive ``tensor`` in place from group rank ``src`` (point to point)."""
+        dist.recv(tensor, self._global(src), group=self.group)
+
+    def broadcast_now(self, tensor: torch.Tensor, src: int) -> None:
+        """Broadcast ``tensor`` from group rank ``src`` and wait for it."""
+        self._checked("broadcast", tensor, src)
+        dist.broadcast(tensor, self._global(src), group=self.group)
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        """Broadcast a picklable object from group rank ``src``; every rank gets it."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(src), group=self.group)
+        return box[0]
+
+    @property
+    def is_rank0(self) -> bool:
+        """Whether this is the first rank of the whole mesh (shard rank 0 of replica 0)."""
+        return self.rank == 0 and self.replica_rank == 0
+
+    @property
+    def total_ranks(self) -> int:
+        """Ranks of the whole mesh: shard group size x replicas."""
+        return self.world_size * self.replicas
+
+    def broadcast_object_from_rank0(self, obj: object) -> object:
+        """Broadcast a picklable object from `is_rank0`'s rank to every rank of the mesh."""
+        if self.rank == 0 and self.replicas > 1:
+            box = [obj]
+            dist.broadcast_object_list(
+                box, src=dist.get_global_rank(self.replicate_group, 0), group=self.replicate_group
+            )
+            obj = box[0]
+        if self.world_size > 1:
+            obj = self.broadcast_object(obj, 0)
+        return obj
+
+    def broadcast_from_rank0_now(self, tensor: torch.Tensor) -> None:
+        """Broadcast ``tensor`` from `is_rank0`'s rank to every rank of the mesh, and wait."""
+        if self.rank == 0 and self.replicas > 1:
+            self.broadcast_replicas_now(tensor, 0)
+        if self.world_size > 1:
+            self.broadcast_now(tensor, 0)
+
+    def broadcast_replicas_now(self, tensor: torch.Tensor, src: int) -> None:
+        """Broadcast ``tensor`` over the replicate group from replica ``src``, and wait."""
+        if self.replicas == 1:
+            return
+        if self.check_collectives:
+            self._check_same_everywhere("broadcast", tensor, src, REPLICATE)
+        dist.broadcast(
+            tensor, dist.get_global_rank(self.replicate_group, src), group=self.replicate_group
+        )
+
+    def all_gather_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """All-gather a 1-D int64 tensor; returns a ``(world_size, len)`` tensor."""
+        codes = codes.to(self.device)
+        self._checked("all_gather", codes, 0)
+        out = [torch.empty_like(codes) for _ in range(self.world_size)]
+        dist.all_gather(out, codes, group=self.group)
+        return torch.stack(out).cpu()

@@ -1,0 +1,558 @@
+"""`dedicate_params`: give every Muon-target matrix to one owner rank."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from dmuon._comm import CommAudit, Communicator
+from dmuon._ownership.ddp_integration import keep_out_of_ddp
+from dmuon._ownership.experts import (
+    expert_stacks,
+    fused_gate_up_parts,
+    routing_gate_ids,
+    stores_in_out,
+)
+from dmuon._ownership.flat_buffer import FlatBuffer
+from dmuon._ownership.fsdp_integration import (
+    install_fsdp_filter,
+    is_dedicated,
+    is_fsdp_module,
+    mark_dedicated,
+)
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.planner import (
+    ExpertRange,
+    ModulePredicate,
+    ParamPredicate,
+    SplitStacks,
+    default_predicate,
+    find_hook_boundary,
+    plan_owners,
+    state_dict_name,
+)
+from dmuon._ownership.runtime import Boundary, DedicationRuntime
+from dmuon._ownership.state import STATE_ATTR, DedicationState, attach
+from dmuon._ownership.tp_integration import assign_workers, leaf_for, tensor_parallel_of
+
+ROOT_BOUNDARY = ""
+
+
+def _collect_before_teardown() -> None:
+    """Free process groups held by reference cycles before the interpreter tears down.
+
+    Dedicated models and FSDP2 keep their process group alive through reference cycles.
+    If those are only collected during interpreter teardown, a gloo worker thread that
+    drops its last tensor then aborts the process ("terminate called without an active
+    exception"). Collecting them at exit, while the interpreter is whole, avoids that.
+    """
+    gc.collect()
+
+
+#: Dimension names of a 2-D mesh read as (replicate, shard), as FSDP2's HSDP uses it.
+REPLICATE_DIM_NAMES = ("replicate", "dp_replicate")
+SHARD_DIM_NAMES = ("shard", "dp_shard")
+
+_HSDP_MESH_HINT = (
+    "init_device_mesh(device_type, (replicas, shard_size), mesh_dim_names=('replicate', 'shard'))"
+)
+
+
+def _mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """``(shard group, replicate group)`` of a 1-D mesh or a 2-D ``(replicate, shard)`` mesh."""
+    names = tuple(mesh.mesh_dim_names or ())
+    if mesh.ndim == 1:
+        return mesh.get_group(), None
+    if mesh.ndim == 2:
+        if not names or (names[0] in REPLICATE_DIM_NAMES and names[1] in SHARD_DIM_NAMES):
+            return mesh.get_group(1), mesh.get_group(0)
+        raise ValueError(
+            f"dedicate_params takes a 1-D DeviceMesh or a 2-D (replicate, shard) DeviceMesh "
+            f"as FSDP2's HSDP uses it, but this 2-D mesh's dimensions are named {names}. "
+            f"For HSDP pass {_HSDP_MESH_HINT} (the same mesh as fully_shard(..., mesh=...)); "
+            "for other parallelisms pass the data-parallel sub-mesh, e.g. mesh['dp']"
+        )
+    raise ValueError(
+        f"dedicate_params takes a 1-D DeviceMesh or a 2-D (replicate, shard) DeviceMesh, "
+        f"got one with {mesh.ndim} dimensions {names}; pass the data-parallel part: a 1-D "
+        f"sub-mesh such as mesh['dp'], or a 2-D one such as mesh['replicate', 'shard'] "
+        f"built with {_HSDP_MESH_HINT}"
+    )
+
+
+def _resolve_group(
+    model: nn.Module, mesh: DeviceMesh | None
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, torch.device]:
+    """``(shard group, replicate group, device)``; a group of one rank is ``None``."""
+    if mesh is not None:
+        group, replicate = _mesh_groups(mesh)
+        if mesh.device_type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device(mesh.device_type)
+        if replicate is not None and dist.get_world_size(replicate) == 1:
+            replicate = None
+        return (group if dist.get_world_size(group) > 1 else None), replicate, device
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            return dist.group.WORLD, None, torch.device("cuda", torch.cuda.current_device())
+        return dist.group.WORLD, None, torch.device("cpu")
+    first = next(model.parameters(), None)
+    return None, None, (first.device if first is not None else torch.device("cpu"))
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' ``Conv1D`` (GPT-2 and relatives): a linear layer stored as (in, out)."""
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+
+
+def _shared_modules(model: nn.Module) -> dict[str, list[str]]:
+    """``{first name: [other names]}`` of module objects that appear under several names."""
+    names_of: dict[int, list[str]] = defaultdict(list)
+    for name, module in model.named_modules(remove_duplicate=False):
+        names_of[id(module)].append(name)
+    return {names[0]: names[1:] for names in names_of.values() if len(names) > 1}
+
+
+def _tie_reason(model: nn.Module, names: list[str]) -> str:
+    """Why these parameter names share one tensor: a shared block, or tied weights."""
+    for block, aliases in _shared_modules(model).items():
+        if block and names[0].startswith(block + "."):
+            return (
+                f"the block object {block!r} is listed again as {aliases[0]!r}, so its weights "
+                "are shared by both positions"
+            )
+    others = ", ".join(repr(n) for n in names[1:])
+    return f"{names[0]!r} is tied to {others}"
+
+
+def _select(
+    model: nn.Module, predicate: ParamPredicate | None
+) -> list[tuple[str, nn.Module, str, nn.Parameter, bool, str]]:
+    """``(name, module, attribute, parameter, transposed, path)`` of every selected one.
+
+    ``name`` is the state-dict name (wrapper modules left out, see `state_dict_name`),
+    what the predicate sees and the dedication calls it; ``path`` the attribute path.
+    """
+    names_of: dict[int, list[str]] = defaultdict(list)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of[id(param)].append(name)
+    gates = routing_gate_ids(model) if predicate is None else set()
+    selected = []
+    skipped_tied: list[list[str]] = []
+    for module_name, module in model.named_modules():
+        stacks = expert_stacks(module)
+        for attr, param in module._parameters.items():
+            if param is None:
+                continue
+            path = f"{module_name}.{attr}" if module_name else attr
+            if names_of[id(param)][0] != path:
+                continue  # a later alias of a tied parameter; the first name decides
+            fqn = state_dict_name(path)
+            tied = len(names_of[id(param)]) > 1
+            transposed = (_is_conv1d(module) and attr == "weight") or (
+                param.ndim == 3 and stores_in_out(module)
+            )
+            if predicate is None:
+                linear = isinstance(module, nn.Linear) or _is_conv1d(module)
+                chosen = (linear and default_predicate(fqn, param) and id(param) not in gates) or (
+                    attr in stacks
+                )
+                if chosen and tied:
+                    skipped_tied.append(names_of[id(param)])
+                    chosen = False
+            else:
+                chosen = bool(predicate(fqn, param))
+                if chosen and tied:
+                    raise ValueError(
+                        f"the predicate selected {fqn!r}, but "
+                        f"{_tie_reason(model, names_of[id(param)])}; a tied parameter cannot be "
+                        "dedicated (its owner could not serve both uses). Exclude it from the "
+                        "predicate so it stays with FSDP2 and AdamW, or give each position its "
+                        "own block."
+                    )
+            if chosen and param.ndim not in (2, 3):
+                raise ValueError(
+                    f"the predicate selected {fqn!r} with shape {tuple(param.shape)}; Muon needs "
+                    "2-D matrices, or 3-D stacks whose leading dimension indexes independent "
+                    "matrices (fused experts). Select only 2-D and 3-D weights; leave other "
+                    "parameters to AdamW, or reshape them into such a layout first."
+                )
+            if chosen:
+                selected.append((fqn, module, attr, param, transposed, path))
+    if not selected:
+        candidates = [n for n, p in model.named_parameters() if p.ndim in (2, 3)][:5]
+        reason = ""
+        if skipped_tied:
+            reason = (
+                f" Tied weights are never dedicated by default; {len(skipped_tied)} skipped, "
+                f"for example: {_tie_reason(model, skipped_tied[0])}."
+            )
+        raise ValueError(
+            f"the predicate matched no parameter, so nothing would be trained with Muon.{reason} "
+            f"2-D and 3-D parameters of this model include: {candidates}. The default "
+            "predicate takes the weights of nn.Linear and transformers' Conv1D modules and "
+            "fused expert stacks (3-D gate_up_proj/down_proj); pass a predicate such as "
+            "`lambda name, p: 'proj' in name and p.ndim == 2`."
+        )
+    return selected
+
+
+def _master_data(
+    data: torch.Tensor, is_owned: bool, device: torch.device, copy: bool = False
+) -> torch.Tensor:
+    """The owner's float32 master values on ``device``; a 0-element placeholder elsewhere."""
+    if is_owned:
+        return data.detach().to(device=device, dtype=torch.float32, copy=copy)
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def _records(
+    fqn: str,
+    module: nn.Module,
+    attr: str,
+    param: nn.Parameter,
+    owners: tuple[ExpertRange, ...] | int,
+    comm_rank: int,
+    device: torch.device,
+    boundary: str,
+    transposed: bool,
+) -> list[DedicatedParam]:
+    """The dedication records of one selected parameter.
+
+    ``owners`` is one owner rank (the parameter stays whole) or the ranges of a stack split
+    by experts. Whole: one record; the parameter becomes its owner's float32 master and a
+    0-element placeholder elsewhere. Split: one record per range; a range's owner keeps a
+    float32 master of its experts, and the stack becomes a 0-element placeholder on every
+    rank (what the module holds between forwards).
+    """
+    whole = isinstance(owners, int)
+    full_shape = param.shape
+    tp = tensor_parallel_of(fqn, param)
+    if tp is not None and not whole:
+        raise ValueError(
+            f"{fqn!r} is a tensor-parallel DTensor and a 3-D expert stack; such a stack "
+            "cannot be split by experts: pass dedicate_params(..., split_expert_stacks=False)"
+        )
+    if tp is not None:
+        # The module holds this tp position's shard as a plain parameter between
+        # forwards (the owner's master, a placeholder elsewhere); forward sees the DTensor.
+        local = param.to_local()
+        is_owned = owners == comm_rank
+        registered = nn.Parameter(
+            _master_data(local, is_owned, device, copy=True), requires_grad=param.requires_grad
+        )
+        module._parameters[attr] = registered
+        mark_dedicated(registered, fqn)
+        return [
+            DedicatedParam(
+                fqn=fqn,
+                module=module,
+                attr=attr,
+                owner=owners,
+                shape=local.shape,
+                param=registered,
+                boundary=boundary,
+                is_owned=is_owned,
+                transposed=transposed,
+                fused_parts=fused_gate_up_parts(fqn, module, attr),
+                tp=tp,
+            )
+        ]
+    ranges = [ExpertRange(0, int(full_shape[0]), owners)] if whole else list(owners)
+    records = []
+    for start, stop, owner in ranges:
+        is_owned = owner == comm_rank
+        if whole:
+            with torch.no_grad():
+                param.data = _master_data(param.data, is_owned, device)
+            master = param
+        else:
+            # A copy: a view of the slice would keep the whole stack's storage alive.
+            data = _master_data(param.data[start:stop], is_owned, device, copy=True)
+            master = nn.Parameter(data, requires_grad=param.requires_grad)
+            mark_dedicated(master, fqn)
+        records.append(
+            DedicatedParam(
+                fqn=fqn,
+                module=module,
+                attr=attr,
+                owner=owner,
+                shape=full_shape if whole else torch.Size((stop - start, *full_shape[1:])),
+                param=master,
+                boundary=boundary,
+                is_owned=is_owned,
+                transposed=transposed,
+                fused_parts=fused_gate_up_parts(fqn, module, attr),
+                experts=None if whole else (start, stop),
+                registered=None if whole else param,
+                stack_shape=None if whole else full_shape,
+            )
+        )
+    if not whole:
+        with torch.no_grad():
+            param.data = torch.empty(0, dtype=torch.float32, device=device)
+    mark_dedicated(param, fqn)
+    return records
+
+
+def _flat_buffers(
+    records: list[DedicatedParam],
+    dtype: torch.dtype,
+    device: torch.device,
+    comm: Communicator,
+    reduce_dtype: torch.dtype,
+    broadcast_dtype: torch.dtype | None,
+) -> list[FlatBuffer]:
+    """One boundary's buffers: one per owner of its whole matrices (a packed buffer), then
+    one per stack split by experts (its ranges in expert order), the same on every rank."""
+    by_owner: dict[int, list[DedicatedParam]] = defaultdict(list)
+    by_stack: dict[str, list[DedicatedParam]] = defaultdict(list)
+    for dp in records:
+        if dp.is_range:
+            by_stack[dp.fqn].append(dp)
+        else:
+            by_owner[dp.owner].append(dp)
+    buffers = []
+    for owner in sorted(by_owner):
+        packed = by_owner[owner]
+        views = [(dp.module, dp.attr, dp.param, [i], dp.fqn) for i, dp in enumerate(packed)]
+        buffers.append(
+            FlatBuffer.build(
+                packed, views, dtype, device, comm, _leaf, reduce_dtype, broadcast_dtype
+            )
+        )
+    for ranges in by_stack.values():
+        ranges = sorted(ranges, key=lambda dp: dp.experts or (0, 0))
+        first = ranges[0]
+        assert first.registered is not None
+        view = (first.module, first.attr, first.registered, list(range(len(ranges))), first.fqn)
+        buffers.append(
+            FlatBuffer.build(
+                ranges, [view], dtype, device, comm, _leaf, reduce_dtype, broadcast_dtype
+            )
+        )
+    return buffers
+
+
+def _leaf(view: torch.Tensor, requires_grad: bool, record: DedicatedParam) -> nn.Parameter:
+    return leaf_for(record.tp, view, requires_grad)
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: DeviceMesh | None = None,
+    predicate: ParamPredicate | None = None,
+    *,
+    reshard_after_forward: bool = True,
+    hook_boundary_predicate: ModulePredicate | None = None,
+    hook_boundary_strict: bool = True,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    broadcast_dtype: torch.dtype | None = None,
+    check_collectives: bool | None = None,
+    split_expert_stacks: SplitStacks = "auto",
+) -> dict[str, int]:
+    """Give every Muon-target matrix of ``model`` to exactly one owner rank.
+
+    Call it on every rank, after moving the model to its device and before
+    ``fully_shard``. The owner keeps the full matrix as a float32 master; every other rank
+    keeps a 0-element placeholder. FSDP2 leaves dedicated parameters alone.
+
+    Args:
+        model: The model; the same on every rank.
+        mesh: A 1-D ``DeviceMesh`` (the data-parallel ranks), or the 2-D
+            ``(replicate, shard)`` mesh of FSDP2's HSDP (dimension names ``replicate`` and
+            ``shard``, or none). On a 2-D mesh each matrix has one owner per replica, at
+            the same shard rank in every replica: broadcasts and reduces stay inside the
+            shard group, the owners average gradients across replicas with one all-reduce,
+            and each steps its copy alike. ``None`` uses the default process group, or,
+            without one, runs in one process with everything owned by rank 0 and nothing
+            communicated.
+        predicate: ``predicate(name, param) -> bool`` selects the Muon-target parameters:
+            2-D matrices, or 3-D stacks whose leading dimension indexes independent matrices
+            (fused experts; each matrix is orthogonalized on its own). ``None`` applies
+            `default_predicate` to the weights of ``nn.Linear`` modules, adds the fused
+            expert stacks of mixture-of-experts modules, and skips tied parameters and
+            routers.
+        reshard_after_forward: ``True`` (Z3) frees the broadcast buffers after forward and
+            broadcasts again before backward; ``False`` (Z2) keeps them resident until
+            ``optimizer.step()`` changes the owners' values.
+        hook_boundary_predicate: Marks extra hook-boundary modules; the lowest matching
+            ancestor of a parameter wins over the ``layers``/``blocks``/``h`` rule.
+        hook_boundary_strict: With ``True`` a selected parameter without a hook boundary
+            raises ``ValueError``; with ``False`` it joins a boundary on ``model`` itself.
+        param_dtype: Forward/broadcast dtype of dedicated parameters (e.g.
+            ``torch.bfloat16``); masters and gradient reduction stay float32. Floating-point
+            inputs of each boundary are cast to it, as FSDP2's mixed precision does. Every
+            boundary must then be wrapped by ``fully_shard`` with
+            ``MixedPrecisionPolicy(param_dtype=...)`` (checked at the first forward).
+        reduce_dtype: The dtype gradients are summed in on their way to the owner (and
+            between replicas under HSDP), as ``MixedPrecisionPolicy(reduce_dtype=...)`` is
+            for FSDP2: ``torch.bfloat16`` halves the reduce's bytes. The local
+            accumulation under `no_sync`, the owner's averaged gradient, the masters and
+            the momentum stay float32. ``None``: float32.
+        broadcast_dtype: The dtype matrices are broadcast in from their owners, then
+            widened into the forward buffers (every rank, the owner too, computes with the
+            same rounded values): ``torch.bfloat16`` halves the broadcasts' bytes while the
+            forward runs in ``param_dtype``. ``None``: ``param_dtype`` (float32 without it).
+        check_collectives: Before every collective, all-gather its signature and raise on
+            every rank if the ranks disagree (a debugging aid that costs one small
+            collective each). ``None`` reads the environment variable
+            ``DMUON_CHECK_COLLECTIVES`` (``1`` turns it on).
+        split_expert_stacks: Whether a 3-D expert stack may be split by experts across
+            owners. ``"auto"`` lets the planner split a stack whose Newton-Schulz cost
+            exceeds the per-rank share (total / ranks) when that lowers the largest
+            per-rank load; ``True`` splits every stack; ``False`` keeps every stack whole
+            on one owner. See `dmuon.plan_owners`.
+
+    Returns:
+        ``{name: owner_rank}`` for every dedicated parameter; on a 2-D mesh the owner's
+        rank inside its shard group. A stack split by experts appears once per range, as
+        ``fqn[start:stop]`` (experts ``start`` to ``stop - 1``).
+
+    Raises:
+        ValueError: Called twice, after ``fully_shard``, with a mesh that is neither 1-D
+            nor a 2-D ``(replicate, shard)`` mesh, a predicate that matches nothing or
+            selects a tied parameter or one that is neither 2-D nor 3-D, a parameter
+            without a hook boundary in strict mode, or a ``split_expert_stacks`` other than
+            ``"auto"``, ``True`` or ``False``.
+
+    The default predicate selects the weights of ``nn.Linear`` modules and of
+    transformers' ``Conv1D`` modules (GPT-2 style, stored as ``(in, out)``; the learning-rate
+    adjustment uses ``(out, in)``), and the fused expert stacks of mixture-of-experts
+    modules: the 3-D ``gate_up_proj`` / ``down_proj`` (and ``gate_proj`` / ``up_proj``)
+    parameters of any module holding such a ``gate_up_proj`` or ``down_proj`` (transformers'
+    Mixtral, Qwen2-MoE, Qwen3-MoE experts and modules of the same layout). A stack is one
+    dedicated tensor with one owner, broadcast and reduced as a whole, unless the planner
+    splits it by experts (``split_expert_stacks``): each contiguous range of experts then
+    has its own owner, which keeps the master and the Muon momentum of those experts, and
+    broadcasts and reduces its range as an item of its own. Routers and the
+    other gates next to an experts module (a router's ``experts x hidden`` matrix,
+    Qwen2-MoE's ``shared_expert_gate``) stay with AdamW: the top-k choice depends on the
+    relative scale of the router's rows, which Muon's equal-size orthogonalized update
+    would override.
+    """
+    if getattr(model, STATE_ATTR, None) is not None:
+        raise ValueError("dedicate_params was already called on this model; call it once")
+    for name, value in (
+        ("param_dtype", param_dtype),
+        ("reduce_dtype", reduce_dtype),
+        ("broadcast_dtype", broadcast_dtype),
+    ):
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise ValueError(
+                f"{name} must be a floating-point torch.dtype such as torch.bfloat16, or None, "
+                f"got {value!r}"
+            )
+    wrapped = [name or "<root>" for name, m in model.named_modules() if is_fsdp_module(m)]
+    if wrapped:
+        raise ValueError(
+            f"dedicate_params must be called before fully_shard, but {wrapped[:3]} are already "
+            "wrapped by fully_shard. Call dmuon.dedicate_params(model, mesh) first, then "
+            "fully_shard each layer and the model."
+        )
+    group, replicate_group, device = _resolve_group(model, mesh)
+    selected = _select(model, predicate)
+    boundaries: dict[str, str] = {}
+    for fqn, *_, path in selected:
+        boundary = find_hook_boundary(model, path, hook_boundary_predicate)
+        if boundary is None:
+            if hook_boundary_strict:
+                raise ValueError(
+                    f"{fqn!r} has no hook boundary: it is not inside an element of a ModuleList "
+                    "named 'layers', 'blocks' or 'h'. Pass hook_boundary_predicate="
+                    "lambda m: isinstance(m, MyBlock), or hook_boundary_strict=False to hook it "
+                    "on the model itself."
+                )
+            boundary = ROOT_BOUNDARY
+        boundaries[fqn] = boundary
+    comm_rank = dist.get_rank(group) if group is not None else 0
+    world_size = dist.get_world_size(group) if group is not None else 1
+    plan = plan_owners(
+        {fqn: p.shape for fqn, _, _, p, _, _ in selected},
+        world_size,
+        boundaries,
+        split_expert_stacks=split_expert_stacks,
+    )
+
+    dedicated: list[DedicatedParam] = []
+    for fqn, module, attr, param, transposed, _ in selected:
+        dedicated += _records(
+            fqn,
+            module,
+            attr,
+            param,
+            plan.expert_ranges.get(fqn, plan.owners.get(fqn, -1)),
+            comm_rank,
+            device,
+            boundaries[fqn],
+            transposed,
+        )
+
+    tp_records = [dp for dp in dedicated if dp.tp is not None]
+    if tp_records and replicate_group is not None:
+        raise ValueError(
+            f"{tp_records[0].fqn!r} is tensor-parallel and the mesh is 2-D (HSDP): tensor "
+            "parallelism with HSDP (a 3-D mesh) is not supported. Use a (dp, tp) mesh and "
+            "pass mesh['dp'] to dedicate_params and fully_shard."
+        )
+    assign_workers([(dp.tp, dp.owner) for dp in tp_records if dp.tp is not None])
+    replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    audit = CommAudit(
+        sum(dp.numel for dp in dedicated),
+        replicas,
+        sum(dp.global_shape.numel() for dp in dedicated) if tp_records else None,
+    )
+    if check_collectives is None:
+        check_collectives = os.environ.get("DMUON_CHECK_COLLECTIVES", "0") not in ("", "0")
+    comm = Communicator(
+        group,
+        device,
+        audit,
+        check_collectives=check_collectives,
+        replicate_group=replicate_group,
+    )
+    buffer_dtype = param_dtype or torch.float32
+    wire = (reduce_dtype or torch.float32, broadcast_dtype)
+    by_boundary: dict[str, list[DedicatedParam]] = defaultdict(list)
+    for dp in dedicated:
+        by_boundary[dp.boundary].append(dp)
+    module_order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    runtime_boundaries = []
+    for name in sorted(by_boundary, key=lambda n: module_order[n]):
+        runtime_boundaries.append(
+            Boundary(
+                name,
+                model.get_submodule(name),
+                _flat_buffers(by_boundary[name], buffer_dtype, device, comm, *wire),
+            )
+        )
+    runtime = DedicationRuntime(
+        model, dedicated, runtime_boundaries, comm, reshard_after_forward, param_dtype
+    )
+    install_fsdp_filter()
+    keep_out_of_ddp(model, [n for n, p in model.named_parameters() if is_dedicated(p)])
+    atexit.unregister(_collect_before_teardown)  # registered once however many models
+    atexit.register(_collect_before_teardown)
+    attach(
+        model,
+        DedicationState(
+            rank=comm_rank,
+            world_size=world_size,
+            runtime=runtime,
+            params=dedicated,
+            plan=plan,
+            mesh=mesh
+            if mesh is not None or group is None
+            else DeviceMesh.from_group(group, device.type),
+        ),
+    )
+    return dict(plan.owners)

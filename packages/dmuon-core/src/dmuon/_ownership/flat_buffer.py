@@ -1,0 +1,409 @@
+"""`FlatBuffer`: the one buffer type behind every dedicated matrix's forward and backward.
+
+A flat buffer holds, during forward and backward, the full values of some dedicated
+records (`DedicatedParam`) of one hook boundary, and reduces their gradients. Its layout
+is described by three lists:
+
+- **entries**: one per record, its slice of the buffer (records are laid out back to back);
+- **spans**: the collective units, each a contiguous run of entries with one owner, who
+  broadcasts it in forward and receives its SUM-reduced gradient in backward;
+- **views**: what the modules hold while the boundary runs, each a slice of the buffer
+  covering one or more entries, registered on ``module.<attr>`` and held between forwards
+  by the *holder* (the record's registered parameter).
+
+The two layouts the planner produces are two shapes of this one type:
+
+- a *packed group*: the records of one owner in one boundary; one span, one view per
+  record (the holder is the record's master on its owner, a placeholder elsewhere);
+- a *split expert stack*: one stack cut into ranges of experts with different owners; one
+  span per range, one view of the whole stack (the holder is the stack's placeholder).
+
+The buffer's storage is allocated before use and freed after, while the views into it
+survive (as FSDP2 does for its unsharded parameters): autograd keeps references to the
+views, and re-filling the storage before backward makes them valid again.
+
+A rank without a gradient for a record (an expert that saw no token) still takes part in
+the reduction, with a slice of *negative* zeros, and a rank with one contributes its
+gradient plus ``+0.0`` (which turns any ``-0.0`` into ``+0.0``). IEEE sums give ``-0.0``
+only when every term is ``-0.0``, so the owner's averaged gradient is all ``-0.0`` exactly
+when no rank had a gradient for the record: the optimizer then leaves it alone, as torch's
+optimizers leave a ``.grad`` of ``None`` (see `gradients.is_absent`), while a gradient of
+zeros is still a gradient. The signal costs no extra element on the wire.
+
+Only the methods here and `dmuon._ownership.gradients` write gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+from torch import nn
+
+from dmuon._comm import Communicator, Pending
+from dmuon._ownership import gradients
+from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.tp_integration import local_grad
+
+
+class BufferState(Enum):
+    """Where a flat buffer's values stand (the forward / backward side)."""
+
+    #: No storage; the views point at no memory.
+    FREED = "freed"
+    #: Storage, but not the owners' current values (they changed since the broadcast).
+    STALE = "stale"
+    #: A broadcast of the owners' values is in flight.
+    UNSHARDING = "unsharding"
+    #: Holds the owners' current values.
+    VALID = "valid"
+
+
+class ReduceState(Enum):
+    """Where a flat buffer's gradient reduction stands (the backward side)."""
+
+    #: Nothing in flight.
+    IDLE = "idle"
+    #: The SUM-reduce to the owners is in flight.
+    REDUCING = "reducing"
+    #: Owners average across replicas (HSDP): the all-reduce is in flight.
+    AVERAGING = "averaging"
+
+
+@dataclass(eq=False)
+class Entry:
+    """One record's slice ``[lo, hi)`` of the buffer, inside span ``span``."""
+
+    record: DedicatedParam
+    lo: int
+    hi: int
+    span: int = 0
+
+
+@dataclass(eq=False)
+class Span:
+    """One collective: entries ``entries`` (indices), data ``[lo, hi)``, owned by ``owner``."""
+
+    owner: int
+    lo: int
+    hi: int
+    entries: list[int] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        """Elements of the span's data."""
+        return self.hi - self.lo
+
+
+@dataclass(eq=False)
+class View:
+    """What ``module.<attr>`` holds while the boundary runs: ``leaf``, buffer ``[lo, hi)``.
+
+    ``holder`` is the parameter the module holds between forwards; ``entries`` the
+    indices of the entries the view covers, in order.
+    """
+
+    module: nn.Module
+    attr: str
+    holder: nn.Parameter
+    leaf: nn.Parameter
+    lo: int
+    hi: int
+    entries: list[int]
+    name: str
+
+
+#: Wraps a slice of the buffer (shaped like the view) into the parameter a module uses,
+#: given ``requires_grad`` and the view's first record (a DTensor under tensor parallelism).
+LeafFactory = Callable[[torch.Tensor, bool, DedicatedParam], nn.Parameter]
+
+
+def plain_leaf(view: torch.Tensor, requires_grad: bool, _record: DedicatedParam) -> nn.Parameter:
+    """A plain parameter over ``view`` (the layouts without tensor parallelism)."""
+    return nn.Parameter(view, requires_grad=requires_grad)
+
+
+class FlatBuffer:
+    """Broadcast buffer and gradient reduction for a list of spans (see the module doc)."""
+
+    def __init__(
+        self,
+        entries: list[Entry],
+        spans: list[Span],
+        views: list[View],
+        dtype: torch.dtype,
+        device: torch.device,
+        comm: Communicator,
+        reduce_dtype: torch.dtype = torch.float32,
+        broadcast_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.entries = entries
+        #: The dtype gradients are summed in on the wire (the accumulation stays float32).
+        self.reduce_dtype = reduce_dtype
+        #: The dtype matrices are broadcast in (``None``: the buffer's).
+        self.broadcast_dtype = None if broadcast_dtype in (None, dtype) else broadcast_dtype
+        self._staging: torch.Tensor | None = None
+        self.spans = spans
+        self.views = views
+        self.comm = comm
+        self.numel = spans[-1].hi if spans else 0
+        self.buffer = torch.empty(self.numel, dtype=dtype, device=device)
+        self._nbytes = self.numel * self.buffer.element_size()
+        self.state = BufferState.STALE
+        self.reduce_state = ReduceState.IDLE
+        self.owns_all = all(span.owner == comm.rank for span in spans)
+        self._broadcasts: list[Pending] = []
+        self._reduces: list[Pending] = []
+        self._reduce_flat: torch.Tensor | None = None
+        self._broadcast_versions: dict[int, int] = {}
+        #: Named in errors: the hook boundary and its matrices.
+        self.label = ""
+        if entries:
+            first = entries[0].record
+            more = f" and {len(entries) - 1} more" if len(entries) > 1 else ""
+            self.label = f", hook boundary {first.boundary or '<root>'!r}: {first.name}{more}"
+
+    @classmethod
+    def build(
+        cls,
+        records: list[DedicatedParam],
+        views: list[tuple[nn.Module, str, nn.Parameter, list[int], str]],
+        dtype: torch.dtype,
+        device: torch.device,
+        comm: Communicator,
+        make_leaf: LeafFactory = plain_leaf,
+        reduce_dtype: torch.dtype = torch.float32,
+        broadcast_dtype: torch.dtype | None = None,
+    ) -> FlatBuffer:
+        """Lay ``records`` out back to back; one span per run of records with one owner.
+
+        ``views`` lists ``(module, attr, holder, record indices, name)``: each view covers
+        consecutive records, shaped like the holder's full tensor (the records' shape, or a
+        split stack's whole shape).
+        """
+        entries: list[Entry] = []
+        spans: list[Span] = []
+        offset = 0
+        for index, record in enumerate(records):
+            entry = Entry(record, offset, offset + record.numel)
+            if not spans or spans[-1].owner != record.owner:
+                spans.append(Span(record.owner, offset, offset))
+            spans[-1].hi = entry.hi
+            spans[-1].entries.append(index)
+            entry.span = len(spans) - 1
+            entries.append(entry)
+            offset = entry.hi
+        flat = cls(entries, spans, [], dtype, device, comm, reduce_dtype, broadcast_dtype)
+        for module, attr, holder, covered, name in views:
+            lo, hi = entries[covered[0]].lo, entries[covered[-1]].hi
+            shape = records[covered[0]].view_shape
+            leaf = make_leaf(
+                flat.buffer[lo:hi].view(shape), holder.requires_grad, records[covered[0]]
+            )
+            flat.views.append(View(module, attr, holder, leaf, lo, hi, list(covered), name))
+        flat.free()  # the views were made on the storage; they stay when it goes
+        return flat
+
+    # ----- what the boundary registers ----------------------------------------------------
+    def registered_views(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """``(module, attribute, full-tensor view)`` for forward and backward."""
+        return [(view.module, view.attr, view.leaf) for view in self.views]
+
+    def placeholders(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
+        """``(module, attribute, registered parameter)`` between forwards."""
+        return [(view.module, view.attr, view.holder) for view in self.views]
+
+    def grad_leaves(self) -> list[tuple[str, nn.Parameter]]:
+        """``(fqn, leaf)`` whose gradients this buffer reduces."""
+        return [(view.name, view.leaf) for view in self.views]
+
+    def sync_requires_grad(self) -> bool:
+        """Give each leaf its holder's ``requires_grad`` (frozen and unfrozen since
+        dedication); return whether any leaf needs a gradient."""
+        needed = False
+        for view in self.views:
+            wanted = view.holder.requires_grad
+            if view.leaf.requires_grad != wanted:
+                view.leaf.requires_grad_(wanted)
+            needed |= wanted
+        return needed
+
+    # ----- forward / backward parameters -------------------------------------------------
+    @property
+    def allocated(self) -> bool:
+        """Whether the buffer currently holds storage."""
+        return self.state is not BufferState.FREED
+
+    def unshard_async(self) -> None:
+        """Make sure a broadcast of the owners' current values is issued (or done)."""
+        if self.state in (BufferState.VALID, BufferState.UNSHARDING):
+            return
+        if self.state is BufferState.FREED:
+            self.buffer.untyped_storage().resize_(self._nbytes)
+        # The buffer backs views that autograd saved; rewriting it must not count as an
+        # in-place modification of those saved tensors.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.buffer):
+            # With a broadcast dtype of its own, the values travel through a staging
+            # buffer of that dtype, which every rank (the owners too) then copies in.
+            wire = self.buffer
+            if self.broadcast_dtype is not None:
+                wire = self._staging = torch.empty(
+                    self.numel, dtype=self.broadcast_dtype, device=self.buffer.device
+                )
+            for index, entry in enumerate(self.entries):
+                record = entry.record
+                if record.is_owned:
+                    wire[entry.lo : entry.hi].copy_(record.param.reshape(-1))
+                    self._broadcast_versions[index] = record.param._version
+            self._broadcasts = [
+                self.comm.broadcast(wire[span.lo : span.hi], span.owner, self.label)
+                for span in self.spans
+            ]
+        self.state = BufferState.UNSHARDING
+
+    def wait_unshard(self) -> None:
+        """Wait for the broadcasts issued by `unshard_async`."""
+        if self.state is BufferState.UNSHARDING:
+            # Stale until every broadcast is in: a failed one is raised once, not again by
+            # the post-forward hook that frees the buffer.
+            pending, self._broadcasts = self._broadcasts, []
+            staging, self._staging = self._staging, None
+            self.state = BufferState.STALE
+            for each in pending:
+                each.wait()
+            if staging is not None:
+                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.buffer):
+                    self.buffer.copy_(staging)
+            self.state = BufferState.VALID
+
+    def free(self) -> None:
+        """Release the buffer's storage; the views stay, pointing at no memory."""
+        self.wait_unshard()
+        if self.state is not BufferState.FREED:
+            self.buffer.untyped_storage().resize_(0)
+            self.state = BufferState.FREED
+
+    def changed_since_broadcast(self) -> list[str]:
+        """Owned records edited in place while their broadcast values are still in use."""
+        if self.state is not BufferState.VALID:
+            return []
+        return [
+            self.entries[index].record.name
+            for index, version in self._broadcast_versions.items()
+            if self.entries[index].record.param._version != version
+        ]
+
+    def invalidate(self) -> None:
+        """The owners' values changed: the next use must broadcast again."""
+        self.wait_unshard()
+        if self.state is BufferState.VALID:
+            self.state = BufferState.STALE
+
+    # ----- gradients -----------------------------------------------------------------------
+    def _take_local_grads(self) -> list[torch.Tensor | None]:
+        grads = []
+        for view in self.views:
+            grad = view.leaf.grad
+            view.leaf.grad = None
+            grads.append(None if grad is None else local_grad(grad, view.leaf))
+        return grads
+
+    def accumulate_locally(self) -> None:
+        """``no_sync``: add this backward's gradients to the holders' local totals."""
+        for view, grad in zip(self.views, self._take_local_grads(), strict=True):
+            if grad is not None:
+                gradients.accumulate(view.holder, grad)
+
+    def reduce_async(self) -> None:
+        """Merge local and accumulated gradients; SUM-reduce each span to its owner.
+
+        A record without a local gradient on this rank (an expert that saw no token)
+        contributes negative zeros (see the module docstring): the collectives are the
+        same on every rank whatever the data.
+        """
+        flat = torch.empty(self.numel, dtype=self.reduce_dtype, device=self.buffer.device)
+        for view, grad in zip(self.views, self._take_local_grads(), strict=True):
+            acc = gradients.take_accumulated(view.holder)
+            gradients.mark(view.holder)
+            piece = flat[view.lo : view.hi]
+            if grad is None and acc is None:
+                piece.fill_(-0.0)
+                continue
+            if grad is None:
+                piece.zero_()
+            else:
+                torch.add(grad.detach().reshape(-1), 0.0, out=piece)  # no -0.0 left
+            if acc is not None:
+                piece.add_(acc.reshape(-1))
+        self._reduce_flat = flat
+        self._reduces = [
+            self.comm.reduce_sum(flat[span.lo : span.hi], span.owner, self.label)
+            for span in self.spans
+        ]
+        self.reduce_state = ReduceState.REDUCING
+
+    def _owned_spans(self) -> Iterator[Span]:
+        for span in self.spans:
+            if span.owner == self.comm.rank:
+                yield span
+
+    def finish_reduce(self) -> None:
+        """Wait for the reduces; owners then start averaging across replicas (HSDP).
+
+        `finish_replica_reduce` completes the step; the split lets every buffer's
+        cross-replica all-reduce be in flight at once.
+        """
+        if self.reduce_state is not ReduceState.REDUCING:
+            return
+        for pending in self._reduces:
+            pending.wait()
+        flat = self._reduce_flat
+        assert flat is not None
+        self._reduces = [
+            self.comm.all_reduce_replicas(flat[span.lo : span.hi], self.label)
+            for span in self._owned_spans()
+        ]
+        if self._reduces:
+            self.reduce_state = ReduceState.AVERAGING
+        else:
+            release_reduce_input(flat)
+            self._reduce_flat = None
+            self.reduce_state = ReduceState.IDLE
+
+    def finish_replica_reduce(self) -> None:
+        """Wait for the cross-replica sums; owners average into ``_reduced_grad``."""
+        if self.reduce_state is not ReduceState.AVERAGING:
+            return
+        for pending in self._reduces:
+            pending.wait()
+        self._reduces = []
+        flat, self._reduce_flat = self._reduce_flat, None
+        assert flat is not None
+        divisor = self.comm.world_size * self.comm.replicas
+        holders = {index: view.holder for view in self.views for index in view.entries}
+        for span in self._owned_spans():
+            values = flat[span.lo : span.hi]
+            widened = values.dtype != torch.float32
+            if widened:  # summed in a narrower dtype on the wire, averaged in float32
+                values = values.float()
+            values.div_(divisor)
+            for index in span.entries:
+                entry = self.entries[index]
+                lo, hi = entry.lo - span.lo, entry.hi - span.lo
+                piece = values[lo:hi].view(entry.record.shape)
+                # A view keeps the whole flat buffer alive: only when all of it is ours.
+                if not (self.owns_all or widened):
+                    piece = piece.clone()
+                gradients.add_reduced(entry.record.param, piece, holders[index])
+        if not self.owns_all or flat.dtype != torch.float32:
+            release_reduce_input(flat)  # the averages were copied out of it
+        self.reduce_state = ReduceState.IDLE
+
+
+def release_reduce_input(flat: torch.Tensor | None) -> None:
+    """Free a finished reduce's input now: its work handle, kept a little longer by the
+    `Communicator` (see `dmuon._comm.Pending`), would otherwise keep the memory too."""
+    if flat is not None:
+        flat.untyped_storage().resize_(0)

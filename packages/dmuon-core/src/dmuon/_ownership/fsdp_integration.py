@@ -1,0 +1,92 @@
+"""Keep FSDP2 away from dedicated parameters.
+
+``fully_shard`` collects the parameters of the modules it manages through one helper of
+its initialisation module. DMuon wraps that helper (once, idempotently) so that parameters
+marked as dedicated are skipped. The helper is looked up through its module at call time,
+so the filter works whether ``fully_shard`` was imported before or after ``dmuon``, and
+users call ``fully_shard`` with no extra arguments.
+
+That helper is private to torch. `verify_not_sharded` checks the outcome through public
+behaviour only (FSDP2 replaces the parameters it manages with DTensors), so a torch
+release that moves the helper gives a clear error instead of silently sharded matrices;
+the public alternative, ``fully_shard(..., ignored_params=dmuon.dedicated_parameters(model))``,
+works in every case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard import _fsdp_init
+from torch.distributed.tensor import DTensor
+
+from dmuon._ownership.param import DedicatedParam
+
+DEDICATED_FLAG = "_dmuon_dedicated"
+_FILTER_FLAG = "_dmuon_skips_dedicated"
+
+
+def mark_dedicated(param: nn.Parameter, fqn: str) -> None:
+    """Flag ``param`` as dedicated so that FSDP2 does not manage it."""
+    setattr(param, DEDICATED_FLAG, fqn)
+
+
+def is_dedicated(param: nn.Parameter) -> bool:
+    """Whether ``param`` was dedicated by `dmuon.dedicate_params`."""
+    return getattr(param, DEDICATED_FLAG, None) is not None
+
+
+def fsdp_param_groups(module: FSDPModule) -> list[Any]:
+    """The FSDP2 parameter groups of one ``fully_shard`` module (private state: torch 2.13
+    keeps a list, earlier releases a single group or ``None``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+def is_fsdp_module(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` has been applied to ``module``."""
+    return isinstance(module, FSDPModule)
+
+
+def install_fsdp_filter() -> None:
+    """Make FSDP2's managed-parameter collection skip dedicated parameters."""
+    original = _fsdp_init._get_managed_states
+    if getattr(original, _FILTER_FLAG, False):
+        return
+
+    def skip_dedicated(modules: list[nn.Module], *args: Any, **kwargs: Any) -> Any:
+        params, buffers = original(modules, *args, **kwargs)
+        return [p for p in params if not is_dedicated(p)], buffers
+
+    setattr(skip_dedicated, _FILTER_FLAG, True)
+    skip_dedicated.__wrapped_original__ = original  # type: ignore[attr-defined]
+    _fsdp_init._get_managed_states = skip_dedicated
+
+
+def verify_not_sharded(params: Sequence[DedicatedParam]) -> None:
+    """Raise if ``fully_shard`` took a dedicated parameter (checked through public behaviour).
+
+    Raises:
+        ValueError: A dedicated parameter is registered as a DTensor or was replaced.
+    """
+    taken = []
+    for dp in params:
+        registered = dp.module._parameters.get(dp.attr)
+        if isinstance(registered, DTensor) or registered is not dp.module_param:
+            taken.append(dp.fqn)
+    if taken:
+        raise ValueError(
+            f"fully_shard sharded the dedicated parameters {taken[:3]} ({len(taken)} in all): "
+            f"DMuon's filter of FSDP2's parameter collection did not apply with torch "
+            f"{torch.__version__}. Pass the dedicated parameters to every fully_shard call "
+            "yourself: fully_shard(module, mesh=mesh, "
+            "ignored_params=dmuon.dedicated_parameters(model))."
+        )

@@ -1,0 +1,298 @@
+"""Which parameters are dedicated, where their hook boundaries are, and who owns them.
+
+Everything here is pure: no process group, no hooks. `plan_owners` can be called for any
+world size to see what a run would do before launching it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from torch import nn
+
+#: Attribute names of ``nn.ModuleList`` containers whose elements are hook boundaries
+#: (Llama ``layers``, ViT ``blocks``, GPT-2 ``h``).
+BOUNDARY_CONTAINER_NAMES: tuple[str, ...] = ("layers", "blocks", "h")
+
+#: Module names that mark an output head or an embedding; never dedicated by default.
+_EXCLUDED_NAME_PARTS: tuple[str, ...] = ("lm_head", "output", "embed", "wte", "wpe", "norm")
+
+#: Module names that wrappers insert into parameter paths, and that state dicts leave out
+#: (torch's activation-checkpoint wrapper, torch.compile, FSDP1).
+WRAPPER_NAMES: tuple[str, ...] = ("_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module")
+
+
+def state_dict_name(path: str) -> str:
+    """A parameter's name as torch's state dicts give it: ``path`` without wrapper modules."""
+    return ".".join(part for part in path.split(".") if part not in WRAPPER_NAMES)
+
+
+ParamPredicate = Callable[[str, nn.Parameter], bool]
+ModulePredicate = Callable[[nn.Module], bool]
+
+
+def default_predicate(name: str, param: nn.Parameter) -> bool:
+    """Select 2-D ``weight`` matrices that are not embeddings, norms or output heads.
+
+    ``dedicate_params`` applies this predicate only to parameters owned by ``nn.Linear``
+    modules and skips parameters tied to another name, so together they select the hidden
+    linear layers of a transformer (attention projections and MLP matrices) and leave the
+    embedding, the ``lm_head``/``output`` head, norms and biases to AdamW. Besides, it
+    selects the fused 3-D expert stacks of mixture-of-experts layers by their layout (see
+    `dmuon._ownership.experts`), and leaves routers and the gates next to them to AdamW.
+
+    Args:
+        name: Fully qualified parameter name, e.g. ``"layers.0.attn.q_proj.weight"``.
+        param: The parameter.
+
+    Returns:
+        ``True`` when the parameter should be trained with Muon.
+    """
+    if param.ndim != 2 or not name.endswith("weight"):
+        return False
+    parts = name.split(".")[:-1]
+    return not any(excluded in part for part in parts for excluded in _EXCLUDED_NAME_PARTS)
+
+
+def newton_schulz_cost(shape: Sequence[int]) -> int:
+    """Approximate Newton-Schulz cost: ``min(m, n)**2 * max(m, n)`` per ``m x n`` matrix.
+
+    A 3-D shape ``(k, m, n)`` is a stack of ``k`` matrices and costs ``k`` times as much.
+    """
+    count = int(shape[0]) if len(shape) == 3 else 1
+    m, n = int(shape[-2]), int(shape[-1])
+    return count * min(m, n) ** 2 * max(m, n)
+
+
+#: ``split_expert_stacks`` values: always split stacks, never, or when it balances better.
+SplitStacks = Literal["auto"] | bool
+
+
+class ExpertRange(NamedTuple):
+    """Experts ``start`` to ``stop - 1`` of a split stack, and the rank that owns them."""
+
+    start: int
+    stop: int
+    owner: int
+
+
+def range_name(fqn: str, start: int, stop: int) -> str:
+    """The name a plan gives experts ``start:stop`` of the stack ``fqn``: ``fqn[start:stop]``."""
+    return f"{fqn}[{start}:{stop}]"
+
+
+@dataclass(frozen=True)
+class OwnerPlan:
+    """The result of `plan_owners`.
+
+    Attributes:
+        owners: ``{name: owner_rank}`` in the order the parameters were given. A stack
+            split by experts appears as one entry per range, named ``fqn[start:stop]``
+            (experts ``start`` to ``stop - 1``), in expert order.
+        loads: Newton-Schulz cost assigned to each rank.
+        imbalance: ``max(loads) / mean(loads)``; 1.0 is perfect balance.
+        expert_ranges: ``{fqn: (ExpertRange, ...)}`` of every stack split by experts;
+            empty when no stack is split.
+    """
+
+    owners: dict[str, int]
+    loads: tuple[int, ...]
+    imbalance: float
+    expert_ranges: dict[str, tuple[ExpertRange, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Item:
+    """One unit of ownership: a whole tensor, or a range of a split stack's experts."""
+
+    name: str
+    fqn: str
+    cost: int
+    boundary: str
+    experts: tuple[int, int] | None = None
+
+
+def _expert_ranges(experts: int, pieces: int) -> list[tuple[int, int]]:
+    """``pieces`` contiguous ranges of ``experts`` whose sizes differ by at most one."""
+    base, extra = divmod(experts, pieces)
+    ranges, start = [], 0
+    for index in range(pieces):
+        stop = start + base + (1 if index < extra else 0)
+        ranges.append((start, stop))
+        start = stop
+    return ranges
+
+
+def _items(
+    shapes: Mapping[str, Sequence[int]],
+    boundaries: Mapping[str, str],
+    pieces: Mapping[str, int],
+) -> list[_Item]:
+    items = []
+    for fqn, shape in shapes.items():
+        boundary = boundaries.get(fqn, "")
+        count = pieces.get(fqn, 1)
+        if count == 1:
+            items.append(_Item(fqn, fqn, newton_schulz_cost(shape), boundary))
+            continue
+        per_expert = newton_schulz_cost(tuple(shape)[1:])
+        for start, stop in _expert_ranges(int(shape[0]), count):
+            name = range_name(fqn, start, stop)
+            cost = (stop - start) * per_expert
+            items.append(_Item(name, fqn, cost, boundary, (start, stop)))
+    return items
+
+
+def _assign(items: list[_Item], world_size: int) -> tuple[dict[str, int], list[int]]:
+    """Longest-processing-time first; the ranges of one stack go to different ranks."""
+    order = {item.name: index for index, item in enumerate(items)}
+    loads = [0] * world_size
+    per_boundary: dict[tuple[str, int], int] = {}
+    holders: dict[str, set[int]] = {}
+    assigned: dict[str, int] = {}
+    for item in sorted(items, key=lambda i: (-i.cost, order[i.name])):
+        taken = holders.setdefault(item.fqn, set()) if item.experts is not None else set()
+        candidates = [rank for rank in range(world_size) if rank not in taken]
+        lightest = min(loads[rank] for rank in candidates)
+        eligible = [rank for rank in candidates if loads[rank] <= lightest + item.cost]
+        rank = min(
+            eligible,
+            key=lambda r: (per_boundary.get((item.boundary, r), 0), loads[r], r),
+        )
+        assigned[item.name] = rank
+        taken.add(rank)
+        loads[rank] += item.cost
+        key = (item.boundary, rank)
+        per_boundary[key] = per_boundary.get(key, 0) + 1
+    return assigned, loads
+
+
+def _split_candidates(
+    shapes: Mapping[str, Sequence[int]], world_size: int, split: SplitStacks
+) -> list[str]:
+    """Stacks the planner may split: every stack (``True``), dominant ones (``"auto"``)."""
+    if split is False or world_size < 2:
+        return []
+    stacks = [fqn for fqn, shape in shapes.items() if len(shape) == 3 and int(shape[0]) >= 2]
+    if split is True:
+        return stacks
+    share = sum(newton_schulz_cost(shape) for shape in shapes.values()) / world_size
+    return [fqn for fqn in stacks if newton_schulz_cost(shapes[fqn]) > share]
+
+
+def plan_owners(
+    shapes: Mapping[str, Sequence[int]],
+    world_size: int,
+    boundaries: Mapping[str, str] | None = None,
+    split_expert_stacks: SplitStacks = "auto",
+) -> OwnerPlan:
+    """Assign every matrix to exactly one rank, balancing Newton-Schulz cost.
+
+    Longest-processing-time first: matrices are taken in decreasing cost and each goes to
+    a least-loaded rank. Among ranks whose load is within one matrix of the least loaded,
+    the rank that owns the fewest matrices of the same hook boundary wins, so one layer's
+    broadcasts come from several ranks. Ties break on input order and rank, so the plan is
+    deterministic and identical on every rank.
+
+    A 3-D stack of matrices (fused experts) is one item with one owner, its cost the sum
+    of its matrices' costs, unless it is split by experts: its experts are then cut into
+    contiguous ranges of nearly equal size, each range an item of its own, and the ranges
+    of one stack go to different ranks. With ``split_expert_stacks="auto"`` a stack is a
+    candidate when its cost exceeds the per-rank share ``S`` (total cost /
+    ``world_size``), so one owner would carry more than its share. The planner compares
+    the plan without splits with plans that cut every candidate of cost ``C`` into
+    ``ceil(C / S)``, one more, or two more ranges (at most ``min(experts, world_size)``),
+    and keeps the one whose heaviest rank is lightest (the fewest items on a tie).
+    ``True`` splits every stack into at least 2 ranges the same way; ``False`` never
+    splits.
+
+    Args:
+        shapes: ``{fqn: (rows, cols)}`` of the dedicated matrices, or ``(matrices, rows,
+            cols)`` of dedicated stacks.
+        world_size: Number of ranks (at least 1).
+        boundaries: Optional ``{fqn: boundary_name}``; matrices of one boundary are spread.
+        split_expert_stacks: ``"auto"`` (default), ``True`` or ``False``; see above.
+
+    Returns:
+        The `OwnerPlan`.
+
+    Raises:
+        ValueError: If ``world_size < 1``, a shape is neither 2-D nor 3-D, or
+            ``split_expert_stacks`` is not ``"auto"``, ``True`` or ``False``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if not (split_expert_stacks == "auto" or isinstance(split_expert_stacks, bool)):
+        raise ValueError(
+            'split_expert_stacks must be "auto", True (split every expert stack across '
+            f"owners) or False (one owner per stack), got {split_expert_stacks!r}"
+        )
+    for fqn, shape in shapes.items():
+        if len(shape) not in (2, 3):
+            raise ValueError(
+                f"plan_owners needs 2-D matrix or 3-D stack shapes; {fqn!r} has shape "
+                f"{tuple(shape)}"
+            )
+    boundaries = boundaries or {}
+    candidates = _split_candidates(shapes, world_size, split_expert_stacks)
+    fewest = 2 if split_expert_stacks is True else 1
+    share = sum(newton_schulz_cost(shape) for shape in shapes.values()) / world_size
+    options: list[dict[str, int]] = [{}] if split_expert_stacks == "auto" else []
+    for extra in (0, 1, 2):
+        pieces = {}
+        for fqn in candidates:
+            most = min(int(shapes[fqn][0]), world_size)
+            wanted = math.ceil(newton_schulz_cost(shapes[fqn]) / share) + extra
+            pieces[fqn] = max(fewest, min(most, wanted))
+        if pieces not in options:
+            options.append(pieces)
+    best: tuple[tuple[int, int], list[_Item], dict[str, int], list[int]] | None = None
+    for pieces in options:
+        items = _items(shapes, boundaries, pieces)
+        assigned, loads = _assign(items, world_size)
+        score = (max(loads), len(items))  # the lightest heaviest rank, then fewest items
+        if best is None or score < best[0]:
+            best = (score, items, assigned, loads)
+    assert best is not None
+    _, items, assigned, loads = best
+    ranges: dict[str, list[ExpertRange]] = {}
+    for item in items:
+        if item.experts is not None:
+            start, stop = item.experts
+            ranges.setdefault(item.fqn, []).append(ExpertRange(start, stop, assigned[item.name]))
+    mean = sum(loads) / world_size
+    imbalance = max(loads) / mean if mean > 0 else 1.0
+    return OwnerPlan(
+        owners={item.name: assigned[item.name] for item in items},
+        loads=tuple(loads),
+        imbalance=imbalance,
+        expert_ranges={fqn: tuple(r) for fqn, r in ranges.items()},
+    )
+
+
+def find_hook_boundary(
+    model: nn.Module,
+    fqn: str,
+    hook_boundary_predicate: ModulePredicate | None = None,
+) -> str | None:
+    """Return the module name of the hook boundary of parameter ``fqn``, or ``None``.
+
+    The boundary is the lowest ancestor module that is either an element of an
+    ``nn.ModuleList`` named like `BOUNDARY_CONTAINER_NAMES` or a module for which
+    ``hook_boundary_predicate(module)`` is true.
+    """
+    parts = fqn.split(".")[:-1]
+    modules = [model]  # modules[d] is the ancestor at depth d; modules[0] is the model
+    for part in parts:
+        modules.append(modules[-1].get_submodule(part))
+    for depth in range(len(parts), 0, -1):
+        name = ".".join(parts[:depth])
+        if hook_boundary_predicate is not None and hook_boundary_predicate(modules[depth]):
+            return name
+        in_list = isinstance(modules[depth - 1], nn.ModuleList)
+        if in_list and depth >= 2 and parts[depth - 2] in BOUNDARY_CONTAINER_NAMES:
+            return name
+    return None

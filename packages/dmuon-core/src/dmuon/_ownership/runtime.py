@@ -1,0 +1,495 @@
+"""The ownership runtime: the one owner of everything that changes while training.
+
+Per hook boundary (usually one transformer layer):
+
+- forward pre-hook: broadcast each owner's packed buffer (prefetching the next boundary's),
+  register the full-matrix views on their modules, and route the boundary's inputs
+  through an identity autograd function whose backward marks "this boundary's backward is
+  done";
+- forward post-hook (``always_call``, so an exception leaves the model as it was): put
+  the registered parameters back; Z3 frees the buffers, Z2 keeps them until the owners'
+  values change;
+- pre-backward (a hook on the boundary's outputs): Z3 broadcasts again; the views are
+  registered again so activation-checkpoint recomputation sees full matrices;
+- post-backward: when the gradients of the boundary's inputs are computed, or at the end
+  of backward for a boundary whose inputs need no gradient, SUM-reduce the gradients to
+  their owners (a matrix without a local gradient contributes zeros) or, under `no_sync`,
+  add them to ``_accumulated_grad`` locally. On a 2-D (HSDP) mesh the reduce stays inside
+  the shard group and, at the end of backward, each owner all-reduces its sum with the
+  owners of the same matrices in the other replicas, so every replica's owner holds the
+  same average and steps the matrix alike (no broadcast after the step).
+
+Each boundary drives a list of `FlatBuffer` objects: one per owner for the packed matrices,
+and one per expert stack split across owners (one stack-wide buffer, one broadcast and one
+reduce per range of experts, issued after the boundary's packed buffers).
+
+A boundary's gradients are reduced once per backward, however many forwards of it the
+backward covers (two forwards of one loss, a reused layer): when the inputs of its last
+forward got their gradients, or at the end of backward for forwards whose inputs need none.
+
+Every trigger above is an event every rank sees in the same order (the model's structure,
+not its data), so every rank issues the same collectives in the same order even when
+routing leaves a matrix without a gradient on some ranks.
+
+The rest of the library changes this state only through the methods in the last section
+(`no_sync`, `invalidate_buffers`, `step_finished`, `clear_gradients`,
+`scale_reduced_grads`) and reads it through `reduced_grad`; the
+gradients themselves are written only by `dmuon._ownership.gradients`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from enum import Enum
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from dmuon._comm import Communicator
+from dmuon._ownership import gradients
+from dmuon._ownership.ddp_integration import active_ddp
+from dmuon._ownership.flat_buffer import FlatBuffer
+from dmuon._ownership.fsdp_integration import is_fsdp_module
+from dmuon._ownership.param import DedicatedParam
+
+
+def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Yield the tensors inside a forward output: tensors, sequences, mappings, dataclasses."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from iter_tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from iter_tensors(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from iter_tensors(getattr(value, f.name))
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        return tuple(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, list):
+        return [_cast_floating(v, dtype) for v in value]
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _BoundaryInputsGrad(torch.autograd.Function):
+    """Identity on a boundary's inputs; its backward runs once their gradients are done."""
+
+    @staticmethod
+    def forward(ctx: Any, runtime: DedicationRuntime, index: int, *inputs: torch.Tensor) -> Any:
+        ctx.runtime = runtime
+        ctx.index = index
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.runtime._inputs_grad_done(ctx.index)
+        return (None, None, *grads)
+
+
+def _load_range(dp: DedicatedParam, full: Any) -> bool:
+    """The owner of a split stack's range copies its experts of ``full`` into its master.
+
+    Returns ``False`` when ``full`` is not a tensor of the stack's shape.
+    """
+    if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(dp.stack_shape or ()):
+        return False
+    if dp.is_owned and dp.experts is not None:
+        with torch.no_grad():
+            dp.param.copy_(full[dp.experts[0] : dp.experts[1]])
+    return True
+
+
+def _is_whole(dp: DedicatedParam, value: Any) -> bool:
+    """Whether ``value`` is a plain tensor of ``dp``'s whole (global) shape."""
+    return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(dp.global_shape)
+
+
+class BoundaryState(Enum):
+    """Where a hook boundary stands in the training step (like FSDP2's ``TrainingState``)."""
+
+    #: Between steps, or forward done and backward not yet reached.
+    IDLE = "idle"
+    #: Backward reached the boundary: its buffers are unsharded and its views registered.
+    PRE_BACKWARD = "pre_backward"
+
+
+class Boundary:
+    """One hook boundary: its module, its flat buffers and its backward bookkeeping."""
+
+    def __init__(self, name: str, module: nn.Module, buffers: list[FlatBuffer]) -> None:
+        self.name = name
+        self.module = module
+        self.buffers = buffers
+        self.state = BoundaryState.IDLE
+        # Forward passes of this backward whose gradients are not reduced yet; forwards
+        # whose inputs carry no gradient are reduced at the end of backward instead.
+        self.pending_by_inputs = 0
+        self.pending_at_end = 0
+        self._hooked: set[int] = set()
+
+    @property
+    def awaits_backward(self) -> bool:
+        """Whether a forward of this boundary waits for its gradients to be reduced."""
+        return self.pending_by_inputs + self.pending_at_end > 0
+
+    def grad_leaves(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """(fqn, full-tensor view) pairs whose gradients this boundary reduces."""
+        for buffer in self.buffers:
+            yield from buffer.grad_leaves()
+
+    def sync_requires_grad(self, on_grad: Any) -> bool:
+        """Leaves follow their holders' ``requires_grad``; return whether any needs grads.
+
+        ``on_grad(fqn)`` becomes a post-accumulate-grad hook of each leaf the first time it
+        needs gradients.
+        """
+        needs = False
+        for buffer in self.buffers:
+            needs |= buffer.sync_requires_grad()
+        for fqn, leaf in self.grad_leaves():
+            if leaf.requires_grad and id(leaf) not in self._hooked:
+                self._hooked.add(id(leaf))
+                leaf.register_post_accumulate_grad_hook(lambda _t, fqn=fqn: on_grad(fqn))
+        return needs
+
+    def register_views(self) -> None:
+        """Put the full-matrix views on their modules (forward and recomputation use them)."""
+        for buffer in self.buffers:
+            for module, attr, leaf in buffer.registered_views():
+                module._parameters[attr] = leaf
+
+    def register_params(self) -> None:
+        """Put the registered parameters (master / placeholder) back on their modules."""
+        for buffer in self.buffers:
+            for module, attr, param in buffer.placeholders():
+                module._parameters[attr] = param
+
+    def covered_by_fsdp(self, root: nn.Module) -> bool:
+        """Whether ``fully_shard`` wraps this boundary's module or one of its ancestors."""
+        module: nn.Module = root
+        if is_fsdp_module(module):
+            return True
+        for part in self.name.split(".") if self.name else []:
+            module = module.get_submodule(part)
+            if is_fsdp_module(module):
+                return True
+        return False
+
+
+class DedicationRuntime:
+    """All boundaries of one model, the hooks that drive them, and their gradient state."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        params: list[DedicatedParam],
+        boundaries: list[Boundary],
+        comm: Communicator,
+        reshard_after_forward: bool,
+        param_dtype: torch.dtype | None,
+    ) -> None:
+        self.params = params
+        self.boundaries = boundaries
+        self.comm = comm
+        self.reshard_after_forward = reshard_after_forward
+        self.param_dtype = param_dtype
+        self.sync_grads = True
+        self._callback_queued = False
+        self._late_grads: list[str] = []
+        self._checked_param_dtype = param_dtype is None
+        self._root = model
+        #: The DistributedDataParallel wrapper the model ran in, once seen (a weak reference).
+        self.ddp: Callable[[], DistributedDataParallel | None] = lambda: None
+        for index, boundary in enumerate(boundaries):
+            self._install(index, boundary)
+        self._install_state_dict_hooks(model)
+
+    # ----- installation ------------------------------------------------------------------
+    def _install(self, index: int, boundary: Boundary) -> None:
+        module = boundary.module
+        module.register_forward_pre_hook(
+            lambda _m, args, kwargs: self._pre_forward(index, args, kwargs), with_kwargs=True
+        )
+        module.register_forward_hook(
+            lambda _m, _args, out: self._post_forward(index, out), always_call=True
+        )
+        boundary.sync_requires_grad(lambda fqn: self._grad_arrived(index, fqn))
+
+    def _install_state_dict_hooks(self, model: nn.Module) -> None:
+        """``model.load_state_dict`` works on every rank and refreshes the buffers.
+
+        Non-owners hold 0-element placeholders: a full tensor for one of them is replaced by
+        an empty one before loading (the owner loads the value and broadcasts it). For a
+        stack split by experts every rank holds a placeholder; each range's owner copies
+        its experts from the full tensor into its master.
+        """
+        by_module: dict[int, list[DedicatedParam]] = {}
+        for dp in self.params:
+            by_module.setdefault(id(dp.module), []).append(dp)
+        for dps in by_module.values():
+
+            def keep_owned_only(
+                _module: nn.Module,
+                state_dict: dict[str, Any],
+                prefix: str,
+                *_: Any,
+                dps: list[DedicatedParam] = dps,
+            ) -> None:
+                given = {dp.attr: state_dict.get(prefix + dp.attr) for dp in dps}
+                for dp in dps:
+                    value = given[dp.attr]
+                    if dp.tp is not None and _is_whole(dp, value):
+                        # The owner takes its tp position's shard of the whole matrix.
+                        local = dp.tp.local_of(value) if dp.is_owned else None
+                        state_dict[prefix + dp.attr] = (
+                            local if local is not None else dp.param.detach().new_empty(0)
+                        )
+                        continue
+                    if value is None or (dp.is_owned and not dp.is_range):
+                        continue
+                    if dp.is_range and not _load_range(dp, value):
+                        continue  # wrong shape: load_state_dict reports it
+                    state_dict[prefix + dp.attr] = dp.module_param.detach().new_empty(0)
+
+            dps[0].module.register_load_state_dict_pre_hook(keep_owned_only)
+        model.register_load_state_dict_post_hook(lambda _module, _keys: self.invalidate_buffers())
+
+    # ----- forward -------------------------------------------------------------------------
+    def _unshard(self, index: int, prefetch: int | None) -> None:
+        boundary = self.boundaries[index]
+        for buffer in boundary.buffers:
+            buffer.unshard_async()
+        if prefetch is not None and 0 <= prefetch < len(self.boundaries):
+            for buffer in self.boundaries[prefetch].buffers:
+                buffer.unshard_async()
+        for buffer in boundary.buffers:
+            buffer.wait_unshard()
+
+    def _check_param_dtype(self) -> None:
+        # Without FSDP2's mixed precision, the boundary's other parameters stay float32 and
+        # meet bfloat16 activations and weights inside the same layer.
+        self._checked_param_dtype = True
+        uncovered = [
+            b.name or "<root>" for b in self.boundaries if not b.covered_by_fsdp(self._root)
+        ]
+        if uncovered:
+            raise ValueError(
+                f"dedicate_params(param_dtype={self.param_dtype}) casts the dedicated weights "
+                f"and the inputs of each hook boundary, but {uncovered[:3]} are not wrapped by "
+                "fully_shard, so their other parameters stay float32 and the forward would mix "
+                "dtypes. Either wrap them with fully_shard(..., mp_policy=MixedPrecisionPolicy("
+                f"param_dtype={self.param_dtype})), or drop param_dtype and run the forward "
+                "under torch.autocast."
+            )
+
+    def _check_not_stale(self, index: int) -> None:
+        # Resident (Z2) buffers hold the values of the last broadcast; an owner's master
+        # edited in place since then would silently not reach the other ranks. The first
+        # boundary checks every owned matrix, so a stale one stops the forward before any
+        # collective; the others check their own (edits between boundaries).
+        buffers = self.buffers() if index == 0 else iter(self.boundaries[index].buffers)
+        stale = [name for buffer in buffers for name in buffer.changed_since_broadcast()]
+        if stale:
+            raise RuntimeError(
+                f"the dedicated parameters {stale[:5]} were changed in place after their last "
+                "broadcast, and the resident (Z2) buffers still hold the old values. After "
+                "changing dedicated weights outside optimizer.step() (manual edits, an EMA "
+                "swap), call dmuon.parameters_updated(model) on every rank before the next "
+                "forward."
+            )
+
+    def _watch_for_ddp(self) -> None:
+        """The first forward inside a DDP wrapper moves DMuon's collectives to their own
+        process group (see `dmuon._ownership.ddp_integration`)."""
+        ddp = active_ddp(self._root)
+        if ddp is None or self.ddp() is ddp:
+            return
+        self.ddp = weakref.ref(ddp)
+        self.comm.separate_from(ddp.process_group)
+
+    def _pre_forward(
+        self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        if index == 0:
+            # Gradients that model.zero_grad() cleared are freed before the forward
+            # allocates activations (they are otherwise only dropped when next read).
+            self._drop_cleared_gradients()
+        self._watch_for_ddp()
+        if not self._checked_param_dtype:
+            self._check_param_dtype()
+        if not self.reshard_after_forward:
+            self._check_not_stale(index)
+        boundary = self.boundaries[index]
+        needs_grads = boundary.sync_requires_grad(lambda fqn: self._grad_arrived(index, fqn))
+        self._unshard(index, prefetch=index + 1)
+        boundary.register_views()
+        if self.param_dtype is not None:
+            args, kwargs = (
+                _cast_floating(args, self.param_dtype),
+                _cast_floating(kwargs, self.param_dtype),
+            )
+        if not needs_grads or not torch.is_grad_enabled():
+            return args, kwargs
+        if _in_backward() and boundary.awaits_backward:
+            return args, kwargs  # recomputation of a checkpointed forward the hooks saw
+        # Otherwise, in backward this recomputes a forward that ran without gradients: the
+        # inside of a reentrant activation checkpoint. Its gradients come now.
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [
+            i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
+        ]
+        if not positions:
+            boundary.pending_at_end += 1
+            return args, kwargs
+        boundary.pending_by_inputs += 1
+        routed = _BoundaryInputsGrad.apply(self, index, *(flat[i] for i in positions))
+        for i, tensor in zip(positions, routed, strict=True):
+            flat[i] = tensor
+        return tree_unflatten(flat, spec)
+
+    def _post_forward(self, index: int, output: Any) -> None:
+        boundary = self.boundaries[index]
+        boundary.register_params()
+        if _in_backward():
+            return  # recomputation of a checkpointed boundary: backward still needs buffers
+        if torch.is_grad_enabled() and boundary.awaits_backward:
+            for tensor in iter_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad: self._pre_backward(index, grad))
+        if self.reshard_after_forward:
+            for buffer in boundary.buffers:
+                buffer.free()
+
+    # ----- backward ------------------------------------------------------------------------
+    def _queue_final_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+        boundary = self.boundaries[index]
+        self._queue_final_callback()
+        if boundary.state is not BoundaryState.PRE_BACKWARD:
+            boundary.state = BoundaryState.PRE_BACKWARD
+            previous = index - 1
+            waiting = previous >= 0 and self.boundaries[previous].awaits_backward
+            self._unshard(index, prefetch=previous if waiting else None)
+            boundary.register_views()
+        return grad
+
+    def _grad_arrived(self, index: int, fqn: str) -> None:
+        # Only a guard: a gradient that arrives when its boundary expects none (already
+        # reduced in this backward, or a forward the hooks did not see, such as a reentrant
+        # activation checkpoint) cannot be reduced without breaking the other ranks' schedule.
+        if not self.boundaries[index].awaits_backward:
+            self._late_grads.append(fqn)
+
+    def _inputs_grad_done(self, index: int) -> None:
+        self._queue_final_callback()
+        boundary = self.boundaries[index]
+        if boundary.pending_by_inputs > 0:
+            boundary.pending_by_inputs -= 1
+            if not boundary.awaits_backward:
+                self._post_backward(boundary)
+
+    def _post_backward(self, boundary: Boundary) -> None:
+        """Reduce (or accumulate) the boundary's gradients: once per backward."""
+        boundary.pending_by_inputs = boundary.pending_at_end = 0
+        boundary.state = BoundaryState.IDLE
+        boundary.register_params()
+        for buffer in boundary.buffers:
+            if self.sync_grads:
+                buffer.reduce_async()
+            else:
+                buffer.accumulate_locally()
+            if self.reshard_after_forward:
+                buffer.free()
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        for boundary in self.boundaries:
+            if boundary.awaits_backward:
+                self._post_backward(boundary)
+        for boundary in self.boundaries:
+            boundary.state = BoundaryState.IDLE
+            for buffer in boundary.buffers:
+                buffer.finish_reduce()
+        for buffer in self.buffers():
+            buffer.finish_replica_reduce()
+        late, self._late_grads = self._late_grads, []
+        if late:
+            raise RuntimeError(
+                f"the gradients of {sorted(set(late))[:5]} arrived when their hook boundary "
+                "expected none (after it had reduced its gradients, or for a forward its hooks "
+                "did not see), so they would be lost. This happens when a dedicated weight is "
+                "used outside the module that holds it, or when a whole boundary runs inside a "
+                "reentrant activation checkpoint. Give the weight a boundary that contains "
+                "every use (dedicate_params(..., hook_boundary_predicate=...)), use "
+                "checkpoint(..., use_reentrant=False), or exclude the weight from the predicate."
+            )
+
+    # ----- the operations the rest of the library calls ----------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate dedicated gradients locally inside the block; restore on exit."""
+        previous = self.sync_grads
+        self.sync_grads = False
+        try:
+            yield
+        finally:
+            self.sync_grads = previous
+
+    @staticmethod
+    def reduced_grad(dp: DedicatedParam) -> torch.Tensor | None:
+        """The owner's averaged gradient of ``dp`` (``None`` if nothing was reduced)."""
+        return gradients.reduced(dp.param, dp.module_param)
+
+    def scale_reduced_grads(self, scale: torch.Tensor) -> None:
+        """Multiply every owned averaged gradient by ``scale`` (gradient clipping)."""
+        grads = (self.reduced_grad(dp) for dp in self.params if dp.is_owned)
+        gradients.scale_reduced([g for g in grads if g is not None], scale)
+
+    def invalidate_buffers(self) -> None:
+        """Owners changed their masters: the next forward broadcasts them again."""
+        for buffer in self.buffers():
+            buffer.invalidate()
+
+    def step_finished(self) -> None:
+        """An optimizer step changed the masters: invalidate buffers, close the audit step."""
+        self.invalidate_buffers()
+        self.comm.audit.close_step()
+
+    def _drop_cleared_gradients(self) -> None:
+        for dp in self.params:
+            gradients.accumulated(dp.module_param)  # applies a cleared or zeroed marker
+
+    def clear_gradients(self, set_to_none: bool = True) -> None:
+        """Clear (or zero) every stored gradient of every dedicated parameter."""
+        holders = {
+            id(p): p for dp in self.params for p in (dp.param, dp.registered) if p is not None
+        }
+        gradients.clear(holders.values(), set_to_none)
+
+    def buffers(self) -> Iterator[FlatBuffer]:
+        """Every flat buffer, boundary by boundary."""
+        for boundary in self.boundaries:
+            yield from boundary.buffers

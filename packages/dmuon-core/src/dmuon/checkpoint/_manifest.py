@@ -1,0 +1,143 @@
+"""A checkpoint folder's manifest: which files it holds, their sizes and checksums.
+
+A DCP checkpoint is one folder of files written by every rank (``__R_0.distcp``) and a
+``.metadata`` file. A save cut short (a full disk, a killed job, a bad copy) can leave a
+file missing, shorter than written or changed, and torch's loader then fails deep inside
+its unpickler without naming the file. `write_manifest` runs once every file is written:
+it flushes each file and the folder to disk (``fsync``), records each file's size and
+SHA-256, and writes ``dmuon-manifest.json`` last, atomically. `verify` checks a folder
+against its manifest without loading anything: a folder without a manifest is incomplete,
+and a missing, truncated or altered file is named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "MANIFEST",
+    "CheckpointDamagedError",
+    "check",
+    "fsync_dir",
+    "fsync_tree",
+    "verify",
+    "write_manifest",
+]
+
+MANIFEST = "dmuon-manifest.json"
+"""The manifest's file name inside a checkpoint folder."""
+
+FORMAT = 1
+_CHUNK = 1 << 20
+
+
+class CheckpointDamagedError(ValueError):
+    """A checkpoint folder fails its manifest: the message names the folder and the files."""
+
+
+def _digest(path: Path) -> str:
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename or a new file in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | os.PathLike[str]) -> None:
+    """Flush every file under ``folder``, and the folders themselves, to disk."""
+    root = Path(folder)
+    for path in _files(root):
+        with path.open("rb") as f:
+            os.fsync(f.fileno())
+    for directory in sorted({p.parent for p in _files(root)} | {root}):
+        fsync_dir(directory)
+
+
+def write_manifest(folder: str | os.PathLike[str]) -> Path:
+    """Flush ``folder`` to disk and write its manifest last (call once, after every rank's
+    files are written); returns the manifest's path.
+
+    Raises:
+        OSError: a file could not be read or the manifest not written (a full disk, say);
+            the folder then has no manifest and counts as incomplete.
+    """
+    root = Path(folder)
+    fsync_tree(root)
+    entries = {
+        path.relative_to(root).as_posix(): {"bytes": path.stat().st_size, "sha256": _digest(path)}
+        for path in _files(root)
+    }
+    manifest = root / MANIFEST
+    partial = root / f".{MANIFEST}.tmp"
+    with partial.open("w", encoding="utf-8") as f:
+        json.dump({"format": FORMAT, "files": entries}, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    partial.replace(manifest)
+    fsync_dir(root)
+    return manifest
+
+
+def _read(root: Path) -> dict[str, Any] | str:
+    path = root / MANIFEST
+    if not path.is_file():
+        return f"it has no {MANIFEST}: the save did not finish (or the folder is not a checkpoint)"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"its {MANIFEST} cannot be read ({error})"
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        return f"its {MANIFEST} is not a DMuon manifest"
+    return data
+
+
+def verify(folder: str | os.PathLike[str], checksums: bool = True) -> list[str]:
+    """The problems of a checkpoint folder against its manifest; ``[]`` when it is whole.
+
+    ``checksums=False`` checks presence and sizes only (no file is read).
+    """
+    root = Path(folder)
+    if not root.is_dir():
+        return [f"{root} is not a folder"]
+    data = _read(root)
+    if isinstance(data, str):
+        return [data]
+    problems = []
+    for name, entry in sorted(data["files"].items()):
+        path = root / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+            continue
+        size = path.stat().st_size
+        if size != entry.get("bytes"):
+            problems.append(f"{name} has {size} bytes, {entry.get('bytes')} were written")
+        elif checksums and _digest(path) != entry.get("sha256"):
+            problems.append(f"{name} has changed since it was written (its checksum differs)")
+    return problems
+
+
+def check(folder: str | os.PathLike[str]) -> None:
+    """Raise `CheckpointDamagedError` naming the folder and its problems, if it has any."""
+    problems = verify(folder)
+    if problems:
+        raise CheckpointDamagedError(
+            f"the checkpoint {folder} is damaged: " + "; ".join(problems) + ". Resume from an "
+            "earlier checkpoint, or save again."
+        )
