@@ -632,8 +632,8 @@ class Trainer:
         if is_main and cfg.metrics_file is not None and self.start_step > 0:
             truncate_after(cfg.metrics_file, self.start_step)
         writer = MetricsWriter(cfg.metrics_file if is_main else None)
-        for note in self.notes:
-            writer.write(note)
+        for note in self.notes:  # at the step resumed from, so that a later resume keeps it
+            writer.write({**note, "step": self.start_step})
         bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]
         progress = ProgressReporter(
             cfg.steps,
@@ -715,7 +715,7 @@ class Trainer:
                             )
                             if cfg.on_checkpoint_error != "warn":
                                 raise
-                            progress.message(f"warning: {error.strerror}; training goes on")
+                            progress.warning(f"{error.strerror}; training goes on")
                     if stopping:
                         writer.write(
                             {
