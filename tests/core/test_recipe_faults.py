@@ -14,12 +14,14 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import dmuon_recipe_contract as contract
+import psutil
 import pytest
 
 from dmuon.checkpoint import verify_checkpoint
@@ -193,3 +195,67 @@ def test_a_full_disk_under_torchrun_fails_every_rank_alike_with_exit_4(
     kept = ckpt.find_checkpoints(folder)
     assert kept and all(verify_checkpoint(path) == [] for _, path in kept)
     assert not [p for p in folder.iterdir() if p.name.startswith(contract.TEMPORARY_PREFIX)]
+
+
+def _worker_of_rank(launcher: psutil.Process, rank: int) -> psutil.Process:
+    """The torchrun worker process that has ``RANK=rank`` in its environment."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for child in launcher.children(recursive=True):
+            try:
+                if child.environ().get("RANK") == str(rank):
+                    return child
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.2)
+    raise AssertionError(f"no worker of rank {rank} under torchrun")
+
+
+def test_a_stalled_rank_fails_the_run_within_the_collective_timeout(
+    base: TrainConfig, tmp_path: Path
+) -> None:
+    """Rank 1 is stopped (SIGSTOP) mid-run: rank 0 fails within --collective-timeout
+    instead of waiting forever, and says which collective timed out."""
+    assert base.cache_dir is not None
+    load_corpus(None, cache_dir=Path(base.cache_dir))
+    timeout_s = 5
+    metrics = tmp_path / "m.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=base.cache_dir)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "dmuon.train", "--model", "tiny", "--steps", "100000", "--seq-len", "32",
+        "--micro-batch-size", "2", "--eval-every", "0", "--progress", "plain",
+        "--device", "cpu", "--metrics-file", str(metrics),
+        "--collective-timeout", str(timeout_s),
+    ]  # fmt: skip
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        launcher = psutil.Process(proc.pid)
+        rank1 = _worker_of_rank(launcher, 1)
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.1)
+        rank1.suspend()  # SIGSTOP
+        stopped_at = time.monotonic()
+        while "failed on rank 0 of 2" not in log.read_text():
+            assert time.monotonic() - stopped_at < timeout_s + 60, log.read_text()[-3000:]
+            time.sleep(0.1)
+        detected_s = time.monotonic() - stopped_at
+        rank1.kill()
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    print(f"stalled rank detected after {detected_s:.1f} s (timeout {timeout_s} s)")
+    assert proc.returncode != 0
+    assert timeout_s - 1 <= detected_s < timeout_s + 60, text[-3000:]
+    # The error names the step, the rank and the timeout setting, after the backend's own.
+    error = next(line for line in text.splitlines() if "StepFailed: step" in line)
+    assert "failed on rank 0 of 2" in error and f"--collective-timeout {timeout_s} s" in error
