@@ -34,6 +34,8 @@ MEANING: dict[str, dict[str, str]] = {
         "--seed": "initialization and data-order seed",
         "--device": "`auto` = CUDA if available, else CPU",
         "--threads": "intra-op CPU threads per process",
+        "--collective-timeout": "seconds a collective waits for every process before the run "
+        "fails naming it (a dead or stalled process; [hangs](troubleshooting.md#hangs))",
         "--dtype": "master parameter dtype (`float64` for exactness checks)",
         "--param-dtype": "compute dtype; `bfloat16` = FSDP2 mixed precision with float32 "
         "masters and reduction ([precision](train-your-own-model.md#precision))",
@@ -49,6 +51,11 @@ MEANING: dict[str, dict[str, str]] = {
         "(`reshard_after_forward` of both)",
         "--hsdp": "replicate degree R of an [HSDP](hsdp.md) mesh: R replicas of world size / R "
         "shards (usually R = the number of nodes); `1` = a 1-D mesh over every process",
+        "--reduce-dtype": "dtype the dedicated matrices' gradients are summed in on their way "
+        "to the owner; `bfloat16` halves the reduce's bytes "
+        "([half-precision communication](communication.md#comm-dtype))",
+        "--broadcast-dtype": "dtype the dedicated matrices are broadcast in; `auto` = the "
+        "compute dtype (`--param-dtype`); `bfloat16` halves the broadcasts' bytes",
         "--lr": "peak Muon learning rate of the dedicated matrices (`dmuon` only)",
         "--adamw-lr": "peak AdamW learning rate: embedding, norms and `lm_head` with `dmuon`; "
         "every parameter with `adamw`",
@@ -68,6 +75,9 @@ MEANING: dict[str, dict[str, str]] = {
         "--checkpoint-every": "also write a checkpoint every N steps (needs "
         "`--checkpoint-dir`); `0` = only the final one",
         "--keep-checkpoints": "keep the newest K complete checkpoints; `0` keeps all",
+        "--on-checkpoint-error": "a checkpoint that cannot be written (a full disk): `stop` = "
+        "end the run with exit status 4, naming the folder and the space; `warn` = say so "
+        "and train on ([faults](#faults))",
         "--resume": "`auto` = continue from the latest complete checkpoint in "
         "`--checkpoint-dir` if there is one; `never` = start fresh; a path = continue "
         "from that checkpoint",
@@ -93,6 +103,8 @@ MEANING: dict[str, dict[str, str]] = {
         "--seed": "初始化和数据顺序的种子",
         "--device": "`auto` = 有 CUDA 就用，否则用 CPU",
         "--threads": "每个进程的算子内 CPU 线程数",
+        "--collective-timeout": "集合通信等待所有进程的秒数，超时后运行失败并指明是哪次集合通信"
+        "（某个进程崩溃或停滞；[挂起](troubleshooting.md#hangs)）",
         "--dtype": "主参数的数据类型（`float64` 用于精确性检查）",
         "--param-dtype": "计算数据类型；`bfloat16` = FSDP2 混合精度，主权重和归约保持 float32"
         "（[精度](train-your-own-model.md#precision)）",
@@ -107,6 +119,12 @@ MEANING: dict[str, dict[str, str]] = {
         "（两者的 `reshard_after_forward`）",
         "--hsdp": "[HSDP](hsdp.md) 网格的复制度 R：R 个副本，每个副本 world size / R 个分片"
         "（通常 R = 节点数）；`1` = 覆盖所有进程的一维网格",
+        "--reduce-dtype": "专属矩阵的梯度在归约到所有者途中求和所用的数据类型；"
+        "`bfloat16` 使归约的字节数减半"
+        "（[半精度通信](communication.md#comm-dtype)）",
+        "--broadcast-dtype": "广播专属矩阵所用的数据类型；"
+        "`auto` = 计算数据类型（`--param-dtype`）；"
+        "`bfloat16` 使广播的字节数减半",
         "--lr": "专属矩阵的 Muon 峰值学习率（仅 `dmuon`）",
         "--adamw-lr": "AdamW 的峰值学习率：`dmuon` 时用于嵌入、归一化层和 `lm_head`；"
         "`adamw` 时用于所有参数",
@@ -124,6 +142,8 @@ MEANING: dict[str, dict[str, str]] = {
         "--checkpoint-every": "另外每 N 步写一个检查点（需要 `--checkpoint-dir`）；"
         "`0` = 只写最终检查点",
         "--keep-checkpoints": "保留最新的 K 个完整检查点；`0` 表示全部保留",
+        "--on-checkpoint-error": "检查点无法写入时（磁盘写满）：`stop` = 以退出码 4 结束运行，"
+        "并指明文件夹和空间；`warn` = 给出提示并继续训练（[故障](#faults)）",
         "--resume": "`auto` = 若 `--checkpoint-dir` 中有完整检查点，就从最新的一个继续；"
         "`never` = 从头开始；路径 = 从该检查点继续",
         "--init-from": "用这个检查点的权重开始一次新的训练（优化器、学习率调度和步数都从头开始）；"

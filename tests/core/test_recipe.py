@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+import dmuon
 from dmuon.train import (
     REQUIRED_KEYS,
     MetricsWriter,
@@ -155,6 +156,43 @@ def test_ns_dtype_flag_reaches_the_muon_group(
         assert trainer.optimizer.param_groups[0]["ns_dtype"] is expected
     finally:
         trainer.close()
+
+
+@pytest.mark.parametrize(
+    ("flags", "reduce", "broadcast"),
+    [
+        ([], torch.float32, None),
+        (["--reduce-dtype", "bfloat16", "--broadcast-dtype", "bfloat16"], torch.bfloat16,
+         torch.bfloat16),
+        (["--reduce-dtype", "float32", "--broadcast-dtype", "float32"], torch.float32,
+         torch.float32),
+    ],
+)  # fmt: skip
+def test_comm_dtype_flags_reach_dedicate_params(
+    base: TrainConfig,
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    reduce: torch.dtype | None,
+    broadcast: torch.dtype | None,
+) -> None:
+    seen: dict[str, object] = {}
+    real = dmuon.dedicate_params
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dmuon, "dedicate_params", spy)
+    parsed = parse_args(flags)
+    cfg = replace(
+        base,
+        optimizer="dmuon",
+        reduce_dtype=parsed.reduce_dtype,
+        broadcast_dtype=parsed.broadcast_dtype,
+    )
+    Trainer(cfg).close()
+    # broadcast None: the library's default, the compute dtype.
+    assert (seen["reduce_dtype"], seen["broadcast_dtype"]) == (reduce, broadcast)
 
 
 def _params_after_first_step(cfg: TrainConfig) -> dict[str, torch.Tensor]:

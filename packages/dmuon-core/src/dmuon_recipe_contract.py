@@ -358,6 +358,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("threads", "int", None, "intra-op CPU threads per process; default: OMP_NUM_THREADS "
          "if set, else the available cores divided by the local process count", _LOOP,
          minimum=1),
+    Flag("collective_timeout", "int", 600, "seconds a collective waits for every process "
+         "before the run fails naming it (a dead or stalled process); torch's own default "
+         "is 600 under NCCL and 1800 under gloo", _LOOP, minimum=1, metavar="SECONDS"),
     Flag("dtype", "choice", "float32", "master parameter dtype (float64 for exactness checks)",
          _PRECISION, choices=("float32", "float64")),
     Flag("param_dtype", "choice", "float32", "compute dtype of forward and backward: "

@@ -48,9 +48,10 @@ from dmuon._ownership.state import get_dedication, unwrap
 
 __all__ = ["CHECKPOINT_FOLDER", "check_supported", "is_prepared", "prepare"]
 
-#: The folder, inside an ``accelerator.save_state`` folder, that holds a DMuon model and
-#: its optimizer (``dmuon_1``, ``dmuon_2``, ... for further models).
 CHECKPOINT_FOLDER = "dmuon"
+"""The folder, inside an ``accelerator.save_state`` folder (or a Trainer's
+``checkpoint-N``), that holds a DMuon model and its optimizer as a DCP checkpoint
+(``dmuon_1``, ``dmuon_2``, ... for further models)."""
 
 _HOOKS_ATTR = "_dmuon_hooks"
 
@@ -66,13 +67,13 @@ def _quiet_in_one_process() -> Iterator[None]:
         yield
 
 
-def dcp_save(state: dict[str, Any], path: str) -> None:
+def _dcp_save(state: dict[str, Any], path: str) -> None:
     """``dcp.save(state, checkpoint_id=path)``, also in one process."""
     with _quiet_in_one_process():
         dcp.save(state, checkpoint_id=path)
 
 
-def dcp_load(state: dict[str, Any], path: str) -> None:
+def _dcp_load(state: dict[str, Any], path: str) -> None:
     """``dcp.load(state, checkpoint_id=path)``, also in one process."""
     with _quiet_in_one_process():
         dcp.load(state, checkpoint_id=path)
@@ -143,7 +144,7 @@ class _Hooks:
         """Accelerate's save pre-hook: each DMuon model and optimizer into its DCP folder."""
         for index, entry in enumerate(self.prepared):
             model_sd, optim_sd = dmuon.get_state_dict(entry.model, entry.muon)
-            dcp_save({"model": model_sd, "optim": optim_sd}, self.folder(output_dir, index))
+            _dcp_save({"model": model_sd, "optim": optim_sd}, self.folder(output_dir, index))
 
     def load(self, _models: list[nn.Module], input_dir: str) -> None:
         """Accelerate's load pre-hook: each DMuon model and optimizer from its DCP folder."""
@@ -157,7 +158,7 @@ class _Hooks:
                 )
             model_sd, optim_sd = dmuon.get_state_dict(entry.model, entry.muon)
             state = {"model": model_sd, "optim": optim_sd}
-            dcp_load(state, path)
+            _dcp_load(state, path)
             dmuon.set_state_dict(
                 entry.model,
                 entry.muon,
@@ -261,7 +262,7 @@ def check_supported(accelerator: Any) -> None:
         )
 
 
-def prepare_fsdp2(
+def _prepare_fsdp2(
     accelerator: Any,
     model: nn.Module,
     build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
@@ -283,7 +284,7 @@ def prepare_fsdp2(
     return prepared, optimizer
 
 
-def register(accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def _register(accelerator: Any, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Make ``accelerator`` DMuon-aware for ``model`` (as prepared) and its optimizer."""
     hooks = _install(accelerator)
     if not any(e.model is model for e in hooks.prepared):
@@ -341,11 +342,11 @@ def prepare(
             "dedicate_kwargs would be ignored; drop them or pass a model not yet dedicated"
         )
     if accelerator.is_fsdp2:
-        prepared, optimizer = prepare_fsdp2(
+        prepared, optimizer = _prepare_fsdp2(
             accelerator, model, lambda m: dmuon.Muon(m, **muon_kwargs)
         )
     else:
         prepared = accelerator.prepare(model)
         optimizer = accelerator.prepare(dmuon.Muon(prepared, **muon_kwargs))
-    register(accelerator, prepared, optimizer)
+    _register(accelerator, prepared, optimizer)
     return prepared, optimizer

@@ -39,12 +39,12 @@ import dmuon
 from dmuon._ownership.state import get_dedication
 from dmuon.integrations.accelerate import (
     CHECKPOINT_FOLDER,
+    _dcp_load,
+    _dcp_save,
+    _prepare_fsdp2,
+    _register,
     check_supported,
-    dcp_load,
-    dcp_save,
     is_prepared,
-    prepare_fsdp2,
-    register,
 )
 
 __all__ = ["CHECKPOINT_FOLDER", "DMuonTrainer", "muon_arguments"]
@@ -273,7 +273,7 @@ class DMuonTrainer(Trainer):
         """Wrap the dedicated model, then build and prepare `dmuon.Muon`; returns the
         wrapped model."""
         if self.fsdp2_by == "accelerate":
-            model, self.optimizer = prepare_fsdp2(self.accelerator, self.model, self._build_muon)
+            model, self.optimizer = _prepare_fsdp2(self.accelerator, self.model, self._build_muon)
         elif self.fsdp2_by == "self":
             self._fully_shard(self.model)
             model = self.accelerator.prepare_model(
@@ -284,7 +284,7 @@ class DMuonTrainer(Trainer):
             model, self.optimizer = self.accelerator.prepare(
                 self.model, self._build_muon(self.model)
             )
-        register(self.accelerator, model, self.optimizer)
+        _register(self.accelerator, model, self.optimizer)
         return model
 
     def _prepare_for_training(
@@ -340,7 +340,7 @@ class DMuonTrainer(Trainer):
         and the scheduler as Trainer saves it."""
         model_sd, optim_sd = dmuon.get_state_dict(self.model, self._muon())
         folder = os.path.join(output_dir, CHECKPOINT_FOLDER)
-        dcp_save({"model": model_sd, "optim": optim_sd}, folder)
+        _dcp_save({"model": model_sd, "optim": optim_sd}, folder)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER_FILE))
 
@@ -353,7 +353,7 @@ class DMuonTrainer(Trainer):
         folder = os.path.join(resume_from_checkpoint, CHECKPOINT_FOLDER)
         if os.path.isfile(os.path.join(folder, ".metadata")):
             model_sd = dmuon.get_model_state_dict(model)
-            dcp_load({"model": model_sd}, folder)
+            _dcp_load({"model": model_sd}, folder)
             dmuon.set_model_state_dict(model, model_sd)
             return
         weights = _read_full_weights(resume_from_checkpoint)
@@ -382,7 +382,7 @@ class DMuonTrainer(Trainer):
             return  # saved with save_only_model: nothing to restore, as with Trainer
         muon = self._muon()
         optim_sd = dmuon.get_optimizer_state_dict(self.model, muon)
-        dcp_load({"optim": optim_sd}, folder)
+        _dcp_load({"optim": optim_sd}, folder)
         dmuon.set_optimizer_state_dict(self.model, muon, optim_sd)
         scheduler = os.path.join(checkpoint, _SCHEDULER_FILE)
         if os.path.isfile(scheduler):

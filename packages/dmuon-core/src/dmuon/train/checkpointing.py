@@ -46,6 +46,7 @@ import dmuon_recipe_contract as contract
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dmuon.checkpoint import _manifest as manifest
@@ -237,6 +238,16 @@ def _bytes_of(states: Mapping[str, Stateful]) -> int:
     return total
 
 
+def _first_cause(error: BaseException) -> OSError:
+    """The OSError behind ``error`` (DCP wraps each rank's exception), or one describing it."""
+    if isinstance(error, CheckpointException):
+        for wrapped, _ in error.failures.values():
+            return _first_cause(wrapped)
+    if isinstance(error, OSError):
+        return error
+    return OSError(f"{type(error).__name__}: {error}")
+
+
 def _any_rank(flag: bool, distributed: bool) -> bool:
     """Whether ``flag`` holds on any rank (one all-reduce when distributed)."""
     if not distributed:
@@ -246,12 +257,21 @@ def _any_rank(flag: bool, distributed: bool) -> bool:
     return bool(value.item())
 
 
-def _total_bytes(states: Mapping[str, Stateful], distributed: bool) -> int:
-    """Bytes of ``states`` over every rank (a collective: the state dicts are gathered)."""
-    value = torch.tensor([float(_bytes_of(states))], dtype=torch.float64)
+def _bytes_needed(
+    directory: Path, states: Mapping[str, Stateful], rank: int, distributed: bool
+) -> int:
+    """About the bytes a checkpoint of ``states`` takes (a collective): the tensors of every
+    rank, or the newest complete checkpoint's files if larger (they hold the ``hf/`` copy
+    and the serialization's overhead too)."""
+    newest = 0
+    if rank == 0:
+        found = find_checkpoints(directory)
+        if found:
+            newest = sum(p.stat().st_size for p in found[-1][1].rglob("*") if p.is_file())
+    value = torch.tensor([float(_bytes_of(states)), float(newest)], dtype=torch.float64)
     if distributed:
         dist.all_reduce(value)
-    return int(value.item())
+    return int(value.max().item())
 
 
 def save_checkpoint(
@@ -297,8 +317,8 @@ def save_checkpoint(
     try:
         with _quiet_single_process():
             dcp.save(dict(distributed), checkpoint_id=tmp, no_dist=_no_dist())
-    except Exception as e:  # DCP raises one CheckpointException on every rank alike
-        error = error or OSError(f"{type(e).__name__}: {str(e).strip().splitlines()[-1]}")
+    except (Exception, CheckpointException) as e:  # DCP's is raised on every rank alike
+        error = error or _first_cause(e)
     if error is None:
         try:
             torch.save(rng.state_dict(), tmp / _rng_file(rank))
@@ -317,15 +337,19 @@ def save_checkpoint(
         except OSError as e:
             error = e
     if _any_rank(error is not None, multi):
-        needed = _total_bytes(distributed, multi)
+        needed = _bytes_needed(directory, distributed, rank, multi)
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(directory).free if directory.is_dir() else 0
-        cause = f" ({error.strerror or error})" if error is not None else " (on another rank)"
         barrier()
+        free = shutil.disk_usage(directory).free if directory.is_dir() else 0
+        # A full disk often surfaces as a short write inside torch.save, not as ENOSPC.
+        if error is None or error.errno == errno.ENOSPC or free < needed:
+            code, cause = errno.ENOSPC, os.strerror(errno.ENOSPC)
+        else:
+            code, cause = error.errno or errno.EIO, str(error.strerror or error)
         raise CheckpointWriteError(
-            errno.ENOSPC if error is None else (error.errno or errno.EIO),
-            f"the checkpoint of step {step} could not be written to {directory}{cause}: it "
+            code,
+            f"the checkpoint of step {step} could not be written to {directory} ({cause}): it "
             f"needs about {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free there. "
             "Free space (or pass a --checkpoint-dir with room, or lower --keep-checkpoints); "
             "the earlier checkpoints are intact",

@@ -70,6 +70,7 @@ from dmuon.train.stopping import StopRequest
 
 __all__ = [
     "Inputs",
+    "StepFailed",
     "Trainer",
     "TrainingDiverged",
     "check_hsdp_degree",
@@ -86,6 +87,10 @@ KNOWN_PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "B200": 225
 
 #: The recipe's dtype names (``auto`` is absent: the library's default).
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class StepFailed(RuntimeError):
+    """An optimizer step failed on this rank; the message names the step and the rank."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -251,7 +256,7 @@ class Trainer:
 
     def _setup(self) -> None:
         config = self.config
-        env = init_distributed(config.device)
+        env = init_distributed(config.device, config.collective_timeout)
         self._owns_process_group = env.owns_process_group
         self.env = env
         self.rank, self.world_size, self.device = env.rank, env.world_size, env.device
@@ -450,6 +455,24 @@ class Trainer:
         if self.inputs.tokenizer is not None:
             self.inputs.tokenizer.save(hf)
 
+    def _guarded_step(self, step: int) -> dict[str, Any]:
+        """`train_step`, with a failure (a collective that timed out because another process
+        died or stalled, say) raised as `StepFailed` naming the step, the rank and the timeout."""
+        try:
+            return self.train_step(step)
+        except (TrainingDiverged, StepFailed):
+            raise
+        except RuntimeError as error:
+            where = f"step {step} failed on rank {self.rank} of {self.world_size}"
+            hint = ""
+            if self.distributed:
+                hint = (
+                    f". A collective waits --collective-timeout {self.config.collective_timeout}"
+                    " s for every process: if another process died or stalled, its own output"
+                    " (or the lack of it) says which"
+                )
+            raise StepFailed(f"{where}: {type(error).__name__}: {error}{hint}") from error
+
     def save_checkpoint(self, step: int, elapsed: float) -> Path:
         """Write the checkpoint after ``step`` into ``--checkpoint-dir`` (a collective).
 
@@ -632,8 +655,8 @@ class Trainer:
         if is_main and cfg.metrics_file is not None and self.start_step > 0:
             truncate_after(cfg.metrics_file, self.start_step)
         writer = MetricsWriter(cfg.metrics_file if is_main else None)
-        for note in self.notes:
-            writer.write(note)
+        for note in self.notes:  # at the step resumed from, so that a later resume keeps it
+            writer.write({**note, "step": self.start_step})
         bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]
         progress = ProgressReporter(
             cfg.steps,
@@ -674,7 +697,7 @@ class Trainer:
                     writer.write({"step": 0, "time": elapsed(), "val_loss": start_val})
                     progress.message(f"step 0 val_loss {start_val:.4f}")
                 for step in range(self.start_step + 1, cfg.steps + 1):
-                    stats = self.train_step(step)
+                    stats = self._guarded_step(step)
                     train_seconds += stats["seconds"]
                     loss = stats["loss"]
                     last_step = step
@@ -715,7 +738,7 @@ class Trainer:
                             )
                             if cfg.on_checkpoint_error != "warn":
                                 raise
-                            progress.message(f"warning: {error.strerror}; training goes on")
+                            progress.warning(f"{error.strerror}; training goes on")
                     if stopping:
                         writer.write(
                             {

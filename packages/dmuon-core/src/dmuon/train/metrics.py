@@ -167,6 +167,16 @@ class ProgressReporter:
         else:
             print(text, flush=True)
 
+    def warning(self, text: str) -> None:
+        """Print ``dmuon-train: warning: text`` on stderr without breaking the bar."""
+        if not self.enabled:
+            return
+        line = f"dmuon-train: warning: {text}"
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
     def step(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
         """Report a finished optimizer step."""
         if not self.enabled:

@@ -21,6 +21,7 @@ them); FSDP2's and DMuon's hooks stay outside both.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 from collections.abc import Callable
@@ -75,12 +76,17 @@ def want_cuda(device: str) -> bool:
     return device == "auto" and torch.cuda.is_available()
 
 
-def init_distributed(device: str) -> DistEnv:
-    """Join torchrun's process group (when ``WORLD_SIZE`` > 1) and pick the device."""
+def init_distributed(device: str, timeout_s: float | None = None) -> DistEnv:
+    """Join torchrun's process group (when ``WORLD_SIZE`` > 1) and pick the device.
+
+    ``timeout_s`` is how long a collective waits for every process before it fails (a
+    dead or stalled process); None keeps torch's default.
+    """
     cuda = want_cuda(device)
     owns = False
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         owns = True
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
