@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --constraint constraints.txt $(FIND_LINKS)
 
-.PHONY: setup demo test test-core test-server test-docs lint format docs docs-serve bench bench-setup bench-quick bench-moe bench-optimizer clean
+.PHONY: setup demo test test-core test-server test-docs fuzz lint format docs docs-serve bench bench-setup bench-quick bench-moe bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,14 @@ test-server: setup
 
 test-docs: setup
 	$(BIN)/python -m pytest tests/docs
+
+# The randomized differential suite for FUZZ_MINUTES minutes: generated models and
+# distributed runs against one process; prints every case it runs and a shrunk
+# counterexample per failure (FUZZ_SEED picks the first seed). `make test` runs a fixed,
+# seeded set of the same cases.
+FUZZ_MINUTES ?= 5
+fuzz: setup
+	cd tests/core && FUZZ_MINUTES=$(FUZZ_MINUTES) ../../$(BIN)/python -m fuzzing
 
 lint: setup
 	$(BIN)/ruff check .

@@ -161,14 +161,17 @@ class DedicatedLayout:
 
     def _layout_of(self, dp: DedicatedParam) -> tuple[DeviceMesh, tuple[Placement, ...], int]:
         """``(mesh, placements, dimension cut over dp)`` of ``dp``'s sharded form."""
-        assert self.mesh is not None
         if not dp.tp_sharded:
+            assert self.mesh is not None
             return self.mesh, self.placements, 0
         tp = dp.tp
         assert tp is not None and tp.shard_dim is not None
         root = tp.mesh._get_root_mesh()
         names = tuple(root.mesh_dim_names or ())
-        dp_name = (self.mesh.mesh_dim_names or (None,))[0]
+        # With one data-parallel rank there is no mesh to shard over (`dedication_mesh`),
+        # but the dp mesh passed to dedicate_params still names its dimension of the root.
+        dp_mesh = self.mesh if self.mesh is not None else self.state.mesh
+        dp_name = (dp_mesh.mesh_dim_names or (None,))[0] if dp_mesh is not None else None
         tp_name = (tp.mesh.mesh_dim_names or (None,))[0]
         if root.ndim != 2 or dp_name not in names or tp_name not in names:
             raise ValueError(
