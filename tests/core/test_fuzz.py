@@ -24,6 +24,7 @@ from fuzzing.cases import Case, Freeze, Phase
 from fuzzing.models import LayerSpec, ModelSpec
 from fuzzing.oracle import _collective_mismatches, compare_float32, compare_run
 from fuzzing.pool import Pools
+from fuzzing.property import check_cases
 from fuzzing.runner import assert_case
 from fuzzing.worker import run_phase_in_dir
 
@@ -42,6 +43,10 @@ REGRESSIONS: dict[str, Case] = {
 }
 
 
+#: The seeded set `make test` runs: the same generated cases on every run.
+SEED, EXAMPLES = 2026, 40
+
+
 @pytest.fixture(scope="module")
 def pools():
     with Pools() as running:
@@ -51,6 +56,12 @@ def pools():
 @pytest.mark.parametrize("name", sorted(REGRESSIONS))
 def test_regression_case(pools: Pools, name: str) -> None:
     assert_case(pools, REGRESSIONS[name])
+
+
+def test_a_seeded_set_of_generated_cases_matches_the_oracle(pools: Pools) -> None:
+    """`EXAMPLES` cases drawn from `SEED` (hypothesis shrinks and reports a failing one)."""
+    tally = check_cases(pools, max_examples=EXAMPLES, seed=SEED)
+    assert tally.ran >= EXAMPLES and tally.failed == 0
 
 
 # ----- the oracle can fail -----------------------------------------------------------------

@@ -74,7 +74,7 @@ def _groups(case: Case, wrapped: nn.Module) -> list[dict[str, Any]] | None:
         return [decay, no_decay]
     model = wrapped.module if isinstance(wrapped, nn.parallel.DistributedDataParallel) else wrapped
     dedicated = {
-        id(p) for p in model.parameters() if dmuon.ownership.fsdp_integration.is_dedicated(p)
+        id(p) for p in model.parameters() if dmuon._ownership.fsdp_integration.is_dedicated(p)
     }
     names = {id(p): n for n, p in model.named_parameters()}
     first = [
@@ -170,7 +170,7 @@ def other_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
     """The full gradients of the parameters that are not dedicated (collective)."""
     from torch.distributed.tensor import DTensor
 
-    from dmuon.ownership.fsdp_integration import is_dedicated
+    from dmuon._ownership.fsdp_integration import is_dedicated
 
     grads = {}
     for name, p in model.named_parameters():
