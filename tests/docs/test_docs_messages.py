@@ -28,10 +28,11 @@ from docs_md import DOCS, REPO, ZH, code_blocks
 
 PAGES = [DOCS / "troubleshooting.md", ZH / "troubleshooting.md"]
 SOURCES = sorted((REPO / "packages").glob("*/src/**/*.py"))
-#: What the page puts before the code's own text: the exception type, argparse's prefixes,
-#: an HTTP status shown as its own code span.
+#: What the page puts before the code's own text: the exception type (the recipe's own
+#: ``StepFailed`` and ``TrainingDiverged`` included), argparse's prefixes, an HTTP status
+#: shown as its own code span.
 PREFIX = re.compile(
-    r"^(?:[A-Z]\w*(?:Error|Exception|Warning): )?"
+    r"^(?:(?:[A-Z]\w*(?:Error|Exception|Warning)|StepFailed|TrainingDiverged): )?"
     r"(?:[\w.-]+(?: export)?: error: )?(?:argument --[\w-]+: )?"
 )
 ELLIPSIS = re.compile(r"\s*(?:\.{3,4}|…)\s*$")
