@@ -242,7 +242,7 @@ def main() -> None:
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
-    for lang, path in plots.moe_quality_paths(args.png).items():
+    for lang, path in plots.language_paths(args.png).items():
         plots.moe_quality(result, path, lang)  # one figure per language of the docs
     for contender, entry in best.items():
         print(

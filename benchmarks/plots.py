@@ -7,12 +7,15 @@
 * ``scaling.png``: step time and counted traffic per rank as the model and the ranks grow
   (``results/scaling.json``);
 * ``moe_quality.png``: training and validation loss of the ``moe`` preset's best runs
-  (``results/moe_quality.json``; ``benchmarks/moe_quality.py`` draws it too).
+  (``results/moe_quality.json``; ``benchmarks/moe_quality.py`` draws it too);
+* ``comm_dtype.png``: training loss with float32 and with bfloat16 communication side by
+  side, and each one's difference from float32 (``results/comm_dtype.json``;
+  ``benchmarks/comm_dtype.py`` draws it too).
 
 Each figure is drawn once per language of the docs, with its titles, axes and legends in
 that language: ``docs/assets/benchmarks/`` for the English pages and
-``docs/zh/assets/benchmarks/`` for the Chinese ones (``moe_quality.png`` and
-``moe_quality.zh.png`` in ``results/``, where the docs build picks them up). Each PNG
+``docs/zh/assets/benchmarks/`` for the Chinese ones (``X.png`` and ``X.zh.png`` in
+``results/`` for the MoE and communication figures, where the docs build picks them up). Each PNG
 carries its texts in its ``Description`` metadata, which the docs tests read. The Chinese
 figures need a CJK font (Debian: ``apt-get install fonts-noto-cjk``). A missing result is
 skipped.
@@ -55,6 +58,11 @@ TEXT: dict[str, dict[str, str]] = {
         "moe_val_title": "Validation loss",
         "moe_title": "moe preset, {steps} steps, best of 3 learning rates each",
         "step": "step",
+        "comm_train_title": "Training loss",
+        "comm_train_axis": "training loss",
+        "comm_diff_title": "Relative difference from float32 communication",
+        "comm_diff_axis": "relative difference (zeros not drawn)",
+        "comm_title": "{model}, 2 ranks, {steps} steps, same seed and batches",
     },
     "zh": {
         "accumulation": "梯度累积 {accum}",
@@ -74,6 +82,11 @@ TEXT: dict[str, dict[str, str]] = {
         "moe_val_title": "验证损失",
         "moe_title": "moe 预设，{steps} 步，各取 3 个学习率中最好的",
         "step": "步",
+        "comm_train_title": "训练损失",
+        "comm_train_axis": "训练损失",
+        "comm_diff_title": "与 float32 通信的相对差",
+        "comm_diff_axis": "相对差（零值不画出）",
+        "comm_title": "{model}，2 个 rank，{steps} 步，相同的随机种子和批次",
     },
 }
 
@@ -221,7 +234,35 @@ def moe_quality(result: dict[str, Any], path: Path, lang: str) -> None:
     plt.close(fig)
 
 
-def moe_quality_paths(png: Path) -> dict[str, Path]:
+def comm_dtype(result: dict[str, Any], path: Path, lang: str) -> None:
+    """Training loss of each communication dtype side by side, and its difference from
+    the float32 run's, step by step."""
+    t, plt = TEXT[lang], _pyplot(lang)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    base = result["runs"]["float32"]["train_loss"]
+    for index, (name, run) in enumerate(result["runs"].items()):
+        losses = run["train_loss"]
+        steps = range(1, len(losses) + 1)
+        color = f"C{index}"  # the same colour for a contender in both panels
+        width = 2.4 if name == "float32" else 1.0
+        left.plot(steps, losses, label=name, color=color, linewidth=width)
+        if name != "float32":
+            diffs = [abs(a - b) / abs(b) for a, b in zip(losses, base, strict=True)]
+            right.plot(steps, diffs, label=name, color=color, marker="o", markersize=2)
+    left.set(xlabel=t["step"], ylabel=t["comm_train_axis"])
+    left.set_title(t["comm_train_title"])
+    right.set(xlabel=t["step"], ylabel=t["comm_diff_axis"], yscale="log")
+    right.set_title(t["comm_diff_title"])
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    s = result["settings"]
+    fig.suptitle(t["comm_title"].format(model=s["model"], steps=s["steps"]))
+    _save(fig, path, 110)
+    plt.close(fig)
+
+
+def language_paths(png: Path) -> dict[str, Path]:
     """Where ``moe_quality`` writes each language: ``X.png`` and ``X.zh.png``."""
     return {lang: png if lang == "en" else png.with_suffix(f".{lang}.png") for lang in LANGS}
 
@@ -238,7 +279,8 @@ def main() -> None:
         (args.distributed, step_ratios, {lang: OUT[lang] / "step-ratios.png" for lang in LANGS}),
         ("quality", loss_curves, {lang: OUT[lang] / "loss-curves.png" for lang in LANGS}),
         ("scaling", scaling, {lang: OUT[lang] / "scaling.png" for lang in LANGS}),
-        ("moe_quality", moe_quality, moe_quality_paths(RESULTS / "moe_quality.png")),
+        ("moe_quality", moe_quality, language_paths(RESULTS / "moe_quality.png")),
+        ("comm_dtype", comm_dtype, language_paths(RESULTS / "comm_dtype.png")),
     ]
     for name, draw, paths in figures:
         result = _load(name)

@@ -15,6 +15,9 @@ A page asks for a table with a marker on a line of its own:
 ``<!-- benchmark: moe-quality -->``
     ``benchmarks/results/moe_quality.json``: the ``moe`` preset with Muon on the expert
     stacks, with the experts on AdamW and with AdamW only; the sweep and the best rates.
+``<!-- benchmark: comm-dtype -->``
+    ``benchmarks/results/comm_dtype.json``: the same run with float32 and with bfloat16
+    communication, bytes per kind of collective and the loss differences.
 ``<!-- benchmark: figure NAME -->``
     ``benchmarks/results/NAME.png`` (English) or ``NAME.zh.png`` (Chinese), which this hook
     copies into the site (under ``assets/benchmarks/`` of each language).
@@ -128,7 +131,21 @@ LABELS: dict[str, dict[str, Any]] = {
         "adamw_lr_swept": "AdamW ({muon} Muon)",
         "adamw_only": "AdamW",
         "figure": "Training and validation loss of the {what} at the best learning rate of each",
-        "figure_what": {"moe_quality": "moe preset"},
+        "figure_what": {
+            "moe_quality": "moe preset",
+            "comm_dtype": "same run with float32 and with bfloat16 communication",
+        },
+        "comm_contender": "Communication",
+        "comm_reduce": "Reduce",
+        "comm_broadcast": "Broadcast",
+        "comm_bytes": "Bytes per step, reduce / broadcast (MiB)",
+        "comm_vs": "vs float32",
+        "comm_val": "Final validation loss",
+        "comm_val_diff": "vs float32",
+        "comm_train_diff": "Training loss: largest step difference / last 10 steps",
+        "comm_settings": "`{model}` preset, {mode}, 2 gloo ranks, {steps} steps of micro-batches "
+        "of {batch} × {seq} tokens, seed 0; bytes of DMuon's collectives in step 2 on rank 0, "
+        "counted by `dmuon.comm_audit`",
         "then": "; ",
         "end": ".",
         "optim": "Optimizer step (s)",
@@ -241,7 +258,21 @@ LABELS: dict[str, dict[str, Any]] = {
         "adamw_lr_swept": "AdamW（Muon 为 {muon}）",
         "adamw_only": "AdamW",
         "figure": "{what}在各自最佳学习率下的训练损失和验证损失",
-        "figure_what": {"moe_quality": "moe 预设"},
+        "figure_what": {
+            "moe_quality": "moe 预设",
+            "comm_dtype": "同一次训练分别用 float32 和 bfloat16 通信",
+        },
+        "comm_contender": "通信",
+        "comm_reduce": "归约",
+        "comm_broadcast": "广播",
+        "comm_bytes": "每步字节数，归约 / 广播（MiB）",
+        "comm_vs": "相对 float32",
+        "comm_val": "最终验证损失",
+        "comm_val_diff": "相对 float32",
+        "comm_train_diff": "训练损失：单步最大差 / 最后 10 步",
+        "comm_settings": "`{model}` 预设，{mode}，2 个 gloo rank，{steps} 步，微批次 {batch} × "
+        "{seq} 个词元，随机种子 0；字节数为 rank 0 第 2 步中 DMuon 集合通信的字节数，"
+        "由 `dmuon.comm_audit` 统计",
         "then": "；",
         "end": "。",
         "optim": "优化器步（秒）",
@@ -706,6 +737,41 @@ def _moe_quality(labels: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _comm_dtype(labels: dict[str, Any]) -> str:
+    result = _load("comm_dtype")
+    lines = [
+        f"| {labels['comm_contender']} | {labels['comm_reduce']} | "
+        f"{labels['comm_broadcast']} | {labels['comm_bytes']} | {labels['comm_vs']} | "
+        f"{labels['comm_val']} | {labels['comm_val_diff']} | {labels['comm_train_diff']} |",
+        "|---|---|---|--:|--:|--:|--:|--:|",
+    ]
+    for name, run in result["runs"].items():
+        summary = result["summary"][name]
+        nbytes, ratio = summary["bytes"], summary["bytes_vs_float32"]
+        mib = f"{nbytes['reduce'] / 2**20:.1f} / {nbytes['broadcast'] / 2**20:.1f}"
+        vs = f"{ratio['reduce']:.2f} / {ratio['broadcast']:.2f}"
+        lines.append(
+            f"| `{name}` | {run['reduce_dtype']} | {run['broadcast_dtype']} | {mib} | {vs} | "
+            f"{summary['final_val_loss']:.4f} | "
+            f"{summary['final_val_loss_rel_diff'] * 100:.2f} % | "
+            f"{summary['max_train_loss_rel_diff'] * 100:.1f} % / "
+            f"{summary['last10_train_loss_rel_diff'] * 100:.2f} % |"
+        )
+    s = result["settings"]
+    lines += [
+        "",
+        labels["comm_settings"].format(
+            model=s["model"],
+            mode=s["mode"].upper(),
+            steps=s["steps"],
+            batch=s["micro_batch_size"],
+            seq=s["seq_len"],
+        )
+        + labels["end"],
+    ]
+    return "\n".join(lines)
+
+
 def _figure(name: str, labels: dict[str, Any]) -> str:
     if not (RESULTS / f"{name}.png").is_file():
         raise OSError(f"no {RESULTS / name}.png")
@@ -789,6 +855,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _moe_split(labels)
             if kind == "moe-quality":
                 return _moe_quality(labels)
+            if kind == "comm-dtype":
+                return _comm_dtype(labels)
             if kind == "figure" and name:
                 return _figure(name, labels)
             if kind == "quality":

@@ -99,7 +99,9 @@ def _code_strings() -> str:
     return "\n".join(out)
 
 
-PLACEHOLDERS_AND_PUNCTUATION = r"\.\.\.|\bN\b|\bM\b|0\.0\.0\.0|DMUON_SERVER_TOKEN|; |, |\(|\)|'"
+PLACEHOLDERS_AND_PUNCTUATION = (
+    r"\.\.\.|\bDIR/step_N\b|\bN\b|\bM\b|0\.0\.0\.0|DMUON_SERVER_TOKEN|; |, |: |\(|\)|'"
+)
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
@@ -118,7 +120,9 @@ def test_troubleshooting_table_messages_exist_in_the_code(lang: str) -> None:
         section = text.split(anchor, 1)[1].split("\n## ", 1)[0]
         for row in re.findall(r"^\| (?:`\d{3}`[:：] ?)?`([^`]+)`", section, flags=re.MULTILINE):
             # argparse's own prefix, and the values of this one occurrence, are not the code's.
-            message = re.sub(r"^dmuon-(?:train|server): error: (argument --[a-z-]+: )?", "", row)
+            message = re.sub(
+                r"^dmuon-(?:train|server): (?:error|warning): (argument --[a-z-]+: )?", "", row
+            )
             pieces = re.split(PLACEHOLDERS_AND_PUNCTUATION, message)
             longest = max((piece.strip() for piece in pieces), key=len)
             if len(longest) >= 20 and longest not in code:
