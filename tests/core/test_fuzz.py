@@ -65,6 +65,30 @@ REGRESSIONS: dict[str, Case] = {
         ),
         nesterov=False,
     ),
+    # Clipping under FSDP2 + tensor parallelism: a gradient FSDP2 shards over the dp mesh
+    # is held alike by every tp position, and dmuon.clip_grad_norm_ counted it once per
+    # position, so the norm was too large and every parameter moved too little (up to
+    # 3e-3 off after a DDP checkpoint resumed at (dp, tp) = (1, 2)).
+    "tp-clip-after-ddp-resume": Case(
+        model=ModelSpec(vocab=5, heads=2, kv_heads=2, head_dim=2, layers=(LayerSpec("dense", 2),)),
+        steps=2,
+        rows=1,
+        seq=3,
+        run=Phase(world=1, layout="ddp", mode="z3", fsdp_reshard=False),
+        clip=0.5,
+        nesterov=False,
+        save_at=1,
+        resume=Phase(world=2, layout="tp", mesh=(1, 2), mode="z3", fsdp_reshard=False),
+    ),
+    "tp-2x2-clip": Case(
+        model=ModelSpec(vocab=5, heads=2, kv_heads=2, head_dim=2, layers=(LayerSpec("dense", 2),)),
+        steps=2,
+        rows=2,
+        seq=3,
+        run=Phase(world=4, layout="tp", mesh=(2, 2)),
+        clip=0.5,
+        nesterov=False,
+    ),
 }
 
 

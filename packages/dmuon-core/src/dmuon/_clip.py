@@ -6,7 +6,8 @@ is ``None``. `clip_grad_norm_` covers every gradient the optimizer steps with, e
 counted once across ranks:
 
 - dedicated matrices: the owner's ``_reduced_grad``;
-- FSDP2 gradients (DTensors): each rank's shard, replicated dimensions counted once;
+- FSDP2 gradients (DTensors): each rank's shard, replicated dimensions and the ranks
+  outside the gradient's mesh (tensor-parallel positions) counted once;
 - any other gradient: a plain tensor every rank holds alike, counted once.
 
 Partial sums are combined over the dedication's process group (the mesh passed to
@@ -84,7 +85,9 @@ def _local_parts(model: nn.Module, world: int) -> tuple[Parts, Parts]:
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            replicas = 1
+            # Ranks outside the gradient's mesh (the tp positions of a gradient FSDP2
+            # shards over the dp mesh only) hold the same elements too.
+            replicas = world / grad.device_mesh.size()
             for dim, placement in enumerate(grad.placements):
                 if placement.is_replicate():
                     replicas *= grad.device_mesh.size(dim)
