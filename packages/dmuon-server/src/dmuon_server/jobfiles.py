@@ -237,7 +237,13 @@ def describe_failure(
         sig = first.get("signal")
         error_type = first.get("error_type")
         message = first.get("message") or None
-        if error_type:
+        if code == contract.EXIT_CHECKPOINT_WRITE:
+            reason = (
+                f"rank {rank} could not write a checkpoint (exit code {code}: the disk is "
+                f"full, or the folder cannot be written): {_quote(message or '') or 'see its log'}"
+                "; not retried: free space, then resume the job"
+            )
+        elif error_type:
             reason = f"rank {rank} failed (exit code {code}): {error_type}: {_quote(message or '')}"
         elif sig:
             reason = f"rank {rank} killed by {sig}"
@@ -276,11 +282,14 @@ def describe_failure(
     }
 
 
-#: Exit codes of the recipe that say a rerun would fail the same way: 2 for invalid flags
-#: or inputs, 3 for a diverged run.
-NOT_RETRIED_EXIT_CODES = frozenset({2, 3})
-#: Exception types the recipe records for the same two cases.
-NOT_RETRIED_ERROR_TYPES = frozenset({"UsageError", "TrainingDiverged"})
+#: Exit codes of the recipe (its contract's) that say a rerun would fail the same way:
+#: invalid flags or inputs, a diverged run, a checkpoint that could not be written (a full
+#: disk stays full until someone frees space).
+NOT_RETRIED_EXIT_CODES = frozenset(
+    {contract.EXIT_USAGE, contract.EXIT_DIVERGED, contract.EXIT_CHECKPOINT_WRITE}
+)
+#: Exception types the recipe records for the same cases.
+NOT_RETRIED_ERROR_TYPES = frozenset({"UsageError", "TrainingDiverged", "CheckpointWriteError"})
 
 
 def restartable(report: dict[str, Any] | None, launcher_rc: int | None) -> bool:
@@ -289,8 +298,9 @@ def restartable(report: dict[str, Any] | None, launcher_rc: int | None) -> bool:
     Retried: a rank killed by a signal (SIGKILL, which is also how the kernel's
     out-of-memory killer ends a process, SIGSEGV, SIGBUS, ...) or exiting with any other
     code (an uncaught exception, e.g. a rank that lost its peers), and a launcher killed by
-    a signal. Not retried: the recipe's usage/input errors (exit code 2, ``UsageError``)
-    and divergence (exit code 3, ``TrainingDiverged``), which a rerun repeats; a torchrun
+    a signal. Not retried: the recipe's usage/input errors (exit code 2, ``UsageError``),
+    divergence (exit code 3, ``TrainingDiverged``) and a checkpoint that could not be
+    written (exit code 4, ``CheckpointWriteError``), which a rerun repeats; a torchrun
     that could not start (``error`` in the report) or was itself stopped by a signal.
     """
     if report is None:
