@@ -94,7 +94,7 @@ def fail_to_start(
 def final_poll(settings: Settings, tailer: MetricsTailer, job: JobRecord, number: int) -> None:
     """Read the rest of the attempt's metrics file, its last line too."""
     path = settings.job_dir(job.id) / metrics_file(number)
-    tailer.poll(job.id, path, final=True, stream=metrics_stream(number))
+    tailer.poll(job.id, path, final=True, stream=metrics_stream(number), attempt=number)
 
 
 @dataclass(frozen=True)

@@ -130,6 +130,17 @@ CREATE TABLE IF NOT EXISTS attempts (
     slurm_job_id TEXT,
     PRIMARY KEY (job_id, number)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    level TEXT NOT NULL,
+    message TEXT NOT NULL,
+    step INTEGER,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 CREATE TABLE IF NOT EXISTS offsets (
     job_id TEXT NOT NULL,
     stream TEXT NOT NULL,
@@ -228,6 +239,25 @@ def _seq(c: sqlite3.Connection, job_id: str) -> int | None:
 def _next_queue_seq(c: sqlite3.Connection) -> int:
     """The queue position after every job queued so far (a job joins at the end)."""
     return int(c.execute("SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs").fetchone()[0])
+
+
+@dataclass(frozen=True)
+class EventRecord:
+    """An event the recipe wrote into its metrics file, as the job keeps it.
+
+    Attributes:
+        attempt: The attempt whose file held it.
+        kind: The recipe's ``event`` (``checkpoint_skipped``, ``checkpoint_failed``, ...).
+        level: ``warning`` or ``info``.
+        message: What happened, in one line a person reads.
+        step: The step it concerns, when it names one.
+    """
+
+    attempt: int
+    kind: str
+    level: str
+    message: str
+    step: int | None = None
 
 
 class IdempotencyConflict(Exception):
@@ -567,7 +597,7 @@ class Store:
             if row is None or row["state"] not in TERMINAL_STATES:
                 return False
             c.execute("DELETE FROM metrics WHERE job = ?", (_seq(c, job_id),))
-            for table in ("summaries", "offsets", "transitions", "attempts"):
+            for table in ("summaries", "offsets", "transitions", "attempts", "events"):
                 c.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return True
@@ -671,6 +701,14 @@ class Store:
             (job_id, after_id),
         )
 
+    def events(self, job_id: str, after_id: int = 0) -> list[dict[str, Any]]:
+        """Return a job's recipe events with ``id > after_id``, oldest first."""
+        return self._query(
+            "SELECT id, attempt, kind, level, message, step, at FROM events"
+            " WHERE job_id = ? AND id > ? ORDER BY id",
+            (job_id, after_id),
+        )
+
     # -------------------------------------------------------------------------- metrics
 
     def get_offset(self, job_id: str, stream: str) -> int:
@@ -688,6 +726,7 @@ class Store:
         points: Sequence[tuple[int, dict[str, Any]]],
         recipe_summary: dict[str, Any] | None = None,
         rejected: int = 0,
+        events: Sequence[EventRecord] = (),
     ) -> int:
         """Store metric points and the file offset after them in one transaction.
 
@@ -695,7 +734,9 @@ class Store:
         (non-finite floats encoded). A step seen before is merged key by key (a recipe may
         report the eval of a step on its own line), so re-reading never duplicates. The
         job's summary (:meth:`metric_summary`) follows in the same transaction, with
-        ``rejected`` more lines counted as rejected. Returns the number of points written.
+        ``rejected`` more lines counted as rejected; so do the recipe's ``events`` read
+        from the same lines (stored once, like the points). Returns the number of points
+        written.
         """
         now = time.time()
         written = 0
@@ -735,6 +776,12 @@ class Store:
                 " ON CONFLICT (job_id, stream) DO UPDATE SET byte_offset = excluded.byte_offset",
                 (job_id, stream, new_offset),
             )
+            for ev in events:
+                c.execute(
+                    "INSERT INTO events (job_id, attempt, kind, level, message, step, at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, ev.attempt, ev.kind, ev.level, ev.message, ev.step, now),
+                )
             if recipe_summary is not None:
                 c.execute(
                     "UPDATE jobs SET recipe_summary = ? WHERE id = ?",

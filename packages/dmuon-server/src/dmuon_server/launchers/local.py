@@ -198,6 +198,7 @@ class LocalLauncher:
             job.id,
             self.settings.job_dir(job.id) / metrics_file(attempt),
             stream=metrics_stream(attempt),
+            attempt=attempt,
         )
         # A relaunched attempt keeps the points of the steps before its checkpoint: only
         # this attempt's own file tells that it runs.
