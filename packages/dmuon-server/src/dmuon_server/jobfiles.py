@@ -202,15 +202,40 @@ def _quote(message: str) -> str:
     return first
 
 
+#: What a failure's reason adds when the data directory's disk was full.
+DISK_FULL_TEXT = (
+    "the data directory's disk is full: free space there (delete finished jobs or their "
+    "checkpoints), then resume the job"
+)
+
+
 def describe_failure(
-    job_dir: Path, report: dict[str, Any] | None, launcher_rc: int | None, n: int
+    job_dir: Path,
+    report: dict[str, Any] | None,
+    launcher_rc: int | None,
+    n: int,
+    *,
+    disk_full: bool = False,
 ) -> dict[str, Any]:
     """Why a job failed, from its exit report (or the launcher's exit status without one).
 
     Returns the ``failure`` fields of the API (``rank``, ``exit_code``, ``signal``,
     ``error_type``, ``message``, ``log_file`` relative to the job folder, ``log_tail``)
-    plus ``reason``, the one-line summary for the job's history.
+    plus ``reason``, the one-line summary for the job's history. ``disk_full`` (the data
+    directory's disk had no room left when the attempt ended) is named first: the runner
+    may have been unable to write its report.
     """
+    failure = _describe_failure(job_dir, report, launcher_rc, n)
+    if disk_full and failure["exit_code"] != contract.EXIT_CHECKPOINT_WRITE:
+        failure["reason"] = f"{DISK_FULL_TEXT} ({failure['reason']})"
+        if report is None:
+            failure["message"] = f"{DISK_FULL_TEXT}; {failure['message']}"
+    return failure
+
+
+def _describe_failure(
+    job_dir: Path, report: dict[str, Any] | None, launcher_rc: int | None, n: int
+) -> dict[str, Any]:
     if report is None:
         if launcher_rc is not None and launcher_rc < 0:
             why = f"the job's launcher was killed by {signal_name(-launcher_rc)}"

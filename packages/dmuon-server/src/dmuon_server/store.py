@@ -9,8 +9,10 @@ its first transition; a batch of metric points and the file offset after them) i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
 import sqlite3
 import threading
 import time
@@ -273,6 +275,18 @@ class StoreError(Exception):
     """The database cannot be opened or used; the message names the file."""
 
 
+class StoreUnavailable(StoreError):
+    """A read or write failed in SQLite (an I/O error, say); nothing was half-written."""
+
+
+class StoreFull(StoreUnavailable):
+    """A write failed because the database's disk is full ("database or disk is full")."""
+
+
+#: SQLite's result code for "database or disk is full".
+_SQLITE_FULL = 13
+
+
 class Store:
     """Thread-safe access to the server's SQLite database.
 
@@ -412,19 +426,52 @@ class Store:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """Run the body as one ``BEGIN IMMEDIATE`` transaction under the lock."""
+        """Run the body as one ``BEGIN IMMEDIATE`` transaction under the lock.
+
+        SQLite's own errors (a full disk, an I/O error) leave nothing half-written and are
+        raised as :class:`StoreFull` or :class:`StoreUnavailable`, naming the database.
+        """
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self._conn
-            except BaseException:
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._rollback()
+                    raise
+                try:
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    self._rollback()
+                    raise
+            except sqlite3.OperationalError as e:
+                raise self._unavailable(e) from e
+
+    def _rollback(self) -> None:
+        if self._conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
                 self._conn.execute("ROLLBACK")
-                raise
-            else:
-                self._conn.execute("COMMIT")
+
+    def _unavailable(self, e: sqlite3.Error) -> StoreUnavailable:
+        """The error to raise for SQLite's ``e``: :class:`StoreFull` for a full disk."""
+        code = getattr(e, "sqlite_errorcode", None)
+        if code == _SQLITE_FULL or "disk is full" in str(e):
+            try:
+                free = f"{shutil.disk_usage(self.path.parent).free / 2**20:.1f} MiB free"
+            except OSError:
+                free = "free space unknown"
+            return StoreFull(
+                f"the server's database {self.path.name} cannot be written: its disk is full "
+                f"({free} in the data directory). Free space there (delete finished jobs "
+                "or their checkpoints), then try again"
+            )
+        return StoreUnavailable(f"the server's database {self.path.name} failed: {e}")
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._reader().execute(sql, params).fetchall()]
+        try:
+            return [dict(r) for r in self._reader().execute(sql, params).fetchall()]
+        except sqlite3.OperationalError as e:
+            raise self._unavailable(e) from e
 
     # ----------------------------------------------------------------------------- jobs
 
@@ -484,7 +531,11 @@ class Store:
             return JobRecord.from_row(row), True
 
     def _jobs(self, sql: str, params: Sequence[Any] = ()) -> list[JobRecord]:
-        return [JobRecord.from_row(r) for r in self._reader().execute(sql, params).fetchall()]
+        try:
+            rows = self._reader().execute(sql, params).fetchall()
+        except sqlite3.OperationalError as e:
+            raise self._unavailable(e) from e
+        return [JobRecord.from_row(r) for r in rows]
 
     def get_job(self, job_id: str) -> JobRecord | None:
         """Return the job, or None."""
