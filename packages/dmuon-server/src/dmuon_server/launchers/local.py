@@ -12,6 +12,8 @@ it neither notices nor dies when the server stops. Each round (:meth:`LocalLaunc
   (:mod:`dmuon_server.attempts`);
 * cancellations escalate: SIGTERM to the job's ranks at once (the recipe finishes its
   step, saves a checkpoint and exits 0), SIGKILL to what is left after ``cancel_grace_s``;
+* a rank stopped (SIGSTOP) while torchrun tells it to end, because another rank failed,
+  is killed at once (:func:`dmuon_server.procs.kill_stopped_ranks`), so the attempt ends;
 * a job whose rank died is relaunched, up to the spec's ``max_restarts`` times (see
   :func:`dmuon_server.jobfiles.restartable`), on the same GPUs.
 
@@ -41,6 +43,7 @@ from dmuon_server.procs import (
     find_job_processes,
     find_runner,
     kill_and_reap,
+    kill_stopped_ranks,
     signal_job,
     signal_ranks,
     verified_process,
@@ -251,6 +254,11 @@ class LocalLauncher:
         else:
             ended = verified_process(job.pid, job.create_time) is None
         if not ended:
+            root = verified_process(job.pid, job.create_time)
+            if root is not None:
+                for pid in kill_stopped_ranks(root):
+                    log.warning("job %s: SIGKILL to rank pid %d: it is stopped (SIGSTOP) "
+                                "with a SIGTERM pending it cannot act on", job.id, pid)  # fmt: skip
             deadline = self._cancel_deadline.get(job.id)
             if deadline is not None and time.time() >= deadline:
                 root = verified_process(job.pid, job.create_time)
