@@ -14,6 +14,9 @@ it neither notices nor dies when the server stops. Each round (:meth:`LocalLaunc
   step, saves a checkpoint and exits 0), SIGKILL to what is left after ``cancel_grace_s``;
 * a rank stopped (SIGSTOP) while torchrun tells it to end, because another rank failed,
   is killed at once (:func:`dmuon_server.procs.kill_stopped_ranks`), so the attempt ends;
+* on a full data directory a job's end is still seen (its points wait in its file), and
+  the server's reserve (:class:`dmuon_server.datadir.SpaceReserve`) is given back to
+  record it;
 * a job whose rank died is relaunched, up to the spec's ``max_restarts`` times (see
   :func:`dmuon_server.jobfiles.restartable`), on the same GPUs.
 
