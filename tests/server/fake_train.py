@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--keep-checkpoints", type=int, default=3)
+    p.add_argument("--on-checkpoint-error", choices=["stop", "warn"], default="stop")
+    p.add_argument("--collective-timeout", type=int, default=600)
     p.add_argument("--resume", default="auto")
     p.add_argument("--init-from", default=None)
     return p

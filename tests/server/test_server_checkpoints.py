@@ -78,6 +78,21 @@ def test_the_launcher_passes_the_checkpoint_flags(client: TestClient) -> None:
     assert argv[argv.index("--keep-checkpoints") + 1] == "0"
     bad = client.post("/v1/jobs", json={**job_spec(), "max_restarts": -1})
     assert bad.status_code == 422 and "max_restarts" in bad.text
+    # The fault settings: left out, the recipe's defaults (no flag); given, passed on.
+    assert "--on-checkpoint-error" not in flags and "--collective-timeout" not in flags
+    body = job_spec(on_checkpoint_error="warn", collective_timeout=30)
+    argv = client.post("/v1/jobs:validate", json=body).json()["torchrun_argv"]
+    assert argv[argv.index("--on-checkpoint-error") + 1] == "warn"
+    assert argv[argv.index("--collective-timeout") + 1] == "30"
+    for field, value in (
+        ("on_checkpoint_error", "ignore"),
+        ("collective_timeout", 0),
+        ("collective_timeout", 86_401),
+        ("collective_timeout", 2.5),
+    ):
+        bad = client.post("/v1/jobs", json=job_spec(**{field: value}))
+        assert bad.status_code == 422, (field, value, bad.text)
+        assert bad.json()["errors"][0]["field"] == f"body.train.{field}", bad.json()
 
 
 def test_cancel_grace_flag_defaults_to_30_seconds() -> None:

@@ -1,6 +1,6 @@
 """A hung rank, through a real ``dmuon-server`` with the REAL recipe.
 
-A 2-process job (``collective_timeout`` 3 s, ``max_restarts`` 1) has rank 1 stopped with
+A 2-process job (``collective_timeout`` 20 s, ``max_restarts`` 1) has rank 1 stopped with
 SIGSTOP after step 3: rank 0 waits in a collective, fails after the timeout with the
 recipe's ``StepFailed``; torchrun sends the stopped rank SIGTERM, on which it cannot act
 until continued, and would wait 30 s before its SIGKILL: the server kills it at once
@@ -8,7 +8,8 @@ until continued, and would wait 30 s before its SIGKILL: the server kills it at 
 ``max_restarts`` covers.
 The restarted attempt resumes from the last checkpoint and the job succeeds with every
 step once. The seconds from SIGSTOP to the job leaving ``running`` are printed
-(``pytest -s``) and bounded: the timeout plus a margin well under torchrun's 30 s.
+(``pytest -s``) and bounded: rank 0 meets the timeout in up to two collectives (the
+step's and the one its failure runs into), plus a margin well under torchrun's 30 s.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from server_helpers import (
     wait_until,
 )
 
-TIMEOUT_S = 3
+#: Long enough for every collective of a loaded 2-core machine (startup included): at
+#: 6 s, a load average of 14 timed out the start of both attempts.
+TIMEOUT_S = 20
 SPEC: dict[str, Any] = {
     "nproc_per_node": 2,
     "max_restarts": 1,
@@ -105,7 +108,7 @@ def test_a_stopped_rank_fails_the_attempt_and_the_restart_succeeds(data_dir: Pat
                 return job if job["state"] in TERMINAL else None
 
             job = wait_until(final, 300, "the job to end", interval=0.5)
-            assert job["state"] == "succeeded", job
+            assert job["state"] == "succeeded", [a["reason"] for a in job["attempts"]]
             first, second = job["attempts"]
             assert second["cause"] == "restart"
             assert first["exit_code"] not in (None, 0)
@@ -123,7 +126,9 @@ def test_a_stopped_rank_fails_the_attempt_and_the_restart_succeeds(data_dir: Pat
                 f"\nrank 1 stopped after step {seen}; the job left running {seconds:.1f} s "
                 f"later (collective timeout {TIMEOUT_S} s); attempt 1: {first['reason'][:200]}"
             )
-            assert TIMEOUT_S <= seconds < TIMEOUT_S + 15
+            assert TIMEOUT_S <= seconds < 2 * TIMEOUT_S + 25
+            # The server killed the stopped rank, not torchrun's SIGKILL 30 s later.
+            assert f"SIGKILL to rank pid {victim.pid}:" in server.log_path.read_text()
             items = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
             assert [p["step"] for p in items] == list(range(1, 9))
     finally:
