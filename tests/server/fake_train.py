@@ -19,6 +19,8 @@ optimizer step, flushed per line; ``val_loss`` on eval steps and a step-0 eval l
 * ``FAKE_FINAL_SECONDS``: after the last step and its checkpoint, spend that long in a
   final phase (the recipe's last evaluation and exit) in which SIGTERM kills at once
   (exit status 143 through torchrun), as the recipe's does.
+* ``FAKE_EVENT_STEP``: after that step, write a ``checkpoint_skipped`` and a
+  ``checkpoint_failed`` event line as the recipe does (naming the checkpoint folder).
 * ``FAKE_POISON_SEED``: a run with that ``--seed`` writes, after step 2, the lines that
   once froze supervision (:data:`POISON_LINES`), then goes on.
 
@@ -74,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-dir", default=None)
     p.add_argument("--checkpoint-every", type=int, default=0)
     p.add_argument("--keep-checkpoints", type=int, default=3)
+    p.add_argument("--on-checkpoint-error", choices=["stop", "warn"], default="stop")
+    p.add_argument("--collective-timeout", type=int, default=600)
     p.add_argument("--resume", default="auto")
     p.add_argument("--init-from", default=None)
     return p
@@ -231,6 +235,24 @@ def main() -> int:
         if args.eval_every > 0 and (step % args.eval_every == 0 or step == steps):
             rec["val_loss"] = loss + 0.05
         write(rec)
+        if step == int(os.environ.get("FAKE_EVENT_STEP", "-1")):
+            folder = Path(args.checkpoint_dir or ".")
+            write(
+                {
+                    "event": "checkpoint_skipped",
+                    "checkpoint": str(folder / "step_00000004"),
+                    "problems": ["__0_0.distcp has 10 bytes, 20 were written"],
+                    "step": step,
+                }
+            )
+            write(
+                {
+                    "event": "checkpoint_failed",
+                    "step": step,
+                    "message": "the checkpoint of "
+                    f"step {step} could not be written to {folder} (No space left on device)",
+                }
+            )
         if step == 2 and os.environ.get("FAKE_POISON_SEED") == str(args.seed) and out:
             out.write("\n".join(POISON_LINES) + "\n")
             out.flush()

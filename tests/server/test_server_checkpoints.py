@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import dmuon_recipe_contract as contract
 import pytest
 from fastapi.testclient import TestClient
 from server_helpers import TERMINAL, job_spec, make_settings, wait_until
@@ -77,6 +78,21 @@ def test_the_launcher_passes_the_checkpoint_flags(client: TestClient) -> None:
     assert argv[argv.index("--keep-checkpoints") + 1] == "0"
     bad = client.post("/v1/jobs", json={**job_spec(), "max_restarts": -1})
     assert bad.status_code == 422 and "max_restarts" in bad.text
+    # The fault settings: left out, the recipe's defaults (no flag); given, passed on.
+    assert "--on-checkpoint-error" not in flags and "--collective-timeout" not in flags
+    body = job_spec(on_checkpoint_error="warn", collective_timeout=30)
+    argv = client.post("/v1/jobs:validate", json=body).json()["torchrun_argv"]
+    assert argv[argv.index("--on-checkpoint-error") + 1] == "warn"
+    assert argv[argv.index("--collective-timeout") + 1] == "30"
+    for field, value in (
+        ("on_checkpoint_error", "ignore"),
+        ("collective_timeout", 0),
+        ("collective_timeout", 86_401),
+        ("collective_timeout", 2.5),
+    ):
+        bad = client.post("/v1/jobs", json=job_spec(**{field: value}))
+        assert bad.status_code == 422, (field, value, bad.text)
+        assert bad.json()["errors"][0]["field"] == f"body.train.{field}", bad.json()
 
 
 def test_cancel_grace_flag_defaults_to_30_seconds() -> None:
@@ -93,6 +109,43 @@ def test_event_lines_are_not_points() -> None:
     assert [step for step, _ in chunk.points] == [1]
     assert chunk.points[0][1] == {"step": 1, "loss": 2.0}
     assert chunk.summary is None and chunk.events[0]["event"] == "stopped"
+
+
+def test_the_recipes_checkpoint_warnings_are_job_events(
+    client: TestClient, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The recipe's ``checkpoint_skipped`` and ``checkpoint_failed`` lines become warning
+    events of the job: in its REST view (with messages naming the checkpoint and the cause,
+    no server path) and in its event stream (``event: warning``), never as metric points."""
+    monkeypatch.setenv("FAKE_EVENT_STEP", "2")
+    job_id = client.post("/v1/jobs", json=job_spec(1, steps=4)).json()["id"]
+    job = _wait_state(client, job_id, TERMINAL)
+    assert job["state"] == "succeeded", job
+    assert [p["step"] for p in _points(client, job_id)] == [1, 2, 3, 4]
+    events = job["events"]
+    assert [(e["kind"], e["level"], e["step"], e["attempt"]) for e in events] == [
+        (contract.CHECKPOINT_SKIPPED_EVENT, "warning", 2, 1),
+        (contract.CHECKPOINT_FAILED_EVENT, "warning", 2, 1),
+    ]
+    skipped, failed = (e["message"] for e in events)
+    assert skipped == (
+        "skipped the damaged checkpoint step_00000004: __0_0.distcp has 10 bytes, 20 were written"
+    )
+    assert failed.startswith("the checkpoint of step 2 could not be written to <job-dir>/")
+    assert "No space left on device" in failed and str(data_dir) not in json.dumps(job)
+    # The stream sends both as warnings (before the end of a finished job).
+    seen: list[tuple[str, dict[str, Any]]] = []
+    with client.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
+        event = None
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                event = line[len("event: ") :]
+            elif line.startswith("data: ") and event in ("warning", "end"):
+                seen.append((event, json.loads(line[len("data: ") :])))
+    assert [k for k, _ in seen] == ["warning", "warning", "end"]
+    assert [d["message"] for _, d in seen[:2]] == [skipped, failed]
+    assert all(d["kind"] in (contract.CHECKPOINT_SKIPPED_EVENT, contract.CHECKPOINT_FAILED_EVENT)
+               for _, d in seen[:2])  # fmt: skip
 
 
 def test_a_killed_rank_is_restarted_from_the_latest_checkpoint(
@@ -146,6 +199,16 @@ def test_a_killed_rank_is_restarted_from_the_latest_checkpoint(
     [
         ({"FAKE_CRASH_CODE": "1"}, 1, 2),  # an exception every time: retried, then failed
         ({"FAKE_CRASH_CODE": "3"}, 2, 1),  # divergence: never retried
+        # A checkpoint that could not be written (the recipe's exit code 4): never retried.
+        (
+            {
+                "FAKE_CRASH_CODE": str(contract.EXIT_CHECKPOINT_WRITE),
+                "FAKE_CRASH_MESSAGE": "the checkpoint of step 3 could not be written to X "
+                "(No space left on device): it needs about 1.0 MiB and 0.0 MiB are free",
+            },
+            2,
+            1,
+        ),
     ],
 )
 def test_restarts_are_bounded_and_skip_what_a_rerun_repeats(
@@ -168,6 +231,10 @@ def test_restarts_are_bounded_and_skip_what_a_rerun_repeats(
     assert job["exit_code"] == code and job["failure"]["rank"] == 0
     if attempts > 1:  # the restart resumed from checkpoint 2 and met the same crash
         assert job["attempts"][1]["resumed_from_step"] == 2
+    if code == contract.EXIT_CHECKPOINT_WRITE:
+        assert "could not write a checkpoint" in job["reason"], job["reason"]
+        assert "the disk is full" in job["reason"] and "No space left" in job["reason"]
+        assert "not retried" in job["reason"]
 
 
 def test_cancel_saves_a_checkpoint_and_resume_continues_it(

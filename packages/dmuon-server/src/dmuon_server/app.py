@@ -22,6 +22,7 @@ from dmuon_server.launchers.slurm_jobs import check_slurm
 from dmuon_server.limits import BodySizeLimitMiddleware
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.openapi import build_openapi
+from dmuon_server.paths import PublicPaths
 from dmuon_server.protocol import HeadMiddleware, JsonBodyMiddleware
 from dmuon_server.routers import artifacts, jobs, metrics, service
 from dmuon_server.store import Store, StoreError
@@ -58,7 +59,9 @@ def create_app(
     check_launcher_matches(store, settings.launcher)
     store.refresh_spec_hashes(stored_spec_fingerprint, FINGERPRINT_PREFIX)
     hub = Hub()
-    tailer = MetricsTailer(store, hub)
+    tailer = MetricsTailer(
+        store, hub, lambda job_id, text: PublicPaths(settings, settings.job_dir(job_id)).text(text)
+    )
     supervisor = Supervisor(settings, store, hub, tailer)
     data_lock = lock or DataDirLock(settings.data_dir)
 

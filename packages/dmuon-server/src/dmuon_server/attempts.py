@@ -94,7 +94,7 @@ def fail_to_start(
 def final_poll(settings: Settings, tailer: MetricsTailer, job: JobRecord, number: int) -> None:
     """Read the rest of the attempt's metrics file, its last line too."""
     path = settings.job_dir(job.id) / metrics_file(number)
-    tailer.poll(job.id, path, final=True, stream=metrics_stream(number))
+    tailer.poll(job.id, path, final=True, stream=metrics_stream(number), attempt=number)
 
 
 @dataclass(frozen=True)
@@ -131,11 +131,15 @@ def conclude(
     report: dict[str, Any] | None,
     launcher_rc: int | None,
     scheduler: SchedulerEnd | None = None,
+    *,
+    disk_full: bool = False,
 ) -> Outcome:
     """How the attempt that left ``report`` (the runner's exit report, or None) ended.
 
     ``job`` is read after the attempt ended (its cancel request included); ``launcher_rc``
-    is the launcher's exit status when known; ``scheduler`` is a cluster's own verdict.
+    is the launcher's exit status when known; ``scheduler`` is a cluster's own verdict;
+    ``disk_full`` says the data directory's disk had no room left (the failure's reason
+    names it, and the attempt is not retried: a rerun would meet the same full disk).
 
     A job that saved the checkpoint of its last step succeeded, whatever stopped it after
     (a cancel during its final evaluation); a job whose cancel was requested is cancelled,
@@ -167,19 +171,20 @@ def conclude(
         reason += "; SIGKILL after the grace period"
     if state != "failed":
         return Outcome(state, reason, rc)
-    failure = describe_failure(job_dir, report, launcher_rc, settings.log_tail_lines)
+    failure = describe_failure(
+        job_dir, report, launcher_rc, settings.log_tail_lines, disk_full=disk_full
+    )
     public = PublicPaths(settings, job_dir)
     failure["log_tail"] = [public.text(line) for line in failure["log_tail"]]
     if failure["message"]:
         failure["message"] = public.text(failure["message"])
-    detail = failure.pop("reason")
+    detail = public.text(failure.pop("reason"))
     if scheduler is None:
         reason = detail
     elif report is not None:  # the runner knows which rank failed and why
         reason = f"{reason}: {detail}"
-    return Outcome(
-        "failed", reason, failure["exit_code"], failure, restartable(report, launcher_rc)
-    )
+    retry = restartable(report, launcher_rc) and not disk_full
+    return Outcome("failed", reason, failure["exit_code"], failure, retry)
 
 
 def record(

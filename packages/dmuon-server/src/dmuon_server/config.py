@@ -60,6 +60,9 @@ class Settings:
         cancel_grace_s: Seconds between SIGTERM and SIGKILL when a job is cancelled: the
             recipe finishes its step and saves a checkpoint in that time.
         poll_interval_s: How often the supervisor looks at running jobs and their metrics.
+        disk_reserve_bytes: Space the server sets aside in the data directory
+            (:class:`dmuon_server.datadir.SpaceReserve`) and gives back when the disk fills,
+            so that it can still record how the jobs ended; 0 sets none aside.
         log_tail_lines: How many log lines a failure report carries.
         max_body_bytes: Largest request body; larger ones get 413 before they are read.
         max_job_memory: Bytes a job (all its ranks) may be estimated to need; a larger
@@ -93,6 +96,7 @@ class Settings:
     heartbeat_s: float = 15.0
     cancel_grace_s: float = 30.0
     poll_interval_s: float = 0.2
+    disk_reserve_bytes: int = 4 << 20
     log_tail_lines: int = 50
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_job_memory: int = field(default_factory=default_max_job_memory)

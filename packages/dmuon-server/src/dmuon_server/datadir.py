@@ -15,6 +15,9 @@ from typing import IO, Any
 
 LOCK_FILE = "server.lock"
 INFO_FILE = "server.json"
+RESERVE_FILE = "space-reserve"
+#: Below this much free space (besides the reserve) a disk counts as full.
+FULL_BELOW_BYTES = 1 << 20
 
 
 class StartupError(Exception):
@@ -108,3 +111,75 @@ def write_server_info(data_dir: Path, info: dict[str, Any]) -> None:
     tmp = data_dir / f".{INFO_FILE}.{os.getpid()}"
     tmp.write_text(json.dumps(info))
     os.replace(tmp, data_dir / INFO_FILE)
+
+
+class SpaceReserve:
+    """A file of ``size`` bytes in the data directory, given back when the disk fills.
+
+    A job that fills the data directory's disk (checkpoints, logs) leaves the server's
+    database nothing to write into, and the server could no longer record that the job
+    ended. The supervisor holds this file while there is room, deletes it when a write of
+    the database fails on a full disk (:meth:`release`), so that the next write can record
+    the outcome, and takes the space again once there is twice as much free
+    (:meth:`replenish`).
+    """
+
+    def __init__(self, data_dir: Path, size: int) -> None:
+        """A reserve of ``size`` bytes at ``<data-dir>/space-reserve`` (none for 0)."""
+        self.path = data_dir / RESERVE_FILE
+        self.size = size
+
+    @property
+    def held(self) -> bool:
+        """Whether the file is there, at its full size."""
+        try:
+            return self.path.stat().st_size >= self.size > 0
+        except OSError:
+            return False
+
+    def replenish(self) -> bool:
+        """Take the space (allocated, not a sparse file) when it is free twice over;
+        whether the reserve is held afterwards."""
+        if self.size <= 0:
+            return False
+        if self.held:
+            return True
+        try:
+            if free_bytes(self.path.parent) < 2 * self.size:
+                return False
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.size)
+            finally:
+                os.close(fd)
+        except OSError:
+            self.path.unlink(missing_ok=True)
+            return False
+        return True
+
+    def release(self) -> bool:
+        """Give the space back; whether there was a reserve to give."""
+        had = self.held
+        try:
+            self.path.unlink(missing_ok=True)
+        except OSError:
+            return False
+        return had
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes an unprivileged process may still write on the file system of ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def disk_full(path: Path, reserve: SpaceReserve | None = None) -> bool:
+    """Whether the file system of ``path`` is full: less than ``FULL_BELOW_BYTES`` free
+    once a released ``reserve``'s bytes (on the same disk) are set apart."""
+    try:
+        free = free_bytes(path)
+    except OSError:
+        return False
+    if reserve is not None and not reserve.held:
+        free -= reserve.size
+    return free < FULL_BELOW_BYTES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import http
 import logging
 from typing import Any
@@ -13,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from dmuon_server.schemas import FieldError, Problem
+from dmuon_server.store import StoreFull, StoreUnavailable
 
 log = logging.getLogger("dmuon_server")
 
@@ -30,7 +32,11 @@ ERROR_TEXT = {
     415: "Unsupported media type",
     422: "Invalid request",
     500: "Internal server error",
+    503: "Service unavailable",
 }
+#: Seconds a client is asked to wait before it retries a request the server could not
+#: store (``Retry-After`` of a 503).
+RETRY_AFTER_S = 10
 
 
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
@@ -192,6 +198,33 @@ def install_error_handlers(app: FastAPI) -> None:
             detail,
             instance=request.url.path,
             headers=headers,
+        )
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        return problem_response(
+            503,
+            ERROR_TEXT[503],
+            str(exc),
+            kind="disk-full" if isinstance(exc, StoreFull) else "store-unavailable",
+            instance=request.url.path,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+    @app.exception_handler(OSError)
+    async def _os_error(request: Request, exc: OSError) -> JSONResponse:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            return await _unexpected(request, exc)
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        return problem_response(
+            503,
+            ERROR_TEXT[503],
+            "the server's data directory is full (No space left on device): free space "
+            "there (delete finished jobs or their checkpoints), then try again",
+            kind="disk-full",
+            instance=request.url.path,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
         )
 
     @app.exception_handler(Exception)

@@ -21,6 +21,11 @@ Wire format (``text/event-stream``)::
 * The stream first sends every stored point after the resume step (all of them for a new
   client), then new points as they are stored; points come from the database, so a slow
   client never loses any.
+* ``warning`` and ``info`` carry what the recipe reported besides points (a damaged
+  checkpoint it skipped, a checkpoint it could not write, a stop on a signal), as in the
+  job's ``events``: ``{"kind": "checkpoint_skipped", "level": "warning", "message": "...",
+  "step": 2, "attempt": 1, "at": "..."}``. A connection first sends every stored one
+  (after the current state), then each new one; they carry no ``id``.
 * ``state`` is sent once for the current state and then for each transition; a queued
   job's also carries ``queue_position`` and ``queue_reason``, and is sent again whenever
   they change (a job ahead started, the GPUs it waits for came free). ``end``
@@ -52,7 +57,7 @@ from dmuon_server.queue_policy import Place
 from dmuon_server.records import JobRecord
 from dmuon_server.schemas import TERMINAL_STATES
 from dmuon_server.store import Store
-from dmuon_server.views import iso_utc
+from dmuon_server.views import event_view, iso_utc
 
 #: Headers of an event stream, including the ones that stop proxies from buffering it.
 SSE_HEADERS = {
@@ -94,6 +99,10 @@ def _state_data(t: dict[str, Any], row: JobRecord | None, place: Place | None = 
 Places = Callable[[], Mapping[str, Place]]
 
 
+def _event_data(row: dict[str, Any]) -> str:
+    return event_view(row).model_dump_json()
+
+
 async def job_events(
     store: Store,
     hub: Hub,
@@ -120,6 +129,7 @@ async def job_events(
             if row is not None and row.state == "queued":
                 place = (await anyio.to_thread.run_sync(places)).get(job_id)
             yield format_event(event="state", data=_state_data(history[-1], row, place))
+        last_eid = 0
         while True:
             sub.event.clear()
             while True:
@@ -143,6 +153,10 @@ async def job_events(
                 yield format_event(event="state", data=_state_data(last_t, row, now_place))
                 last_write = time.monotonic()
             place = now_place
+            for e in await anyio.to_thread.run_sync(store.events, job_id, last_eid):
+                last_eid = e["id"]
+                yield format_event(event=e["level"], data=_event_data(e))
+                last_write = time.monotonic()
             if row is None:
                 yield format_event(event="end", data=json.dumps({"state": None, "deleted": True}))
                 return
@@ -164,6 +178,9 @@ async def job_events(
                 for r in rows:
                     yield format_event(event="metric", event_id=r["step"], data=r["data"])
                     last_step = r["step"]
+                for e in await anyio.to_thread.run_sync(store.events, job_id, last_eid):
+                    last_eid = e["id"]
+                    yield format_event(event=e["level"], data=_event_data(e))
                 end = {
                     "state": row.state,
                     "exit_code": row.exit_code,

@@ -202,15 +202,40 @@ def _quote(message: str) -> str:
     return first
 
 
+#: What a failure's reason adds when the data directory's disk was full.
+DISK_FULL_TEXT = (
+    "the data directory's disk is full: free space there (delete finished jobs or their "
+    "checkpoints), then resume the job"
+)
+
+
 def describe_failure(
-    job_dir: Path, report: dict[str, Any] | None, launcher_rc: int | None, n: int
+    job_dir: Path,
+    report: dict[str, Any] | None,
+    launcher_rc: int | None,
+    n: int,
+    *,
+    disk_full: bool = False,
 ) -> dict[str, Any]:
     """Why a job failed, from its exit report (or the launcher's exit status without one).
 
     Returns the ``failure`` fields of the API (``rank``, ``exit_code``, ``signal``,
     ``error_type``, ``message``, ``log_file`` relative to the job folder, ``log_tail``)
-    plus ``reason``, the one-line summary for the job's history.
+    plus ``reason``, the one-line summary for the job's history. ``disk_full`` (the data
+    directory's disk had no room left when the attempt ended) is named first: the runner
+    may have been unable to write its report.
     """
+    failure = _describe_failure(job_dir, report, launcher_rc, n)
+    if disk_full and failure["exit_code"] != contract.EXIT_CHECKPOINT_WRITE:
+        failure["reason"] = f"{DISK_FULL_TEXT} ({failure['reason']})"
+        if report is None:
+            failure["message"] = f"{DISK_FULL_TEXT}; {failure['message']}"
+    return failure
+
+
+def _describe_failure(
+    job_dir: Path, report: dict[str, Any] | None, launcher_rc: int | None, n: int
+) -> dict[str, Any]:
     if report is None:
         if launcher_rc is not None and launcher_rc < 0:
             why = f"the job's launcher was killed by {signal_name(-launcher_rc)}"
@@ -237,7 +262,13 @@ def describe_failure(
         sig = first.get("signal")
         error_type = first.get("error_type")
         message = first.get("message") or None
-        if error_type:
+        if code == contract.EXIT_CHECKPOINT_WRITE:
+            reason = (
+                f"rank {rank} could not write a checkpoint (exit code {code}: the disk is "
+                f"full, or the folder cannot be written): {_quote(message or '') or 'see its log'}"
+                "; not retried: free space, then resume the job"
+            )
+        elif error_type:
             reason = f"rank {rank} failed (exit code {code}): {error_type}: {_quote(message or '')}"
         elif sig:
             reason = f"rank {rank} killed by {sig}"
@@ -276,11 +307,14 @@ def describe_failure(
     }
 
 
-#: Exit codes of the recipe that say a rerun would fail the same way: 2 for invalid flags
-#: or inputs, 3 for a diverged run.
-NOT_RETRIED_EXIT_CODES = frozenset({2, 3})
-#: Exception types the recipe records for the same two cases.
-NOT_RETRIED_ERROR_TYPES = frozenset({"UsageError", "TrainingDiverged"})
+#: Exit codes of the recipe (its contract's) that say a rerun would fail the same way:
+#: invalid flags or inputs, a diverged run, a checkpoint that could not be written (a full
+#: disk stays full until someone frees space).
+NOT_RETRIED_EXIT_CODES = frozenset(
+    {contract.EXIT_USAGE, contract.EXIT_DIVERGED, contract.EXIT_CHECKPOINT_WRITE}
+)
+#: Exception types the recipe records for the same cases.
+NOT_RETRIED_ERROR_TYPES = frozenset({"UsageError", "TrainingDiverged", "CheckpointWriteError"})
 
 
 def restartable(report: dict[str, Any] | None, launcher_rc: int | None) -> bool:
@@ -289,8 +323,9 @@ def restartable(report: dict[str, Any] | None, launcher_rc: int | None) -> bool:
     Retried: a rank killed by a signal (SIGKILL, which is also how the kernel's
     out-of-memory killer ends a process, SIGSEGV, SIGBUS, ...) or exiting with any other
     code (an uncaught exception, e.g. a rank that lost its peers), and a launcher killed by
-    a signal. Not retried: the recipe's usage/input errors (exit code 2, ``UsageError``)
-    and divergence (exit code 3, ``TrainingDiverged``), which a rerun repeats; a torchrun
+    a signal. Not retried: the recipe's usage/input errors (exit code 2, ``UsageError``),
+    divergence (exit code 3, ``TrainingDiverged``) and a checkpoint that could not be
+    written (exit code 4, ``CheckpointWriteError``), which a rerun repeats; a torchrun
     that could not start (``error`` in the report) or was itself stopped by a signal.
     """
     if report is None:

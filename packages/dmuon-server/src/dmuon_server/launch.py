@@ -491,6 +491,8 @@ def _recipe(settings: Settings, spec: JobCreate, job_dir: Path, accepted: Review
         ("checkpoint_dir", str(job_dir / CHECKPOINT_DIR)),
         ("checkpoint_every", str(t.checkpoint_every)),
         ("keep_checkpoints", str(t.keep_checkpoints)),
+        ("on_checkpoint_error", t.on_checkpoint_error),
+        ("collective_timeout", None if t.collective_timeout is None else str(t.collective_timeout)),
         ("resume", "auto"),
         ("init_from", None if init is None else str(init_path(job_dir, init))),
         ("export_hf", str(job_dir / EXPORT_DIR) if t.export_hf else None),

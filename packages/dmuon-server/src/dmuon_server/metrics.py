@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dmuon_server import recipe_events
 from dmuon_server.schemas import encode_nonfinite
-from dmuon_server.store import Store
+from dmuon_server.store import EventRecord, Store
 
 log = logging.getLogger("dmuon_server.metrics")
 
@@ -224,27 +227,41 @@ class _Subscription:
     event: asyncio.Event
 
 
+#: How the server shows a text of a job to clients: ``public(job_id, text)`` (its server
+#: paths replaced, see :class:`dmuon_server.paths.PublicPaths`).
+PublicText = Callable[[str, str], str]
+
+
 class MetricsTailer:
     """Moves new lines of jobs' metrics files into the store."""
 
-    def __init__(self, store: Store, hub: Hub) -> None:
-        """Tail into ``store`` and wake streams through ``hub``."""
+    def __init__(self, store: Store, hub: Hub, public: PublicText | None = None) -> None:
+        """Tail into ``store`` and wake streams through ``hub``; the recipe's event
+        messages are stored as ``public`` shows them."""
         self.store = store
         self.hub = hub
+        self.public: PublicText = public or (lambda job_id, text: text)
         self.points_total = 0
         self.rejected_total = 0
 
     def poll(
-        self, job_id: str, path: Path, *, final: bool = False, stream: str = METRICS_STREAM
+        self,
+        job_id: str,
+        path: Path,
+        *,
+        final: bool = False,
+        stream: str = METRICS_STREAM,
+        attempt: int = 1,
     ) -> int:
         """Ingest what was appended to ``path`` since the offset stored for ``stream``.
 
         Each attempt of a job has a metrics file and a ``stream`` name of its own
-        (:func:`metrics_stream`). With ``final`` (the attempt has ended) a last line
-        without a newline is taken too. Returns the number of points stored.
+        (:func:`metrics_stream`); its event lines are stored as the events of ``attempt``.
+        With ``final`` (the attempt has ended) a last line without a newline is taken too.
+        Returns the number of points stored.
         """
         offset = self.store.get_offset(job_id, stream)
-        stored = 0
+        stored = noted = 0
         try:
             f = path.open("rb")
         except FileNotFoundError:
@@ -276,21 +293,36 @@ class MetricsTailer:
                     log.warning("job %s: rejected metrics line (%s): %r", job_id, bad.why, bad.line)
                 self.rejected_total += len(chunk.rejected)
                 offset += chunk.consumed
-                stored += self._ingest(job_id, stream, offset, chunk)
+                events = [self._event(job_id, obj, attempt) for obj in chunk.events]
+                stored += self._ingest(job_id, stream, offset, chunk, events)
+                noted += len(events)
                 if last_chunk:
                     break
-        if stored:
+        if stored or noted:
             self.points_total += stored
             self.hub.notify(job_id)
         return stored
 
-    def _ingest(self, job_id: str, stream: str, offset: int, chunk: ParsedChunk) -> int:
+    def _event(self, job_id: str, obj: dict[str, Any], attempt: int) -> EventRecord:
+        ev = recipe_events.describe(obj, attempt)
+        if ev.level == "warning":
+            log.warning("job %s: the recipe reports %s: %s", job_id, ev.kind, ev.message)
+        return dataclasses.replace(ev, message=self.public(job_id, ev.message))
+
+    def _ingest(
+        self,
+        job_id: str,
+        stream: str,
+        offset: int,
+        chunk: ParsedChunk,
+        events: list[EventRecord],
+    ) -> int:
         """Store a parsed chunk; if the store refuses it, store its points one at a time,
         rejecting (and counting) those it refuses, so one bad point costs only itself."""
         rejected = len(chunk.rejected)
         try:
             return self.store.ingest(
-                job_id, stream, offset, chunk.points, chunk.summary, rejected=rejected
+                job_id, stream, offset, chunk.points, chunk.summary, rejected, events
             )
         except (ValueError, TypeError, OverflowError) as e:
             log.warning("job %s: the store refused a chunk of points (%s); one by one", job_id, e)
@@ -303,5 +335,5 @@ class MetricsTailer:
                 log.warning("job %s: rejected the point of step %d: %s", job_id, point[0], e)
                 rejected += 1
                 self.rejected_total += 1
-        self.store.ingest(job_id, stream, offset, [], chunk.summary, rejected=rejected)
+        self.store.ingest(job_id, stream, offset, [], chunk.summary, rejected, events)
         return stored

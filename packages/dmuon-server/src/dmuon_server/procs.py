@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 
 import psutil
 
@@ -130,3 +131,56 @@ def signal_ranks(job: JobRecord, root: psutil.Process | None, sig: int) -> int:
         return signal_job(job, root, sig)
     signal_all(ranks, sig)
     return len(ranks)
+
+
+#: Signals that ask a process to end; one that is pending on a stopped process waits for a
+#: SIGCONT that may never come.
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def _pending_signals(pid: int) -> int:
+    """The signals pending on process ``pid`` (a bit mask, bit ``n - 1`` for signal ``n``),
+    from ``/proc/<pid>/status``; 0 where that cannot be read."""
+    mask = 0
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("SigPnd", "ShdPnd"):
+                    mask |= int(value.strip(), 16)
+    except (OSError, ValueError):
+        return 0
+    return mask
+
+
+def stopped_and_told_to_end(p: psutil.Process) -> bool:
+    """Whether ``p`` is stopped (SIGSTOP, a debugger) with SIGTERM, SIGINT or SIGHUP
+    pending: it was asked to end and cannot act on it until continued."""
+    try:
+        if p.status() not in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP):
+            return False
+    except psutil.Error:
+        return False
+    pending = _pending_signals(p.pid)
+    return any(pending & (1 << (int(s) - 1)) for s in _ENDING_SIGNALS)
+
+
+def kill_stopped_ranks(root: psutil.Process) -> list[int]:
+    """SIGKILL the ranks (children of the runner ``root``) that are stopped while told to
+    end, and return their pids.
+
+    When one rank fails, torchrun sends SIGTERM to the others and waits 30 s before its
+    SIGKILL; a rank stopped with SIGSTOP (or hung in a stopped state) would hold the
+    attempt that long. SIGKILL acts on a stopped process at once.
+    """
+    killed = []
+    try:
+        ranks = root.children()
+    except psutil.Error:
+        return []
+    for p in ranks:
+        if stopped_and_told_to_end(p):
+            with contextlib.suppress(psutil.Error):
+                p.send_signal(signal.SIGKILL)
+                killed.append(p.pid)
+    return killed

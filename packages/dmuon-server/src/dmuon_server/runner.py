@@ -26,6 +26,7 @@ torchrun in-process keeps both. This module imports torch; the server itself nev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -148,7 +149,13 @@ def run(job_dir: Path, torchrun_args: list[str]) -> int:
         rc = 1
     report["returncode"] = rc
     report["finished_at"] = time.time()
-    write_json_atomic(job_dir / EXIT_FILE, report)
+    try:
+        write_json_atomic(job_dir / EXIT_FILE, report)
+    except OSError as e:
+        # A full disk, say: the exit status still tells the server how torchrun ended
+        # (and the log may not take this line either).
+        with contextlib.suppress(OSError):
+            print(f"dmuon_server.runner: could not write {EXIT_FILE}: {e}", file=sys.stderr)
     return rc
 
 
@@ -190,6 +197,8 @@ if __name__ == "__main__":
     code = main()
     # The exit report is on disk and torchrun has shut its workers down; skip the
     # interpreter teardown (torch's atexit hooks and threads take up to a second or two).
-    sys.stdout.flush()
-    sys.stderr.flush()
+    # A full disk must not turn the exit status into a traceback's.
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError):
+            stream.flush()
     os._exit(code)

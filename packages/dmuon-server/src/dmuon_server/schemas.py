@@ -225,6 +225,22 @@ class TrainSpec(_Strict):
         le=1_000_000,
         description="Keep the newest K checkpoints (`--keep-checkpoints`); 0 keeps all.",
     )
+    on_checkpoint_error: _choices("on_checkpoint_error") | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="A checkpoint that cannot be written, as on a full disk "
+        "(`--on-checkpoint-error`): `stop` fails the job (exit code 4, not retried), `warn` "
+        "keeps training and adds a `checkpoint_failed` warning to the job's events each "
+        f"time; {_default_text('on_checkpoint_error')}.",
+    )
+    collective_timeout: int | None = Field(
+        default=None,
+        ge=1,
+        le=86_400,
+        description="Seconds a collective waits for every process (`--collective-timeout`): "
+        "a process that died or stalled (stopped, hung) makes the others fail within it, "
+        "and the attempt counts as failed for `max_restarts`; "
+        f"{_default_text('collective_timeout')}.",
+    )
 
     @property
     def preset(self) -> str | None:
@@ -469,6 +485,25 @@ class Transition(BaseModel):
     at: datetime
 
 
+class JobEvent(BaseModel):
+    """Something the job's recipe reported besides its metric points (an event line of its
+    metrics file): a damaged checkpoint it skipped, a checkpoint it could not write, a stop
+    on a signal."""
+
+    kind: str = Field(
+        description="The recipe's event: `checkpoint_skipped` (`--resume auto` passed over "
+        "a damaged checkpoint), `checkpoint_failed` (a checkpoint could not be written and "
+        "`--on-checkpoint-error warn` kept training), `stopped` (a signal stopped it)."
+    )
+    level: Literal["warning", "info"] = Field(
+        description="`warning` for `checkpoint_skipped` and `checkpoint_failed`."
+    )
+    message: str = Field(description="What happened, naming the checkpoint and the cause.")
+    step: int | None = Field(default=None, description="The step it concerns, if any.")
+    attempt: int = Field(description="The attempt whose recipe reported it.")
+    at: datetime = Field(description="When the server read it.")
+
+
 class FailureInfo(BaseModel):
     """Why a job failed: the first failing rank and the end of its log."""
 
@@ -554,6 +589,11 @@ class Job(BaseModel):
     reason: str | None = Field(default=None, description="Reason of the latest transition.")
     cancel_requested: bool = False
     history: list[Transition] = Field(default_factory=list)
+    events: list[JobEvent] = Field(
+        default_factory=list,
+        description="What the recipe reported besides metric points, oldest first; the "
+        "event stream sends each as a `warning` or `info` event.",
+    )
     attempts: list[Attempt] = Field(
         default_factory=list, description="Each launch of the job's processes, oldest first."
     )

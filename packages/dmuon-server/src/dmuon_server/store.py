@@ -9,8 +9,10 @@ its first transition; a batch of metric points and the file offset after them) i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import shutil
 import sqlite3
 import threading
 import time
@@ -130,6 +132,17 @@ CREATE TABLE IF NOT EXISTS attempts (
     slurm_job_id TEXT,
     PRIMARY KEY (job_id, number)
 ) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    kind TEXT NOT NULL,
+    level TEXT NOT NULL,
+    message TEXT NOT NULL,
+    step INTEGER,
+    at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events (job_id, id);
 CREATE TABLE IF NOT EXISTS offsets (
     job_id TEXT NOT NULL,
     stream TEXT NOT NULL,
@@ -230,6 +243,25 @@ def _next_queue_seq(c: sqlite3.Connection) -> int:
     return int(c.execute("SELECT COALESCE(MAX(queue_seq), 0) + 1 FROM jobs").fetchone()[0])
 
 
+@dataclass(frozen=True)
+class EventRecord:
+    """An event the recipe wrote into its metrics file, as the job keeps it.
+
+    Attributes:
+        attempt: The attempt whose file held it.
+        kind: The recipe's ``event`` (``checkpoint_skipped``, ``checkpoint_failed``, ...).
+        level: ``warning`` or ``info``.
+        message: What happened, in one line a person reads.
+        step: The step it concerns, when it names one.
+    """
+
+    attempt: int
+    kind: str
+    level: str
+    message: str
+    step: int | None = None
+
+
 class IdempotencyConflict(Exception):
     """The idempotency key is already bound to a job with a different spec."""
 
@@ -241,6 +273,18 @@ class IdempotencyConflict(Exception):
 
 class StoreError(Exception):
     """The database cannot be opened or used; the message names the file."""
+
+
+class StoreUnavailable(StoreError):
+    """A read or write failed in SQLite (an I/O error, say); nothing was half-written."""
+
+
+class StoreFull(StoreUnavailable):
+    """A write failed because the database's disk is full ("database or disk is full")."""
+
+
+#: SQLite's result code for "database or disk is full".
+_SQLITE_FULL = 13
 
 
 class Store:
@@ -382,19 +426,52 @@ class Store:
 
     @contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """Run the body as one ``BEGIN IMMEDIATE`` transaction under the lock."""
+        """Run the body as one ``BEGIN IMMEDIATE`` transaction under the lock.
+
+        SQLite's own errors (a full disk, an I/O error) leave nothing half-written and are
+        raised as :class:`StoreFull` or :class:`StoreUnavailable`, naming the database.
+        """
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self._conn
-            except BaseException:
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                except BaseException:
+                    self._rollback()
+                    raise
+                try:
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    self._rollback()
+                    raise
+            except sqlite3.OperationalError as e:
+                raise self._unavailable(e) from e
+
+    def _rollback(self) -> None:
+        if self._conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
                 self._conn.execute("ROLLBACK")
-                raise
-            else:
-                self._conn.execute("COMMIT")
+
+    def _unavailable(self, e: sqlite3.Error) -> StoreUnavailable:
+        """The error to raise for SQLite's ``e``: :class:`StoreFull` for a full disk."""
+        code = getattr(e, "sqlite_errorcode", None)
+        if code == _SQLITE_FULL or "disk is full" in str(e):
+            try:
+                free = f"{shutil.disk_usage(self.path.parent).free / 2**20:.1f} MiB free"
+            except OSError:
+                free = "free space unknown"
+            return StoreFull(
+                f"the server's database {self.path.name} cannot be written: its disk is full "
+                f"({free} in the data directory). Free space there (delete finished jobs "
+                "or their checkpoints), then try again"
+            )
+        return StoreUnavailable(f"the server's database {self.path.name} failed: {e}")
 
     def _query(self, sql: str, params: Sequence[Any] = ()) -> list[dict[str, Any]]:
-        return [dict(r) for r in self._reader().execute(sql, params).fetchall()]
+        try:
+            return [dict(r) for r in self._reader().execute(sql, params).fetchall()]
+        except sqlite3.OperationalError as e:
+            raise self._unavailable(e) from e
 
     # ----------------------------------------------------------------------------- jobs
 
@@ -454,7 +531,11 @@ class Store:
             return JobRecord.from_row(row), True
 
     def _jobs(self, sql: str, params: Sequence[Any] = ()) -> list[JobRecord]:
-        return [JobRecord.from_row(r) for r in self._reader().execute(sql, params).fetchall()]
+        try:
+            rows = self._reader().execute(sql, params).fetchall()
+        except sqlite3.OperationalError as e:
+            raise self._unavailable(e) from e
+        return [JobRecord.from_row(r) for r in rows]
 
     def get_job(self, job_id: str) -> JobRecord | None:
         """Return the job, or None."""
@@ -567,7 +648,7 @@ class Store:
             if row is None or row["state"] not in TERMINAL_STATES:
                 return False
             c.execute("DELETE FROM metrics WHERE job = ?", (_seq(c, job_id),))
-            for table in ("summaries", "offsets", "transitions", "attempts"):
+            for table in ("summaries", "offsets", "transitions", "attempts", "events"):
                 c.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             c.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return True
@@ -671,6 +752,14 @@ class Store:
             (job_id, after_id),
         )
 
+    def events(self, job_id: str, after_id: int = 0) -> list[dict[str, Any]]:
+        """Return a job's recipe events with ``id > after_id``, oldest first."""
+        return self._query(
+            "SELECT id, attempt, kind, level, message, step, at FROM events"
+            " WHERE job_id = ? AND id > ? ORDER BY id",
+            (job_id, after_id),
+        )
+
     # -------------------------------------------------------------------------- metrics
 
     def get_offset(self, job_id: str, stream: str) -> int:
@@ -688,6 +777,7 @@ class Store:
         points: Sequence[tuple[int, dict[str, Any]]],
         recipe_summary: dict[str, Any] | None = None,
         rejected: int = 0,
+        events: Sequence[EventRecord] = (),
     ) -> int:
         """Store metric points and the file offset after them in one transaction.
 
@@ -695,7 +785,9 @@ class Store:
         (non-finite floats encoded). A step seen before is merged key by key (a recipe may
         report the eval of a step on its own line), so re-reading never duplicates. The
         job's summary (:meth:`metric_summary`) follows in the same transaction, with
-        ``rejected`` more lines counted as rejected. Returns the number of points written.
+        ``rejected`` more lines counted as rejected; so do the recipe's ``events`` read
+        from the same lines (stored once, like the points). Returns the number of points
+        written.
         """
         now = time.time()
         written = 0
@@ -735,6 +827,12 @@ class Store:
                 " ON CONFLICT (job_id, stream) DO UPDATE SET byte_offset = excluded.byte_offset",
                 (job_id, stream, new_offset),
             )
+            for ev in events:
+                c.execute(
+                    "INSERT INTO events (job_id, attempt, kind, level, message, step, at)"
+                    " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (job_id, ev.attempt, ev.kind, ev.level, ev.message, ev.step, now),
+                )
             if recipe_summary is not None:
                 c.execute(
                     "UPDATE jobs SET recipe_summary = ? WHERE id = ?",

@@ -29,7 +29,7 @@ from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.queue_policy import Place, Plan, Waiting
 from dmuon_server.records import JobRecord
 from dmuon_server.schemas import ACTIVE_STATES, TERMINAL_STATES
-from dmuon_server.store import Store
+from dmuon_server.store import Store, StoreFull
 
 log = logging.getLogger("dmuon_server.supervisor")
 
@@ -133,13 +133,18 @@ class Supervisor:
         try:
             yield
         except Exception as e:
-            what = f"{type(e).__name__}: {e}"
-            self.errors_total += 1
-            if self._last_error.get(job_id) != what:
-                self._last_error[job_id] = what
-                log.exception("job %s: supervision round failed", job_id or "(queue)")
+            self._note_error(job_id, e)
         else:
             self._last_error.pop(job_id, None)
+
+    def _note_error(self, job_id: str | None, e: Exception) -> None:
+        """Count an error of a round and log it the first time it is seen for the job (a
+        full disk once, whatever its message says of the free space)."""
+        what = type(e).__name__ if isinstance(e, StoreFull) else f"{type(e).__name__}: {e}"
+        self.errors_total += 1
+        if self._last_error.get(job_id) != what:
+            self._last_error[job_id] = what
+            log.error("job %s: supervision round failed", job_id or "(queue)", exc_info=e)
 
     # ------------------------------------------------------------------ scheduling
 

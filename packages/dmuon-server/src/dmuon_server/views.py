@@ -17,6 +17,7 @@ from dmuon_server.schemas import (
     Attempt,
     FailureInfo,
     Job,
+    JobEvent,
     JobSummary,
     MetricPoint,
     Transition,
@@ -114,6 +115,7 @@ def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = 
         )
         for a in store.attempts(job.id)
     ]
+    events = [event_view(e) for e in store.events(job.id)]
     failure = FailureInfo(**json.loads(job.failure)) if job.failure else None
     recipe_summary = json.loads(job.recipe_summary) if job.recipe_summary else None
     place = (places or {}).get(job.id) if job.state == "queued" else None
@@ -145,10 +147,23 @@ def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = 
         reason=job.reason,
         cancel_requested=job.cancel_requested_at is not None,
         history=history,
+        events=events,
         attempts=attempts,
         failure=failure,
         summary=summarize(store, job),
         recipe_summary=recipe_summary,
+    )
+
+
+def event_view(row: Mapping[str, Any]) -> JobEvent:
+    """A stored recipe event (a row of :meth:`Store.events`) as the API shows it."""
+    return JobEvent(
+        kind=row["kind"],
+        level=row["level"],
+        message=row["message"],
+        step=row["step"],
+        attempt=row["attempt"],
+        at=ts(row["at"]),  # type: ignore[arg-type]
     )
 
 

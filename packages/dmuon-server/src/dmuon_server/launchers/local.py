@@ -12,6 +12,11 @@ it neither notices nor dies when the server stops. Each round (:meth:`LocalLaunc
   (:mod:`dmuon_server.attempts`);
 * cancellations escalate: SIGTERM to the job's ranks at once (the recipe finishes its
   step, saves a checkpoint and exits 0), SIGKILL to what is left after ``cancel_grace_s``;
+* a rank stopped (SIGSTOP) while torchrun tells it to end, because another rank failed,
+  is killed at once (:func:`dmuon_server.procs.kill_stopped_ranks`), so the attempt ends;
+* on a full data directory a job's end is still seen (its points wait in its file), and
+  the server's reserve (:class:`dmuon_server.datadir.SpaceReserve`) is given back to
+  record it;
 * a job whose rank died is relaunched, up to the spec's ``max_restarts`` times (see
   :func:`dmuon_server.jobfiles.restartable`), on the same GPUs.
 
@@ -33,20 +38,22 @@ import psutil
 from dmuon_server import attempts
 from dmuon_server.attempts import Move
 from dmuon_server.config import Settings
-from dmuon_server.jobfiles import LOG_FILE, metrics_file, read_exit_report
+from dmuon_server.datadir import SpaceReserve, disk_full
+from dmuon_server.jobfiles import DISK_FULL_TEXT, LOG_FILE, metrics_file, read_exit_report
 from dmuon_server.launchers.base import Isolated
 from dmuon_server.metrics import Hub, MetricsTailer, metrics_stream
 from dmuon_server.procs import (
     find_job_processes,
     find_runner,
     kill_and_reap,
+    kill_stopped_ranks,
     signal_job,
     signal_ranks,
     verified_process,
 )
 from dmuon_server.records import JobRecord
 from dmuon_server.schemas import ACTIVE_STATES
-from dmuon_server.store import Store
+from dmuon_server.store import Store, StoreFull
 
 log = logging.getLogger("dmuon_server.launchers.local")
 
@@ -67,6 +74,11 @@ class LocalLauncher:
         self.launched_total = 0
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._cancel_deadline: dict[str, float] = {}
+        self.reserve = SpaceReserve(settings.data_dir, settings.disk_reserve_bytes)
+        #: Whether the disk was full when a job's attempt was seen to end (kept until the
+        #: attempt is recorded, over rounds whose writes fail).
+        self._full: dict[str, bool] = {}
+        self._full_logged: set[str] = set()
 
     # ------------------------------------------------------------------- recovery
 
@@ -186,19 +198,51 @@ class LocalLauncher:
 
     def tick(self, isolated: Isolated) -> None:
         """Watch every active job once (see the module docstring)."""
+        self.reserve.replenish()
         for job in self.store.jobs_in_states(ACTIVE_STATES):
             with isolated(job.id):
                 self._watch(job)
 
     def _watch(self, job: JobRecord) -> None:
         if job.pid is None:
-            return  # being launched by this very thread, or adopted in recover()
+            # recover() adopted or failed every such job of a previous server, and this
+            # thread launches jobs in full: a launch of an earlier round stopped midway (a
+            # write failed on a full disk). Record its pid now, or fail it.
+            child = self._children.get(job.id)
+            if child is not None:
+                try:
+                    create_time = psutil.Process(child.pid).create_time()
+                except psutil.Error:
+                    create_time = time.time()
+                self.store.update_job(
+                    job.id, pid=child.pid, pgid=child.pid, create_time=create_time
+                )
+            else:
+                self._move(
+                    job.id,
+                    "failed",
+                    "the job could not be launched (the server's writes failed"
+                    + (f": {DISK_FULL_TEXT})" if disk_full(self.settings.jobs_dir) else ")"),
+                    from_states=ACTIVE_STATES,
+                )
+            return
         attempt = self.store.current_attempt(job.id)
-        polled = self.tailer.poll(
-            job.id,
-            self.settings.job_dir(job.id) / metrics_file(attempt),
-            stream=metrics_stream(attempt),
-        )
+        try:
+            polled = self.tailer.poll(
+                job.id,
+                self.settings.job_dir(job.id) / metrics_file(attempt),
+                stream=metrics_stream(attempt),
+                attempt=attempt,
+            )
+        except StoreFull:
+            # The points wait in the file (the final read takes them); whether the job's
+            # processes ended must still be seen, or a job on a full disk runs forever.
+            if job.id not in self._full_logged:
+                self._full_logged.add(job.id)
+                log.warning("job %s: its metrics wait in its file: the disk is full", job.id)
+            polled = 0
+        else:
+            self._full_logged.discard(job.id)
         # A relaunched attempt keeps the points of the steps before its checkpoint: only
         # this attempt's own file tells that it runs.
         if job.state == "starting" and (
@@ -213,6 +257,11 @@ class LocalLauncher:
         else:
             ended = verified_process(job.pid, job.create_time) is None
         if not ended:
+            root = verified_process(job.pid, job.create_time)
+            if root is not None:
+                for pid in kill_stopped_ranks(root):
+                    log.warning("job %s: SIGKILL to rank pid %d: it is stopped (SIGSTOP) "
+                                "with a SIGTERM pending it cannot act on", job.id, pid)  # fmt: skip
             deadline = self._cancel_deadline.get(job.id)
             if deadline is not None and time.time() >= deadline:
                 root = verified_process(job.pid, job.create_time)
@@ -223,22 +272,43 @@ class LocalLauncher:
         self._finish(job, attempt)
 
     def _finish(self, job: JobRecord, attempt: int) -> None:
+        """Conclude the ended attempt; on a full disk, give the server's reserve back and
+        write it again at once, before anything else takes the space."""
+        # Judged before anything is written: a full disk may be why the runner left no
+        # report, and the reserve may go below.
+        full = self._full.setdefault(job.id, disk_full(self.settings.job_dir(job.id), self.reserve))
+        try:
+            self._conclude(job, attempt, full)
+        except StoreFull as e:
+            if not self.reserve.release():
+                raise
+            log.warning("job %s: %s; gave back the %d-byte reserve to record how it ended",
+                        job.id, e, self.reserve.size)  # fmt: skip
+            self._conclude(job, attempt, full)
+
+    def _conclude(self, job: JobRecord, attempt: int, full: bool) -> None:
+        job_dir = self.settings.job_dir(job.id)
         attempts.final_poll(self.settings, self.tailer, job, attempt)
         # Whatever survived the runner is an orphan: end it (and wait for it) now.
         leftovers = find_job_processes(job.id)
         if leftovers:
             log.warning("job %s: killing %d leftover process(es)", job.id, len(leftovers))
             kill_and_reap(leftovers, signal.SIGKILL)
-        child = self._children.pop(job.id, None)
+        # The child is forgotten only once the outcome is recorded: a round whose write
+        # fails (a full disk) is repeated with its exit status.
+        child = self._children.get(job.id)
         child_rc = child.returncode if child is not None else None
         self._cancel_deadline.pop(job.id, None)
         fresh = self.store.get_job(job.id) or job
-        report = read_exit_report(self.settings.job_dir(job.id))
-        outcome = attempts.conclude(self.settings, fresh, report, child_rc)
+        report = read_exit_report(job_dir)
+        outcome = attempts.conclude(self.settings, fresh, report, child_rc, disk_full=full)
         if outcome.retry and self._restart(fresh, attempt, outcome):
+            self._full.pop(job.id, None)
             return
         if attempts.record(self.store, self._move, job.id, attempt, outcome, ACTIVE_STATES):
             log.info("job %s: %s (%s)", job.id, outcome.state, outcome.reason)
+        self._children.pop(job.id, None)
+        self._full.pop(job.id, None)
 
     def _restart(self, job: JobRecord, attempt: int, outcome: attempts.Outcome) -> bool:
         """Relaunch a job whose attempt failed, if restarts are left; whether it was.

@@ -221,7 +221,7 @@ class SlurmLauncher:
         assert slurm_id is not None
         attempt = self.store.current_attempt(job_id)
         path = self.settings.job_dir(job_id) / metrics_file(attempt)
-        self.tailer.poll(job_id, path, stream=metrics_stream(attempt))
+        self.tailer.poll(job_id, path, stream=metrics_stream(attempt), attempt=attempt)
         deadline = self._cancel_deadline.get(job_id)
         if deadline is not None and time.time() >= deadline:
             log.warning("job %s: grace period over, scancel %s", job_id, slurm_id)

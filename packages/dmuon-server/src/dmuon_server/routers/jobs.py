@@ -52,7 +52,7 @@ from dmuon_server.schemas import (
     LogLines,
     ResumeRequest,
 )
-from dmuon_server.store import IdempotencyConflict, Store
+from dmuon_server.store import IdempotencyConflict, Store, StoreFull
 from dmuon_server.supervisor import JobFinishing
 from dmuon_server.users import User
 from dmuon_server.views import job_view, ts
@@ -296,9 +296,18 @@ def cancel_job(job: JobDep, store: StoreDep, supervisor: SupervisorDep) -> Job:
     responses=error_responses(401, 404, 409, 422),
 )
 def delete_job(job: JobDep, settings: SettingsDep, store: StoreDep) -> Response:
-    """Forget a finished job: its record, metrics and working folder."""
+    """Forget a finished job: its record, metrics and working folder.
+
+    On a full disk (the database cannot even write its deletion) the folder of the
+    finished job goes first, which frees the space the deletion needs.
+    """
     job_id = job.id
-    if job.state not in TERMINAL_STATES or not store.delete_job(job_id):
+    try:
+        deleted = job.state in TERMINAL_STATES and store.delete_job(job_id)
+    except StoreFull:
+        shutil.rmtree(settings.job_dir(job_id), ignore_errors=True)
+        deleted = store.delete_job(job_id)
+    if not deleted:
         raise ApiError(
             409,
             "Job not finished",

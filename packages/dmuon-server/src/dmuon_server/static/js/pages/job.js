@@ -66,6 +66,7 @@ export function renderJob(main, jobId) {
   const checkpoints = h("section", { id: "job-checkpoints", hidden: true });
   const artifacts = h("section", { id: "job-artifacts", hidden: true });
   const attempts = h("section", { id: "job-attempts", hidden: true });
+  const events = h("section", { id: "job-events", hidden: true });
   const recipe = h("section", { id: "job-recipe", hidden: true });
   const logs = h("pre", { id: "job-logs", tabindex: "0" });
   const spec = h("pre", { id: "job-spec", tabindex: "0" });
@@ -78,6 +79,7 @@ export function renderJob(main, jobId) {
     h("div", { class: "toolbar" }, cancel, resume, copy),
     tiles,
     failure,
+    events,
     h("h2", {}, t("job.loss")),
     h(
       "div",
@@ -285,6 +287,20 @@ export function renderJob(main, jobId) {
     } else {
       failure.hidden = true;
     }
+    if (Array.isArray(job.events) && job.events.length) {
+      events.hidden = false;
+      events.replaceChildren(
+        h("h2", {}, t("job.events")),
+        h("ul", { class: "events" }, ...job.events.map((e) =>
+          h("li", { class: e.level === "warning" ? "warning" : "", "data-kind": e.kind },
+            h("strong", {}, e.level === "warning" ? t("job.warning") : e.kind), " ",
+            e.message, " ", h("span", { class: "muted" },
+              [e.step !== null ? `${t("job.step")} ${e.step}` : "", `#${e.attempt}`, fmtTime(e.at)]
+                .filter(Boolean).join(" · "))))),
+      );
+    } else {
+      events.hidden = true;
+    }
     if (Array.isArray(job.attempts) && job.attempts.length) {
       attempts.hidden = false;
       attempts.replaceChildren(h("h2", {}, t("job.attempts")), genericTable(job.attempts));
@@ -372,11 +388,16 @@ export function renderJob(main, jobId) {
   function startStream() {
     if (stream) stream.close();
     const after = series.step.length ? series.step[series.step.length - 1] : -1;
+    let seenEvents = 0;
     stream = followEvents(`${path}/events?after_step=${after}`, {
       onEvent(type, data) {
         if (type === "metric") {
           addPoint(data);
           scheduleDraw();
+        } else if ((type === "warning" || type === "info") && job) {
+          // Each connection sends the stored events first: refresh only for a new one.
+          seenEvents += 1;
+          if (seenEvents > (job.events || []).length) refresh().catch(() => {});
         } else if (type === "state" && job && data.state && data.state !== job.state) {
           refresh().catch(() => {});
         } else if (type === "state" && job && data.state === "queued") {

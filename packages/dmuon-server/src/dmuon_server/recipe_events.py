@@ -1,0 +1,59 @@
+"""What the recipe's event lines say, as a job's events show them.
+
+The recipe writes an event line (``{"event": ..., ...}``, `dmuon_recipe_contract.EVENT_KEY`)
+into its metrics file when something happened that is not a metric point: a damaged
+checkpoint that ``--resume auto`` passed over (``checkpoint_skipped``), a checkpoint that
+could not be written while ``--on-checkpoint-error warn`` kept training
+(``checkpoint_failed``), a stop on a signal (``stopped``). Each becomes one
+:class:`~dmuon_server.store.EventRecord` with a level and a one-line message; the first two
+are warnings.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import PurePath
+from typing import Any
+
+import dmuon_recipe_contract as contract
+
+from dmuon_server.store import EventRecord
+
+#: Events that say something went wrong while the run went on.
+WARNING_EVENTS = frozenset({contract.CHECKPOINT_SKIPPED_EVENT, contract.CHECKPOINT_FAILED_EVENT})
+#: Longest message kept (the recipe's are a few hundred characters).
+MAX_MESSAGE_CHARS = 2000
+
+
+def _name(path: Any) -> str:
+    """The folder name of a checkpoint path (the job's folders are the server's)."""
+    return PurePath(str(path)).name if path else "?"
+
+
+def _clip(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
+
+
+def describe(obj: dict[str, Any], attempt: int) -> EventRecord:
+    """The event of attempt ``attempt`` that the parsed line ``obj`` holds."""
+    kind = str(obj.get(contract.EVENT_KEY))[:64]
+    step = obj.get("step")
+    step = step if isinstance(step, int) and not isinstance(step, bool) else None
+    level = "warning" if kind in WARNING_EVENTS else "info"
+    if kind == contract.CHECKPOINT_SKIPPED_EVENT:
+        problems = obj.get("problems")
+        why = "; ".join(map(str, problems)) if isinstance(problems, list) and problems else "?"
+        message = f"skipped the damaged checkpoint {_name(obj.get('checkpoint'))}: {why}"
+    elif kind == contract.CHECKPOINT_FAILED_EVENT:
+        message = str(obj.get("message") or f"the checkpoint of step {step} was not written")
+    elif kind == contract.STOPPED_EVENT:
+        by = obj.get("signal") or "a signal on another rank"
+        saved = obj.get("checkpoint")
+        message = f"stopped by {by} after step {step}" + (
+            f", saved checkpoint {_name(saved)}" if saved else ", no checkpoint saved"
+        )
+    else:
+        rest = {k: v for k, v in obj.items() if k != contract.EVENT_KEY}
+        message = f"{kind}: {json.dumps(rest, sort_keys=True)}" if rest else kind
+    return EventRecord(attempt, kind, level, _clip(message), step)
