@@ -488,6 +488,8 @@ def _recipe(settings: Settings, spec: JobCreate, job_dir: Path, accepted: Review
         ("data", None if data is None else str(data)),
         ("text_field", t.text_field),
         ("param_dtype", t.param_dtype),
+        ("reduce_dtype", t.reduce_dtype),
+        ("broadcast_dtype", t.broadcast_dtype),
         ("checkpoint_dir", str(job_dir / CHECKPOINT_DIR)),
         ("checkpoint_every", str(t.checkpoint_every)),
         ("keep_checkpoints", str(t.keep_checkpoints)),

@@ -225,6 +225,17 @@ class TrainSpec(_Strict):
         le=1_000_000,
         description="Keep the newest K checkpoints (`--keep-checkpoints`); 0 keeps all.",
     )
+    reduce_dtype: _choices("reduce_dtype") | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="Dtype the dedicated matrices' gradients are summed in on their way to "
+        "the owner (`--reduce-dtype`); `bfloat16` halves those bytes, the accumulation, "
+        f"masters and momentum stay float32; {_default_text('reduce_dtype')}.",
+    )
+    broadcast_dtype: _choices("broadcast_dtype") | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="Dtype the dedicated matrices are broadcast in (`--broadcast-dtype`); "
+        f"`bfloat16` halves those bytes; {_default_text('broadcast_dtype')}.",
+    )
     on_checkpoint_error: _choices("on_checkpoint_error") | None = Field(  # type: ignore[valid-type]
         default=None,
         description="A checkpoint that cannot be written, as on a full disk "
