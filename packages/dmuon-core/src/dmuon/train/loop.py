@@ -317,6 +317,7 @@ class Trainer:
             lr=config.lr,
             adamw_lr=config.adamw_rate,
             ns_dtype=config.ns_dtype,
+            variant=config.muon_variant,
         )
         self._lr_factor = lr_lambda(config.warmup_steps, config.steps, config.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
