@@ -5,15 +5,15 @@ coefficients in float32, Nesterov momentum, the per-neuron second moment
 (``s = lerp(s, mean(O**2 over inputs), 1 - beta2)``, ``O / (sqrt(s) + 1e-10)``, rescaled to
 O's Frobenius norm), the learning-rate adjustment and decoupled weight decay. One process
 (matrices batched by shape, a split matrix, a transposed one, a 3-D stack), then two gloo
-ranks with FSDP2 in Z2 and Z3 against the one-process run on the global batch, and a DCP
-checkpoint written at two ranks and resumed at one.
+ranks (FSDP2 in Z2 and Z3, and DDP) against the one-process run on the global batch, a DCP
+checkpoint written at two ranks and resumed at one, and expert stacks split over the two
+ranks saving and loading their second moments.
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -35,6 +35,7 @@ from dmuon._ownership.state import STATE_ATTR, DedicationState, get_dedication
 from dmuon.optim import Muon
 
 BETA2, WD = 0.95, 0.1
+MODES = ("z2", "z3", "ddp")
 
 
 def normuon_oracle(
@@ -291,7 +292,8 @@ def test_tensor_parallel_matrices_are_refused() -> None:
 
 # ----- two ranks and a checkpoint ----------------------------------------------------------
 def build(world: int, mode: str, variant: str = "normuon") -> tuple[nn.Module, Muon]:
-    """TinyLlama dedicated and wrapped with FSDP2 at ``world`` ranks, NorMuon over it."""
+    """TinyLlama dedicated and wrapped (FSDP2 in Z2 or Z3, or DDP) at ``world`` ranks,
+    NorMuon over it; returns the wrapper under DDP."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -300,9 +302,12 @@ def build(world: int, mode: str, variant: str = "normuon") -> tuple[nn.Module, M
     mesh = init_device_mesh("cpu", (world,))
     reshard = mode == "z3"
     dmuon.dedicate_params(model, mesh, reshard_after_forward=reshard)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    if mode == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     optimizer = dmuon.Muon(
         model,
         lr=LR,
@@ -315,10 +320,58 @@ def build(world: int, mode: str, variant: str = "normuon") -> tuple[nn.Module, M
     return model, optimizer
 
 
+def split_stacks(rank: int, world: int) -> dict[str, Any]:
+    """A Mixtral whose expert stacks are split over the ranks: the second moments' state dict.
+
+    Returns each owner's own ranges, the full state dict's stacks, and the full stacks
+    again after the sharded state dict was loaded into a fresh split and unsplit model.
+    """
+    from test_moe_experts import _step, tiny_mixtral
+    from torch.distributed.device_mesh import init_device_mesh
+
+    def build_moe(split: bool) -> tuple[nn.Module, Muon]:
+        from torch.distributed.fsdp import fully_shard
+
+        model = tiny_mixtral()
+        mesh = init_device_mesh("cpu", (world,))
+        dmuon.dedicate_params(model, mesh, split_expert_stacks=split)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_reduce_scatter_unused_params(True)
+        return model, dmuon.Muon(model, ns_dtype=torch.float32, variant="normuon")
+
+    def full_seconds(model: nn.Module, optimizer: Muon) -> dict[str, torch.Tensor]:
+        options = StateDictOptions(full_state_dict=True)
+        osd = dmuon.get_optimizer_state_dict(model, optimizer, options=options)
+        return {
+            n: v["second_moment_buffer"].detach().cpu().clone()
+            for n, v in osd["state"].items()
+            if "second_moment_buffer" in v
+        }
+
+    model, optimizer = build_moe(split=True)
+    for step in range(2):
+        _step(model, optimizer, step, rank, world)
+    own = {
+        dp.name: optimizer.state[dp.param]["second_moment_buffer"].clone()
+        for dp in dmuon.dedicated_parameters(model)
+        if dp.is_range and dp.is_owned
+    }
+    out: dict[str, Any] = {"own": own, "full": full_seconds(model, optimizer)}
+    model_sd, optim_sd = dmuon.get_state_dict(model, optimizer)
+    for split in (True, False):
+        fresh, fresh_opt = build_moe(split)
+        dmuon.set_state_dict(fresh, fresh_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+        out[f"loaded_split={split}"] = full_seconds(fresh, fresh_opt)
+    return out
+
+
 def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
-    """Z2 and Z3 for K + M steps; Z3 saves a DCP checkpoint after K."""
-    out: dict[str, Any] = {}
-    for mode in ("z2", "z3"):
+    """Z2, Z3 and DDP for K + M steps; Z3 saves a DCP checkpoint after K. Then
+    `split_stacks`."""
+    out: dict[str, Any] = {"split_stacks": split_stacks(rank, world)}
+    for mode in MODES:
         model, optimizer = build(world, mode)
         train(model, optimizer, range(K), rank, world)
         if mode == "z3":
@@ -330,7 +383,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
             ).__name__
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root)
         train(model, optimizer, range(K, K + M), rank, world)
-        out[mode] = full_parameters(model)
+        out[mode] = full_parameters(model.module if mode == "ddp" else model)
     return out
 
 
@@ -392,13 +445,21 @@ def _ok(results: list[Any]) -> list[Any]:
     return results
 
 
-def test_two_ranks_match_the_oracle_and_a_checkpoint_resumes_at_one_rank(tmp_path) -> None:
-    root = os.path.join(tmp_path, "normuon")
-    ranks = _ok(spawn_ranks(2, two_ranks, root))
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+    """The two-rank spawn, once for the module: its checkpoint folder and results."""
+    root = str(tmp_path_factory.mktemp("normuon") / "checkpoint")
+    return root, _ok(spawn_ranks(2, two_ranks, root))
+
+
+def test_two_ranks_fsdp2_and_ddp_match_the_oracle_and_a_checkpoint_resumes_at_one_rank(
+    spawned,
+) -> None:
+    root, ranks = spawned
     expected = oracle_tiny_llama(K + M)
     assert any(n.startswith("layers.") for n in expected)
     for rank, result in enumerate(ranks):
-        for mode in ("z2", "z3"):
+        for mode in MODES:
             for n, want in expected.items():
                 diff = (result[mode][n] - want).abs().max().item()
                 assert diff <= 1e-5, f"rank {rank} {mode} {n}: {diff:.3g}"
@@ -411,3 +472,27 @@ def test_two_ranks_match_the_oracle_and_a_checkpoint_resumes_at_one_rank(tmp_pat
     assert "variant 'normuon', this optimizer's is 'muon'" in single["strict_error"]
     assert single["lenient_state"] == ["exp_avg", "exp_avg_sq", "momentum_buffer", "step"]
     assert single["lenient_variant"] == "muon"
+
+
+def test_split_expert_stacks_save_and_load_their_second_moments(spawned) -> None:
+    _, ranks = spawned
+    results = [r["split_stacks"] for r in ranks]
+    own = {name: t for r in results for name, t in r["own"].items()}
+    ranged = sorted({name.split("[")[0] for name in own})
+    assert ranged, "no stack was split over the two ranks"
+    for result in results:
+        for stack in ranged:
+            pieces = sorted(
+                (int(n.split("[")[1].split(":")[0]), t)
+                for n, t in own.items()
+                if n.startswith(stack + "[")
+            )
+            assert len(pieces) == 2  # one range per rank
+            whole = torch.cat([t for _, t in pieces])
+            assert torch.equal(result["full"][stack], whole), stack
+            assert whole.abs().max() > 0  # trained, not the zeros it started at
+        for split in (True, False):
+            loaded = result[f"loaded_split={split}"]
+            assert sorted(loaded) == sorted(result["full"])
+            for name, want in result["full"].items():
+                assert torch.equal(loaded[name], want), (split, name)
