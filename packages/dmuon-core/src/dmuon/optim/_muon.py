@@ -883,9 +883,11 @@ class Muon(torch.optim.Optimizer):
 
 
 def _zero_second_moment(dp: DedicatedParam) -> Tensor:
-    """NorMuon's second moment of ``dp`` at its start: float32 zeros, ``(*lead, out, 1)``."""
+    """NorMuon's second moment of ``dp`` at its start: zeros of ``(*lead, out, 1)``, float32
+    (float64 for float64 weights)."""
     shape = second_moment_shape(dp.shape, dp.transposed)
-    return torch.zeros(shape, dtype=torch.float32, device=dp.param.device)
+    dtype = torch.promote_types(dp.param.dtype, torch.float32)
+    return torch.zeros(shape, dtype=dtype, device=dp.param.device)
 
 
 def _nones(tensor: Tensor, sizes: tuple[int, ...] | None) -> list[None]:

@@ -16,8 +16,9 @@ The second moment is per output neuron whatever the storage layout: a transposed
 ``(in, out)`` matrix (``Conv1D``) is normalized column by column, so it gets the update of
 the same ``nn.Linear``. Its buffer has shape ``(out, 1)`` per matrix, ``(matrices, out, 1)``
 for a 3-D stack, and lives with the momentum on the owner (``state["second_moment_buffer"]``,
-float32). A matrix split into parts (``split``) shares its buffer: the parts are row ranges of
-the same output neurons, and each part keeps its own Frobenius norm.
+float32, or float64 for float64 weights). A matrix split into parts (``split``) shares its
+buffer: the parts are row ranges of the same output neurons, and each part keeps its own
+Frobenius norm.
 """
 
 from __future__ import annotations
@@ -79,10 +80,11 @@ def normalize_rows_(
 
     ``ortho`` is ``(batch, rows, cols)`` as stored; ``seconds[i]`` is matrix ``i``'s second
     moment, ``(out, 1)`` (``rows`` or, when ``transposed``, ``cols`` output neurons),
-    updated in place. Computes in float32 and returns the normalized batch in ``ortho``'s
-    dtype (``ortho`` itself, overwritten, when it is float32).
+    updated in place. Computes in the second moments' dtype (float32, or float64 for float64
+    weights) and returns the normalized batch in ``ortho``'s dtype (``ortho`` itself,
+    overwritten, when the two dtypes agree).
     """
-    o = ortho.float()
+    o = ortho.to(seconds[0].dtype)
     neurons = -2 if transposed else -1  # the dimension averaged over: the inputs
     mean = o.square().mean(dim=neurons, keepdim=True)
     views = [s.mT for s in seconds] if transposed else list(seconds)
