@@ -47,6 +47,9 @@ MEANING: dict[str, dict[str, str]] = {
         "everything",
         "--ns-dtype": "[Newton-Schulz dtype](newton-schulz.md#iteration) of `dmuon`: `auto` "
         "is bfloat16 on CUDA and on CPUs that multiply it natively, float32 elsewhere",
+        "--muon-variant": "update rule of the dedicated matrices: `muon`, or `normuon` "
+        "([NorMuon](newton-schulz.md#normuon): per-neuron second-moment normalization of "
+        "the orthogonalized update)",
         "--mode": "[Z2 or Z3](z2-vs-z3.md), for DMuon's buffers and FSDP2's parameters alike "
         "(`reshard_after_forward` of both)",
         "--hsdp": "replicate degree R of an [HSDP](hsdp.md) mesh: R replicas of world size / R "
@@ -115,6 +118,8 @@ MEANING: dict[str, dict[str, str]] = {
         "DMuon，其余用 AdamW；`adamw` = 全部用 `torch.optim.AdamW`",
         "--ns-dtype": "`dmuon` 的 [Newton-Schulz 数据类型](newton-schulz.md#iteration)：`auto` "
         "在 CUDA 和原生支持 bfloat16 乘法的 CPU 上为 bfloat16，其他情况为 float32",
+        "--muon-variant": "专用矩阵的更新规则：`muon`，或 `normuon`"
+        "（[NorMuon](newton-schulz.md#normuon)：对正交化后的更新按神经元做二阶矩归一化）",
         "--mode": "[Z2 或 Z3](z2-vs-z3.md)，同时作用于 DMuon 的缓冲区和 FSDP2 的参数"
         "（两者的 `reshard_after_forward`）",
         "--hsdp": "[HSDP](hsdp.md) 网格的复制度 R：R 个副本，每个副本 world size / R 个分片"

@@ -158,6 +158,16 @@ def test_ns_dtype_flag_reaches_the_muon_group(
         trainer.close()
 
 
+@pytest.mark.parametrize("variant", ["muon", "normuon"])
+def test_muon_variant_flag_reaches_the_muon_group(base: TrainConfig, variant: str) -> None:
+    flag = parse_args(["--muon-variant", variant]).muon_variant
+    trainer = Trainer(replace(base, optimizer="dmuon", muon_variant=flag))
+    try:
+        assert trainer.optimizer.param_groups[0]["variant"] == variant
+    finally:
+        trainer.close()
+
+
 @pytest.mark.parametrize(
     ("flags", "reduce", "broadcast"),
     [
@@ -246,6 +256,7 @@ def test_accumulation_matches_large_batch_first_update_dmuon(base: TrainConfig) 
         (["--model", "huge"], "--model: 'huge' is neither a preset (base, moe, small, tiny)"),
         (["--optimizer", "sgd"], "--optimizer: invalid choice"),
         (["--mode", "z1"], "--mode: invalid choice"),
+        (["--muon-variant", "adam"], "--muon-variant: invalid choice"),
         (["--lr", "-1"], "--lr: must be a positive finite number"),
         (["--eval-every", "-1"], "--eval-every: must be >= 0"),
     ],

@@ -250,6 +250,10 @@ def test_resume_with_another_optimizer_or_past_the_end_is_an_error(
         Trainer(replace(cfg, optimizer="dmuon"))
     with pytest.raises(ValueError, match="at step 2, past --steps 1"):
         Trainer(replace(cfg, steps=1))
+    muon = replace(cfg, optimizer="dmuon", checkpoint_dir=str(tmp_path / "muon"))
+    run(muon)
+    with pytest.raises(ValueError, match=r"written with --muon-variant muon.*--init-from"):
+        Trainer(replace(muon, muon_variant="normuon"))
 
 
 def test_truncate_after_keeps_earlier_lines_and_events(tmp_path: Path) -> None:

@@ -392,6 +392,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("ns_dtype", "choice", "auto", "Newton-Schulz dtype of dmuon; auto = bfloat16 on "
          "CUDA and on CPUs that multiply it natively (AMX-BF16, AVX512-BF16), float32 "
          "elsewhere", _OPT, choices=("auto", "float32", "bfloat16")),
+    Flag("muon_variant", "choice", "muon", "update rule of dmuon's matrices: muon, or "
+         "normuon (Muon with per-neuron second-moment normalization, beta2 0.95)", _OPT,
+         choices=("muon", "normuon")),
     Flag("lr", "float", 0.02, "peak Muon learning rate of the dedicated matrices (dmuon "
          "only)", _OPT, bound="positive"),
     Flag("adamw_lr", "float", None, "peak AdamW rate: embeddings, norms and lm_head under "

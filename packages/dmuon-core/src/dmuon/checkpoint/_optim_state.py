@@ -3,8 +3,14 @@
 ``state[fqn]`` holds each parameter's state and ``param_groups[i]["params"]`` the FQNs of
 group ``i``, as `torch.distributed.checkpoint.state_dict` gives them. A dedicated
 matrix's Muon momentum (``momentum_buffer``) is stored under the matrix's FQN in the
-matrix's layout (a ``Shard(0)`` DTensor by default); AdamW moments and steps of FSDP2
-parameters are the optimizer's own DTensor shards and scalar tensors.
+matrix's layout (a ``Shard(0)`` DTensor by default); under NorMuon its second moment
+(``second_moment_buffer``, ``(out, 1)`` per matrix) sits next to it in the same layout, so
+it reshards the same way. AdamW moments and steps of FSDP2 parameters are the optimizer's
+own DTensor shards and scalar tensors.
+
+A checkpoint's Muon groups must have this optimizer's ``variant``: in strict mode a
+different one is refused; with ``strict=False`` this optimizer keeps its variant, the
+momenta load, and NorMuon's second moments start at zero (or are dropped, for Muon).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from torch.distributed.checkpoint import state_dict as torch_sd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.planner import state_dict_name
 from dmuon._ownership.state import DedicationState
 from dmuon.checkpoint._dedicated_values import gather_to_owners
@@ -29,7 +36,9 @@ from dmuon.checkpoint._split_stacks import (
     collect_on_lead,
     owner_pieces,
     ranges_by_stack,
+    ranges_of,
 )
+from dmuon.optim._normuon import SECOND_MOMENT, second_moment_record
 
 MOMENTUM = "momentum_buffer"
 
@@ -87,6 +96,25 @@ def _ensure_state(optim: torch.optim.Optimizer) -> None:
         torch_sd._init_optim_state(optim)
 
 
+def _normuon_records(
+    state: DedicationState, optimizers: tuple, loading: set[int] | None = None
+) -> list[DedicatedParam]:
+    """The records of NorMuon groups with the second moment's shapes, in dedication order.
+
+    ``loading`` restricts them to the parameters whose second moments are loaded.
+    """
+    ids = {
+        id(p)
+        for optim in optimizers
+        for group in optim.param_groups
+        if group.get("algorithm") == "muon" and group.get("variant", "muon") == "normuon"
+        for p in group["params"]
+    }
+    if loading is not None:
+        ids &= loading
+    return [second_moment_record(dp) for dp in state.params if id(dp.param) in ids]
+
+
 def _full_value(value: Any, options: StateDictOptions) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -111,6 +139,7 @@ def get_dedicated_optimizer_state_dict(
     rank0_only = options.full_state_dict and options.cpu_offload
     result: dict[str, Any] = {"state": {}, "param_groups": []}
     momentum_of: dict[str, torch.Tensor] = {}  # by record name: ranges apart
+    second_of: dict[str, torch.Tensor] = {}
     record_names = {id(dp.param): dp.name for dp in state.params}
     for optim in optimizers:
         _ensure_state(optim)
@@ -118,6 +147,8 @@ def get_dedicated_optimizer_state_dict(
         for p in params:
             if p in optim.state and MOMENTUM in optim.state[p] and id(p) in names:
                 momentum_of[record_names.get(id(p), names[id(p)])] = optim.state[p][MOMENTUM]
+            if p in optim.state and SECOND_MOMENT in optim.state[p] and id(p) in names:
+                second_of[record_names.get(id(p), names[id(p)])] = optim.state[p][SECOND_MOMENT]
         raw = optim.state_dict()
         for index, entry in raw["state"].items():
             result["state"][names[id(params[index])]] = dict(entry)
@@ -141,6 +172,19 @@ def get_dedicated_optimizer_state_dict(
             result["state"].setdefault(dp.fqn, {})[MOMENTUM] = value
         else:
             result["state"].pop(dp.fqn, None)
+    # NorMuon's second moments: the same moves as the momenta, at their own shapes.
+    records = _normuon_records(state, optimizers)
+    second_ranges = ranges_of(records)
+    for dp in checkpoint_items(records):
+        if dp.fqn in second_ranges:
+            owned = collect_on_lead(
+                layout.comm, second_ranges[dp.fqn], lambda r: second_of.get(r.name)
+            )
+        else:
+            owned = second_of.get(dp.fqn) if dp.is_owned else None
+        value = layout.export(dp, owned, options.full_state_dict, rank0_only)
+        if value is not None:
+            result["state"].setdefault(dp.fqn, {})[SECOND_MOMENT] = value
     if rank0_only and not is_rank0:
         result = {"state": {}, "param_groups": []}
     if options.flatten_optimizer_state_dict:
@@ -249,6 +293,8 @@ def set_dedicated_optimizer_state_dict(
     foreign = bool(loaded_groups) and all("algorithm" not in g for g in loaded_groups)
     if foreign and options.strict:
         raise ValueError(_FOREIGN_HINT)
+    # Parameters whose groups have the checkpoint's variant (the same on every rank).
+    same_variant = set() if foreign else _same_variant(optimizers, loaded_groups, names, options)
     momentum = gather_to_owners(
         layout,
         checkpoint_items(state),
@@ -265,6 +311,23 @@ def set_dedicated_optimizer_state_dict(
             "options=StateDictOptions(strict=False) to start these momenta at zero (the "
             "rest loads), or load only the model part (dmuon.set_model_state_dict) and "
             "start the optimizer fresh."
+        )
+    records = _normuon_records(state, optimizers, same_variant)
+    seconds = gather_to_owners(
+        layout,
+        checkpoint_items(records),
+        lambda dp: loaded_state.get(dp.fqn, {}).get(SECOND_MOMENT),
+        False,
+        "optimizer",
+    )
+    second_pieces = owner_pieces(layout.comm, records, seconds)
+    missing = _unique([dp.fqn for dp in records if dp.fqn not in seconds])
+    if missing and options.strict:
+        raise ValueError(
+            f"the optimizer state dict has no NorMuon second moment for {missing[:5]}; it "
+            "does not come from dmuon.get_optimizer_state_dict of this model and optimizer. "
+            "Pass options=StateDictOptions(strict=False) to start them at zero (the rest "
+            "loads)."
         )
     dedicated = {id(dp.param): dp for dp in state.params}
     for optim in optimizers:
@@ -294,6 +357,12 @@ def set_dedicated_optimizer_state_dict(
                     "and start the optimizer fresh."
                 )
             values = {k: copy.copy(v) for k, v in (source or {}).items() if k != "params"}
+            if (
+                group.get("algorithm") == "muon"
+                and values.get("variant", "muon") != group["variant"]
+            ):
+                # strict=False across variants (checked above): this optimizer's own
+                values["variant"], values["beta2"] = group["variant"], group["beta2"]
             values["params"] = list(range(position, position + len(fqns)))
             index_groups.append(values)
             for p, fqn in zip(group["params"], fqns, strict=True):
@@ -301,6 +370,8 @@ def set_dedicated_optimizer_state_dict(
                 if dp is not None:
                     if dp.is_owned and pieces.get(dp.name) is not None:
                         index_state[position] = {MOMENTUM: pieces[dp.name]}
+                    if dp.is_owned and second_pieces.get(dp.name) is not None:
+                        index_state.setdefault(position, {})[SECOND_MOMENT] = second_pieces[dp.name]
                 elif fqn in loaded_state:
                     index_state[position] = {
                         k: _local_value(p, v) for k, v in loaded_state[fqn].items()
@@ -312,3 +383,36 @@ def set_dedicated_optimizer_state_dict(
                     )
                 position += 1
         optim.load_state_dict({"state": index_state, "param_groups": index_groups})
+
+
+def _same_variant(
+    optimizers: tuple,
+    loaded_groups: list[dict[str, Any]],
+    names: dict[int, str],
+    options: StateDictOptions,
+) -> set[int]:
+    """``id``s of the Muon groups' parameters whose group has the checkpoint's variant.
+
+    Raises in strict mode where a Muon group's variant differs from the checkpoint's (a
+    group without ``variant`` was written by Muon).
+    """
+    same: set[int] = set()
+    for optim in optimizers:
+        for group in optim.param_groups:
+            if group.get("algorithm") != "muon" or not group["params"]:
+                continue
+            first = names[id(group["params"][0])]
+            source = next((g for g in loaded_groups if first in g["params"]), None)
+            ours = group["variant"]
+            theirs = source.get("variant", "muon") if source is not None else ours
+            if ours == theirs:
+                same.update(id(p) for p in group["params"])
+            elif options.strict:
+                raise ValueError(
+                    f"the optimizer state dict's Muon group holding {first!r} is variant "
+                    f"{theirs!r}, this optimizer's is {ours!r}; nothing was loaded. Create "
+                    f"dmuon.Muon(..., variant={theirs!r}) to resume, or pass "
+                    "options=StateDictOptions(strict=False) to continue as "
+                    f"{ours!r}: the momenta load and NorMuon's second moments start at zero."
+                )
+    return same

@@ -24,8 +24,13 @@ from dmuon._ownership.state import DedicationState
 
 def ranges_by_stack(state: DedicationState) -> dict[str, list[DedicatedParam]]:
     """``{fqn: range records in expert order}`` of every split stack."""
+    return ranges_of(state.params)
+
+
+def ranges_of(params: list[DedicatedParam]) -> dict[str, list[DedicatedParam]]:
+    """``{fqn: range records in expert order}`` of the split stacks among ``params``."""
     ranges: dict[str, list[DedicatedParam]] = {}
-    for dp in state.params:
+    for dp in params:
         if dp.is_range:
             ranges.setdefault(dp.fqn, []).append(dp)
     for records in ranges.values():
@@ -33,11 +38,15 @@ def ranges_by_stack(state: DedicationState) -> dict[str, list[DedicatedParam]]:
     return ranges
 
 
-def checkpoint_items(state: DedicationState) -> list[DedicatedParam]:
-    """One record per state-dict entry, in parameter order (the same on every rank)."""
+def checkpoint_items(state: DedicationState | list[DedicatedParam]) -> list[DedicatedParam]:
+    """One record per state-dict entry, in parameter order (the same on every rank).
+
+    ``state`` may be a list of records in the dedication's order instead of the dedication.
+    """
+    params = state.params if isinstance(state, DedicationState) else state
     items: list[DedicatedParam] = []
-    ranges = ranges_by_stack(state)
-    for dp in state.params:
+    ranges = ranges_of(params)
+    for dp in params:
         if not dp.is_range:
             items.append(dp)
         elif dp is ranges[dp.fqn][0]:
@@ -92,20 +101,22 @@ def collect_on_lead(
 
 def owner_pieces(
     comm: Communicator,
-    state: DedicationState,
+    state: DedicationState | list[DedicatedParam],
     loaded: dict[str, torch.Tensor | None],
 ) -> dict[str, torch.Tensor | None]:
     """``{record name: its values on its owner}`` from ``loaded`` (``{fqn: full on owner}``).
 
     An unsplit parameter's value is passed through; a split stack's full value, held by
     its lead, is cut into ranges and sent to their owners. Stacks absent from ``loaded``
-    are skipped (``loaded`` has the same keys on every rank).
+    are skipped (``loaded`` has the same keys on every rank). ``state`` may be a list of
+    records in the dedication's order (with the shapes of the tensors to move).
     """
+    params = state.params if isinstance(state, DedicationState) else state
     pieces: dict[str, torch.Tensor | None] = {}
-    for dp in state.params:
+    for dp in params:
         if not dp.is_range and dp.fqn in loaded:
             pieces[dp.name] = loaded[dp.fqn]
-    for fqn, ranges in ranges_by_stack(state).items():
+    for fqn, ranges in ranges_of(params).items():
         if fqn not in loaded:
             continue
         lead = ranges[0].owner

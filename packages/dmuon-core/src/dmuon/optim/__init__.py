@@ -1,5 +1,5 @@
-"""Muon with dedicated ownership: the optimizer, the Newton-Schulz iteration and its
-constants.
+"""Muon with dedicated ownership: the optimizer (Muon or NorMuon), the Newton-Schulz
+iteration and its constants.
 
 Everything a user calls is exported here; the modules inside are private.
 """
@@ -11,6 +11,7 @@ from dmuon.optim._muon import (
     NonFiniteGradientError,
     adjust_lr_ratio,
 )
+from dmuon.optim._normuon import NORMUON_EPS, VARIANTS
 from dmuon.optim._orthogonalize import (
     COEFFICIENT_SETS,
     GRAM_MIN_ASPECT,
@@ -34,9 +35,11 @@ __all__ = [
     "GRAM_MIN_ASPECT",
     "KELLER_COEFFICIENTS",
     "NONFINITE_POLICIES",
+    "NORMUON_EPS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLAR_EXPRESS_PUBLISHED_COEFFICIENTS",
     "POLAR_EXPRESS_SAFETY_FACTOR",
+    "VARIANTS",
     "CoefficientTriple",
     "Coefficients",
     "Muon",

@@ -34,6 +34,8 @@ MUON_KEYS: tuple[str, ...] = (
     "eps",
     "adjust_lr_fn",
     "nonfinite",
+    "variant",
+    "beta2",
 )
 
 #: Keys of a user group that set the AdamW part, and the name each has in that part.

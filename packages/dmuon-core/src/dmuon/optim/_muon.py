@@ -40,6 +40,7 @@ from dmuon._ownership.gradients import is_absent
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.state import DedicationState, get_dedication, unwrap
 from dmuon.optim._groups import build_param_groups
+from dmuon.optim._normuon import SECOND_MOMENT, VARIANTS, normalize_rows_, second_moment_shape
 from dmuon.optim._orthogonalize import (
     Arena,
     Coefficients,
@@ -134,6 +135,12 @@ def _validate_muon_group(group: dict[str, Any]) -> None:
         raise ValueError(f"eps must be a finite number > 0 (default 1e-7), got {eps!r}")
     if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
         raise _unknown_adjust_lr_fn(group["adjust_lr_fn"])
+    if group.get("variant", "muon") not in VARIANTS:
+        raise ValueError(
+            f"variant must be 'muon' or 'normuon' (NorMuon: Muon with per-neuron "
+            f"second-moment normalization), got {group['variant']!r}"
+        )
+    _check_unit("beta2", group.get("beta2", 0.95), "NorMuon's second-moment decay, e.g. 0.95")
     if group["nonfinite"] not in NONFINITE_POLICIES:
         raise ValueError(
             f"nonfinite must be 'raise' or 'skip' (what to do with a NaN or infinite Muon "
@@ -172,6 +179,13 @@ class Muon(torch.optim.Optimizer):
     W *= 1 - lr * weight_decay
     W -= lr * adjust_lr_ratio(adjust_lr_fn, rows, cols) * O
     ```
+
+    With ``variant="normuon"`` (NorMuon, arXiv 2510.05491) ``O`` is normalized per output
+    neuron before the update: ``s = lerp(s, mean(O**2 over inputs), 1 - beta2)``,
+    ``O = O / (sqrt(s) + 1e-10)``, rescaled to its former Frobenius norm (see
+    ``dmuon.optim._normuon``). ``s`` (``state["second_moment_buffer"]``, ``(out, 1)`` per
+    matrix) lives with the momentum on the owner and is checkpointed like it; there is no
+    extra communication.
 
     Owned matrices of the same shape are orthogonalized together in one batched call, in
     buffers allocated on the first step and reused afterwards; momentum, weight decay and the
@@ -240,6 +254,10 @@ class Muon(torch.optim.Optimizer):
             it replaces the automatic choice. The result is in ``split_sizes``. See
             ``dmuon.optim._split`` and, for the measurement behind the default, the
             compatibility page's mixture-of-experts section.
+        variant: ``"muon"`` (default) or ``"normuon"``: Muon's update, or NorMuon's
+            per-neuron normalization of it (above). A param group may set its own. Not
+            available for matrices split by tensor parallelism.
+        beta2: NorMuon's second-moment decay in [0, 1) (default 0.95; unused by Muon).
 
     Raises:
         ValueError: ``model`` has no dedication state, a dedicated parameter is neither a
@@ -268,6 +286,8 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.01,
         nonfinite: str = "raise",
         split: Split = None,
+        variant: str = "muon",
+        beta2: float = 0.95,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -310,6 +330,8 @@ class Muon(torch.optim.Optimizer):
             adamw_eps=adamw_eps,
             adamw_weight_decay=adamw_weight_decay,
             nonfinite=nonfinite,
+            variant=variant,
+            beta2=beta2,
         )
         groups = build_param_groups(
             model,
@@ -338,6 +360,8 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float,
         adamw_weight_decay: float,
         nonfinite: str,
+        variant: str,
+        beta2: float,
         **_: Any,
     ) -> None:
         """Validate the constructor's hyperparameters; keep them as each algorithm's defaults."""
@@ -354,6 +378,8 @@ class Muon(torch.optim.Optimizer):
                 "eps": eps,
                 "adjust_lr_fn": adjust_lr_fn,
                 "nonfinite": nonfinite,
+                "variant": variant,
+                "beta2": beta2,
             },
             "adamw": {
                 "lr": adamw_lr,
@@ -401,9 +427,58 @@ class Muon(torch.optim.Optimizer):
             param_group.setdefault(key, value)
         if algorithm == "muon":
             _validate_muon_group(param_group)
+            if param_group["variant"] == "normuon":
+                self._check_normuon_layouts(param_group)
         else:
             _validate_adamw_group(param_group)
         super().add_param_group(param_group)
+
+    def _check_normuon_layouts(self, group: dict[str, Any]) -> None:
+        dedicated = self._dedicated_by_id()
+        split = [
+            dedicated[id(p)].fqn
+            for p in group["params"]
+            if id(p) in dedicated and dedicated[id(p)].tp_sharded
+        ]
+        if split:
+            raise ValueError(
+                f"variant='normuon' does not support matrices split by tensor parallelism "
+                f"yet ({split[:3]}); use variant='muon' for them (a param group of their own "
+                "may set it), or leave them out of the tensor-parallel plan"
+            )
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``state_dict()`` of this optimizer (torch's method, plus one check).
+
+        Every Muon group must have the variant the checkpoint was written with (a
+        checkpoint without ``variant`` is Muon's): NorMuon's second moments cannot be
+        made up from Muon's state. To switch variants, load the checkpoint with
+        ``dmuon.set_optimizer_state_dict(..., options=StateDictOptions(strict=False))``,
+        which keeps this optimizer's variant, loads the momenta and starts NorMuon's
+        second moments at zero.
+
+        Raises:
+            ValueError: a Muon group's variant differs from the checkpoint's.
+        """
+        for index, (ours, saved) in enumerate(
+            zip(self.param_groups, state_dict.get("param_groups", []), strict=False)
+        ):
+            if ours.get("algorithm") != "muon" or saved.get("algorithm") != "muon":
+                continue
+            mine, theirs = ours["variant"], saved.get("variant", "muon")
+            if mine != theirs:
+                raise ValueError(
+                    f"param group {index} ({ours.get('name')!r}) is variant {mine!r}, the "
+                    f"checkpoint's is {theirs!r}; nothing was loaded. Create the optimizer "
+                    f"with variant={theirs!r} to resume, or load with "
+                    "dmuon.set_optimizer_state_dict(..., options=StateDictOptions("
+                    f"strict=False)) to continue as {mine!r} from the checkpoint's momenta"
+                )
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            if group.get("algorithm") == "muon":
+                group.setdefault("variant", "muon")
+                group.setdefault("beta2", self._group_defaults["muon"]["beta2"])
 
     def _dedication(self) -> DedicationState:
         state = get_dedication(self._model)
@@ -547,9 +622,11 @@ class Muon(torch.optim.Optimizer):
                     f"expected the full tensor {tuple(p.shape)}"
                 )
             pairs.append((dp, grad))
+        normuon = group["variant"] == "normuon"
         params: list[Tensor] = []
         grads: list[Tensor] = []
         bufs: list[Tensor] = []
+        seconds: list[Tensor | None] = []
         stepped: list[DedicatedParam] = []
         for dp, grad in self._finite_only(group, pairs):
             p = dp.param
@@ -558,9 +635,12 @@ class Muon(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(
                     grad, memory_format=torch.preserve_format
                 )
+            if normuon and SECOND_MOMENT not in state:
+                state[SECOND_MOMENT] = _zero_second_moment(dp)
             params.append(p)
             grads.append(grad)
             bufs.append(state["momentum_buffer"])
+            seconds.append(state[SECOND_MOMENT] if normuon else None)
             stepped.append(dp)
         if not params:
             return
@@ -572,9 +652,10 @@ class Muon(torch.optim.Optimizer):
         # buffers kept from step to step. Stacks contribute each of their matrices, split
         # parameters each of their parts (views, not copies). A (in, out) layout (Conv1D)
         # gets its own bucket: its learning-rate adjustment reads the shape the other way.
-        buckets: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, Tensor]]] = {}
+        # NorMuon's second moments are (out, 1) per matrix: a split part's is a row range.
+        buckets: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, Tensor, Tensor | None]]] = {}
         sharded: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]] = []
-        for dp, p, g, b in zip(stepped, params, grads, bufs, strict=True):
+        for dp, p, g, b, s in zip(stepped, params, grads, bufs, seconds, strict=True):
             if dp.tp_sharded:
                 sharded.append((dp, p, g, b))
                 continue
@@ -583,6 +664,7 @@ class Muon(torch.optim.Optimizer):
                 matrix_pieces(g, dp.transposed, sizes),
                 matrix_pieces(b, dp.transposed, sizes),
                 matrix_pieces(p, dp.transposed, sizes),
+                matrix_pieces(s, False, sizes) if s is not None else _nones(g, sizes),
                 strict=True,
             )
             for piece in pieces:
@@ -601,18 +683,21 @@ class Muon(torch.optim.Optimizer):
                 members[0][2].dtype,
             )
             views = ws.source_views
-            bucket_grads = [g for g, _, _ in members]
-            bucket_bufs = [b for _, b, _ in members]
+            bucket_grads = [g for g, _, _, _ in members]
+            bucket_bufs = [b for _, b, _, _ in members]
             # Straight into the buffers, widened there when the gradients are 16-bit.
             if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
                 for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
                     torch.lerp(g, b, momentum, out=v)
             else:
                 torch._foreach_copy_(views, bucket_bufs)
-            bucket_params = [p for _, _, p in members]
+            bucket_params = [p for _, _, p, _ in members]
             # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
             # (adding it directly would allocate a widened temporary per matrix).
             ortho = ws.cast(ws.run(triples, group["eps"]), bucket_params[0].dtype)
+            if normuon:
+                bucket_seconds = [s for _, _, _, s in members]
+                ortho = normalize_rows_(ortho, bucket_seconds, group["beta2"], is_transposed)  # type: ignore[arg-type]
             rows, cols = (shape[1], shape[0]) if is_transposed else shape
             adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
             torch._foreach_add_(bucket_params, list(ortho.unbind(0)), alpha=-adjusted_lr)
@@ -707,6 +792,13 @@ class Muon(torch.optim.Optimizer):
                         state["momentum_buffer"] = torch.zeros_like(
                             p, memory_format=torch.preserve_format
                         )
+                    if (
+                        dp is not None
+                        and dp.is_owned
+                        and group["variant"] == "normuon"
+                        and SECOND_MOMENT not in state
+                    ):
+                        state[SECOND_MOMENT] = _zero_second_moment(dp)
                 elif p.requires_grad and len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -788,6 +880,19 @@ class Muon(torch.optim.Optimizer):
             The norm as a Python float.
         """
         return float(total_grad_norm(self._model, 2.0))
+
+
+def _zero_second_moment(dp: DedicatedParam) -> Tensor:
+    """NorMuon's second moment of ``dp`` at its start: zeros of ``(*lead, out, 1)``, float32
+    (float64 for float64 weights)."""
+    shape = second_moment_shape(dp.shape, dp.transposed)
+    dtype = torch.promote_types(dp.param.dtype, torch.float32)
+    return torch.zeros(shape, dtype=dtype, device=dp.param.device)
+
+
+def _nones(tensor: Tensor, sizes: tuple[int, ...] | None) -> list[None]:
+    """One ``None`` per piece `matrix_pieces` cuts ``tensor`` into."""
+    return [None] * (tensor.shape[0] if tensor.dim() == 3 else 1) * (len(sizes) if sizes else 1)
 
 
 def _foreach_by_dtype(op: Callable[..., Any], first: list[Tensor], *rest: Any) -> None:

@@ -68,6 +68,7 @@ class TrainConfig:
     reduce_dtype: str = _default("reduce_dtype")
     broadcast_dtype: str = _default("broadcast_dtype")
     ns_dtype: str = _default("ns_dtype")
+    muon_variant: str = _default("muon_variant")
     lr: float = _default("lr")
     adamw_lr: float | None = _default("adamw_lr")
     warmup_steps: int = _default("warmup_steps")

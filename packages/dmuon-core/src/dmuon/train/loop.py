@@ -317,6 +317,7 @@ class Trainer:
             lr=config.lr,
             adamw_lr=config.adamw_rate,
             ns_dtype=config.ns_dtype,
+            variant=config.muon_variant,
         )
         self._lr_factor = lr_lambda(config.warmup_steps, config.steps, config.min_lr_ratio)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -324,6 +325,7 @@ class Trainer:
         self.train_state = TrainState(
             model=config.model,
             optimizer=config.optimizer,
+            muon_variant=config.muon_variant if config.optimizer == "dmuon" else None,
             global_batch_size=self.sampler.global_batch_size,
             seq_len=config.seq_len,
             world_size=self.world_size,
@@ -419,7 +421,10 @@ class Trainer:
         cfg = self.config
         saved = TrainState()
         saved.load_state_dict(checkpointing.read_trainer_state(path)["train"])
-        for key, option in (("model", "--model"), ("optimizer", "--optimizer")):
+        checks = (("model", "--model"), ("optimizer", "--optimizer"))
+        if cfg.optimizer == "dmuon":
+            checks += (("muon_variant", "--muon-variant"),)
+        for key, option in checks:
             if getattr(saved, key) not in (None, getattr(cfg, key)):
                 raise ValueError(
                     f"checkpoint {path} was written with {option} {getattr(saved, key)}, this "

@@ -209,13 +209,20 @@ def parallelize(
 
 
 def build_optimizer(
-    model: nn.Module, *, optimizer: str, lr: float, adamw_lr: float, ns_dtype: str
+    model: nn.Module,
+    *,
+    optimizer: str,
+    lr: float,
+    adamw_lr: float,
+    ns_dtype: str,
+    variant: str = "muon",
 ) -> torch.optim.Optimizer:
-    """``dmuon.Muon`` (Muon on the dedicated matrices, AdamW on the rest) or the baseline
-    ``torch.optim.AdamW`` on everything, with the hyperparameters DMuon's AdamW uses."""
+    """``dmuon.Muon`` (Muon, or NorMuon with ``variant="normuon"``, on the dedicated
+    matrices, AdamW on the rest) or the baseline ``torch.optim.AdamW`` on everything, with
+    the hyperparameters DMuon's AdamW uses."""
     if optimizer == "dmuon":
         dtype = None if ns_dtype == "auto" else getattr(torch, ns_dtype)
-        return dmuon.Muon(model, lr=lr, adamw_lr=adamw_lr, ns_dtype=dtype)
+        return dmuon.Muon(model, lr=lr, adamw_lr=adamw_lr, ns_dtype=dtype, variant=variant)
     return torch.optim.AdamW(
         model.parameters(), lr=adamw_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
     )

@@ -73,6 +73,7 @@ class TrainState(Stateful):
         time: seconds of training so far (a resumed run's ``time`` continues from it).
         model: ``--model`` (a preset name or the model directory).
         optimizer: ``--optimizer``.
+        muon_variant: ``--muon-variant`` under ``--optimizer dmuon`` (``None`` otherwise).
         global_batch_size: sequences per step.
         seq_len: tokens per sequence.
         world_size: processes.
@@ -82,6 +83,7 @@ class TrainState(Stateful):
     time: float = 0.0
     model: str | None = None
     optimizer: str | None = None
+    muon_variant: str | None = None
     global_batch_size: int | None = None
     seq_len: int | None = None
     world_size: int | None = None
