@@ -34,7 +34,7 @@ DOCS = Path(__file__).resolve().parents[2] / "docs" / "job-service.md"
 def docs_script() -> str:
     """The example script of the job-service page (section ``{#scripts}``)."""
     section = DOCS.read_text(encoding="utf-8").split("{#scripts}", 1)[1].split("\n## ", 1)[0]
-    match = re.search(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    match = re.search(r"```python[^\n]*\n(.*?)```", section, flags=re.DOTALL)
     assert match, "the scripts section has no Python example"
     return match.group(1)
 
