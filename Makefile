@@ -24,8 +24,10 @@ $(STAMP): constraints.txt requirements-dev.txt packages/dmuon-core/pyproject.tom
 demo: setup
 	$(BIN)/python -m dmuon_server.demo
 
+# Two pytest workers, each taking whole test files (their module fixtures stay shared):
+# many tests wait on processes they start, so two workers fill both cores.
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile
 
 test-core: setup
 	$(BIN)/python -m pytest tests/core
