@@ -25,9 +25,13 @@ demo: setup
 	$(BIN)/python -m dmuon_server.demo
 
 # Two pytest workers, each taking whole test files (their module fixtures stay shared):
-# many tests wait on processes they start, so two workers fill both cores.
+# many tests wait on processes they start, so two workers fill both cores. The
+# schemathesis module runs after them, alone: its tests (one per API operation) share one
+# node id, which pytest-xdist would count as a single test.
+SCHEMA_TESTS := tests/server/test_server_schemathesis.py
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 2 --dist loadfile --ignore=$(SCHEMA_TESTS)
+	$(BIN)/python -m pytest $(SCHEMA_TESTS)
 
 test-core: setup
 	$(BIN)/python -m pytest tests/core
