@@ -79,22 +79,34 @@ def test_the_launcher_passes_the_checkpoint_flags(client: TestClient) -> None:
     bad = client.post("/v1/jobs", json={**job_spec(), "max_restarts": -1})
     assert bad.status_code == 422 and "max_restarts" in bad.text
     # The fault settings: left out, the recipe's defaults (no flag); given, passed on.
-    for flag in ("--on-checkpoint-error", "--collective-timeout", "--reduce-dtype"):
+    for flag in (
+        "--on-checkpoint-error",
+        "--collective-timeout",
+        "--reduce-dtype",
+        "--muon-variant",
+        "--ns-dtype",
+    ):
         assert flag not in flags
     body = job_spec(
         on_checkpoint_error="warn",
         collective_timeout=30,
         reduce_dtype="bfloat16",
         broadcast_dtype="bfloat16",
+        muon_variant="normuon",
+        ns_dtype="float32",
     )
     argv = client.post("/v1/jobs:validate", json=body).json()["torchrun_argv"]
     assert argv[argv.index("--on-checkpoint-error") + 1] == "warn"
     assert argv[argv.index("--collective-timeout") + 1] == "30"
     assert argv[argv.index("--reduce-dtype") + 1] == "bfloat16"
     assert argv[argv.index("--broadcast-dtype") + 1] == "bfloat16"
+    assert argv[argv.index("--muon-variant") + 1] == "normuon"
+    assert argv[argv.index("--ns-dtype") + 1] == "float32"
     for field, value in (
         ("reduce_dtype", "float16"),
         ("broadcast_dtype", "int8"),
+        ("muon_variant", "adam"),
+        ("ns_dtype", "float16"),
         ("on_checkpoint_error", "ignore"),
         ("collective_timeout", 0),
         ("collective_timeout", 86_401),

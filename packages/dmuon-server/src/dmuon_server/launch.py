@@ -490,6 +490,8 @@ def _recipe(settings: Settings, spec: JobCreate, job_dir: Path, accepted: Review
         ("param_dtype", t.param_dtype),
         ("reduce_dtype", t.reduce_dtype),
         ("broadcast_dtype", t.broadcast_dtype),
+        ("muon_variant", t.muon_variant),
+        ("ns_dtype", t.ns_dtype),
         ("checkpoint_dir", str(job_dir / CHECKPOINT_DIR)),
         ("checkpoint_every", str(t.checkpoint_every)),
         ("keep_checkpoints", str(t.keep_checkpoints)),

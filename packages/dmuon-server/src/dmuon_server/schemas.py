@@ -236,6 +236,18 @@ class TrainSpec(_Strict):
         description="Dtype the dedicated matrices are broadcast in (`--broadcast-dtype`); "
         f"`bfloat16` halves those bytes; {_default_text('broadcast_dtype')}.",
     )
+    muon_variant: _choices("muon_variant") | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="Update rule of the dedicated matrices under `dmuon` "
+        "(`--muon-variant`): `normuon` adds per-row second-moment normalization; "
+        f"{_default_text('muon_variant')}.",
+    )
+    ns_dtype: _choices("ns_dtype") | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="Newton-Schulz dtype under `dmuon` (`--ns-dtype`); `auto` is bfloat16 on "
+        "CUDA and on CPUs that multiply it natively, float32 elsewhere; "
+        f"{_default_text('ns_dtype')}.",
+    )
     on_checkpoint_error: _choices("on_checkpoint_error") | None = Field(  # type: ignore[valid-type]
         default=None,
         description="A checkpoint that cannot be written, as on a full disk "
