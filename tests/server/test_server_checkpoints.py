@@ -151,8 +151,11 @@ def test_the_recipes_checkpoint_warnings_are_job_events(
     ]
     skipped, failed = (e["message"] for e in events)
     assert skipped == (
-        "skipped the damaged checkpoint step_00000004: __0_0.distcp has 10 bytes, 20 were written"
+        "skipped the damaged checkpoint step_00000004: __0_0.distcp has 10 bytes, 20 were "
+        "written; resumed from step 2"
     )
+    # Attempt 1 resumed from nothing: the event's step does not make it a resume.
+    assert job["attempts"][0]["resumed_from_step"] is None
     assert failed.startswith("the checkpoint of step 2 could not be written to <job-dir>/")
     assert "No space left on device" in failed and str(data_dir) not in json.dumps(job)
     # The stream sends both as warnings (before the end of a finished job).

@@ -8,10 +8,11 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import dmuon_recipe_contract as contract
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmuon_server.store import Store
+from dmuon_server.store import EventRecord, Store
 
 _SPEC = "{}"
 
@@ -161,3 +162,26 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
         assert "WITHOUT ROWID" not in ddl and "loss" not in ddl
         assert c.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == ("2",)
     Store(db).close()  # opening it again changes nothing
+
+
+def test_a_skipped_checkpoint_corrects_the_step_an_attempt_resumed_from(tmp_path: Path) -> None:
+    """An attempt is recorded as resuming from the newest checkpoint on disk; when the
+    recipe passes it over as damaged, its ``checkpoint_skipped`` line carries the step it
+    really resumed from (0: none left), which the attempt then shows. The oracle is the
+    step written in the event."""
+    store = Store(tmp_path / "db.sqlite")
+    _new_job(store)
+    first = store.start_attempt("j", "submitted", None)
+    second = store.start_attempt("j", "restart", 6)
+    third = store.start_attempt("j", "restart", 6)
+
+    def skipped(attempt: int, step: int) -> EventRecord:
+        return EventRecord(attempt, contract.CHECKPOINT_SKIPPED_EVENT, "warning", "m", step)
+
+    store.ingest("j", "m1", 10, [], events=[skipped(first, 3)])
+    store.ingest("j", "m2", 10, [], events=[skipped(second, 4)])
+    store.ingest("j", "m3", 10, [], events=[skipped(third, 0)])
+    other = EventRecord(second, contract.CHECKPOINT_FAILED_EVENT, "warning", "m", 2)
+    store.ingest("j", "m2", 20, [], events=[other])
+    steps = {a.number: a.resumed_from_step for a in store.attempts("j")}
+    assert steps == {first: None, second: 4, third: None}

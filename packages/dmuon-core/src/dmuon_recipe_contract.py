@@ -178,8 +178,9 @@ EVENT_KEY = "event"
 STOPPED_EVENT = "stopped"
 """``{"event": "stopped", "step": k, "signal": ..., "checkpoint": ...}`` ends a stopped run."""
 CHECKPOINT_SKIPPED_EVENT = "checkpoint_skipped"
-"""``{"event": "checkpoint_skipped", "checkpoint": ..., "problems": [...]}``: ``--resume auto``
-passed over a damaged checkpoint."""
+"""``{"event": "checkpoint_skipped", "checkpoint": ..., "problems": [...], "step": k}``:
+``--resume auto`` passed over a damaged checkpoint and resumed from step ``k`` instead (0: no
+whole checkpoint was left, the run started over)."""
 CHECKPOINT_FAILED_EVENT = "checkpoint_failed"
 """``{"event": "checkpoint_failed", "step": k, "message": ...}``: a checkpoint could not be
 written and ``--on-checkpoint-error warn`` kept the run going."""

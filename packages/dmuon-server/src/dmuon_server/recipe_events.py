@@ -45,6 +45,8 @@ def describe(obj: dict[str, Any], attempt: int) -> EventRecord:
         problems = obj.get("problems")
         why = "; ".join(map(str, problems)) if isinstance(problems, list) and problems else "?"
         message = f"skipped the damaged checkpoint {_name(obj.get('checkpoint'))}: {why}"
+        if step is not None:
+            message += f"; resumed from step {step}" if step else "; started from step 0"
     elif kind == contract.CHECKPOINT_FAILED_EVENT:
         message = str(obj.get("message") or f"the checkpoint of step {step} was not written")
     elif kind == contract.STOPPED_EVENT:

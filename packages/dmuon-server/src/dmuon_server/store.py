@@ -22,6 +22,8 @@ from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Any
 
+from dmuon_recipe_contract import CHECKPOINT_SKIPPED_EVENT as CHECKPOINT_SKIPPED_KIND
+
 from dmuon_server.records import AttemptRecord, JobRecord
 from dmuon_server.schemas import TERMINAL_STATES
 
@@ -786,8 +788,10 @@ class Store:
         report the eval of a step on its own line), so re-reading never duplicates. The
         job's summary (:meth:`metric_summary`) follows in the same transaction, with
         ``rejected`` more lines counted as rejected; so do the recipe's ``events`` read
-        from the same lines (stored once, like the points). Returns the number of points
-        written.
+        from the same lines (stored once, like the points). A ``checkpoint_skipped`` event
+        of a resumed attempt carries the step the recipe resumed from instead (a damaged
+        newest checkpoint passed over): the attempt's ``resumed_from_step`` becomes it.
+        Returns the number of points written.
         """
         now = time.time()
         written = 0
@@ -833,6 +837,14 @@ class Store:
                     " VALUES (?, ?, ?, ?, ?, ?, ?)",
                     (job_id, ev.attempt, ev.kind, ev.level, ev.message, ev.step, now),
                 )
+                if ev.kind == CHECKPOINT_SKIPPED_KIND and ev.step is not None:
+                    # The recipe resumed from an older checkpoint than the newest on disk
+                    # (the one the attempt was recorded with): its step, or none at step 0.
+                    c.execute(
+                        "UPDATE attempts SET resumed_from_step = ?"
+                        " WHERE job_id = ? AND number = ? AND resumed_from_step > ?",
+                        (ev.step or None, job_id, ev.attempt, ev.step),
+                    )
             if recipe_summary is not None:
                 c.execute(
                     "UPDATE jobs SET recipe_summary = ? WHERE id = ?",
