@@ -11,7 +11,16 @@ are compared within this run. Reported per shape bucket and for the whole model,
   the Gram iteration in bfloat16);
 * dmuon in float32 with and without the Gram iteration (what the Gram iteration gains).
 
+``--runs N`` repeats the whole measurement N times (each one interleaved) and records every
+run's whole-model speedup with its minimum, median and maximum: the spread, not only a
+median. ``--profile`` then runs one more step of torch and of ``dmuon-default`` under
+torch.profiler and splits it into matrix products, copies, other operators and the rest
+(Python and dispatch), with the rate the products ran at; next to it, the rate of the same
+products alone (torch's own ``mm``/``addmm`` calls at the iteration's shapes, timed in a
+loop): the kernel's rate on this machine.
+
     python benchmarks/optimizer_step.py --model small --threads 1
+    python benchmarks/optimizer_step.py --model small,base --runs 5 --profile
     python benchmarks/optimizer_step.py --model small,base --device cuda --rounds 20
 """
 
@@ -122,6 +131,74 @@ def _time(
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+COPIES = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous")
+
+
+def profile_step(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
+    """One ``step()`` under torch.profiler: seconds in products, copies, other operators and
+    the rest (self times of the ``aten::`` operators), and the products' rate."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU], with_flops=True) as prof:
+        start = time.perf_counter()
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        total = time.perf_counter() - start
+    seconds = {"products": 0.0, "copies": 0.0, "other_ops": 0.0}
+    flops = 0
+    for event in prof.key_averages():
+        if not event.key.startswith("aten::"):
+            continue
+        self_s = event.self_cpu_time_total / 1e6
+        if event.key in PRODUCTS:
+            seconds["products"] += self_s
+            flops += event.flops
+        elif event.key in COPIES:
+            seconds["copies"] += self_s
+        else:
+            seconds["other_ops"] += self_s
+    seconds["rest"] = max(0.0, total - sum(seconds.values()))
+    return {
+        "total_s": total,
+        "seconds": seconds,
+        "product_flops": flops,
+        "product_gflops_per_s": flops / seconds["products"] / 1e9 if seconds["products"] else None,
+    }
+
+
+def kernel_rate(shapes: dict[tuple[int, ...], int], device: torch.device, rounds: int = 3) -> float:
+    """GFLOP/s of bfloat16 ``mm``/``addmm`` at one Newton-Schulz step's products for every
+    matrix of ``shapes`` (torch.optim.Muon's calls), alone in a loop: the kernel's rate."""
+    gen = torch.Generator().manual_seed(0)
+    work = []
+    for (rows, cols), count in shapes.items():
+        short, long = min(rows, cols), max(rows, cols)
+        x = torch.randn(short, long, generator=gen).to(device, torch.bfloat16) / long**0.5
+        work += [x] * count
+    flops = sum(2 * (2 * x.shape[0] ** 2 * x.shape[1] + x.shape[0] ** 3) for x in work)
+
+    def one_step() -> None:
+        for x in work:
+            a = x @ x.T
+            b = torch.addmm(a, a, a, beta=-4.775, alpha=2.0315)
+            torch.addmm(x, b, x, beta=3.4445)
+
+    one_step()
+    times = []
+    for _ in range(rounds):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        one_step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return flops / statistics.median(times) / 1e9
+
+
 def run(preset: str, rounds: int, warmup: int, device: torch.device) -> dict[str, Any]:
     """Time every contender on ``preset``'s matrices: whole model, then each shape bucket."""
     whole = {"kind": "preset", "preset": preset}
@@ -151,6 +228,37 @@ def run(preset: str, rounds: int, warmup: int, device: torch.device) -> dict[str
     }
 
 
+def repeated_runs(preset: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """``args.runs`` runs of `run` on ``preset``: the first run's table, every run's
+    whole-model speedups and their spread, and (``args.profile``) the profile."""
+    runs = [run(preset, args.rounds, args.warmup, device) for _ in range(args.runs)]
+    result = runs[0]
+    every = [r["rows"]["all"]["speedup_vs_torch"] for r in runs]
+    result["runs"] = args.runs
+    result["speedups_per_run"] = every
+    result["speedup_spread"] = {
+        name: {
+            "min": min(s[name] for s in every),
+            "median": statistics.median(s[name] for s in every),
+            "max": max(s[name] for s in every),
+        }
+        for name in CONTENDERS
+    }
+    if args.profile:
+        whole = {"kind": "preset", "preset": preset}
+        shapes: dict[tuple[int, ...], int] = {}
+        for _, shape in _muon_targets(whole, device):
+            shapes[shape] = shapes.get(shape, 0) + 1
+        result["profile"] = {
+            "steps": {
+                name: profile_step(_make_step(name, whole, device), device)
+                for name in ("torch", "dmuon-default")
+            },
+            "kernel_gflops_per_s": kernel_rate(shapes, device),
+        }
+    return result
+
+
 def format_table(result: dict[str, Any]) -> str:
     """A Markdown table: median step time of torch and the speedup of each dmuon setting."""
     head = "| matrices | torch Muon+AdamW (ms) | " + " | ".join(CONTENDERS) + " |"
@@ -171,6 +279,8 @@ def main() -> None:
     parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--warmup", type=non_negative_int, default=1)
+    parser.add_argument("--runs", type=positive_int, default=1, help="whole measurements")
+    parser.add_argument("--profile", action="store_true", help="add the profile of one step")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the current GPU")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
@@ -180,7 +290,7 @@ def main() -> None:
         device = torch.device("cuda", torch.cuda.current_device())
     results = []
     for preset in args.model.split(","):
-        results.append(run(preset, args.rounds, args.warmup, device))
+        results.append(repeated_runs(preset, args, device))
         result = results[-1]
         print(
             f"preset={result['preset']} device={result['device']} threads={result['threads']} "
@@ -188,6 +298,16 @@ def main() -> None:
         )
         print("speedup = torch.optim.Muon + AdamW (defaults) time / dmuon.Muon time\n")
         print(format_table(result) + "\n")
+        spread = result["speedup_spread"]["dmuon-default"]
+        print(f"dmuon-default over {args.runs} runs: min {spread['min']:.2f}x, median "
+              f"{spread['median']:.2f}x, max {spread['max']:.2f}x")  # fmt: skip
+        if "profile" in result:
+            for name, prof in result["profile"]["steps"].items():
+                parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in prof["seconds"].items())
+                print(f"profile {name}: {prof['total_s'] * 1e3:.1f} ms = {parts}; products at "
+                      f"{prof['product_gflops_per_s']:.0f} GFLOP/s")  # fmt: skip
+            print(f"the same products alone: {result['profile']['kernel_gflops_per_s']:.0f} "
+                  "GFLOP/s\n")  # fmt: skip
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(results, indent=2) + "\n")

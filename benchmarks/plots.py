@@ -10,7 +10,10 @@
   (``results/moe_quality.json``; ``benchmarks/moe_quality.py`` draws it too);
 * ``comm_dtype.png``: training loss with float32 and with bfloat16 communication side by
   side, and each one's difference from float32 (``results/comm_dtype.json``;
-  ``benchmarks/comm_dtype.py`` draws it too).
+  ``benchmarks/comm_dtype.py`` draws it too);
+* ``quality_small.png``: validation loss of each optimizer's best-rate runs at every seed,
+  with AdamW's final losses (``results/quality_small.json``, from
+  ``benchmarks/quality_scale.py``).
 
 Each figure is drawn once per language of the docs, with its titles, axes and legends in
 that language: ``docs/assets/benchmarks/`` for the English pages and
@@ -20,7 +23,8 @@ carries its texts in its ``Description`` metadata, which the docs tests read. Th
 figures need a CJK font (Debian: ``apt-get install fonts-noto-cjk``). A missing result is
 skipped.
 
-    python benchmarks/plots.py
+    python benchmarks/plots.py                       # every figure
+    python benchmarks/plots.py --only quality_small  # one of them
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ TEXT: dict[str, dict[str, str]] = {
         "comm_diff_title": "Relative difference from float32 communication",
         "comm_diff_axis": "relative difference (zeros not drawn)",
         "comm_title": "{model}, 2 ranks, {steps} steps, same seed and batches",
+        "scale_run": "{optimizer} lr {lr:g}, seed {seed}",
+        "scale_target": "AdamW's final loss, seed {seed}",
+        "scale_title": "{model}, {steps} steps, best of 3 learning rates each",
     },
     "zh": {
         "accumulation": "梯度累积 {accum}",
@@ -87,6 +94,9 @@ TEXT: dict[str, dict[str, str]] = {
         "comm_diff_title": "与 float32 通信的相对差",
         "comm_diff_axis": "相对差（零值不画出）",
         "comm_title": "{model}，2 个 rank，{steps} 步，相同的随机种子和批次",
+        "scale_run": "{optimizer} 学习率 {lr:g}，种子 {seed}",
+        "scale_target": "AdamW 的最终损失，种子 {seed}",
+        "scale_title": "{model}，{steps} 步，各取 3 个学习率中最好的",
     },
 }
 
@@ -262,6 +272,46 @@ def comm_dtype(result: dict[str, Any], path: Path, lang: str) -> None:
     plt.close(fig)
 
 
+def quality_scale(result: dict[str, Any], path: Path, lang: str) -> None:
+    """Validation loss of each optimizer's best-rate runs, one line style per seed, with
+    AdamW's final loss of each seed (the target of the steps ratio) as a dotted line."""
+    t, plt = TEXT[lang], _pyplot(lang)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    colors = {"adamw": "tab:orange", "muon": "tab:blue", "normuon": "tab:green"}
+    styles = ["-", "--", ":", "-."]
+    seeds = result["seeds"]
+    for run in result["runs"]:
+        if run["lr"] != result["best_lr"][run["optimizer"]]:
+            continue
+        steps, losses = zip(*run["curve"], strict=True)
+        ax.plot(
+            steps,
+            losses,
+            color=colors[run["optimizer"]],
+            linestyle=styles[seeds.index(run["seed"]) % len(styles)],
+            linewidth=1.4,
+            label=t["scale_run"].format(**run),
+        )
+        if run["optimizer"] == "adamw":
+            ax.axhline(
+                run["final_val_loss"],
+                color="gray",
+                linestyle=styles[seeds.index(run["seed"]) % len(styles)],
+                linewidth=0.7,
+                label=t["scale_target"].format(seed=run["seed"]),
+            )
+    floor = min(r["final_val_loss"] for r in result["runs"])
+    ax.set_ylim(floor - 0.05, floor + 1.0)
+    ax.set_xlabel(t["step_axis"])
+    ax.set_ylabel(t["val_axis"])
+    ax.set_title(t["scale_title"].format(**result))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    _save(fig, path, 100)
+    plt.close(fig)
+
+
 def language_paths(png: Path) -> dict[str, Path]:
     """Where ``moe_quality`` writes each language: ``X.png`` and ``X.zh.png``."""
     return {lang: png if lang == "en" else png.with_suffix(f".{lang}.png") for lang in LANGS}
@@ -274,6 +324,7 @@ def main() -> None:
     """Draw every plot whose results exist, in every language."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--distributed", default="small-n2", help="results/<name>.json")
+    parser.add_argument("--only", default=None, help="draw only the figure of this result")
     args = parser.parse_args()
     figures: list[tuple[str, Draw, dict[str, Path]]] = [
         (args.distributed, step_ratios, {lang: OUT[lang] / "step-ratios.png" for lang in LANGS}),
@@ -281,8 +332,11 @@ def main() -> None:
         ("scaling", scaling, {lang: OUT[lang] / "scaling.png" for lang in LANGS}),
         ("moe_quality", moe_quality, language_paths(RESULTS / "moe_quality.png")),
         ("comm_dtype", comm_dtype, language_paths(RESULTS / "comm_dtype.png")),
+        ("quality_small", quality_scale, language_paths(RESULTS / "quality_small.png")),
     ]
     for name, draw, paths in figures:
+        if args.only is not None and name != args.only:
+            continue
         result = _load(name)
         if result is None:
             print(f"skipped {name}: no results/{name}.json")

@@ -5,6 +5,13 @@ A page asks for a table with a marker on a line of its own:
 ``<!-- benchmark: optimizer-step [NAME] -->``
     ``benchmarks/results/NAME.json`` (default ``optimizer_step``): the optimizer step alone,
     single process.
+``<!-- benchmark: optimizer-step-spread [NAME] -->``
+    The same file: every run's whole-model speedup of ``dmuon-default`` per preset, with
+    its minimum, median and maximum (``--runs``).
+``<!-- benchmark: optimizer-profile [NAME] -->``
+    The same file: one profiled step of torch and of ``dmuon-default`` per preset, split
+    into matrix products, copies, other operators and the rest, with the products' rate
+    and the rate of the same products alone (``--profile``).
 ``<!-- benchmark: distributed NAME -->``
     ``benchmarks/results/NAME.json``: step time and counted traffic per contender.
 ``<!-- benchmark: checkpoint-io -->``
@@ -18,6 +25,10 @@ A page asks for a table with a marker on a line of its own:
 ``<!-- benchmark: comm-dtype -->``
     ``benchmarks/results/comm_dtype.json``: the same run with float32 and with bfloat16
     communication, bytes per kind of collective and the loss differences.
+``<!-- benchmark: quality-scale NAME -->``
+    ``benchmarks/results/NAME.json`` (from ``benchmarks/quality_scale.py``): final
+    validation loss per optimizer, rate and seed, and the steps Muon and NorMuon need to
+    reach AdamW's best, per seed.
 ``<!-- benchmark: figure NAME -->``
     ``benchmarks/results/NAME.png`` (English) or ``NAME.zh.png`` (Chinese), which this hook
     copies into the site (under ``assets/benchmarks/`` of each language).
@@ -76,6 +87,19 @@ FIGURES = "assets/benchmarks"
 LABELS: dict[str, dict[str, Any]] = {
     "en": {
         "matrices": "Matrices",
+        "spread_preset": "Preset",
+        "spread_runs": "Runs",
+        "spread_each": "`dmuon-default` speedup in each run",
+        "spread_range": "Min / median / max",
+        "prof_contender": "Step",
+        "prof_total": "Profiled step (ms)",
+        "prof_products": "Matrix products (ms)",
+        "prof_rate": "Products' rate (GFLOP/s)",
+        "prof_copies": "Copies (ms)",
+        "prof_other": "Other operators (ms)",
+        "prof_rest": "Python and dispatch (ms)",
+        "prof_kernel": "the same bfloat16 products alone (torch.optim.Muon's `mm`/`addmm` calls "
+        "at one step's shapes, in a loop): {rate:.0f} GFLOP/s",
         "torch": "torch.optim.Muon + AdamW (ms)",
         "all": "all",
         "contender": "Contender",
@@ -148,13 +172,24 @@ LABELS: dict[str, dict[str, Any]] = {
         "counted by `dmuon.comm_audit`",
         "then": "; ",
         "end": ".",
+        "scale_optimizer": "Optimizer",
+        "scale_sweep": "Final validation loss at each rate (mean of the seeds)",
+        "scale_best": "Best rate",
+        "scale_val": "Best, per seed",
+        "scale_ratio": "Steps to AdamW's best, per seed",
+        "scale_spread": "Mean (min to max)",
+        "scale_baseline": "baseline",
+        "scale_never": "not reached",
+        "scale_settings": "`{model}` preset, {steps} steps of {tokens} tokens, one process per "
+        "run, seeds {seeds}; validation every {every} steps on {evals} fixed windows of the "
+        "held-out files; the best rate in bold",
         "optim": "Optimizer step (s)",
         "vs_naive": "vs naive (optimizer step)",
         "optimizer": "Optimizer",
         "lr": "Learning rate",
         "final_val": "Final validation loss",
         "best": "best",
-        "default": "the recipe's default when measured",
+        "default": "centre of the sweep",
         "reach": (
             "DMuon's best run reaches AdamW's best final validation loss ({target:.4f}) at "
             "step **{steps}** of {total}: **{ratio}** of the steps."
@@ -203,6 +238,19 @@ LABELS: dict[str, dict[str, Any]] = {
     },
     "zh": {
         "matrices": "矩阵",
+        "spread_preset": "预设",
+        "spread_runs": "运行次数",
+        "spread_each": "每次运行中 `dmuon-default` 的加速比",
+        "spread_range": "最小 / 中位数 / 最大",
+        "prof_contender": "优化器步",
+        "prof_total": "被剖析的一步（毫秒）",
+        "prof_products": "矩阵乘积（毫秒）",
+        "prof_rate": "乘积速率（GFLOP/s）",
+        "prof_copies": "复制（毫秒）",
+        "prof_other": "其他算子（毫秒）",
+        "prof_rest": "Python 与分派（毫秒）",
+        "prof_kernel": "同样的 bfloat16 乘积单独运行（torch.optim.Muon 的 `mm`/`addmm` 调用，"
+        "一步的形状，循环计时）：{rate:.0f} GFLOP/s",
         "torch": "torch.optim.Muon + AdamW（毫秒）",
         "all": "全部",
         "contender": "参与者",
@@ -275,13 +323,23 @@ LABELS: dict[str, dict[str, Any]] = {
         "由 `dmuon.comm_audit` 统计",
         "then": "；",
         "end": "。",
+        "scale_optimizer": "优化器",
+        "scale_sweep": "各学习率的最终验证损失（各种子的平均）",
+        "scale_best": "最佳学习率",
+        "scale_val": "最佳，各种子",
+        "scale_ratio": "达到 AdamW 最佳损失所需步数，各种子",
+        "scale_spread": "平均（最小到最大）",
+        "scale_baseline": "基线",
+        "scale_never": "未达到",
+        "scale_settings": "`{model}` 预设，{steps} 步，每步 {tokens} 个词元，每次运行一个进程，"
+        "随机种子 {seeds}；每 {every} 步在留出文件的 {evals} 个固定窗口上验证；最佳学习率加粗",
         "optim": "优化器步（秒）",
         "vs_naive": "相对 naive（优化器步）",
         "optimizer": "优化器",
         "lr": "学习率",
         "final_val": "最终验证损失",
         "best": "最佳",
-        "default": "测量时的配方默认值",
+        "default": "扫描的中心值",
         "reach": (
             "DMuon 的最佳运行在第 **{steps}** 步（共 {total} 步）达到 AdamW 的最佳最终验证损失"
             "（{target:.4f}）：用了 **{ratio}** 的步数。"
@@ -365,6 +423,47 @@ def _optimizer_step_table(result: dict[str, Any], labels: dict[str, str]) -> str
         ]
         lines.append(f"| {shown} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _optimizer_step_spread(name: str, labels: dict[str, str]) -> str:
+    """Per preset: every run's whole-model speedup of ``dmuon-default`` and their range."""
+    lines = [
+        f"| {labels['spread_preset']} | {labels['spread_runs']} | {labels['spread_each']} | "
+        f"{labels['spread_range']} |",
+        "|---|--:|---|---|",
+    ]
+    for result in _load(name):
+        each = " · ".join(f"{r['dmuon-default']:.2f}x" for r in result["speedups_per_run"])
+        s = result["speedup_spread"]["dmuon-default"]
+        lines.append(
+            f"| `{result['preset']}` | {result['runs']} | {each} | "
+            f"{s['min']:.2f}x / {s['median']:.2f}x / {s['max']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def _optimizer_profile(name: str, labels: dict[str, str]) -> str:
+    """Per preset: one profiled step of torch and of ``dmuon-default``, split by kind."""
+    parts = []
+    for result in _load(name):
+        profile = result["profile"]
+        lines = [
+            f"| {labels['prof_contender']} | {labels['prof_total']} | "
+            f"{labels['prof_products']} | {labels['prof_rate']} | {labels['prof_copies']} | "
+            f"{labels['prof_other']} | {labels['prof_rest']} |",
+            "|---|--:|--:|--:|--:|--:|--:|",
+        ]
+        for contender, step in profile["steps"].items():
+            t = step["seconds"]
+            share = t["products"] / step["total_s"] * 100
+            lines.append(
+                f"| `{contender}` | {_ms(step['total_s'])} | {_ms(t['products'])} "
+                f"({share:.0f} %) | {step['product_gflops_per_s']:.0f} | {_ms(t['copies'])} | "
+                f"{_ms(t['other_ops'])} | {_ms(t['rest'])} |"
+            )
+        kernel = labels["prof_kernel"].format(rate=profile["kernel_gflops_per_s"])
+        parts.append(f"*`{result['preset']}`*\n\n" + "\n".join(lines) + f"\n\n{kernel}")
+    return "\n\n".join(parts)
 
 
 def _cell(value: float | None, spec: str, suffix: str = "") -> str:
@@ -737,6 +836,51 @@ def _moe_quality(labels: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _quality_scale(name: str, labels: dict[str, Any]) -> str:
+    result = _load(name)
+    lines = [
+        f"| {labels['scale_optimizer']} | {labels['scale_sweep']} | {labels['scale_best']} | "
+        f"{labels['scale_val']} | {labels['scale_ratio']} | {labels['scale_spread']} |",
+        "|---|---|--:|--:|--:|--:|",
+    ]
+    for optimizer, sweep in result["mean_final_val_loss"].items():
+        best = result["best_lr"][optimizer]
+        cells = " · ".join(
+            f"{float(lr):g}: " + _bold_if(f"{val:.4f}", float(lr) == best)
+            for lr, val in sweep.items()
+        )
+        per_seed = " / ".join(
+            f"{r['final_val_loss']:.4f}"
+            for r in result["runs"]
+            if r["optimizer"] == optimizer and r["lr"] == best
+        )
+        if optimizer == "adamw":
+            ratios = spread = labels["scale_baseline"]
+        else:
+            values = result["steps_ratio_to_adamw_best"][optimizer].values()
+            ratios = " / ".join(labels["scale_never"] if v is None else f"{v:.2f}x" for v in values)
+            s = result["steps_ratio_spread"][optimizer]
+            spread = (
+                labels["scale_never"]
+                if s is None
+                else f"{s['mean']:.2f}x ({s['min']:.2f}x – {s['max']:.2f}x)"
+            )
+        lines.append(f"| `{optimizer}` | {cells} | {best:g} | {per_seed} | {ratios} | {spread} |")
+    lines += [
+        "",
+        labels["scale_settings"].format(
+            model=result["model"],
+            steps=result["steps"],
+            tokens=result["tokens_per_step"],
+            seeds=", ".join(str(s) for s in result["seeds"]),
+            every=result["eval_every"],
+            evals=result["eval_sequences"],
+        )
+        + labels["end"],
+    ]
+    return "\n".join(lines)
+
+
 def _comm_dtype(labels: dict[str, Any]) -> str:
     result = _load("comm_dtype")
     lines = [
@@ -843,6 +987,10 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
     def render(match: re.Match[str]) -> str:
         kind, name = match["kind"], match["name"]
         try:
+            if kind == "optimizer-step-spread":
+                return _optimizer_step_spread(name or "optimizer_step", labels)
+            if kind == "optimizer-profile":
+                return _optimizer_profile(name or "optimizer_step", labels)
             if kind == "optimizer-step":
                 return _optimizer_step(name or "optimizer_step", labels)
             if kind == "distributed" and name:
@@ -857,6 +1005,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _moe_quality(labels)
             if kind == "comm-dtype":
                 return _comm_dtype(labels)
+            if kind == "quality-scale" and name:
+                return _quality_scale(name, labels)
             if kind == "figure" and name:
                 return _figure(name, labels)
             if kind == "quality":
