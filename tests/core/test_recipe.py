@@ -22,7 +22,7 @@ from dmuon.train import (
     run,
 )
 from dmuon.train.__main__ import main
-from dmuon.train.cli import ADAMW_BASELINE_LR
+from dmuon.train.cli import ADAMW_LR
 from dmuon.train.demo import DEMO_ARGS
 from dmuon.train.loop import lr_lambda
 
@@ -122,9 +122,9 @@ def test_lr_schedule_warmup_then_cosine() -> None:
 @pytest.mark.parametrize(
     ("flags", "muon_rate", "adamw_rate"),
     [
-        ([], 0.05, 0.05),  # under dmuon the AdamW group follows --lr
+        ([], 0.05, ADAMW_LR),  # under dmuon the AdamW group has AdamW's own rate
         (["--adamw-lr", "0.004"], 0.05, 0.004),
-        (["--optimizer", "adamw"], None, ADAMW_BASELINE_LR),
+        (["--optimizer", "adamw"], None, ADAMW_LR),
         (["--optimizer", "adamw", "--adamw-lr", "0.004"], None, 0.004),
     ],
 )
@@ -289,7 +289,7 @@ def test_flags_map_to_config_and_demo_args_parse() -> None:
     assert (cfg.seed, cfg.warmup_steps, cfg.eval_every, cfg.metrics_file) == (4, 2, 5, "m.jsonl")
     assert cfg.dtype == "float64"
     assert parse_args([]).effective_lr == TrainConfig().lr
-    assert parse_args(["--optimizer", "adamw"]).effective_lr == ADAMW_BASELINE_LR
+    assert parse_args(["--optimizer", "adamw"]).effective_lr == ADAMW_LR
     demo = parse_args(list(DEMO_ARGS))
     assert demo.model == "small" and demo.accum_steps == 4 and demo.eval_every > 0
 

@@ -115,18 +115,19 @@ def test_validate_shows_the_model_tokenizer_and_estimate(
     assert flag["activation_checkpointing"] in argv and flag["compile"] in argv
     # The recipe's defaults, written out (the job record shows the same values).
     assert value("lr") == repr(contract.flag("lr").default)
-    assert value("adamw_lr") == repr(contract.flag("lr").default)  # --lr under dmuon
+    assert value("adamw_lr") == repr(contract.ADAMW_LR)  # the same under both optimizers
     assert (value("optimizer"), value("mode")) == ("dmuon", "z3") and value("seed") == "0"
     job = hf_client.post("/v1/jobs", json=body).json()
     assert {k: job["train"][k] for k in ("lr", "adamw_lr", "optimizer", "mode", "seed")} == {
-        "lr": 0.02, "adamw_lr": 0.02, "optimizer": "dmuon", "mode": "z3", "seed": 0,
+        "lr": contract.flag("lr").default, "adamw_lr": contract.ADAMW_LR,
+        "optimizer": "dmuon", "mode": "z3", "seed": 0,
     }  # fmt: skip
     assert job["train"]["model"] == {"path": "mixtral"}
     hf_client.post(f"/v1/jobs/{job['id']}/cancel")
     baseline = job_spec(optimizer="adamw")
     del baseline["train"]["adamw_lr"]
     job = hf_client.post("/v1/jobs", json=baseline).json()
-    assert job["train"]["adamw_lr"] == contract.ADAMW_BASELINE_LR
+    assert job["train"]["adamw_lr"] == contract.ADAMW_LR
     hf_client.post(f"/v1/jobs/{job['id']}/cancel")
 
 

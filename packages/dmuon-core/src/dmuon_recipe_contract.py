@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
-    "ADAMW_BASELINE_LR",
+    "ADAMW_LR",
     "CHECKPOINT_FAILED_EVENT",
     "CHECKPOINT_NAME_PATTERN",
     "CHECKPOINT_PREFIX",
@@ -282,8 +282,10 @@ EXIT_CHECKPOINT_WRITE = 4
 
 
 # ----- flags -----------------------------------------------------------------------------
-ADAMW_BASELINE_LR = 1.5e-3
-"""Peak rate of the ``adamw`` baseline when ``--adamw-lr`` is not given."""
+ADAMW_LR = 3.75e-4
+"""Peak AdamW rate when ``--adamw-lr`` is not given: every parameter under the ``adamw``
+baseline; the embedding, norms and output head under ``dmuon``. With ``--lr``'s default it is
+the best rate of the ``small`` sweep over 1,000 steps (``benchmarks/quality_scale.py``)."""
 
 FlagKind = Literal["int", "float", "str", "path", "choice", "bool", "model", "checkpoint"]
 Bound = Literal["positive", "non_negative", "fraction", "open_fraction"]
@@ -396,11 +398,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("muon_variant", "choice", "muon", "update rule of dmuon's matrices: muon, or "
          "normuon (Muon with per-neuron second-moment normalization, beta2 0.95)", _OPT,
          choices=("muon", "normuon")),
-    Flag("lr", "float", 0.02, "peak Muon learning rate of the dedicated matrices (dmuon "
+    Flag("lr", "float", 1.25e-3, "peak Muon learning rate of the dedicated matrices (dmuon "
          "only)", _OPT, bound="positive"),
-    Flag("adamw_lr", "float", None, "peak AdamW rate: embeddings, norms and lm_head under "
-         f"dmuon; every parameter under the adamw baseline; default: --lr under dmuon, "
-         f"{ADAMW_BASELINE_LR:g} under adamw", _OPT, bound="positive"),
+    Flag("adamw_lr", "float", ADAMW_LR, "peak AdamW rate: embeddings, norms and lm_head "
+         "under dmuon; every parameter under the adamw baseline", _OPT, bound="positive"),
     Flag("warmup_steps", "int", 10, "linear warmup steps, then cosine decay to "
          "min-lr-ratio x peak", _OPT, minimum=0),
     Flag("min_lr_ratio", "float", 0.1, "final learning rate as a fraction of the peak", _OPT,

@@ -117,9 +117,8 @@ def with_recipe_defaults(spec: JobCreate) -> JobCreate:
     """``spec`` with the recipe's defaults written into the fields left out that the job
     record shows (``lr``, ``adamw_lr``, ``optimizer``, ``mode``, ``seed``).
 
-    The defaults are the recipe's own (`dmuon_recipe_contract`); ``adamw_lr`` follows the
-    optimizer: ``lr`` under dmuon, the baseline's rate under adamw. A script job is
-    returned as it is.
+    The defaults are the recipe's own (`dmuon_recipe_contract`), ``adamw_lr`` the same
+    under both optimizers. A script job is returned as it is.
     """
     t = spec.train
     if t is None:
@@ -128,7 +127,7 @@ def with_recipe_defaults(spec: JobCreate) -> JobCreate:
     lr = t.lr if t.lr is not None else contract.flag("lr").default
     adamw_lr = t.adamw_lr
     if adamw_lr is None:
-        adamw_lr = lr if optimizer == "dmuon" else contract.ADAMW_BASELINE_LR
+        adamw_lr = contract.ADAMW_LR
     filled = t.model_copy(
         update={
             "optimizer": optimizer,

@@ -138,8 +138,8 @@ class TrainSpec(_Strict):
     )
     adamw_lr: PositiveLR | None = Field(
         default=None,
-        description="AdamW learning rate (`--adamw-lr`); the recipe's default: `lr` under "
-        f"dmuon, `{contract.ADAMW_BASELINE_LR}` under adamw.",
+        description="AdamW learning rate (`--adamw-lr`): every parameter under adamw, the "
+        f"embedding, norms and head under dmuon; the recipe's default, `{contract.ADAMW_LR}`.",
     )
     optimizer: _choices("optimizer") | None = Field(  # type: ignore[valid-type]
         default=None, description=f"Optimizer (`--optimizer`); {_default_text('optimizer')}."

@@ -15,12 +15,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dmuon_recipe_contract import ADAMW_BASELINE_LR, FLAGS, PRESETS, Flag, flag
+from dmuon_recipe_contract import ADAMW_LR, FLAGS, PRESETS, Flag, flag
 
 from dmuon.train.checkpointing import CheckpointError, require_checkpoint
 
 __all__ = [
-    "ADAMW_BASELINE_LR",
+    "ADAMW_LR",
     "TrainConfig",
     "build_parser",
     "parse_args",
@@ -38,7 +38,7 @@ class TrainConfig:
     Defaults come from `dmuon_recipe_contract.FLAGS`. ``lr`` is the Muon rate (used by
     ``optimizer="dmuon"`` only); ``adamw_lr`` is the AdamW rate: of the embedding, norms
     and ``lm_head`` under ``dmuon``, and of every parameter under the ``adamw`` baseline.
-    Left at ``None`` it depends on the optimizer (`adamw_rate`). ``model`` is a preset
+    Set to ``None`` it is `ADAMW_LR` (`adamw_rate`). ``model`` is a preset
     name or the path of a Hugging Face model directory. See `build_parser` for every
     field.
     """
@@ -89,16 +89,14 @@ class TrainConfig:
 
     @property
     def adamw_rate(self) -> float:
-        """The peak AdamW rate of this run: ``adamw_lr`` when set, else the optimizer's default.
+        """The peak AdamW rate of this run: ``adamw_lr`` when set, else `ADAMW_LR`.
 
-        Under ``dmuon`` the default is ``lr``: with ``dmuon.Muon``'s default update scale
-        (``match_rms_adamw``) a Muon update has AdamW's RMS, so one rate suits both
-        groups. Under the ``adamw`` baseline it is `ADAMW_BASELINE_LR`. Both defaults are
-        the best rates of the quality sweep (``benchmarks/quality.py``).
+        The default is the same under both optimizers: the parameters AdamW trains under
+        ``dmuon`` (embedding, norms, head) train best at AdamW's own rate. It and ``lr``'s
+        default are the best rates of the ``small`` sweep over 1,000 steps
+        (``benchmarks/quality_scale.py``).
         """
-        if self.adamw_lr is not None:
-            return self.adamw_lr
-        return self.lr if self.optimizer == "dmuon" else ADAMW_BASELINE_LR
+        return ADAMW_LR if self.adamw_lr is None else self.adamw_lr
 
     @property
     def effective_lr(self) -> float:
