@@ -31,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,11 @@ def _muon_targets(spec: dict[str, Any], device: torch.device) -> list[tuple[str,
     """Names and shapes of the matrices ``dmuon.dedicate_params`` selects for this model."""
     model, _ = _model_and_loss(spec, device)
     return [(fqn, tuple(model.get_parameter(fqn).shape)) for fqn in dmuon.dedicate_params(model)]
+
+
+def _shape_counts(spec: dict[str, Any], device: torch.device) -> dict[tuple[int, ...], int]:
+    """How many of the matrices ``dmuon.dedicate_params`` selects have each shape."""
+    return dict(Counter(shape for _, shape in _muon_targets(spec, device)))
 
 
 def _time(
@@ -202,9 +208,7 @@ def kernel_rate(shapes: dict[tuple[int, ...], int], device: torch.device, rounds
 def run(preset: str, rounds: int, warmup: int, device: torch.device) -> dict[str, Any]:
     """Time every contender on ``preset``'s matrices: whole model, then each shape bucket."""
     whole = {"kind": "preset", "preset": preset}
-    shapes: dict[tuple[int, ...], int] = {}
-    for _, shape in _muon_targets(whole, device):
-        shapes[shape] = shapes.get(shape, 0) + 1
+    shapes = _shape_counts(whole, device)
     specs = {"all": whole} | {
         f"{r}x{c} (x{n})": {"kind": "bucket", "rows": r, "cols": c, "count": n}
         for (r, c), n in shapes.items()
@@ -246,15 +250,12 @@ def repeated_runs(preset: str, args: argparse.Namespace, device: torch.device) -
     }
     if args.profile:
         whole = {"kind": "preset", "preset": preset}
-        shapes: dict[tuple[int, ...], int] = {}
-        for _, shape in _muon_targets(whole, device):
-            shapes[shape] = shapes.get(shape, 0) + 1
         result["profile"] = {
             "steps": {
                 name: profile_step(_make_step(name, whole, device), device)
                 for name in ("torch", "dmuon-default")
             },
-            "kernel_gflops_per_s": kernel_rate(shapes, device),
+            "kernel_gflops_per_s": kernel_rate(_shape_counts(whole, device), device),
         }
     return result
 
