@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 from collections import defaultdict
 
@@ -41,19 +40,9 @@ from dmuon._ownership.planner import (
 from dmuon._ownership.runtime import Boundary, DedicationRuntime
 from dmuon._ownership.state import STATE_ATTR, DedicationState, attach
 from dmuon._ownership.tp_integration import assign_workers, leaf_for, tensor_parallel_of
+from dmuon._teardown import before_interpreter_exit
 
 ROOT_BOUNDARY = ""
-
-
-def _collect_before_teardown() -> None:
-    """Free process groups held by reference cycles before the interpreter tears down.
-
-    Dedicated models and FSDP2 keep their process group alive through reference cycles.
-    If those are only collected during interpreter teardown, a gloo worker thread that
-    drops its last tensor then aborts the process ("terminate called without an active
-    exception"). Collecting them at exit, while the interpreter is whole, avoids that.
-    """
-    gc.collect()
 
 
 #: Dimension names of a 2-D mesh read as (replicate, shard), as FSDP2's HSDP uses it.
@@ -540,8 +529,8 @@ def dedicate_params(
     )
     install_fsdp_filter()
     keep_out_of_ddp(model, [n for n, p in model.named_parameters() if is_dedicated(p)])
-    atexit.unregister(_collect_before_teardown)  # registered once however many models
-    atexit.register(_collect_before_teardown)
+    atexit.unregister(before_interpreter_exit)  # registered once however many models
+    atexit.register(before_interpreter_exit)
     attach(
         model,
         DedicationState(
