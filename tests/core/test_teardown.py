@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from dmuon._teardown import GLOO_WORKER_THREAD, gloo_workers_running, wait_for_idle_gloo_workers
 
@@ -24,12 +25,17 @@ pytestmark = pytest.mark.skipif(
 
 
 def _busy_worker(busy_s: float, started: threading.Event, finished: list[float]) -> None:
-    """Name this thread as a gloo worker, stay runnable for ``busy_s``, then record the end."""
+    """Name this thread as a gloo worker, stay runnable for ``busy_s``, then record the end.
+
+    It spends its time in matrix products, which run without the GIL, so it stays runnable
+    while the test's thread polls (a thread waiting for the GIL would show as sleeping).
+    """
     Path(f"/proc/self/task/{threading.get_native_id()}/comm").write_text(GLOO_WORKER_THREAD)
+    matrix = torch.randn(192, 192)
     started.set()
     end = time.monotonic() + busy_s
     while time.monotonic() < end:
-        sum(range(1000))  # runnable the whole time; Python switches threads between loops
+        torch.mm(matrix, matrix)
     finished.append(time.monotonic())
 
 
@@ -52,11 +58,11 @@ def busy_worker() -> Iterator[Callable[[float], list[float]]]:
 
 def test_a_runnable_worker_is_counted_and_an_idle_process_has_none(busy_worker) -> None:
     assert gloo_workers_running() == 0
-    finished = busy_worker(0.5)
-    counts = [gloo_workers_running() for _ in range(50)]
+    finished = busy_worker(2.0)
+    counts = [gloo_workers_running() for _ in range(10)]
     assert not finished, "the stand-in ended before it was observed"
-    # With the GIL passing between the two threads, the stand-in is runnable at every poll.
-    assert max(counts) == 1
+    # The stand-in, seen running (threads it starts for the products inherit its name).
+    assert max(counts) >= 1
 
 
 def test_the_wait_lasts_until_the_worker_is_idle(busy_worker) -> None:
