@@ -25,7 +25,6 @@ same global batch see the same sequences whatever the process count.
 
 from __future__ import annotations
 
-import gc
 import json
 import math
 import os
@@ -44,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 import dmuon
+from dmuon._teardown import before_interpreter_exit
 from dmuon.train import checkpointing
 from dmuon.train.cli import TrainConfig, parse_args
 from dmuon.train.data import (
@@ -815,7 +815,8 @@ def run(args: Sequence[str] | TrainConfig | None = None) -> dict[str, Any]:
     finally:
         trainer.close()
         # The model, FSDP2 and DMuon keep the process group alive through reference
-        # cycles. Collect them now, while the interpreter is whole: a gloo worker thread
-        # that drops its last tensor during interpreter teardown aborts the process.
+        # cycles. Collect them now, while the interpreter is whole, and let gloo's worker
+        # threads finish: one that drops its last tensor during interpreter teardown aborts
+        # the process (see dmuon._teardown; the AdamW baseline registers no exit handler).
         del trainer
-        gc.collect()
+        before_interpreter_exit()
