@@ -59,7 +59,8 @@ def wait_for_idle_gloo_workers(limit_s: float = WAIT_LIMIT_S) -> bool:
     A worker blocked on the GIL shows as sleeping, so one idle poll proves nothing; each of
     ``IDLE_POLLS_NEEDED`` consecutive idle polls follows a sleep in which such a worker
     could take the GIL and finish. Returns whether the workers went idle within
-    ``limit_s`` (True at once where threads cannot be listed and none can be waited on).
+    ``limit_s`` (True after the first sleep where threads cannot be listed: there is
+    nothing to wait on).
     """
     deadline = time.monotonic() + limit_s
     idle_polls = 0
