@@ -24,7 +24,7 @@ import pytest
 from server_helpers import LiveServer, job_spec, kill_job_processes, wait_until
 
 try:
-    from playwright.sync_api import Page, Request, expect, sync_playwright
+    from playwright.sync_api import Page, Request, Route, expect, sync_playwright
 except ImportError:  # pragma: no cover - depends on the environment
     sync_playwright = None  # type: ignore[assignment]
 
@@ -315,6 +315,43 @@ def test_invalid_spec_shows_the_field_error(page: Page, service: Service) -> Non
     expect(page.locator("#field-train-steps")).not_to_have_attribute("aria-invalid", "true")
     with service.client() as c:
         assert len(c.get("/v1/jobs").json()["items"]) == jobs_before
+
+
+def test_a_late_prefill_never_overwrites_what_was_typed(page: Page, service: Service) -> None:
+    """The form appears only after its prefill (the newest job) has arrived, so a slow
+    ``GET /v1/jobs?limit=1`` cannot replace values someone typed in the meantime."""
+    with service.client() as c:
+        newest = c.get("/v1/jobs", params={"limit": 1}).json()["items"][0]
+    open_hash(page, service, "#/jobs")
+    expect(page.locator("#jobs-table")).to_be_visible()
+
+    held: list[Route] = []
+
+    def is_prefill(url: str) -> bool:
+        parts = urlsplit(url)
+        return parts.path == "/v1/jobs" and parts.query == "limit=1"
+
+    def hold(route: Route) -> None:
+        held.append(route)
+
+    page.route(is_prefill, hold)
+    try:
+        open_hash(page, service, "#/submit")
+
+        def prefill_held() -> bool:
+            page.wait_for_timeout(20)  # Playwright runs route handlers only inside its calls
+            return bool(held)
+
+        wait_until(prefill_held, timeout=30, what="the form's prefill request")
+        page.wait_for_timeout(300)  # the schema has long arrived; the prefill is held
+        expect(page.locator("#field-name")).to_have_count(0)
+        held[0].continue_()
+        expect(page.locator("#field-name")).to_have_value(newest["name"])
+        page.fill("#field-name", "typed by hand")
+        page.wait_for_timeout(300)
+        expect(page.locator("#field-name")).to_have_value("typed by hand")
+    finally:
+        page.unroute(is_prefill)
 
 
 def test_dmuon_vs_adamw_pair_and_compare(page: Page, service: Service) -> None:

@@ -268,8 +268,23 @@ export function renderSubmit(main, params) {
     ];
   }
 
+  /** The job the form starts from: `?from=<id>`, else the newest job; null for none. */
+  async function prefillSource(from) {
+    try {
+      return from
+        ? await api("GET", `/v1/jobs/${encodeURIComponent(from)}`)
+        : (await api("GET", "/v1/jobs?limit=1")).items[0] || null;
+    } catch {
+      return null;
+    }
+  }
+
   async function build() {
-    const doc = await openapi();
+    // Both requests finish before any field exists: a value typed into the form is never
+    // overwritten by a prefill that arrives later.
+    const from = params.get("from");
+    const [doc, source] = await Promise.all([openapi(), prefillSource(from)]);
+    if (closed) return;
     const schema = resolve(doc, doc.components.schemas.JobCreate);
     const tree = leaves(doc, schema);
     fields = flatten(tree);
@@ -343,25 +358,14 @@ export function renderSubmit(main, params) {
         }
       });
     }
-    let start = defaults();
-    let from = params.get("from");
-    try {
-      const source = from
-        ? await api("GET", `/v1/jobs/${encodeURIComponent(from)}`)
-        : (await api("GET", "/v1/jobs?limit=1")).items[0];
-      if (source) {
-        // Every field of the form takes the source job's value (the job record holds the
-        // whole spec next to its status; the form reads only the spec's fields).
-        start = source;
-        note.textContent = t("submit.from", { name: jobLabel(source) });
-        note.hidden = false;
-      }
-    } catch {
-      from = null;
+    // Every field of the form takes the source job's value (the job record holds the whole
+    // spec next to its status; the form reads only the spec's fields).
+    setValues(source || defaults());
+    if (source) {
+      note.textContent = t("submit.from", { name: jobLabel(source) });
+      note.hidden = false;
+      dryRun();
     }
-    if (closed) return;
-    setValues(start);
-    if (note.hidden === false || from) dryRun();
   }
 
   build().catch((err) => {
