@@ -70,3 +70,29 @@ def slurm_cluster() -> str:
     if out.returncode != 0:
         unavailable(f"{script} could not start Slurm: {(out.stderr or out.stdout)[-2000:]}")
     return subprocess.run(["hostname", "-s"], capture_output=True, text=True).stdout.strip()
+
+
+#: Size of the ``small_disk`` tmpfs.
+SMALL_DISK_MIB = 16
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A ``SMALL_DISK_MIB`` MiB tmpfs, unmounted afterwards (the processes of jobs under its
+    ``data`` folder killed first). Mounting needs root: skipped otherwise, saying why."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs for the full-disk test needs root")
+    mount = tmp_path / "small-disk"
+    mount.mkdir()
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_MIB}m", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {(out.stderr or out.stdout).strip()}")
+    try:
+        yield mount
+    finally:
+        kill_job_processes(mount / "data")
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)

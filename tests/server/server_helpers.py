@@ -111,6 +111,17 @@ def wait_until(fn: Callable[[], T], timeout: float, what: str, interval: float =
         time.sleep(interval)
 
 
+def fill_disk(path: Path) -> int:
+    """Append to ``path`` until its disk refuses; the bytes written."""
+    written = 0
+    with path.open("ab", buffering=0) as f:
+        while True:
+            try:
+                written += f.write(b"\0" * (64 << 10))
+            except OSError:
+                return written
+
+
 def job_processes(data_dir: Path) -> list[psutil.Process]:
     """Live processes of any job started under ``data_dir`` (by their environment marker)."""
     marker = str(Path(os.path.realpath(data_dir)))

@@ -1,6 +1,6 @@
 """A full data directory, through a real ``dmuon-server`` with the REAL recipe.
 
-The server's data directory is a 16 MiB tmpfs mounted by the test (root only; skipped
+The server's data directory is a 16 MiB tmpfs (the ``small_disk`` fixture) (root only; skipped
 otherwise, saying why). In turn:
 
 1. a job that checkpoints every step fills it: the recipe stops with its checkpoint-write
@@ -23,20 +23,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import dmuon_recipe_contract as contract
 import httpx
 import pytest
-from server_helpers import TERMINAL, LiveServer, recipe_without_checkpoints, wait_until
+from server_helpers import (
+    TERMINAL,
+    LiveServer,
+    fill_disk,
+    recipe_without_checkpoints,
+    wait_until,
+)
 
 from dmuon_server.datadir import RESERVE_FILE, free_bytes
 
-TMPFS_MIB = 16
 TRAIN: dict[str, Any] = {
     "model": "tiny",
     "micro_batch_size": 2,
@@ -46,29 +49,6 @@ TRAIN: dict[str, Any] = {
     "eval_every": 0,
     "warmup_steps": 1,
 }
-
-
-@pytest.fixture
-def small_disk(tmp_path: Path) -> Iterator[Path]:
-    """A ``TMPFS_MIB`` MiB tmpfs, unmounted afterwards (its jobs' processes killed)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs for the full-disk test needs root")
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MIB}m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {(out.stderr or out.stdout).strip()}")
-    try:
-        yield mount
-    finally:
-        from server_helpers import kill_job_processes
-
-        kill_job_processes(mount / "data")
-        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
 
 
 @pytest.fixture(autouse=True)
@@ -88,17 +68,6 @@ def _file_steps(path: Path) -> list[int]:
         if isinstance(obj, dict) and contract.EVENT_KEY not in obj and "step" in obj:
             steps.append(obj["step"])
     return steps
-
-
-def _fill(path: Path) -> int:
-    """Append to ``path`` until the disk refuses; the bytes written."""
-    written = 0
-    with path.open("ab", buffering=0) as f:
-        while True:
-            try:
-                written += f.write(b"\0" * (64 << 10))
-            except OSError:
-                return written
 
 
 def test_a_full_data_directory_fails_the_job_and_the_server_keeps_going(
@@ -162,7 +131,7 @@ def test_a_full_data_directory_fails_the_job_and_the_server_keeps_going(
             wait_until(lambda: c.get(f"/v1/jobs/{victim}").json()["state"] == "running", 120,
                        "the second job to run")  # fmt: skip
             filler = small_disk / "filler"
-            mark(f"job 2 running; the test fills {_fill(filler) >> 10} KiB")
+            mark(f"job 2 running; the test fills {fill_disk(filler) >> 10} KiB")
             job = wait_until(lambda: final(victim), 120, "the second job to end", 0.1)
             mark(f"job 2 {job['state']}: {job['reason']}")
             assert job["state"] == "failed", job
@@ -175,7 +144,7 @@ def test_a_full_data_directory_fails_the_job_and_the_server_keeps_going(
             assert [p["step"] for p in vpoints] == vfile
 
             # 3. Full: reads answer, a submission gets a 503 naming the disk.
-            _fill(filler)
+            fill_disk(filler)
             mark(f"disk full again: {free_bytes(data_dir)} bytes free")
             for path in (
                 "/healthz",

@@ -7,6 +7,7 @@ is printed for the record, not asserted against a threshold.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import subprocess
@@ -21,6 +22,7 @@ from server_helpers import (
     SERVER_TESTS,
     TERMINAL,
     LiveServer,
+    fill_disk,
     iter_sse,
     job_spec,
     make_settings,
@@ -28,6 +30,7 @@ from server_helpers import (
     wait_until,
 )
 
+from dmuon_server.datadir import RESERVE_FILE
 from dmuon_server.launchers.slurm import SlurmClient
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
@@ -245,3 +248,47 @@ def test_a_submission_the_server_did_not_record_is_adopted_not_repeated(tmp_path
     finally:
         subprocess.run(["scancel", slurm_id], check=False)
         store.close()
+
+
+def _file_steps(path: Path) -> list[int]:
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            point = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(point, dict) and isinstance(point.get("step"), int) and "event" not in point:
+            steps.append(point["step"])
+    return steps
+
+
+def test_a_slurm_job_on_a_full_data_directory_fails_naming_the_disk(
+    small_disk: Path, servers: list[LiveServer]
+) -> None:
+    """The data directory is a small tmpfs. While a Slurm job runs, the test fills it: the
+    rank dies writing its metrics, the runner cannot write its exit report and the
+    server's database cannot take the last points. The job still ends ``failed`` (not
+    left ``running``) with a reason naming the full disk: the server gives back its
+    reserve to record the end. Every point in the job's file is stored."""
+    data_dir = small_disk / "data"
+    s = _start(servers, data_dir, _fake_env(FAKE_STEP_SECONDS="0.05"))
+    with s.client() as c:
+        reserve = data_dir / RESERVE_FILE
+        wait_until(reserve.exists, 10, "the server to set its reserve aside")
+        spec = job_spec(1, name="fills", steps=100_000)
+        submitted = c.post("/v1/jobs", json=spec)
+        assert submitted.status_code == 201, submitted.text
+        job_id = submitted.json()["id"]
+        wait_until(lambda: _job(c, job_id)["summary"]["points"] >= 2, 120, "the job to run")
+        filled = fill_disk(small_disk / "filler")
+        job = _final(c, job_id, 120, "the job on the full disk to end")
+        print(f"filled {filled >> 10} KiB; the job ended: {job['reason']}")
+        assert job["state"] == "failed", job
+        assert job["reason"].startswith(f"Slurm job {job['slurm_job_id']} ended FAILED")
+        assert "disk is full" in job["reason"], job["reason"]
+        assert len(job["attempts"]) == 1, job["attempts"]
+        assert not reserve.exists()  # given back to record the end
+        assert not (data_dir / "jobs" / job_id / "exit.json").exists()
+        points = c.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 10000}).json()["items"]
+        file_steps = _file_steps(data_dir / "jobs" / job_id / "metrics.jsonl")
+        assert [p["step"] for p in points] == file_steps and file_steps

@@ -181,8 +181,8 @@ def conclude(
     detail = public.text(failure.pop("reason"))
     if scheduler is None:
         reason = detail
-    elif report is not None:  # the runner knows which rank failed and why
-        reason = f"{reason}: {detail}"
+    elif report is not None or disk_full:  # the runner knows which rank failed and why,
+        reason = f"{reason}: {detail}"  # or the full disk is why it could not say
     retry = restartable(report, launcher_rc) and not disk_full
     return Outcome("failed", reason, failure["exit_code"], failure, retry)
 

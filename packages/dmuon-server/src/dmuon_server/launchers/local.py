@@ -15,8 +15,7 @@ it neither notices nor dies when the server stops. Each round (:meth:`LocalLaunc
 * a rank stopped (SIGSTOP) while torchrun tells it to end, because another rank failed,
   is killed at once (:func:`dmuon_server.procs.kill_stopped_ranks`), so the attempt ends;
 * on a full data directory a job's end is still seen (its points wait in its file), and
-  the server's reserve (:class:`dmuon_server.datadir.SpaceReserve`) is given back to
-  record it;
+  the server's reserve is given back to record it (:mod:`dmuon_server.launchers.full_disk`);
 * a job whose rank died is relaunched, up to the spec's ``max_restarts`` times (see
   :func:`dmuon_server.jobfiles.restartable`), on the same GPUs.
 
@@ -38,9 +37,10 @@ import psutil
 from dmuon_server import attempts
 from dmuon_server.attempts import Move
 from dmuon_server.config import Settings
-from dmuon_server.datadir import SpaceReserve, disk_full
+from dmuon_server.datadir import disk_full
 from dmuon_server.jobfiles import DISK_FULL_TEXT, LOG_FILE, metrics_file, read_exit_report
 from dmuon_server.launchers.base import Isolated
+from dmuon_server.launchers.full_disk import FullDisk
 from dmuon_server.metrics import Hub, MetricsTailer, metrics_stream
 from dmuon_server.procs import (
     find_job_processes,
@@ -53,7 +53,7 @@ from dmuon_server.procs import (
 )
 from dmuon_server.records import JobRecord
 from dmuon_server.schemas import ACTIVE_STATES
-from dmuon_server.store import Store, StoreFull
+from dmuon_server.store import Store
 
 log = logging.getLogger("dmuon_server.launchers.local")
 
@@ -74,11 +74,7 @@ class LocalLauncher:
         self.launched_total = 0
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._cancel_deadline: dict[str, float] = {}
-        self.reserve = SpaceReserve(settings.data_dir, settings.disk_reserve_bytes)
-        #: Whether the disk was full when a job's attempt was seen to end (kept until the
-        #: attempt is recorded, over rounds whose writes fail).
-        self._full: dict[str, bool] = {}
-        self._full_logged: set[str] = set()
+        self.full_disk = FullDisk(settings)
 
     # ------------------------------------------------------------------- recovery
 
@@ -198,7 +194,7 @@ class LocalLauncher:
 
     def tick(self, isolated: Isolated) -> None:
         """Watch every active job once (see the module docstring)."""
-        self.reserve.replenish()
+        self.full_disk.replenish()
         for job in self.store.jobs_in_states(ACTIVE_STATES):
             with isolated(job.id):
                 self._watch(job)
@@ -227,22 +223,11 @@ class LocalLauncher:
                 )
             return
         attempt = self.store.current_attempt(job.id)
-        try:
-            polled = self.tailer.poll(
-                job.id,
-                self.settings.job_dir(job.id) / metrics_file(attempt),
-                stream=metrics_stream(attempt),
-                attempt=attempt,
-            )
-        except StoreFull:
-            # The points wait in the file (the final read takes them); whether the job's
-            # processes ended must still be seen, or a job on a full disk runs forever.
-            if job.id not in self._full_logged:
-                self._full_logged.add(job.id)
-                log.warning("job %s: its metrics wait in its file: the disk is full", job.id)
-            polled = 0
-        else:
-            self._full_logged.discard(job.id)
+        path = self.settings.job_dir(job.id) / metrics_file(attempt)
+        polled = self.full_disk.poll(
+            job.id,
+            lambda: self.tailer.poll(job.id, path, stream=metrics_stream(attempt), attempt=attempt),
+        )
         # A relaunched attempt keeps the points of the steps before its checkpoint: only
         # this attempt's own file tells that it runs.
         if job.state == "starting" and (
@@ -276,15 +261,8 @@ class LocalLauncher:
         write it again at once, before anything else takes the space."""
         # Judged before anything is written: a full disk may be why the runner left no
         # report, and the reserve may go below.
-        full = self._full.setdefault(job.id, disk_full(self.settings.job_dir(job.id), self.reserve))
-        try:
-            self._conclude(job, attempt, full)
-        except StoreFull as e:
-            if not self.reserve.release():
-                raise
-            log.warning("job %s: %s; gave back the %d-byte reserve to record how it ended",
-                        job.id, e, self.reserve.size)  # fmt: skip
-            self._conclude(job, attempt, full)
+        full = self.full_disk.full_at_end(job.id, self.settings.job_dir(job.id))
+        self.full_disk.record(job.id, lambda: self._conclude(job, attempt, full))
 
     def _conclude(self, job: JobRecord, attempt: int, full: bool) -> None:
         job_dir = self.settings.job_dir(job.id)
@@ -303,12 +281,12 @@ class LocalLauncher:
         report = read_exit_report(job_dir)
         outcome = attempts.conclude(self.settings, fresh, report, child_rc, disk_full=full)
         if outcome.retry and self._restart(fresh, attempt, outcome):
-            self._full.pop(job.id, None)
+            self.full_disk.forget(job.id)
             return
         if attempts.record(self.store, self._move, job.id, attempt, outcome, ACTIVE_STATES):
             log.info("job %s: %s (%s)", job.id, outcome.state, outcome.reason)
         self._children.pop(job.id, None)
-        self._full.pop(job.id, None)
+        self.full_disk.forget(job.id)
 
     def _restart(self, job: JobRecord, attempt: int, outcome: attempts.Outcome) -> bool:
         """Relaunch a job whose attempt failed, if restarts are left; whether it was.

@@ -10,6 +10,10 @@ and end as :mod:`dmuon_server.attempts` says, as on the local host.
 Cancellation: SIGTERM to the job's steps (``scancel --signal=TERM``), which reaches the
 ranks (they finish the step, save a checkpoint and exit) while the runner around torchrun
 lets it pass; after the server's cancel grace period a plain ``scancel`` ends what is left.
+
+A full data directory: as on the local host, a job's end is still seen while its points
+cannot be stored, and the server gives back its reserve to record the end
+(:mod:`dmuon_server.launchers.full_disk`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from dmuon_server.datadir import StartupError
 from dmuon_server.jobfiles import LOG_FILE, TORCHRUN_LOG_DIR, metrics_file, read_exit_report
 from dmuon_server.launch import program_of
 from dmuon_server.launchers.base import Isolated
+from dmuon_server.launchers.full_disk import FullDisk
 from dmuon_server.launchers.slurm import (
     BatchOptions,
     SlurmClient,
@@ -127,6 +132,7 @@ class SlurmLauncher:
         self.launched_total = 0
         self._cancel_deadline: dict[str, float] = {}
         self._next_query: dict[str, float] = {}
+        self.full_disk = FullDisk(settings)
 
     # ------------------------------------------------------------------ recovery
 
@@ -210,6 +216,7 @@ class SlurmLauncher:
 
     def tick(self, isolated: Isolated) -> None:
         """Follow every submitted job once, each inside ``isolated(job_id)``."""
+        self.full_disk.replenish()
         for job in self.store.jobs_in_states(SLURM_HELD_STATES):
             if job.slurm_job_id is not None:
                 with isolated(job.id):
@@ -221,7 +228,10 @@ class SlurmLauncher:
         assert slurm_id is not None
         attempt = self.store.current_attempt(job_id)
         path = self.settings.job_dir(job_id) / metrics_file(attempt)
-        self.tailer.poll(job_id, path, stream=metrics_stream(attempt), attempt=attempt)
+        self.full_disk.poll(
+            job_id,
+            lambda: self.tailer.poll(job_id, path, stream=metrics_stream(attempt), attempt=attempt),
+        )
         deadline = self._cancel_deadline.get(job_id)
         if deadline is not None and time.time() >= deadline:
             log.warning("job %s: grace period over, scancel %s", job_id, slurm_id)
@@ -252,15 +262,21 @@ class SlurmLauncher:
         self._finish(job, attempt, sj)
 
     def _finish(self, job: JobRecord, attempt: int, sj: SlurmJob) -> None:
+        # Judged before anything is written: a full disk may be why the runner left no
+        # report, and the reserve may go below.
+        full = self.full_disk.full_at_end(job.id, self.settings.job_dir(job.id))
+        self.full_disk.record(job.id, lambda: self._conclude(job, attempt, sj, full))
+        self.full_disk.forget(job.id)
+
+    def _conclude(self, job: JobRecord, attempt: int, sj: SlurmJob, full: bool) -> None:
         attempts.final_poll(self.settings, self.tailer, job, attempt)
         self._cancel_deadline.pop(job.id, None)
         self._next_query.pop(job.id, None)
         fresh = self.store.get_job(job.id) or job
         mapped = service_state(sj, cancel_requested=fresh.cancel_requested_at is not None)
         report = read_exit_report(self.settings.job_dir(job.id))
-        outcome = attempts.conclude(
-            self.settings, fresh, report, sj.exit_code, SchedulerEnd(mapped.state, mapped.reason)
-        )
+        end = SchedulerEnd(mapped.state, mapped.reason)
+        outcome = attempts.conclude(self.settings, fresh, report, sj.exit_code, end, disk_full=full)
         if attempts.record(self.store, self._move, job.id, attempt, outcome, SLURM_HELD_STATES):
             log.info("job %s: %s (%s)", job.id, outcome.state, outcome.reason)
 
