@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import dmuon_recipe_contract as contract
 import httpx
 import psutil
 
@@ -109,6 +110,20 @@ def wait_until(fn: Callable[[], T], timeout: float, what: str, interval: float =
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def metrics_file_steps(path: Path) -> list[int]:
+    """Steps of the metric points in a job's metrics file, in order (event lines and
+    lines that are not JSON left out): the oracle for what the server must have stored."""
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and contract.EVENT_KEY not in obj and "step" in obj:
+            steps.append(obj["step"])
+    return steps
 
 
 def fill_disk(path: Path) -> int:

@@ -20,7 +20,6 @@ The figures are printed (``pytest -s``).
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import time
@@ -34,6 +33,7 @@ from server_helpers import (
     TERMINAL,
     LiveServer,
     fill_disk,
+    metrics_file_steps,
     recipe_without_checkpoints,
     wait_until,
 )
@@ -56,18 +56,6 @@ def _checkpointing_recipe() -> None:
     why = recipe_without_checkpoints()
     if why is not None:
         pytest.skip(why)
-
-
-def _file_steps(path: Path) -> list[int]:
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and contract.EVENT_KEY not in obj and "step" in obj:
-            steps.append(obj["step"])
-    return steps
 
 
 def test_a_full_data_directory_fails_the_job_and_the_server_keeps_going(
@@ -123,7 +111,7 @@ def test_a_full_data_directory_fails_the_job_and_the_server_keeps_going(
             folder = data_dir / "jobs" / filler_job
             assert not [p for p in (folder / "checkpoints").iterdir() if p.name.startswith(".")]
             points = c.get(f"/v1/jobs/{filler_job}/metrics").json()["items"]
-            assert [p["step"] for p in points] == _file_steps(folder / "metrics.jsonl")
+            assert [p["step"] for p in points] == metrics_file_steps(folder / "metrics.jsonl")
 
             # 2. A job whose runner cannot write its exit report.
             body = {"nproc_per_node": 1, "train": {**TRAIN, "steps": 100_000}}
@@ -140,7 +128,7 @@ def test_a_full_data_directory_fails_the_job_and_the_server_keeps_going(
             assert not reserve.exists()  # given back to record the outcome
             vpoints = c.get(f"/v1/jobs/{victim}/metrics").json()["items"]
             assert vpoints, "the second job stored no point before the disk filled"
-            vfile = _file_steps(data_dir / "jobs" / victim / "metrics.jsonl")
+            vfile = metrics_file_steps(data_dir / "jobs" / victim / "metrics.jsonl")
             assert [p["step"] for p in vpoints] == vfile
 
             # 3. Full: reads answer, a submission gets a 503 naming the disk.

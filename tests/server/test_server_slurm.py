@@ -7,7 +7,6 @@ is printed for the record, not asserted against a threshold.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import subprocess
@@ -26,6 +25,7 @@ from server_helpers import (
     iter_sse,
     job_spec,
     make_settings,
+    metrics_file_steps,
     processes_of_job,
     wait_until,
 )
@@ -250,18 +250,6 @@ def test_a_submission_the_server_did_not_record_is_adopted_not_repeated(tmp_path
         store.close()
 
 
-def _file_steps(path: Path) -> list[int]:
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            point = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(point, dict) and isinstance(point.get("step"), int) and "event" not in point:
-            steps.append(point["step"])
-    return steps
-
-
 def test_a_slurm_job_on_a_full_data_directory_fails_naming_the_disk(
     small_disk: Path, servers: list[LiveServer]
 ) -> None:
@@ -290,5 +278,5 @@ def test_a_slurm_job_on_a_full_data_directory_fails_naming_the_disk(
         assert not reserve.exists()  # given back to record the end
         assert not (data_dir / "jobs" / job_id / "exit.json").exists()
         points = c.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 10000}).json()["items"]
-        file_steps = _file_steps(data_dir / "jobs" / job_id / "metrics.jsonl")
+        file_steps = metrics_file_steps(data_dir / "jobs" / job_id / "metrics.jsonl")
         assert [p["step"] for p in points] == file_steps and file_steps
