@@ -3,8 +3,8 @@
 A 2-process job (``collective_timeout`` 20 s, ``max_restarts`` 1) has rank 1 stopped with
 SIGSTOP after step 3: rank 0 waits in a collective, fails after the timeout with the
 recipe's ``StepFailed``; torchrun sends the stopped rank SIGTERM, on which it cannot act
-until continued, and would wait 30 s before its SIGKILL: the server kills it at once
-(`dmuon_server.procs.kill_stopped_ranks`), and the attempt ends as a failure that
+until continued, and would wait 30 s before its SIGKILL: the job's runner kills it at
+once (`dmuon_server.procs.kill_stopped_ranks`), and the attempt ends as a failure that
 ``max_restarts`` covers.
 The restarted attempt resumes from the last checkpoint and the job succeeds with every
 step once. The seconds from SIGSTOP to the job leaving ``running`` are printed
@@ -127,8 +127,9 @@ def test_a_stopped_rank_fails_the_attempt_and_the_restart_succeeds(data_dir: Pat
                 f"later (collective timeout {TIMEOUT_S} s); attempt 1: {first['reason'][:200]}"
             )
             assert TIMEOUT_S <= seconds < 2 * TIMEOUT_S + 25
-            # The server killed the stopped rank, not torchrun's SIGKILL 30 s later.
-            assert f"SIGKILL to rank pid {victim.pid}:" in server.log_path.read_text()
+            # The runner killed the stopped rank, not torchrun's SIGKILL 30 s later.
+            job_log = (data_dir / "jobs" / job_id / "job.log").read_text()
+            assert f"SIGKILL to rank pid {victim.pid}:" in job_log
             items = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
             assert [p["step"] for p in items] == list(range(1, 9))
     finally:

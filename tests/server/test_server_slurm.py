@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 from server_helpers import (
     SERVER_TESTS,
@@ -280,3 +282,49 @@ def test_a_slurm_job_on_a_full_data_directory_fails_naming_the_disk(
         points = c.get(f"/v1/jobs/{job_id}/metrics", params={"limit": 10000}).json()["items"]
         file_steps = metrics_file_steps(data_dir / "jobs" / job_id / "metrics.jsonl")
         assert [p["step"] for p in points] == file_steps and file_steps
+
+
+def _fake_rank(job_id: str, rank: int) -> psutil.Process | None:
+    for p in processes_of_job(job_id):
+        try:
+            if p.environ().get("RANK") == str(rank) and "fake_train" in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
+def test_a_stopped_rank_of_a_slurm_job_is_killed_when_told_to_end(
+    data_dir: Path, servers: list[LiveServer]
+) -> None:
+    """Rank 1 of a 2-process Slurm job is stopped (SIGSTOP); rank 0 then fails. torchrun
+    sends the stopped rank SIGTERM, on which it cannot act, and would SIGKILL it only 30 s
+    later; the job's runner on the node kills it at once, so the job fails within a few
+    seconds of rank 0's failure."""
+    crash_step, step_s = 12, 0.25
+    env = _fake_env(
+        FAKE_CRASH_RANK="0", FAKE_CRASH_STEP=str(crash_step), FAKE_STEP_SECONDS=str(step_s)
+    )
+    s = _start(servers, data_dir, env)
+    victim: psutil.Process | None = None
+    try:
+        with s.client() as c:
+            job_id = c.post("/v1/jobs", json=job_spec(2, name="stopped", steps=1000)).json()["id"]
+            wait_until(lambda: _job(c, job_id)["summary"]["points"] >= 2, 120, "the job to run")
+            victim = wait_until(lambda: _fake_rank(job_id, 1), 30, "rank 1's process")
+            victim.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
+            job = _final(c, job_id, 120, "the job to end")
+            seconds = time.monotonic() - stopped_at
+            print(f"rank 1 stopped; the job ended {seconds:.1f} s later: {job['reason']}")
+            assert job["state"] == "failed", job
+            assert job["failure"]["rank"] == 0, job["failure"]
+            # Rank 0 fails at most crash_step * step_s after the stop; torchrun's own
+            # SIGKILL would come 30 s after that.
+            assert seconds < 30, seconds
+            job_log = (data_dir / "jobs" / job_id / "job.log").read_text()
+            assert f"SIGKILL to rank pid {victim.pid}:" in job_log
+            assert not victim.is_running() or victim.status() == psutil.STATUS_ZOMBIE
+    finally:
+        if victim is not None and victim.is_running():
+            victim.send_signal(signal.SIGKILL)

@@ -17,6 +17,12 @@ whose entry point is decorated with
 and torchrun hands it over with the failure. Without an error file they are torchrun's
 generic message (and ``error_type`` is null).
 
+While torchrun runs, the runner also kills, at once, a rank that is stopped (SIGSTOP, a
+debugger) while torchrun tells it to end because another rank failed
+(:func:`dmuon_server.procs.kill_stopped_ranks`); torchrun itself would wait 30 s before
+its SIGKILL. The runner is the job's process on every node, so this holds under every
+launcher (the local host, each node of a Slurm allocation).
+
 Why a wrapper: the server must learn a job's exit status even when the job outlived the
 server (a restarted server is not the job's parent and cannot ``wait()`` for it), and
 torchrun knows which rank failed first only in memory (its ``ChildFailedError``). Running
@@ -32,12 +38,15 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 EXIT_FILE = "exit.json"
+#: Seconds between two looks for ranks stopped while told to end.
+STOPPED_RANK_POLL_S = 0.5
 
 
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
@@ -110,6 +119,22 @@ def first_failure(failures: list[dict[str, Any]]) -> dict[str, Any] | None:
     return min(candidates, key=lambda f: (f["timestamp"], order[id(f)]))
 
 
+def _kill_stopped_ranks_until(done: threading.Event) -> None:
+    """Until ``done``: SIGKILL this process's children (torchrun's ranks) that are stopped
+    while told to end, each named on stderr (the job's log)."""
+    import psutil
+
+    from dmuon_server.procs import kill_stopped_ranks
+
+    me = psutil.Process()
+    while not done.wait(STOPPED_RANK_POLL_S):
+        for pid in kill_stopped_ranks(me):
+            why = "it is stopped (SIGSTOP) with a SIGTERM pending it cannot act on"
+            with contextlib.suppress(OSError):
+                print(f"dmuon_server.runner: SIGKILL to rank pid {pid}: {why}", file=sys.stderr)
+                sys.stderr.flush()
+
+
 def run(job_dir: Path, torchrun_args: list[str]) -> int:
     """Run torchrun with ``torchrun_args``, write the exit report, return the exit code."""
     report: dict[str, Any] = {
@@ -121,6 +146,11 @@ def run(job_dir: Path, torchrun_args: list[str]) -> int:
         "started_at": time.time(),
     }
     rc = 1
+    done = threading.Event()
+    watchdog = threading.Thread(
+        target=_kill_stopped_ranks_until, args=(done,), name="stopped-rank-watchdog", daemon=True
+    )
+    watchdog.start()
     try:
         from torch.distributed.elastic.multiprocessing.api import SignalException
         from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -147,6 +177,8 @@ def run(job_dir: Path, torchrun_args: list[str]) -> int:
         report["error"] = "".join(traceback.format_exception_only(type(e), e)).strip()
         traceback.print_exc()
         rc = 1
+    finally:
+        done.set()
     report["returncode"] = rc
     report["finished_at"] = time.time()
     try:

@@ -13,7 +13,7 @@ it neither notices nor dies when the server stops. Each round (:meth:`LocalLaunc
 * cancellations escalate: SIGTERM to the job's ranks at once (the recipe finishes its
   step, saves a checkpoint and exits 0), SIGKILL to what is left after ``cancel_grace_s``;
 * a rank stopped (SIGSTOP) while torchrun tells it to end, because another rank failed,
-  is killed at once (:func:`dmuon_server.procs.kill_stopped_ranks`), so the attempt ends;
+  is killed at once by the job's runner (:mod:`dmuon_server.runner`), so the attempt ends;
 * on a full data directory a job's end is still seen (its points wait in its file), and
   the server's reserve is given back to record it (:mod:`dmuon_server.launchers.full_disk`);
 * a job whose rank died is relaunched, up to the spec's ``max_restarts`` times (see
@@ -46,7 +46,6 @@ from dmuon_server.procs import (
     find_job_processes,
     find_runner,
     kill_and_reap,
-    kill_stopped_ranks,
     signal_job,
     signal_ranks,
     verified_process,
@@ -242,11 +241,6 @@ class LocalLauncher:
         else:
             ended = verified_process(job.pid, job.create_time) is None
         if not ended:
-            root = verified_process(job.pid, job.create_time)
-            if root is not None:
-                for pid in kill_stopped_ranks(root):
-                    log.warning("job %s: SIGKILL to rank pid %d: it is stopped (SIGSTOP) "
-                                "with a SIGTERM pending it cannot act on", job.id, pid)  # fmt: skip
             deadline = self._cancel_deadline.get(job.id)
             if deadline is not None and time.time() >= deadline:
                 root = verified_process(job.pid, job.create_time)
