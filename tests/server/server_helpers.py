@@ -163,6 +163,18 @@ def processes_of_job(job_id: str) -> list[psutil.Process]:
     return found
 
 
+def rank_process(job_id: str, rank: int, program: str = "dmuon.train") -> psutil.Process | None:
+    """The process of rank ``rank`` of a job (its ``RANK`` and ``program`` in its command
+    line), or None while there is none."""
+    for p in processes_of_job(job_id):
+        try:
+            if p.environ().get("RANK") == str(rank) and program in " ".join(p.cmdline()):
+                return p
+        except psutil.Error:
+            continue
+    return None
+
+
 def kill_job_processes(data_dir: Path) -> None:
     """Safety net for teardown: SIGKILL whatever a test left running, and reap the
     children of this test process that ended after their in-process server stopped

@@ -20,12 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from server_helpers import (
     LiveServer,
     iter_sse,
-    processes_of_job,
+    rank_process,
     recipe_without_checkpoints,
     wait_until,
 )
@@ -73,16 +72,6 @@ def _steps_in(path: Path) -> list[int]:
         if isinstance(obj, dict) and "event" not in obj and isinstance(obj.get("step"), int):
             steps.append(obj["step"])
     return steps
-
-
-def _rank(job_id: str, rank: int) -> psutil.Process | None:
-    for p in processes_of_job(job_id):
-        try:
-            if p.environ().get("RANK") == str(rank) and "dmuon.train" in " ".join(p.cmdline()):
-                return p
-        except psutil.Error:
-            continue
-    return None
 
 
 def _stream_steps(url: str, job_id: str, out: list[int]) -> None:
@@ -135,7 +124,7 @@ def test_a_rank_killed_after_step_7_restarts_and_matches_an_uninterrupted_run(
             reader.start()
             metrics = data_dir / "jobs" / faulty / "metrics.jsonl"
             wait_until(lambda: 7 in _steps_in(metrics), 600, "step 7", interval=0.005)
-            victim = _rank(faulty, 1)
+            victim = rank_process(faulty, 1)
             assert victim is not None
             victim.send_signal(signal.SIGKILL)
             seen = max(_steps_in(metrics))

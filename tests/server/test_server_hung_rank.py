@@ -27,7 +27,7 @@ import pytest
 from server_helpers import (
     TERMINAL,
     LiveServer,
-    processes_of_job,
+    rank_process,
     recipe_without_checkpoints,
     wait_until,
 )
@@ -76,16 +76,6 @@ def _steps_in(path: Path) -> list[int]:
     return steps
 
 
-def _rank(job_id: str, rank: int) -> psutil.Process | None:
-    for p in processes_of_job(job_id):
-        try:
-            if p.environ().get("RANK") == str(rank) and "dmuon.train" in " ".join(p.cmdline()):
-                return p
-        except psutil.Error:
-            continue
-    return None
-
-
 def test_a_stopped_rank_fails_the_attempt_and_the_restart_succeeds(data_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DMUON_SERVER_TRAIN_MODULE"}
     server = LiveServer(data_dir, "--max-nproc", "2")
@@ -97,7 +87,7 @@ def test_a_stopped_rank_fails_the_attempt_and_the_restart_succeeds(data_dir: Pat
             job_id = c.post("/v1/jobs", json=SPEC).json()["id"]
             metrics = data_dir / "jobs" / job_id / "metrics.jsonl"
             wait_until(lambda: 3 in _steps_in(metrics), 300, "step 3", interval=0.01)
-            victim = _rank(job_id, 1)
+            victim = rank_process(job_id, 1)
             assert victim is not None
             victim.send_signal(signal.SIGSTOP)
             stopped_at = time.time()

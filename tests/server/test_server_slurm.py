@@ -29,6 +29,7 @@ from server_helpers import (
     make_settings,
     metrics_file_steps,
     processes_of_job,
+    rank_process,
     wait_until,
 )
 
@@ -284,16 +285,6 @@ def test_a_slurm_job_on_a_full_data_directory_fails_naming_the_disk(
         assert [p["step"] for p in points] == file_steps and file_steps
 
 
-def _fake_rank(job_id: str, rank: int) -> psutil.Process | None:
-    for p in processes_of_job(job_id):
-        try:
-            if p.environ().get("RANK") == str(rank) and "fake_train" in " ".join(p.cmdline()):
-                return p
-        except psutil.Error:
-            continue
-    return None
-
-
 def test_a_stopped_rank_of_a_slurm_job_is_killed_when_told_to_end(
     data_dir: Path, servers: list[LiveServer]
 ) -> None:
@@ -311,7 +302,9 @@ def test_a_stopped_rank_of_a_slurm_job_is_killed_when_told_to_end(
         with s.client() as c:
             job_id = c.post("/v1/jobs", json=job_spec(2, name="stopped", steps=1000)).json()["id"]
             wait_until(lambda: _job(c, job_id)["summary"]["points"] >= 2, 120, "the job to run")
-            victim = wait_until(lambda: _fake_rank(job_id, 1), 30, "rank 1's process")
+            victim = wait_until(
+                lambda: rank_process(job_id, 1, "fake_train"), 30, "rank 1's process"
+            )
             victim.send_signal(signal.SIGSTOP)
             stopped_at = time.monotonic()
             job = _final(c, job_id, 120, "the job to end")
