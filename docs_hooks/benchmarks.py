@@ -11,8 +11,9 @@ A page asks for a table with a marker on a line of its own:
     and the largest gap between the two in one run.
 ``<!-- benchmark: optimizer-profile [NAME] -->``
     The same file: one profiled step of torch and of ``dmuon-default`` per preset, split
-    into matrix products, copies, other operators and the rest, with the products' rate
-    and the rate of the same products alone (``--profile``).
+    into matrix products, copies, other operators and the rest, with the products' rate,
+    the rate of the same products alone (``--profile``) and the ceilings they put on the
+    speedup (`speedup_ceilings`).
 ``<!-- benchmark: distributed NAME -->``
     ``benchmarks/results/NAME.json``: step time and counted traffic per contender.
 ``<!-- benchmark: checkpoint-io -->``
@@ -103,6 +104,10 @@ LABELS: dict[str, dict[str, Any]] = {
         "prof_rest": "Python and dispatch (ms)",
         "prof_kernel": "the same bfloat16 products alone (torch.optim.Muon's `mm`/`addmm` calls "
         "at one step's shapes, in a loop): {rate:.0f} GFLOP/s",
+        "prof_ceiling": "torch's step in the first run, unprofiled: {torch} ms. The step's "
+        "products take {kernel} ms at the rate alone and took {ours} ms in DMuon's profiled "
+        "step, so a step doing nothing but them is at most **{kernel_x:.2f}x** or "
+        "**{ours_x:.2f}x** torch's",
         "torch": "torch.optim.Muon + AdamW (ms)",
         "all": "all",
         "contender": "Contender",
@@ -256,6 +261,11 @@ LABELS: dict[str, dict[str, Any]] = {
         "prof_rest": "Python 与分派（毫秒）",
         "prof_kernel": "同样的 bfloat16 乘积单独运行（torch.optim.Muon 的 `mm`/`addmm` 调用，"
         "一步的形状，循环计时）：{rate:.0f} GFLOP/s",
+        "prof_ceiling": "第一次运行中 torch 未被剖析的一步：{torch} 毫秒。"
+        "这一步的乘积按单独运行的速率需要 {kernel} 毫秒，"
+        "在 DMuon 被剖析的一步中用了 {ours} 毫秒；"
+        "所以一个只做这些乘积的优化器步至多是 torch 的 "
+        "**{kernel_x:.2f}x** 或 **{ours_x:.2f}x**",
         "torch": "torch.optim.Muon + AdamW（毫秒）",
         "all": "全部",
         "contender": "参与者",
@@ -478,8 +488,38 @@ def _optimizer_profile(name: str, labels: dict[str, str]) -> str:
                 f"{_ms(t['other_ops'])} | {_ms(t['rest'])} |"
             )
         kernel = labels["prof_kernel"].format(rate=profile["kernel_gflops_per_s"])
-        parts.append(f"*`{result['preset']}`*\n\n" + "\n".join(lines) + f"\n\n{kernel}")
+        c = speedup_ceilings(result)
+        ceiling = labels["prof_ceiling"].format(
+            torch=_ms(c["torch_s"]),
+            kernel=_ms(c["products_at_kernel_rate_s"]),
+            ours=_ms(c["dmuon_products_s"]),
+            kernel_x=c["at_kernel_rate"],
+            ours_x=c["as_dmuon_ran_them"],
+        )
+        parts.append(f"*`{result['preset']}`*\n\n" + "\n".join(lines) + f"\n\n{kernel}. {ceiling}.")
     return "\n\n".join(parts)
+
+
+def speedup_ceilings(result: dict[str, Any]) -> dict[str, float]:
+    """How far ahead of torch's step a step made of nothing but its matrix products could be.
+
+    torch's unprofiled whole-model median (first run) over the time the step's products take
+    at the kernel's rate (their FLOPs over the rate of the same calls alone), and over the
+    time they took in DMuon's profiled step. Any time spent outside the products lowers the
+    speedup below these.
+    """
+    profile = result["profile"]
+    ours = profile["steps"]["dmuon-default"]
+    torch_s = result["rows"]["all"]["median_s"]["torch"]
+    at_kernel_rate = ours["product_flops"] / (profile["kernel_gflops_per_s"] * 1e9)
+    dmuon_products = ours["seconds"]["products"]
+    return {
+        "torch_s": torch_s,
+        "products_at_kernel_rate_s": at_kernel_rate,
+        "dmuon_products_s": dmuon_products,
+        "at_kernel_rate": torch_s / at_kernel_rate,
+        "as_dmuon_ran_them": torch_s / dmuon_products,
+    }
 
 
 def _cell(value: float | None, spec: str, suffix: str = "") -> str:
@@ -947,7 +987,8 @@ def _machine(name: str, labels: dict[str, str]) -> str:
     load = data.get("load_average") or m.get("load_average") or []
     parts = [m.get("gpu", ""), m.get("cpu", ""), m.get("cpu_capability", "")]
     if "native_bf16" in m:
-        parts.append(labels["bf16_native"] if m["native_bf16"] else labels["bf16_emulated"])
+        native = labels["bf16_native"] if m["native_bf16"] else labels["bf16_emulated"]
+        parts.append(f"{native} ({m['bf16_unit']})" if m.get("bf16_unit") else native)
     parts.append(f"{m.get('cores', '?')} cores" if m else "")
     parts += [f"torch {m['torch']}" if "torch" in m else ""]
     if "threads" in data:
