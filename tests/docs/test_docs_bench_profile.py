@@ -252,6 +252,17 @@ def test_avx512_optimizer_step_section_claims_hold_in_the_committed_run() -> Non
         assert left_at_1_2x < share * rest, result["preset"]
 
 
+@pytest.mark.parametrize("name", ["optimizer_step", "optimizer_step_avx512"])
+def test_float32_step_is_two_and_a_half_to_four_times_bfloat16s(name: str) -> None:
+    """The default-dtype table of the Newton-Schulz page says that on CPUs with AMX-BF16 or
+    AVX512-BF16 the optimizer step in float32 takes two and a half to four times as long as
+    in bfloat16 (the same standard iteration), on both committed CPU runs."""
+    for result in json.loads((RESULTS / f"{name}.json").read_text()):
+        assert result["machine"]["native_bf16"] is True
+        whole = result["rows"]["all"]["median_s"]
+        assert 2.5 < whole["dmuon-fp32-nogram"] / whole["dmuon-bf16"] < 4, result["preset"]
+
+
 def test_amx_section_claim_holds_in_the_committed_run() -> None:
     """The native-bfloat16 section says every step-time target that could run is met, with
     DMuon's Newton-Schulz in bfloat16 on a CPU that multiplies it natively."""
