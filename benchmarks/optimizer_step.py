@@ -13,11 +13,13 @@ are compared within this run. Reported per shape bucket and for the whole model,
 
 ``--runs N`` repeats the whole measurement N times (each one interleaved) and records every
 run's whole-model speedup with its minimum, median and maximum: the spread, not only a
-median. ``--profile`` then runs one more step of torch and of ``dmuon-default`` under
-torch.profiler and splits it into matrix products, copies, other operators and the rest
-(Python and dispatch), with the rate the products ran at; next to it, the rate of the same
-products alone (torch's own ``mm``/``addmm`` calls at the iteration's shapes, timed in a
-loop): the kernel's rate on this machine.
+median. ``--profile`` then runs steps of torch and of ``dmuon-default`` under torch.profiler
+(``--profile-rounds`` of each, interleaved with the kernel-rate measurement; the median one
+is kept) and splits each into matrix products, copies, other operators and the rest (Python
+and dispatch), with the rate the products ran at and the self time of each operator outside
+the products; next to it, the rate of the same products alone (torch's own ``mm``/``addmm``
+calls at the iteration's shapes, timed in a loop): the kernel's rate on this machine. Under
+it, the ceiling: torch's step over the products' time, at that rate and as DMuon ran them.
 
     python benchmarks/optimizer_step.py --model small --threads 1
     python benchmarks/optimizer_step.py --model small,base --runs 5 --profile
@@ -139,11 +141,14 @@ def _time(
 
 PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 COPIES = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous")
+OPERATOR_MIN_S = 1e-4
+"""Operators outside the products whose self time is recorded one by one, from this on."""
 
 
 def profile_step(step: Callable[[], None], device: torch.device) -> dict[str, Any]:
     """One ``step()`` under torch.profiler: seconds in products, copies, other operators and
-    the rest (self times of the ``aten::`` operators), and the products' rate."""
+    the rest (self times of the ``aten::`` operators), the products' rate, and the self time
+    of each operator outside the products (from `OPERATOR_MIN_S` on), largest first."""
     from torch.profiler import ProfilerActivity, profile
 
     step()
@@ -154,6 +159,7 @@ def profile_step(step: Callable[[], None], device: torch.device) -> dict[str, An
             torch.cuda.synchronize(device)
         total = time.perf_counter() - start
     seconds = {"products": 0.0, "copies": 0.0, "other_ops": 0.0}
+    outside: dict[str, float] = {}
     flops = 0
     for event in prof.key_averages():
         if not event.key.startswith("aten::"):
@@ -162,14 +168,15 @@ def profile_step(step: Callable[[], None], device: torch.device) -> dict[str, An
         if event.key in PRODUCTS:
             seconds["products"] += self_s
             flops += event.flops
-        elif event.key in COPIES:
-            seconds["copies"] += self_s
-        else:
-            seconds["other_ops"] += self_s
+            continue
+        seconds["copies" if event.key in COPIES else "other_ops"] += self_s
+        if self_s >= OPERATOR_MIN_S:
+            outside[event.key] = self_s
     seconds["rest"] = max(0.0, total - sum(seconds.values()))
     return {
         "total_s": total,
         "seconds": seconds,
+        "operators_outside_products": dict(sorted(outside.items(), key=lambda kv: -kv[1])),
         "product_flops": flops,
         "product_gflops_per_s": flops / seconds["products"] / 1e9 if seconds["products"] else None,
     }
@@ -249,15 +256,36 @@ def repeated_runs(preset: str, args: argparse.Namespace, device: torch.device) -
         for name in CONTENDERS
     }
     if args.profile:
-        whole = {"kind": "preset", "preset": preset}
-        result["profile"] = {
-            "steps": {
-                name: profile_step(_make_step(name, whole, device), device)
-                for name in ("torch", "dmuon-default")
-            },
-            "kernel_gflops_per_s": kernel_rate(_shape_counts(whole, device), device),
-        }
+        result["profile"] = profile_rounds(preset, args.profile_rounds, device)
     return result
+
+
+def profile_rounds(preset: str, rounds: int, device: torch.device) -> dict[str, Any]:
+    """``rounds`` rounds of one profiled step of torch and of ``dmuon-default`` and one
+    measurement of the kernel's rate, interleaved; per contender the round with the median
+    total (its parts kept together), and the median kernel rate."""
+    whole = {"kind": "preset", "preset": preset}
+    names = ("torch", "dmuon-default")
+    steps = {name: _make_step(name, whole, device) for name in names}
+    shapes = _shape_counts(whole, device)
+    profiles: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    rates = []
+    for _ in range(rounds):
+        for name in names:
+            profiles[name].append(profile_step(steps[name], device))
+        rates.append(kernel_rate(shapes, device))
+    return {
+        "rounds": rounds,
+        "steps": {
+            name: sorted(runs, key=lambda r: r["total_s"])[(rounds - 1) // 2]
+            for name, runs in profiles.items()
+        },
+        "total_s_per_round": {
+            name: [r["total_s"] for r in runs] for name, runs in profiles.items()
+        },
+        "kernel_gflops_per_s": statistics.median(rates),
+        "kernel_gflops_per_s_per_round": rates,
+    }
 
 
 def ceiling_line(result: dict[str, Any]) -> str:
@@ -297,6 +325,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=non_negative_int, default=1)
     parser.add_argument("--runs", type=positive_int, default=1, help="whole measurements")
     parser.add_argument("--profile", action="store_true", help="add the profile of one step")
+    parser.add_argument(
+        "--profile-rounds",
+        type=positive_int,
+        default=3,
+        help="profiled steps per contender, interleaved; the median one is kept",
+    )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda for the current GPU")
     parser.add_argument("--json", type=Path, default=None, help="write the results here")
     args = parser.parse_args()
@@ -322,6 +356,9 @@ def main() -> None:
                 parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in prof["seconds"].items())
                 print(f"profile {name}: {prof['total_s'] * 1e3:.1f} ms = {parts}; products at "
                       f"{prof['product_gflops_per_s']:.0f} GFLOP/s")  # fmt: skip
+                top = list(prof["operators_outside_products"].items())[:6]
+                print("  outside the products: "
+                      + ", ".join(f"{op} {t * 1e3:.1f} ms" for op, t in top))  # fmt: skip
             print(f"the same products alone: {result['profile']['kernel_gflops_per_s']:.0f} "
                   "GFLOP/s")  # fmt: skip
             print(ceiling_line(result) + "\n")

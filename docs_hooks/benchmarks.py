@@ -104,6 +104,10 @@ LABELS: dict[str, dict[str, Any]] = {
         "prof_rest": "Python and dispatch (ms)",
         "prof_kernel": "the same bfloat16 products alone (torch.optim.Muon's `mm`/`addmm` calls "
         "at one step's shapes, in a loop): {rate:.0f} GFLOP/s",
+        "sentence_sep": ". ",
+        "sentence_end": ".",
+        "prof_outside": "Outside the products, the largest operators of `{contender}` "
+        "(self time): {ops}",
         "prof_ceiling": "torch's step in the first run, unprofiled: {torch} ms. The step's "
         "products take {kernel} ms at the rate alone and took {ours} ms in DMuon's profiled "
         "step, so a step doing nothing but them is at most **{kernel_x:.2f}x** or "
@@ -261,6 +265,9 @@ LABELS: dict[str, dict[str, Any]] = {
         "prof_rest": "Python 与分派（毫秒）",
         "prof_kernel": "同样的 bfloat16 乘积单独运行（torch.optim.Muon 的 `mm`/`addmm` 调用，"
         "一步的形状，循环计时）：{rate:.0f} GFLOP/s",
+        "sentence_sep": "。",
+        "sentence_end": "。",
+        "prof_outside": "乘积之外，`{contender}` 用时最多的算子（自身耗时）：{ops}",
         "prof_ceiling": "第一次运行中 torch 未被剖析的一步：{torch} 毫秒。"
         "这一步的乘积按单独运行的速率需要 {kernel} 毫秒，"
         "在 DMuon 被剖析的一步中用了 {ours} 毫秒；"
@@ -496,8 +503,28 @@ def _optimizer_profile(name: str, labels: dict[str, str]) -> str:
             kernel_x=c["at_kernel_rate"],
             ours_x=c["as_dmuon_ran_them"],
         )
-        parts.append(f"*`{result['preset']}`*\n\n" + "\n".join(lines) + f"\n\n{kernel}. {ceiling}.")
+        outside = [
+            labels["prof_outside"].format(contender=contender, ops=_largest_operators(step))
+            for contender, step in profile["steps"].items()
+            if "operators_outside_products" in step
+        ]
+        parts.append(
+            f"*`{result['preset']}`*\n\n"
+            + "\n".join(lines)
+            + f"\n\n{kernel}{labels['sentence_sep']}{ceiling}{labels['sentence_end']}"
+            + "".join(f"\n\n{line}{labels['sentence_end']}" for line in outside)
+        )
     return "\n\n".join(parts)
+
+
+PROFILE_OPERATORS_SHOWN = 6
+"""How many of a profiled step's operators outside the products the pages list."""
+
+
+def _largest_operators(step: dict[str, Any]) -> str:
+    """``aten::op`` and self time of a profiled step's largest operators outside the products."""
+    shown = list(step["operators_outside_products"].items())[:PROFILE_OPERATORS_SHOWN]
+    return " · ".join(f"`{op}` {_ms(seconds)} ms" for op, seconds in shown)
 
 
 def speedup_ceilings(result: dict[str, Any]) -> dict[str, float]:
