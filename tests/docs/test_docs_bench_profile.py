@@ -183,6 +183,8 @@ def test_cpu_optimizer_step_section_claims_hold_in_the_committed_run() -> None:
         assert result["device"] == "cpu" and result["machine"]["native_bf16"] is True
         assert result["default_ns_dtype"] == "torch.bfloat16"
         assert result["runs"] == 5
+    # It predates `--profile-rounds`: each profile is a single step.
+    assert all("rounds" not in r["profile"] for r in results)
     small, base = ([run["dmuon-default"] for run in r["speedups_per_run"]] for r in results)
     assert min(small) > 1.0 and min(small) < 1.2 and small[0] == min(small)
     assert min(base) < 1.0 < max(base)
