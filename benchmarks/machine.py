@@ -8,18 +8,7 @@ from typing import Any
 
 import torch
 
-from dmuon.optim import cpu_has_native_bf16
-
-
-def bf16_unit() -> str | None:
-    """The CPU unit that multiplies bfloat16 natively: ``"AMX-BF16"`` (preferred by oneDNN
-    where both exist), ``"AVX512-BF16"``, or ``None`` where bfloat16 products are emulated."""
-    probes = (("AMX-BF16", "_is_amx_tile_supported"), ("AVX512-BF16", "_is_avx512_bf16_supported"))
-    for unit, name in probes:
-        probe = getattr(torch.cpu, name, None)
-        if probe is not None and probe():
-            return unit
-    return None
+from dmuon.optim import cpu_bf16_unit, cpu_has_native_bf16
 
 
 def machine_info() -> dict[str, Any]:
@@ -36,7 +25,7 @@ def machine_info() -> dict[str, Any]:
         "cores": os.cpu_count(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "native_bf16": cpu_has_native_bf16(),
-        "bf16_unit": bf16_unit(),
+        "bf16_unit": cpu_bf16_unit(),
         "torch": torch.__version__,
         "load_average": list(os.getloadavg()),
     }

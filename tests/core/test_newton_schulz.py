@@ -198,6 +198,47 @@ def _cpuinfo_has_bf16_units() -> bool:
     return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
+def test_bf16_unit_is_the_cpu_flags_unit() -> None:
+    # Oracle: the kernel's CPU flags; AMX-BF16 is named where both units exist.
+    text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+    flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
+    expected = (
+        "AMX-BF16" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else None
+    )
+    assert orthogonalize.cpu_bf16_unit() == expected
+    assert orthogonalize.cpu_has_native_bf16() is (expected is not None)
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        ("fpu avx2 amx_bf16 avx512_bf16", "AMX-BF16"),
+        ("fpu avx2 avx512_bf16", "AVX512-BF16"),
+        ("fpu avx2 avx512f", None),
+    ],
+)
+def test_bf16_unit_falls_back_to_cpuinfo_without_torch_probes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, flags: str, expected: str | None
+) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n", encoding="ascii")
+    real_open = open
+    for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        monkeypatch.delattr(torch.cpu, probe, raising=False)
+    monkeypatch.setattr(
+        orthogonalize,
+        "open",
+        lambda path, *a, **k: real_open(cpuinfo if path == "/proc/cpuinfo" else path, *a, **k),
+        raising=False,
+    )
+    orthogonalize._cpu_bf16_unit.cache_clear()
+    try:
+        assert orthogonalize.cpu_bf16_unit() == expected
+        assert orthogonalize.cpu_has_native_bf16() is (expected is not None)
+    finally:
+        orthogonalize._cpu_bf16_unit.cache_clear()
+
+
 def test_default_dtype_on_cpu_follows_bf16_units() -> None:
     # Oracle: the CPU flags the kernel reports. bfloat16 only with AMX-BF16 / AVX512-BF16.
     expected = torch.bfloat16 if _cpuinfo_has_bf16_units() else torch.float32

@@ -41,6 +41,7 @@ __all__ = [
     "CoefficientTriple",
     "Coefficients",
     "NewtonSchulzWorkspace",
+    "cpu_bf16_unit",
     "cpu_has_native_bf16",
     "default_ns_dtype",
     "newton_schulz",
@@ -154,24 +155,37 @@ def resolve_coefficients(coefficients: Coefficients, steps: int) -> list[Coeffic
 
 
 def cpu_has_native_bf16() -> bool:
-    """Whether this CPU multiplies bfloat16 matrices in hardware (AMX-BF16 or AVX512-BF16).
+    """Whether this CPU multiplies bfloat16 matrices in hardware (AMX-BF16 or AVX512-BF16):
+    whether `cpu_bf16_unit` names a unit. Computed once."""
+    return _cpu_bf16_unit() is not None
+
+
+def cpu_bf16_unit() -> str | None:
+    """The unit this CPU multiplies bfloat16 matrices with: ``"AMX-BF16"`` (what oneDNN uses
+    where both exist), ``"AVX512-BF16"``, or ``None`` where such products are emulated.
 
     Asked of torch's own CPU feature probe (``torch.cpu._is_amx_tile_supported`` and
     ``torch.cpu._is_avx512_bf16_supported``, the checks its oneDNN kernels dispatch on), with
     the ``amx_bf16`` / ``avx512_bf16`` flags of ``/proc/cpuinfo`` as a fallback. Computed once.
     """
-    return _cpu_has_native_bf16()
+    return _cpu_bf16_unit()
+
+
+_BF16_UNITS = (
+    ("AMX-BF16", "_is_amx_tile_supported", "amx_bf16"),
+    ("AVX512-BF16", "_is_avx512_bf16_supported", "avx512_bf16"),
+)
+"""Each native bfloat16 unit, preferred first: its name, torch's probe, its cpuinfo flag."""
 
 
 @functools.cache
-def _cpu_has_native_bf16() -> bool:
-    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
-    for name in probes:
-        probe = getattr(torch.cpu, name, None)
+def _cpu_bf16_unit() -> str | None:
+    for unit, probe_name, _ in _BF16_UNITS:
+        probe = getattr(torch.cpu, probe_name, None)
         if probe is not None:
             try:
                 if bool(probe()):
-                    return True
+                    return unit
             except RuntimeError:  # pragma: no cover - probe unavailable on this build
                 pass
     try:
@@ -179,10 +193,10 @@ def _cpu_has_native_bf16() -> bool:
             for line in f:
                 if line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
+                    return next((unit for unit, _, flag in _BF16_UNITS if flag in flags), None)
     except OSError:
         pass
-    return False
+    return None
 
 
 def default_ns_dtype(device: torch.device) -> torch.dtype:
