@@ -10,10 +10,11 @@ A page asks for a table with a marker on a line of its own:
     its minimum, median and maximum (``--runs``), beside ``dmuon-bf16``'s in the same runs
     and the largest gap between the two in one run.
 ``<!-- benchmark: optimizer-profile [NAME] -->``
-    The same file: one profiled step of torch and of ``dmuon-default`` per preset, split
-    into matrix products, copies, other operators and the rest, with the products' rate,
-    the rate of the same products alone (``--profile``) and the ceilings they put on the
-    speedup (`speedup_ceilings`).
+    The same file: a profiled step of torch and of ``dmuon-default`` per preset (the
+    median of ``--profile-rounds``, or a single one in older files), split into matrix
+    products, copies, other operators and the rest, with the products' rate, the rate of
+    the same products alone (``--profile``), the ceilings they put on the speedup
+    (`speedup_ceilings`) and, where recorded, the largest operators outside the products.
 ``<!-- benchmark: distributed NAME -->``
     ``benchmarks/results/NAME.json``: step time and counted traffic per contender.
 ``<!-- benchmark: checkpoint-io -->``
@@ -476,7 +477,7 @@ def _optimizer_step_spread(name: str, labels: dict[str, str]) -> str:
 
 
 def _optimizer_profile(name: str, labels: dict[str, str]) -> str:
-    """Per preset: one profiled step of torch and of ``dmuon-default``, split by kind."""
+    """Per preset: the profiled step of torch and of ``dmuon-default``, split by kind."""
     parts = []
     for result in _load(name):
         profile = result["profile"]
