@@ -9,7 +9,9 @@ are compared within this run. Reported per shape bucket and for the whole model,
   Polar Express, standard iteration);
 * both in bfloat16 (the only dtype ``torch.optim.Muon`` iterates in; dmuon never takes
   the Gram iteration in bfloat16);
-* dmuon in float32 with and without the Gram iteration (what the Gram iteration gains).
+* dmuon in float32 with and without the Gram iteration (what the Gram iteration gains);
+* dmuon at its defaults with the block-symmetric products off (``dmuon-unblocked``: what
+  computing ``X Xᵀ`` and ``A·A`` by blocks gains on a CPU).
 
 ``--runs N`` repeats the whole measurement N times (each one interleaved) and records every
 run's whole-model speedup with its minimum, median and maximum: the spread, not only a
@@ -42,6 +44,7 @@ import torch
 from torch import nn
 
 import dmuon
+from dmuon.optim import _orthogonalize as orthogonalize
 from dmuon.optim import default_ns_dtype
 from dmuon.train import build_model, lm_loss
 
@@ -54,8 +57,13 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "dmuon-bf16": {"ns_dtype": torch.bfloat16},
     "dmuon-fp32": {"ns_dtype": torch.float32, "ns_gram": True},
     "dmuon-fp32-nogram": {"ns_dtype": torch.float32, "ns_gram": False},
+    "dmuon-unblocked": {},
 }
 """dmuon.Muon settings timed against torch.optim.Muon + AdamW at their defaults."""
+
+UNBLOCKED = {"dmuon-unblocked"}
+"""Contenders run with the block-symmetric products off (`CPU_SYMMETRIC_BLOCKS`): the
+default settings otherwise, so the two columns show what the blocks gain in this run."""
 
 
 class _Bucket(nn.Module):
@@ -105,7 +113,18 @@ def _make_step(name: str, spec: dict[str, Any], device: torch.device) -> Callabl
     dmuon.dedicate_params(model)
     optimizer = dmuon.Muon(model, **CONTENDERS[name])
     loss_fn(model).backward()
-    return optimizer.step
+    if name not in UNBLOCKED:
+        return optimizer.step
+
+    def unblocked_step() -> None:
+        # Workspaces read the switch when they are built, in the first step.
+        orthogonalize.CPU_SYMMETRIC_BLOCKS = False
+        try:
+            optimizer.step()
+        finally:
+            orthogonalize.CPU_SYMMETRIC_BLOCKS = True
+
+    return unblocked_step
 
 
 def _muon_targets(spec: dict[str, Any], device: torch.device) -> list[tuple[str, tuple[int, ...]]]:
