@@ -315,15 +315,22 @@ def test_symmetric_product_equals_the_full_product(rows: tuple, with_add: bool) 
     S = torch.randn(rows[0], rows[0], dtype=torch.float64, generator=g)
     S = S + S.T  # ``add`` must be symmetric
     out = torch.full((rows[0], rows[0]), math.nan, dtype=torch.float64)  # every entry written
-    if with_add:
-        orthogonalize.symmetric_product(out, R, add=S, beta=-0.7, alpha=1.9)
-        expected = -0.7 * S + 1.9 * (R @ R.T)
-    else:
-        orthogonalize.symmetric_product(out, R)
-        expected = R @ R.T
-    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
-    h = rows[0] // 2  # the lower off-diagonal block is the upper one, copied
-    assert torch.equal(out[h:, :h], out[:h, h:].T)
+    h = rows[0] // 2
+    scratch = torch.empty(h, rows[0] - h, dtype=torch.float64)
+    scratch_t = torch.empty(rows[0] - h, h, dtype=torch.float64)
+    product = orthogonalize.SymmetricProduct(
+        out, R, scratch, scratch_t, add=S if with_add else None
+    )
+    for _ in range(2):  # the views made once serve every call
+        if with_add:
+            product(beta=-0.7, alpha=1.9)
+            expected = -0.7 * S + 1.9 * (R @ R.T)
+        else:
+            product()
+            expected = R @ R.T
+        torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+        R.mul_(0.5)
+    assert torch.equal(out[h:, :h], out[:h, h:].T)  # the lower block is the upper, copied
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

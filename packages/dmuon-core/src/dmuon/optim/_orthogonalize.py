@@ -27,6 +27,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -313,34 +314,45 @@ CPU_SYMMETRIC_BLOCKS: bool = True
 """Whether CPU matrices iterated one at a time compute their symmetric products by blocks."""
 
 
-def symmetric_product(
-    out: Tensor,
-    rows: Tensor,
-    add: Tensor | None = None,
-    beta: float = 0.0,
-    alpha: float = 1.0,
-) -> Tensor:
+class SymmetricProduct:
     """``out = beta·add + alpha·rows·rowsᵀ`` for 2-D ``rows``, with a quarter less work.
 
     The product is symmetric, so with ``rows`` split into two row blocks ``R₁, R₂`` only the
     blocks ``R₁R₁ᵀ``, ``R₁R₂ᵀ`` and ``R₂R₂ᵀ`` are multiplied; the fourth is the transpose
     of the second, copied. ``add`` must be symmetric (it is ``rows`` itself in the
-    Newton-Schulz step ``B = bA + cA·A``). Each block is written into ``out`` in place,
-    which 2-D products do for any row stride.
+    Newton-Schulz step ``B = bA + cA·A``). The diagonal blocks are written into ``out`` in
+    place, which 2-D products do for any row stride; the off-diagonal one goes through
+    ``scratch`` (``R₁``'s rows x ``R₂``'s rows, contiguous) and its transpose through
+    ``scratch_t``, because torch copies a transpose fast only between contiguous tensors.
+    Every view is made once, here: a step makes none.
     """
-    h = rows.shape[0] // 2
-    top, bottom = rows[:h], rows[h:]
-    for r, k, left, right in (
-        (slice(None, h), slice(None, h), top, top),
-        (slice(None, h), slice(h, None), top, bottom),
-        (slice(h, None), slice(h, None), bottom, bottom),
-    ):
-        if add is None:
-            torch.mm(left, right.mT, out=out[r, k])
-        else:
-            torch.addmm(add[r, k], left, right.mT, beta=beta, alpha=alpha, out=out[r, k])
-    out[h:, :h].copy_(out[:h, h:].mT)
-    return out
+
+    def __init__(
+        self,
+        out: Tensor,
+        rows: Tensor,
+        scratch: Tensor,
+        scratch_t: Tensor,
+        add: Tensor | None = None,
+    ) -> None:
+        h = rows.shape[0] // 2
+        top, bottom = rows[:h], rows[h:]
+        self._products = [
+            (top, top.mT, out[:h, :h], None if add is None else add[:h, :h]),
+            (top, bottom.mT, scratch, None if add is None else add[:h, h:]),
+            (bottom, bottom.mT, out[h:, h:], None if add is None else add[h:, h:]),
+        ]
+        self._copies = [(out[:h, h:], scratch), (scratch_t, scratch.mT), (out[h:, :h], scratch_t)]
+
+    def __call__(self, beta: float = 0.0, alpha: float = 1.0) -> None:
+        """Compute the product into ``out``."""
+        for left, right, out, add in self._products:
+            if add is None:
+                torch.mm(left, right, out=out)
+            else:
+                torch.addmm(add, left, right, beta=beta, alpha=alpha, out=out)
+        for dst, src in self._copies:
+            dst.copy_(src)
 
 
 class NewtonSchulzWorkspace:
@@ -437,14 +449,6 @@ class NewtonSchulzWorkspace:
             torch.device(device).type == "cpu" and self.short >= CPU_ONE_AT_A_TIME_MIN_SIDE
         )
         step = 1 if one_at_a_time else batch
-        # Matrices iterated one at a time compute the two symmetric products, A = X Xᵀ and
-        # A·A, by 2 x 2 blocks: the upper three blocks and a mirrored copy, a quarter of
-        # those products' work saved (see `symmetric_product`).
-        self._blocked = (
-            one_at_a_time and CPU_SYMMETRIC_BLOCKS and not self.gram and not emulated_bf16
-        )
-        if self._blocked:
-            self._iterate = self._run_blocked
         self._chunks = [
             (
                 self._x[lo : lo + step],
@@ -453,6 +457,21 @@ class NewtonSchulzWorkspace:
             )
             for lo in range(0, batch, step)
         ]
+        # Matrices iterated one at a time compute the two symmetric products, A = X Xᵀ and
+        # A·A, by 2 x 2 blocks: the upper three blocks and a mirrored copy, a quarter of
+        # those products' work saved (see `SymmetricProduct`).
+        self._blocked = (
+            one_at_a_time and CPU_SYMMETRIC_BLOCKS and not self.gram and not emulated_bf16
+        )
+        if self._blocked:
+            self._iterate = self._run_blocked
+            h = self.short // 2
+            scratch = empty((h, self.short - h), dtype)
+            scratch_t = empty((self.short - h, h), dtype)
+            self._chunks = [
+                (x, y, self._plan_blocked(x, y, small, scratch, scratch_t))
+                for x, y, small in self._chunks
+            ]
 
     def run(self, triples: Sequence[CoefficientTriple], eps: float) -> Tensor:
         """Normalize `source` and iterate; returns ``(batch, rows, cols)`` in the iteration dtype.
@@ -512,29 +531,37 @@ class NewtonSchulzWorkspace:
         return X
 
     def _run_blocked(
-        self, X: Tensor, Y: Tensor, small: list[Tensor], triples: Sequence[CoefficientTriple]
+        self, X: Tensor, Y: Tensor, plans: Any, triples: Sequence[CoefficientTriple]
     ) -> Tensor:
-        # One matrix (batch 1), as 2-D views: torch's 2-D products write into a block of a
-        # larger matrix in place, where the batched ones copy through a temporary.
-        X2, Y2 = X[0], Y[0]
-        A, B = (m[0] for m in small)
+        # ``plans``: this chunk's `_plan_blocked`, for an iterate in X and for one in Y.
         for a, b, c in triples:
-            short_by_long = X2.mT if self._long_first else X2
-            symmetric_product(A, short_by_long)
-            symmetric_product(B, A, add=A, beta=b, alpha=c)
+            gram_of_x, square_of_a, diagonal, left, right, X2, Y2 = plans[0]
+            gram_of_x()
+            square_of_a(beta=b, alpha=c)
             if self._fold_identity:
-                B.diagonal().add_(a)
-                if self._long_first:
-                    torch.mm(X2, B.mT, out=Y2)
-                else:
-                    torch.mm(B, X2, out=Y2)
-            elif self._long_first:
-                torch.addmm(X2, X2, B.mT, beta=a, out=Y2)
+                diagonal.add_(a)
+                torch.mm(left, right, out=Y2)
             else:
-                torch.addmm(X2, B, X2, beta=a, out=Y2)
+                torch.addmm(X2, left, right, beta=a, out=Y2)
             X, Y = Y, X
-            X2, Y2 = Y2, X2
+            plans = plans[::-1]
         return X
+
+    def _plan_blocked(
+        self, X: Tensor, Y: Tensor, small: list[Tensor], scratch: Tensor, scratch_t: Tensor
+    ) -> list[tuple[Any, ...]]:
+        """Every view one step of `_run_blocked` uses, made once: the chunk's matrix as 2-D
+        views (torch's 2-D products write into a block of a larger matrix in place, where
+        the batched ones copy through a temporary), for an iterate in ``X`` and in ``Y``."""
+        A, B = (m[0] for m in small)
+        square_of_a = SymmetricProduct(B, A, scratch, scratch_t, add=A)
+        plans = []
+        for src, dst in ((X[0], Y[0]), (Y[0], X[0])):
+            # X ← aX + B·X, or Xᵀ ← aXᵀ + Xᵀ·Bᵀ on the long-first layout.
+            left, right = (src, B.mT) if self._long_first else (B, src)
+            gram = SymmetricProduct(A, src.mT if self._long_first else src, scratch, scratch_t)
+            plans.append((gram, square_of_a, B.diagonal(), left, right, src, dst))
+        return plans
 
     def _run_gram(
         self, X0: Tensor, out: Tensor, small: list[Tensor], triples: Sequence[CoefficientTriple]
