@@ -126,6 +126,8 @@ LABELS: dict[str, dict[str, Any]] = {
         "matrix_units": "Matrix traffic over dp, counted (units)",
         "tp_units": "Over tp, rank 0 (units)",
         "machine": "Machine",
+        "cpu_family": "family",
+        "cpu_model": "model",
         "threads": "threads",
         "timed": "timed steps per contender after a warm-up",
         "load": "load average",
@@ -287,6 +289,8 @@ LABELS: dict[str, dict[str, Any]] = {
         "matrix_units": "矩阵在 dp 上的通信量，实测（单位）",
         "tp_units": "tp 上，rank 0（单位）",
         "machine": "机器",
+        "cpu_family": "系列",
+        "cpu_model": "型号",
         "threads": "线程",
         "timed": "每个参与者在预热后计时的步数",
         "load": "负载均值",
@@ -1013,7 +1017,11 @@ def _machine(name: str, labels: dict[str, str]) -> str:
         data = data[0]
     m = data.get("machine", {})
     load = data.get("load_average") or m.get("load_average") or []
-    parts = [m.get("gpu", ""), m.get("cpu", ""), m.get("cpu_capability", "")]
+    cpu = m.get("cpu", "")
+    if "cpu_family" in m:
+        family = f"{labels['cpu_family']} {m['cpu_family']}"
+        cpu += f" ({family}, {labels['cpu_model']} {m.get('cpu_model', '?')})"
+    parts = [m.get("gpu", ""), cpu, m.get("cpu_capability", "")]
     if "native_bf16" in m:
         native = labels["bf16_native"] if m["native_bf16"] else labels["bf16_emulated"]
         parts.append(f"{native} ({m['bf16_unit']})" if m.get("bf16_unit") else native)
