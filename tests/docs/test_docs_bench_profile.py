@@ -84,7 +84,15 @@ def _shows(table: list[list[str]], result: dict) -> bool:
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
-@pytest.mark.parametrize("name", ["optimizer_step", "optimizer_step_avx512", "optimizer_step_cuda"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "optimizer_step",
+        "optimizer_step_avx512",
+        "optimizer_step_avx512_family25",
+        "optimizer_step_cuda",
+    ],
+)
 def test_optimizer_step_tables_are_the_committed_runs(lang: str, name: str, site: Path) -> None:
     results = json.loads((RESULTS / f"{name}.json").read_text())
     tables = html_tables(built_page(site, "benchmarks.md", lang))
@@ -157,6 +165,10 @@ def test_quality_section_claims_hold_in_the_committed_sweep() -> None:
         assert rates == swept, optimizer
         assert result["best_lr"][optimizer] in (swept[0], swept[-1]), optimizer
     assert result["dmuon_steps_ratio"] < 0.5
+
+
+CPU_STEP_RUNS = ["optimizer_step", "optimizer_step_avx512", "optimizer_step_avx512_family25"]
+"""The committed five-run CPU measurements of the optimizer step."""
 
 
 def _largest_same_setting_gap(result: dict) -> float:
@@ -281,15 +293,81 @@ def test_avx512_optimizer_step_section_claims_hold_in_the_committed_run() -> Non
     assert max(_ceilings(small)) < 1.3
 
 
-@pytest.mark.parametrize("name", ["optimizer_step", "optimizer_step_avx512"])
-def test_float32_step_is_two_and_a_half_to_four_times_bfloat16s(name: str) -> None:
+def test_half_rate_avx512_section_claims_hold_in_the_committed_run() -> None:
+    """The section on the second AVX512-BF16 CPU says: family 25, the same five-run
+    command; its runs spread less than the first CPU's; its kernel rate less than two thirds of the first CPU's on `small` and less
+    than half on `base`; `dmuon-default` ahead of torch in all ten runs, under 1.2x in each;
+    on `small` the same products at the kernel's rate (173 GFLOP/s) for both, a ceiling of
+    1.00x with torch's unprofiled step no longer than the products at that rate, DMuon's
+    copies and elementwise passes shorter than torch's; on `base` 15% fewer operations at
+    the rate of torch's (both over nine tenths of the kernel's), products 16% less time,
+    `dmuon-unblocked` at 0.97x to 1.02x torch's, `dmuon-default` ahead of it in every
+    run by 5% to 12%, DMuon's copies longer than torch's, everything outside the products
+    under an eighth of its step, the ceiling at the kernel's rate 1.13x. Across both
+    AVX512-BF16 CPUs: products at nine tenths of the kernel's rate or more, the time outside
+    them shorter than torch's, and only `base` on the faster CPU has a ceiling over 1.4x,
+    the three other runs at most 1.21x."""
+    results = json.loads((RESULTS / "optimizer_step_avx512_family25.json").read_text())
+    first = json.loads((RESULTS / "optimizer_step_avx512.json").read_text())
+    assert [r["preset"] for r in results] == ["small", "base"]
+    for result in results:
+        machine = result["machine"]
+        assert machine["bf16_unit"] == "AVX512-BF16" and machine["cpu_family"] == 25
+        assert "cpu_family" not in first[0]["machine"]  # "the run above predates that field"
+        assert result["default_ns_dtype"] == "torch.bfloat16"
+        assert result["runs"] == 5 and result["threads"] == 1
+        assert result["profile"]["rounds"] == 3
+    rate = [r["profile"]["kernel_gflops_per_s"] for r in results]
+    first_rate = [r["profile"]["kernel_gflops_per_s"] for r in first]
+    assert rate[0] < 2 / 3 * first_rate[0] and rate[1] < 1 / 2 * first_rate[1]
+    for here, above in zip(results, first, strict=True):
+        spread, spread_above = (r["speedup_spread"]["dmuon-default"] for r in (here, above))
+        assert spread["max"] - spread["min"] < spread_above["max"] - spread_above["min"]
+    runs = [run["dmuon-default"] for r in results for run in r["speedups_per_run"]]
+    assert len(runs) == 10 and all(1.0 < x < 1.2 for x in runs)
+    small, base = results
+    steps = small["profile"]["steps"]
+    assert steps["torch"]["product_flops"] == steps["dmuon-default"]["product_flops"]
+    for step in steps.values():
+        assert round(step["product_gflops_per_s"]) == round(small["profile"]["kernel_gflops_per_s"])
+        assert round(step["product_gflops_per_s"]) == 173
+    at_rate, _ = _ceilings(small)
+    assert round(at_rate, 2) == 1.00 and at_rate <= 1.0
+    passes = {n: s["seconds"]["copies"] + s["seconds"]["other_ops"] for n, s in steps.items()}
+    assert passes["dmuon-default"] < passes["torch"]
+    steps = base["profile"]["steps"]
+    theirs, ours = steps["torch"], steps["dmuon-default"]
+    assert round(100 * (1 - ours["product_flops"] / theirs["product_flops"])) == 15
+    assert round(100 * (1 - ours["seconds"]["products"] / theirs["seconds"]["products"])) == 16
+    for step in (theirs, ours):
+        assert step["product_gflops_per_s"] > 0.9 * base["profile"]["kernel_gflops_per_s"]
+    per_run = base["speedups_per_run"]
+    unblocked = [run["dmuon-unblocked"] for run in per_run]
+    assert (round(min(unblocked), 2), round(max(unblocked), 2)) == (0.97, 1.02)
+    gains = [run["dmuon-default"] / run["dmuon-unblocked"] for run in per_run]
+    assert round(100 * (min(gains) - 1)) == 5 and round(100 * (max(gains) - 1)) == 12
+    assert ours["seconds"]["copies"] > theirs["seconds"]["copies"]
+    assert ours["total_s"] - ours["seconds"]["products"] < ours["total_s"] / 8
+    assert round(_ceilings(base)[0], 2) == 1.13
+    for result in (*first, *results):
+        profile = result["profile"]
+        rest = {n: s["total_s"] - s["seconds"]["products"] for n, s in profile["steps"].items()}
+        assert rest["dmuon-default"] < rest["torch"], result["preset"]
+        for step in profile["steps"].values():
+            assert step["product_gflops_per_s"] >= 0.9 * profile["kernel_gflops_per_s"]
+    assert min(_ceilings(first[1])) > 1.4
+    assert max(max(_ceilings(r)) for r in (first[0], *results)) < 1.215
+
+
+@pytest.mark.parametrize("name", CPU_STEP_RUNS)
+def test_float32_step_is_two_to_four_times_bfloat16s(name: str) -> None:
     """The default-dtype table of the Newton-Schulz page says that on CPUs with AMX-BF16 or
-    AVX512-BF16 the optimizer step in float32 takes two and a half to four times as long as
-    in bfloat16 (the same standard iteration), on both committed CPU runs."""
+    AVX512-BF16 the optimizer step in float32 takes two to four times as long as in
+    bfloat16 (the same standard iteration), on every committed CPU run."""
     for result in json.loads((RESULTS / f"{name}.json").read_text()):
         assert result["machine"]["native_bf16"] is True
         whole = result["rows"]["all"]["median_s"]
-        assert 2.5 < whole["dmuon-fp32-nogram"] / whole["dmuon-bf16"] < 4, result["preset"]
+        assert 2 < whole["dmuon-fp32-nogram"] / whole["dmuon-bf16"] < 4, result["preset"]
 
 
 def test_amx_section_claim_holds_in_the_committed_run() -> None:
@@ -353,7 +431,7 @@ def _ceilings(result: dict) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("lang", ["en", "zh"])
-@pytest.mark.parametrize("name", ["optimizer_step", "optimizer_step_avx512"])
+@pytest.mark.parametrize("name", CPU_STEP_RUNS)
 def test_optimizer_step_spread_and_profile_are_the_committed_runs(
     lang: str, name: str, site: Path
 ) -> None:
