@@ -295,8 +295,9 @@ def test_avx512_optimizer_step_section_claims_hold_in_the_committed_run() -> Non
 
 def test_half_rate_avx512_section_claims_hold_in_the_committed_run() -> None:
     """The section on the second AVX512-BF16 CPU says: family 25, the same five-run
-    command; its runs spread less than the first CPU's; its kernel rate less than two thirds of the first CPU's on `small` and less
-    than half on `base`; `dmuon-default` ahead of torch in all ten runs, under 1.2x in each;
+    command; its runs spread less than the first CPU's; its kernel rate less than two
+    thirds of the first CPU's on `small` and less than half on `base`; `dmuon-default`
+    ahead of torch in all ten runs, under 1.2x in each;
     on `small` the same products at the kernel's rate (173 GFLOP/s) for both, a ceiling of
     1.00x with torch's unprofiled step no longer than the products at that rate, DMuon's
     copies and elementwise passes shorter than torch's; on `base` 15% fewer operations at
