@@ -345,7 +345,7 @@ def test_block_symmetric_iteration_matches_the_standard_one(
     assert ws._blocked == native_bf16
     small = orthogonalize.NewtonSchulzWorkspace(1, 511, 600, dtype, torch.device("cpu"))
     assert not small._blocked
-    G, *_ = _spectrum_matrix(*shape, seed=13)
+    G, U, s, V = _spectrum_matrix(*shape, seed=13)
     blocked = newton_schulz(G.to(dtype), dtype=dtype)
     monkeypatch.setattr(orthogonalize, "CPU_SYMMETRIC_BLOCKS", False)
     standard = newton_schulz(G.to(dtype), dtype=dtype)
@@ -354,7 +354,6 @@ def test_block_symmetric_iteration_matches_the_standard_one(
     atol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(blocked, standard, rtol=0, atol=atol)
     # And both are the polar factor: the SVD oracle's map of the singular values.
-    U, s, V = _spectrum_matrix(*shape, seed=13)[1:]
     oracle = U @ torch.diag(_scalar_map(s / s.norm(), PE_SAFE)) @ V.T
     tol = ORACLE_TOL.get(dtype, 1e-10)
     torch.testing.assert_close(blocked.double(), oracle, rtol=0, atol=tol)
