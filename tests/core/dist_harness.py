@@ -330,6 +330,7 @@ def run_scenario(
     """Train one scenario on this rank; return what the tests check."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.flop_counter import FlopCounterMode
 
     import dmuon
 
@@ -379,6 +380,7 @@ def run_scenario(
     audit = optimizer.audit if scenario.naive else dmuon.comm_audit(model)
     memory_after_forward: dict[str, Any] = {}
     step_issued: list[int] = []
+    step_flops: list[int] = []
     first_grad_norm = None
     for step in range(scenario.steps):
         tokens = global_batch(step, world, scenario.accum)
@@ -394,9 +396,10 @@ def run_scenario(
         if step == 0 and (scenario.mesh_shape is not None or scenario.layout == "ddp"):
             # Clipping with a bound no gradient reaches returns the global norm, unchanged.
             first_grad_norm = float(dmuon.clip_grad_norm_(wrapped, max_norm=1e9))
-        with count_collectives() as issued:
+        with count_collectives() as issued, FlopCounterMode(display=False) as flops:
             optimizer.step()
         step_issued.append(issued)
+        step_flops.append(flops.get_total_flops())
         optimizer.zero_grad()
     leftover = [
         dp.fqn
@@ -412,6 +415,7 @@ def run_scenario(
         "eval_loss": eval_loss,
         "comm": [s.as_dict() for s in audit.steps],
         "step_issued": step_issued,
+        "step_flops": step_flops,
         "memory": memory_after_forward,
         "leftover_grads": leftover,
         "owners": {dp.fqn: dp.owner for dp in _dedicated(model)},

@@ -92,6 +92,53 @@ REGRESSIONS: dict[str, Case] = {
 }
 
 
+#: HSDP at R x S = 2x2, 3x2 and 2x3, where each matrix's Newton-Schulz runs on one
+#: replica and the others receive its new values: fused expert stacks (split by experts
+#: across replicas) with idle experts, a frozen matrix, accumulation under no_sync,
+#: clipping, parameter groups, and a checkpoint resumed at another R x S.
+HSDP_SHAPES: dict[str, Case] = {
+    "hsdp-2x2": Case(
+        seed=3,
+        model=ModelSpec(layers=(LayerSpec("fused", 6, 4, 1, 1), LayerSpec("dense", 6))),
+        steps=2,
+        rows=8,
+        run=Phase(world=4, layout="hsdp", mesh=(2, 2), accum=2, no_sync=((True,), (False,))),
+        freezes=(Freeze("layers.1.attn.v_proj.weight", 0),),
+        clip=0.5,
+        save_at=1,
+        resume=Phase(world=6, layout="hsdp", mesh=(3, 2), mode="z2"),
+    ),
+    "hsdp-3x2": Case(
+        seed=5,
+        model=ModelSpec(heads=4, kv_heads=2, layers=(LayerSpec("dense", 8), LayerSpec("dense", 4))),
+        steps=2,
+        rows=12,
+        run=Phase(
+            world=6, layout="hsdp", mesh=(3, 2), mode="z2", accum=2, no_sync=((False,), (True,))
+        ),
+        groups="custom",
+        save_at=1,
+        resume=Phase(world=6, layout="hsdp", mesh=(2, 3)),
+    ),
+    "hsdp-2x3": Case(
+        seed=7,
+        model=ModelSpec(layers=(LayerSpec("experts", 6, 3, 1, 1),)),
+        steps=2,
+        rows=12,
+        run=Phase(world=6, layout="hsdp", mesh=(2, 3), forwards=2),
+        nesterov=False,
+        weight_decay=0.1,
+        save_at=1,
+        resume=Phase(world=4, layout="hsdp", mesh=(2, 2), mode="z2"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HSDP_SHAPES))
+def test_hsdp_shape_case(pools: Pools, name: str) -> None:
+    assert_case(pools, HSDP_SHAPES[name])
+
+
 #: The seeded set `make test` runs: the same generated cases on every run.
 SEED, EXAMPLES = 2026, 40
 

@@ -1,10 +1,12 @@
 """DMuon on 2-D (replicate, shard) HSDP meshes against a single-process run on the global batch.
 
-One spawn of 4 gloo ranks for the whole module: the 2x2 scenarios, the 2x1 and 1x2 ones
-(twice side by side, on 2-rank sub-meshes), the checkpoint round trips between a 2x2 run
-and 1-D runs of 2 ranks, and the mesh errors. Oracles: `dist_harness.reference_run` (the
-plain model trained on the whole global batch, tolerance 1e-5 per parameter), the
-global-batch gradient norm of the plain model, the traffic formula of the HSDP docs page,
+Two spawns for the whole module. 4 gloo ranks: the 2x2 scenarios, the 2x1 and 1x2 ones
+(twice side by side, on 2-rank sub-meshes), the checkpoint round trips from a 2x2 run to
+1x4, 4x1 and 1-D runs of 2 ranks and back, and the mesh errors. 6 gloo ranks: the 3x2 and
+2x3 scenarios. Oracles: `dist_harness.reference_run` (the plain model trained on the whole
+global batch, tolerance 1e-5 per parameter), the global-batch gradient norm of the plain
+model, the traffic formula of the HSDP docs page, the FLOPs that
+`torch.utils.flop_counter.FlopCounterMode` counts in one process's ``optimizer.step()``,
 and the full tensors the saving run held (checkpoints, compared exactly).
 """
 
@@ -50,14 +52,18 @@ def _scenario(shape: tuple[int, int], mode: str, sync: str) -> Scenario:
 
 
 FULL_GRID = [("z2", "no_sync"), ("z3", "no_sync"), ("z2", "sync"), ("z3", "sync")]
-#: 2x2 runs the whole grid. 2x1 and 1x2 share it (each covers Z2 and Z3, with and without
-#: no_sync); on the 4 ranks they run twice side by side, each on its own 2-rank sub-mesh.
-HSDP_SCENARIOS = (
-    [_scenario((2, 2), *cell) for cell in FULL_GRID]
+#: The scenarios of each spawn, by its number of ranks. 2x2 runs the whole grid. 2x1 and
+#: 1x2 share it (each covers Z2 and Z3, with and without no_sync); on the 4 ranks they run
+#: twice side by side, each on its own 2-rank sub-mesh. 3x2 and 2x3 share it too.
+SPAWNS = {
+    4: [_scenario((2, 2), *cell) for cell in FULL_GRID]
     + [_scenario((2, 1), *cell) for cell in (FULL_GRID[0], FULL_GRID[3])]
-    + [_scenario((1, 2), *cell) for cell in (FULL_GRID[1], FULL_GRID[2])]
-)
-SCENARIOS = {s.name: (math.prod(s.mesh_shape), s) for s in HSDP_SCENARIOS}
+    + [_scenario((1, 2), *cell) for cell in (FULL_GRID[1], FULL_GRID[2])],
+    6: [_scenario((3, 2), *cell) for cell in (FULL_GRID[0], FULL_GRID[3])]
+    + [_scenario((2, 3), *cell) for cell in (FULL_GRID[1], FULL_GRID[2])],
+}
+#: ``{name: (ranks of the spawn that runs it, scenario)}``.
+SCENARIOS = {s.name: (world, s) for world, group in SPAWNS.items() for s in group}
 WORLD = 4
 
 #: P_M: the elements of the matrices Muon trains (the reference's Muon parameters).
@@ -117,8 +123,17 @@ def _load(model, optimizer, path: str, group: Any = None) -> None:
     dmuon.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
 
 
+def _reload(mesh: Any, path: str, group: Any = None) -> tuple[dict, dict]:
+    """A fresh Z2 model on ``mesh`` loaded from the DCP checkpoint ``path``: full
+    parameters and momenta."""
+    model, optimizer = _build(mesh, "z2")
+    _load(model, optimizer, path, group)
+    return full_parameters(model), _momenta(model, optimizer)
+
+
 def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float]:
-    """2x2 HSDP -> 1-D runs of 2 ranks -> 2x2 again, through DCP; max differences."""
+    """2x2 HSDP -> 1x4, 4x1 and 1-D runs of 2 ranks -> 2x2 again, through DCP; max
+    differences."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -140,6 +155,14 @@ def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float
     rank0_sd = dmuon.get_model_state_dict(hsdp, options=rank0)
     rank0_osd = dmuon.get_optimizer_state_dict(hsdp, hsdp_opt, options=rank0)
 
+    one_by_four = _reload(
+        init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard")),
+        os.path.join(root, "hsdp"),
+    )
+    four_by_one = _reload(
+        init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")),
+        os.path.join(root, "hsdp"),
+    )
     one_d, one_d_opt = _build(flat, "z2")
     _load(one_d, one_d_opt, os.path.join(root, "hsdp"), flat.get_group())
     loaded = full_parameters(one_d), _momenta(one_d, one_d_opt)
@@ -164,6 +187,10 @@ def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float
     )
     return {
         "moved": _max_diff(saved[0], full_parameters(_build(mesh2d)[0])),
+        "hsdp_to_1x4_params": _max_diff(saved[0], one_by_four[0]),
+        "hsdp_to_1x4_momenta": _max_diff(saved[1], one_by_four[1]),
+        "hsdp_to_4x1_params": _max_diff(saved[0], four_by_one[0]),
+        "hsdp_to_4x1_momenta": _max_diff(saved[1], four_by_one[1]),
         "hsdp_to_1d_params": _max_diff(saved[0], loaded[0]),
         "hsdp_to_1d_momenta": _max_diff(saved[1], loaded[1]),
         "1d_to_hsdp_params": _max_diff(saved[0], again[0]),
@@ -201,21 +228,31 @@ def _worker(rank: int, world: int, scenarios: list[Scenario], root: str) -> dict
     steps: list[tuple[str, Callable[[], Any]]] = [
         (s.name, functools.partial(run_scenario, s, rank, world)) for s in scenarios
     ]
-    steps.append(("__checkpoint__", lambda: _checkpoint_round_trips(rank, world, root)))
-    steps.append(("__errors__", lambda: _mesh_errors(world)))
+    if world == WORLD:
+        steps.append(("__checkpoint__", lambda: _checkpoint_round_trips(rank, world, root)))
+        steps.append(("__errors__", lambda: _mesh_errors(world)))
     return run_in_order(steps)
 
 
 @pytest.fixture(scope="module")
-def spawned(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    """The per-rank results of the module's one spawn."""
-    root = str(tmp_path_factory.mktemp("hsdp-checkpoints"))
-    return spawn_ranks(WORLD, _worker, HSDP_SCENARIOS, root)
+def spawned(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], list[dict[str, Any]]]:
+    """``spawned(ranks)``: the per-rank results of the module's spawn of that many ranks
+    (each spawn runs once, when a test first asks for it)."""
+    results: dict[int, list[dict[str, Any]]] = {}
+
+    def of(world: int) -> list[dict[str, Any]]:
+        if world not in results:
+            root = str(tmp_path_factory.mktemp(f"hsdp-checkpoints-{world}"))
+            results[world] = spawn_ranks(world, _worker, SPAWNS[world], root)
+        return results[world]
+
+    return of
 
 
-def _per_rank(spawned: list[dict[str, Any]], key: str) -> list[Any]:
+def _per_rank(spawned: Callable[[int], list[dict[str, Any]]], key: str) -> list[Any]:
+    world = SCENARIOS[key][0] if key in SCENARIOS else WORLD
     per_rank = []
-    for rank, result in enumerate(spawned):
+    for rank, result in enumerate(spawned(world)):
         assert key in result, f"rank {rank} did not reach {key}: {list(result)}"
         assert "error" not in result[key], f"rank {rank}:\n{result[key]['error']}"
         per_rank.append(result[key])
@@ -235,10 +272,18 @@ def _reference_grad_norm(world: int) -> float:
 
 
 # ----- the tests -----------------------------------------------------------------------------
+def _mesh_size(name: str) -> int:
+    return math.prod(SCENARIOS[name][1].mesh_shape)
+
+
+def _runs(per_rank: list[Any], size: int) -> list[list[Any]]:
+    """The results of each run side by side: consecutive groups of ``size`` ranks."""
+    return [per_rank[first : first + size] for first in range(0, len(per_rank), size)]
+
+
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_hsdp_matches_single_process_global_batch(spawned, name: str) -> None:
-    world, _ = SCENARIOS[name]
-    reference = _reference(world)
+    reference = _reference(_mesh_size(name))
     initial = dict(make_model(Scenario("initial")).named_parameters())
     for rank, result in enumerate(_per_rank(spawned, name)):
         assert result["params"].keys() == reference.keys()
@@ -267,30 +312,67 @@ def test_traffic_per_mesh_dimension_follows_the_formula(spawned, name: str) -> N
             assert tallies["reduce"]["count"] == groups * synced_backwards
             broadcast_units = 1 if scenario.mode == "z2" else 2 * forwards
             assert step["units"] == pytest.approx(broadcast_units + synced_backwards)
-    # Consecutive groups of S ranks are the replicas (of every run side by side). The
-    # ranks of one replica own every matrix once: their cross-replica all-reduces move P_M
-    # elements per synchronised backward, 2 units of (R-1)/R x P_M.
-    for first in range(0, WORLD, shard):
-        replica = per_rank[first : first + shard]
+    # The ranks of one replica own every matrix once. Per synchronised backward they
+    # reduce-scatter P_M elements over the replicate group (1 unit of (R-1)/R x P_M), and
+    # per step the replica that stepped each matrix broadcasts its P_M new values (1 unit).
+    for replica in _runs(per_rank, shard):
         for step in range(STEPS):
             tallies = [r["comm"][step] for r in replica]
             if replicas == 1:
                 assert all("dimensions" not in t for t in tallies)
+                assert all(issued == [] for r in replica for issued in r["step_issued"])
                 continue
-            elements = sum(
-                t["dimensions"]["replicate"]["collectives"]["all_reduce"]["elements"]
-                for t in tallies
-            )
+            dims = [t["dimensions"]["replicate"]["collectives"] for t in tallies]
+            scattered = sum(d["reduce_scatter"]["elements"] for d in dims)
+            broadcast = sum(d["broadcast"]["elements"] for d in dims)
             units = sum(t["dimensions"]["replicate"]["units"] for t in tallies)
-            assert elements == MUON_ELEMENTS * synced_backwards
-            assert units == pytest.approx(2 * synced_backwards)
+            assert scattered == MUON_ELEMENTS * synced_backwards
+            assert broadcast == MUON_ELEMENTS
+            assert units == pytest.approx(synced_backwards + 1)
+            # The step's broadcasts, counted at torch.distributed independently of the
+            # audit: the only collectives optimizer.step() issues (besides the
+            # all-gathered signatures of DMUON_CHECK_COLLECTIVES, which these runs set).
+            for result, dim in zip(replica, dims, strict=True):
+                issued = [c for c in result["step_issued"][step] if c[0] != "all_gather_single"]
+                assert [kind for kind, _ in issued] == ["broadcast"] * dim["broadcast"]["count"]
+                assert sum(n for _, n in issued) == dim["broadcast"]["elements"]
 
 
-@pytest.mark.parametrize("world", sorted({world for world, _ in SCENARIOS.values()}))
+@functools.cache
+def _single_process_step_flops() -> int:
+    """FLOPs `FlopCounterMode` counts in ``optimizer.step()`` of one process, same model."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import dmuon
+
+    model = make_model(Scenario("one process"))
+    dmuon.dedicate_params(model)
+    optimizer = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR)
+    _loss(model, global_batch(0, 1, 1)).backward()
+    with FlopCounterMode(display=False) as flops:
+        optimizer.step()
+    return flops.get_total_flops()
+
+
+@pytest.mark.parametrize("name", [n for n, (_, s) in SCENARIOS.items() if s.mesh_shape[0] > 1])
+def test_newton_schulz_runs_once_per_world_and_balanced(spawned, name: str) -> None:
+    """Each matrix is orthogonalized on one rank of the whole mesh: the FLOPs of all
+    ranks' steps add up to one process's (not R times), and no rank carries more than
+    1.5x the mean."""
+    one_process = _single_process_step_flops()
+    assert one_process > 0
+    for run in _runs(_per_rank(spawned, name), _mesh_size(name)):
+        for step in range(STEPS):
+            flops = [result["step_flops"][step] for result in run]
+            assert sum(flops) == pytest.approx(one_process, rel=0.1), flops
+            assert max(flops) <= 1.5 * sum(flops) / len(flops), flops
+
+
+@pytest.mark.parametrize("world", sorted({_mesh_size(name) for name in SCENARIOS}))
 def test_clip_grad_norm_on_hsdp_is_the_global_batch_norm(spawned, world: int) -> None:
     expected = _reference_grad_norm(world)
-    for name, (scenario_world, _) in SCENARIOS.items():
-        if scenario_world == world:
+    for name in SCENARIOS:
+        if _mesh_size(name) == world:
             for result in _per_rank(spawned, name):
                 assert result["first_grad_norm"] == pytest.approx(expected, rel=1e-5), name
 

@@ -103,12 +103,14 @@ def test_default_selection_takes_expert_stacks_and_leaves_routers(kind: str) -> 
     assert dmuon.Muon(model, split="auto").split_sizes == {
         f"model.layers.{i}.mlp.experts.gate_up_proj": (hidden, hidden) for i in range(2)
     }
-    # The plan holds each stack as one item costing experts x one matrix's cost.
+    # The plan holds each stack as one item costing experts x one matrix's cost (one
+    # iteration's multiply-adds, 2 m² n + m³ with m the short side).
     plan = dmuon.owner_plan(model)
     shapes = {dp.fqn: tuple(dp.shape) for dp in dmuon.dedicated_parameters(model)}
     assert plan == dmuon.plan_owners(shapes, 1)
     assert plan.loads[0] == sum(
-        (s[0] if len(s) == 3 else 1) * min(s[-2:]) ** 2 * max(s[-2:]) for s in shapes.values()
+        (s[0] if len(s) == 3 else 1) * (2 * min(s[-2:]) ** 2 * max(s[-2:]) + min(s[-2:]) ** 3)
+        for s in shapes.values()
     )
 
 
@@ -117,7 +119,7 @@ def test_plan_gives_a_stack_one_owner() -> None:
     shapes = {"experts": (8, 64, 32), "a": (32, 32), "b": (32, 32)}
     plan = dmuon.plan_owners(shapes, 2, split_expert_stacks=False)
     assert plan.owners["experts"] != plan.owners["a"] == plan.owners["b"]
-    assert sorted(plan.loads) == [2 * 32**3, 8 * 32**2 * 64]
+    assert sorted(plan.loads) == [2 * 3 * 32**3, 8 * (2 * 32**2 * 64 + 32**3)]
 
 
 class FourD(nn.Module):

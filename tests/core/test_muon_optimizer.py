@@ -673,3 +673,49 @@ def test_workspaces_share_one_block_sized_for_the_largest_bucket(ns_dtype: torch
     slack = 16 * Arena.ALIGN  # alignment between a workspace's buffers
     assert max(alone) <= opt.workspace_bytes() <= max(alone) + slack
     assert opt.workspace_bytes() < sum(alone)
+
+
+def test_workspace_cap_runs_a_bucket_in_chunks_with_the_same_result() -> None:
+    """A cap below the three-matrix bucket's batched workspace: the bucket runs in chunks
+    (two matrices, then one), the workspace stays within the cap, and the weights equal
+    the uncapped optimizer's (the chunks run the same per-matrix products)."""
+    from dmuon.optim import workspace_nbytes
+
+    cpu = torch.device("cpu")
+    two = workspace_nbytes(2, 32, 32, torch.float32, cpu, out_dtype=torch.float32)
+    three = workspace_nbytes(3, 32, 32, torch.float32, cpu, out_dtype=torch.float32)
+    tall = workspace_nbytes(1, 48, 32, torch.float32, cpu, out_dtype=torch.float32)
+    assert two < three and tall <= two  # the cap binds only the 32 x 32 bucket
+    capped, whole = make_model(), make_model()
+    dedicate_by_hand(capped)
+    dedicate_by_hand(whole)
+    capped_opt = Muon(capped, ns_dtype=torch.float32, max_workspace_bytes=two)
+    whole_opt = Muon(whole, ns_dtype=torch.float32)
+    run_dmuon(capped, capped_opt, range(3))
+    run_dmuon(whole, whole_opt, range(3))
+    assert capped_opt.workspace_bytes() <= two < whole_opt.workspace_bytes()
+    assert whole_opt.workspace_bytes() >= three
+    assert max_diff(capped, whole) <= 1e-6
+    assert max_diff(capped, make_model()) > 1e-3  # it trained
+
+
+def test_workspace_cap_below_one_matrix_still_steps_one_at_a_time() -> None:
+    model = make_model()
+    dedicate_by_hand(model)
+    opt = Muon(model, ns_dtype=torch.float32, max_workspace_bytes=1)
+    run_dmuon(model, opt, range(2))
+    from dmuon.optim import workspace_nbytes
+
+    largest = max(
+        workspace_nbytes(1, r, c, torch.float32, torch.device("cpu"), out_dtype=torch.float32)
+        for r, c in [(32, 32), (48, 32), (32, 48)]
+    )
+    assert opt.workspace_bytes() == largest
+
+
+@pytest.mark.parametrize("bad", [0, -5, 1.5, True, "2GiB"])
+def test_workspace_cap_must_be_a_positive_byte_count(bad: object) -> None:
+    model = make_model()
+    dedicate_by_hand(model)
+    with pytest.raises(ValueError, match="max_workspace_bytes must be a positive number"):
+        Muon(model, max_workspace_bytes=bad)  # type: ignore[arg-type]

@@ -62,9 +62,9 @@ def _local_parts(model: nn.Module, world: int) -> tuple[Parts, Parts]:
     dedicated ones (on their owners), then the others."""
     state = get_dedication(model)
     dedicated = {id(dp.param): dp for dp in state.params} if state is not None else {}
-    # Every replica's owner holds the same averaged gradient of its matrices; under tensor
-    # parallelism so does every tp position's, except for the shards of a split matrix.
-    owner_copies = float(state.runtime.comm.replicas) if state is not None else 1.0
+    # A matrix's averaged gradient lives on one rank of the whole mesh (the owner that
+    # steps it, in one replica under HSDP); under tensor parallelism on every tp position,
+    # except for the shards of a split matrix.
     tp = _tensor_parallel_size(state) if state is not None else None
     tp_copies = float(tp[0]) if tp is not None else 1.0
     owned: Parts = []
@@ -72,9 +72,9 @@ def _local_parts(model: nn.Module, world: int) -> tuple[Parts, Parts]:
     # has one per range, each on its owner), not from the module's parameters.
     for dp in dedicated.values():
         assert state is not None
-        grad = state.runtime.reduced_grad(dp) if dp.is_owned else None
+        grad = state.runtime.reduced_grad(dp) if dp.updates_here else None
         if grad is not None:
-            owned.append((grad, owner_copies * (1.0 if dp.tp_sharded else tp_copies)))
+            owned.append((grad, 1.0 if dp.tp_sharded else tp_copies))
     parts: Parts = []
     seen: set[int] = set()
     for param in model.parameters():

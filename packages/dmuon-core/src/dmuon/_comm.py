@@ -18,8 +18,9 @@ same error at the first collective on which the ranks disagree, instead of mixin
 hanging. It costs one extra synchronous collective each, so it is for debugging.
 
 On a 2-D ``(replicate, shard)`` mesh (HSDP) the broadcasts and reduces run inside the
-shard group, and the owners of a matrix (one per replica, at the same shard rank) average
-its gradient with one all-reduce over the replicate group. The audit keeps the two
+shard group, and the owners of a matrix (one per replica, at the same shard rank) sum its
+gradient with one reduce-scatter over the replicate group, into the one replica that
+updates it, which broadcasts the new values back after the optimizer step. The audit keeps the two
 dimensions apart: `StepComm.by_kind` and `StepComm.units` describe the shard dimension
 (the whole traffic of a 1-D mesh), `StepComm.replicate` the replicate dimension.
 
@@ -94,9 +95,10 @@ class StepComm:
     ``by_kind`` is the shard dimension: the broadcasts and reduces among the ranks that
     share the matrices' owners (all ranks of a 1-D mesh, the dp ranks under tensor
     parallelism). ``replicate`` is the replicate dimension of a 2-D (HSDP) mesh: the
-    all-reduces among the owners of the same matrices in the different replicas (empty on
-    a 1-D mesh). ``tensor`` is the tensor-parallel dimension: the gathers and scatters of
-    ``optimizer.step()`` among the owners of a tp-sharded matrix' shards.
+    reduce-scatters of gradients and the broadcasts of updated values among the owners of
+    the same matrices in the different replicas (empty on a 1-D mesh). ``tensor`` is the
+    tensor-parallel dimension: the gathers and scatters of ``optimizer.step()`` among the
+    owners of a tp-sharded matrix' shards.
     """
 
     dedicated_elements: int
@@ -125,8 +127,10 @@ class StepComm:
     def replicate_units(self) -> float:
         """This rank's replicate-dimension traffic in units of (R-1)/R x P_M elements.
 
-        A rank all-reduces only the matrices it owns, so the ranks of one shard group add
-        up to 2 units per synchronised backward (R is the replicate group's size).
+        A rank reduce-scatters the gradients of the matrices it owns once per synchronised
+        backward, and broadcasts or receives their updated values once per step, so the
+        ranks of one shard group add up to 1 unit per synchronised backward plus 1 unit per
+        step (R is the replicate group's size).
         """
         return _units(self.replicate, self.dedicated_elements)
 
@@ -188,14 +192,18 @@ class CommAudit:
     def _new_step(self) -> StepComm:
         return StepComm(self.dedicated_elements, self.replicas, self.global_elements)
 
-    def record(self, kind: str, tensor: torch.Tensor, dim: str = SHARD) -> None:
-        """Add one collective of ``kind`` over mesh dimension ``dim`` that moved ``tensor``."""
+    def record(
+        self, kind: str, tensor: torch.Tensor, dim: str = SHARD, numel: int | None = None
+    ) -> None:
+        """Add one collective of ``kind`` over mesh dimension ``dim`` that moved ``tensor``
+        (``numel`` elements of its dtype, when they are not ``tensor``'s own)."""
         attr = {SHARD: "by_kind", REPLICATE: "replicate", TENSOR: "tensor"}[dim]
         tallies = (getattr(self.current, attr)[kind], getattr(self.total, attr)[kind])
+        elements = tensor.numel() if numel is None else numel
         for tally in tallies:
             tally.count += 1
-            tally.elements += tensor.numel()
-            tally.bytes += tensor.numel() * tensor.element_size()
+            tally.elements += elements
+            tally.bytes += elements * tensor.element_size()
 
     def close_step(self) -> StepComm:
         """End the current optimizer step; return its record."""
@@ -308,7 +316,7 @@ class Communicator:
         return dist.get_global_rank(self.group, group_rank)
 
     def _check_same_everywhere(
-        self, kind: str, tensor: torch.Tensor, root: int, dim: str = SHARD
+        self, kind: str, tensor: torch.Tensor, root: int, dim: str = SHARD, numel: int | None = None
     ) -> None:
         """All-gather this collective's signature; raise on every rank if ranks disagree."""
         group, size = (
@@ -318,7 +326,12 @@ class Communicator:
         # replicate dimension's, so one counter would drift apart between shard ranks.
         self._sequence[dim] += 1
         mine = torch.tensor(
-            [self._sequence[dim], _KIND_CODES[kind], tensor.numel(), root],
+            [
+                self._sequence[dim],
+                _KIND_CODES[kind],
+                tensor.numel() if numel is None else numel,
+                root,
+            ],
             dtype=torch.int64,
             device=self.device,
         )
@@ -345,11 +358,13 @@ class Communicator:
         call: Callable[[], dist.Work | None],
         dim: str = SHARD,
         what: str = "",
+        numel: int | None = None,
     ) -> Pending:
         if self.check_collectives:
-            self._check_same_everywhere(kind, tensor, root, dim)
-        self.audit.record(kind, tensor, dim)
-        label = f"{kind} of {tensor.numel()} elements (root {root}, {dim} group{what})"
+            self._check_same_everywhere(kind, tensor, root, dim, numel)
+        self.audit.record(kind, tensor, dim, numel)
+        elements = tensor.numel() if numel is None else numel
+        label = f"{kind} of {elements} elements (root {root}, {dim} group{what})"
         if self._stream is None:
             return Pending(call(), self._recent_work, label)
         ready = torch.cuda.Event()
@@ -388,16 +403,43 @@ class Communicator:
             what=what,
         )
 
-    def all_reduce_replicas(self, tensor: torch.Tensor, what: str = "") -> Pending:
-        """Sum ``tensor`` in place over the replicate group (every replica gets the sum)."""
+    def reduce_scatter_replicas(
+        self, output: torch.Tensor, inputs: list[torch.Tensor], what: str = ""
+    ) -> Pending:
+        """Sum ``inputs[r]`` over the replicate group into replica ``r``'s ``output``.
+
+        The pieces may differ in size (one replica may get nothing): replica ``r`` passes
+        an ``output`` of ``inputs[r]``'s size. Every replica passes pieces of the same sizes.
+        """
+        if self.replicas == 1:
+            output.copy_(inputs[0])
+            return Pending()
+        total = sum(piece.numel() for piece in inputs)
+        return self._issue(
+            "reduce_scatter",
+            output,
+            0,
+            lambda: dist.reduce_scatter(
+                output, inputs, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True
+            ),
+            dim=REPLICATE,
+            what=what,
+            numel=total,
+        )
+
+    def broadcast_replicas(self, tensor: torch.Tensor, src: int, what: str = "") -> Pending:
+        """Broadcast ``tensor`` in place over the replicate group from replica ``src``."""
         if self.replicas == 1:
             return Pending()
         return self._issue(
-            "all_reduce",
+            "broadcast",
             tensor,
-            0,
-            lambda: dist.all_reduce(
-                tensor, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True
+            src,
+            lambda: dist.broadcast(
+                tensor,
+                dist.get_global_rank(self.replicate_group, src),
+                group=self.replicate_group,
+                async_op=True,
             ),
             dim=REPLICATE,
             what=what,

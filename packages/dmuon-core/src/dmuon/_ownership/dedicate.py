@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,7 @@ from dmuon._ownership.planner import (
     default_predicate,
     find_hook_boundary,
     plan_owners,
+    range_name,
     state_dict_name,
 )
 from dmuon._ownership.runtime import Boundary, DedicationRuntime
@@ -210,6 +212,8 @@ def _records(
     param: nn.Parameter,
     owners: tuple[ExpertRange, ...] | int,
     comm_rank: int,
+    replica_of: Callable[[str], int],
+    replica_rank: int,
     device: torch.device,
     boundary: str,
     transposed: bool,
@@ -235,6 +239,7 @@ def _records(
         # forwards (the owner's master, a placeholder elsewhere); forward sees the DTensor.
         local = param.to_local()
         is_owned = owners == comm_rank
+        update_replica = replica_of(fqn)
         registered = nn.Parameter(
             _master_data(local, is_owned, device, copy=True), requires_grad=param.requires_grad
         )
@@ -253,12 +258,15 @@ def _records(
                 transposed=transposed,
                 fused_parts=fused_gate_up_parts(fqn, module, attr),
                 tp=tp,
+                update_replica=update_replica,
+                updates_here=is_owned and update_replica == replica_rank,
             )
         ]
     ranges = [ExpertRange(0, int(full_shape[0]), owners)] if whole else list(owners)
     records = []
     for start, stop, owner in ranges:
         is_owned = owner == comm_rank
+        update_replica = replica_of(fqn if whole else range_name(fqn, start, stop))
         if whole:
             with torch.no_grad():
                 param.data = _master_data(param.data, is_owned, device)
@@ -283,6 +291,8 @@ def _records(
                 experts=None if whole else (start, stop),
                 registered=None if whole else param,
                 stack_shape=None if whole else full_shape,
+                update_replica=update_replica,
+                updates_here=is_owned and update_replica == replica_rank,
             )
         )
     if not whole:
@@ -465,11 +475,14 @@ def dedicate_params(
         boundaries[fqn] = boundary
     comm_rank = dist.get_rank(group) if group is not None else 0
     world_size = dist.get_world_size(group) if group is not None else 1
+    replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
+    replica_rank = dist.get_rank(replicate_group) if replicate_group is not None else 0
     plan = plan_owners(
         {fqn: p.shape for fqn, _, _, p, _, _ in selected},
         world_size,
         boundaries,
         split_expert_stacks=split_expert_stacks,
+        replicas=replicas,
     )
 
     dedicated: list[DedicatedParam] = []
@@ -481,6 +494,8 @@ def dedicate_params(
             param,
             plan.expert_ranges.get(fqn, plan.owners.get(fqn, -1)),
             comm_rank,
+            lambda name: plan.workers.get(name, 0),
+            replica_rank,
             device,
             boundaries[fqn],
             transposed,
@@ -494,7 +509,6 @@ def dedicate_params(
             "pass mesh['dp'] to dedicate_params and fully_shard."
         )
     assign_workers([(dp.tp, dp.owner) for dp in tp_records if dp.tp is not None])
-    replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
     audit = CommAudit(
         sum(dp.numel for dp in dedicated),
         replicas,

@@ -68,7 +68,7 @@ class ReduceState(Enum):
     IDLE = "idle"
     #: The SUM-reduce to the owners is in flight.
     REDUCING = "reducing"
-    #: Owners average across replicas (HSDP): the all-reduce is in flight.
+    #: Owners sum across replicas (HSDP): the reduce-scatter is in flight.
     AVERAGING = "averaging"
 
 
@@ -157,6 +157,9 @@ class FlatBuffer:
         self._broadcasts: list[Pending] = []
         self._reduces: list[Pending] = []
         self._reduce_flat: torch.Tensor | None = None
+        #: Per owned span: the averaged values that landed here and the entries they hold,
+        #: back to back (the span itself on a 1-D mesh).
+        self._landed: list[tuple[torch.Tensor, list[int]]] = []
         self._broadcast_versions: dict[int, int] = {}
         #: Named in errors: the hook boundary and its matrices.
         self.label = ""
@@ -350,10 +353,12 @@ class FlatBuffer:
                 yield span
 
     def finish_reduce(self) -> None:
-        """Wait for the reduces; owners then start averaging across replicas (HSDP).
+        """Wait for the reduces; owners then start summing across replicas (HSDP).
 
-        `finish_replica_reduce` completes the step; the split lets every buffer's
-        cross-replica all-reduce be in flight at once.
+        Each owned span is reduce-scattered over the replicate group by record: every
+        record's sum lands on the owner in its ``update_replica`` alone (the one that
+        steps it). `finish_replica_reduce` completes the step; the split lets every
+        buffer's cross-replica reduce be in flight at once.
         """
         if self.reduce_state is not ReduceState.REDUCING:
             return
@@ -361,11 +366,26 @@ class FlatBuffer:
             pending.wait()
         flat = self._reduce_flat
         assert flat is not None
-        self._reduces = [
-            self.comm.all_reduce_replicas(flat[span.lo : span.hi], self.label)
-            for span in self._owned_spans()
-        ]
-        if self._reduces:
+        self._landed = []
+        self._reduces = []
+        for span in self._owned_spans():
+            if self.comm.replicas == 1:
+                self._landed.append((flat[span.lo : span.hi], span.entries))
+                continue
+            by_replica: list[list[int]] = [[] for _ in range(self.comm.replicas)]
+            for index in span.entries:
+                by_replica[self.entries[index].record.update_replica].append(index)
+            pieces = [
+                torch.cat([flat[self.entries[i].lo : self.entries[i].hi] for i in indices])
+                if indices
+                else flat[:0]
+                for indices in by_replica
+            ]
+            mine = by_replica[self.comm.replica_rank]
+            landed = torch.empty_like(pieces[self.comm.replica_rank])
+            self._reduces.append(self.comm.reduce_scatter_replicas(landed, pieces, self.label))
+            self._landed.append((landed, mine))
+        if self._landed:
             self.reduce_state = ReduceState.AVERAGING
         else:
             release_reduce_input(flat)
@@ -373,7 +393,8 @@ class FlatBuffer:
             self.reduce_state = ReduceState.IDLE
 
     def finish_replica_reduce(self) -> None:
-        """Wait for the cross-replica sums; owners average into ``_reduced_grad``."""
+        """Wait for the cross-replica sums; the updating owners average into
+        ``_reduced_grad``."""
         if self.reduce_state is not ReduceState.AVERAGING:
             return
         for pending in self._reduces:
@@ -383,21 +404,25 @@ class FlatBuffer:
         assert flat is not None
         divisor = self.comm.world_size * self.comm.replicas
         holders = {index: view.holder for view in self.views for index in view.entries}
-        for span in self._owned_spans():
-            values = flat[span.lo : span.hi]
+        # A view of the flat buffer keeps all of it alive: only when all of it is ours.
+        keeps_flat = self.owns_all and self.comm.replicas == 1
+        for values, indices in self._landed:
+            in_flat = values.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
             widened = values.dtype != torch.float32
             if widened:  # summed in a narrower dtype on the wire, averaged in float32
                 values = values.float()
             values.div_(divisor)
-            for index in span.entries:
+            offset = 0
+            for index in indices:
                 entry = self.entries[index]
-                lo, hi = entry.lo - span.lo, entry.hi - span.lo
-                piece = values[lo:hi].view(entry.record.shape)
-                # A view keeps the whole flat buffer alive: only when all of it is ours.
-                if not (self.owns_all or widened):
+                size = entry.hi - entry.lo
+                piece = values[offset : offset + size].view(entry.record.shape)
+                offset += size
+                if in_flat and not (keeps_flat or widened):
                     piece = piece.clone()
                 gradients.add_reduced(entry.record.param, piece, holders[index])
-        if not self.owns_all or flat.dtype != torch.float32:
+        self._landed = []
+        if not keeps_flat or flat.dtype != torch.float32:
             release_reduce_input(flat)  # the averages were copied out of it
         self.reduce_state = ReduceState.IDLE
 

@@ -42,6 +42,12 @@ class DedicatedParam:
     each matrix's output dimension (2 for transformers' ``gate_up_proj``, else 1): what
     ``dmuon.Muon(split="auto")`` splits by.
 
+    On a 2-D (HSDP) mesh every replica has an owner of the record (the rank at shard
+    position ``owner``), holding the same master; only the one in replica
+    ``update_replica`` receives the averaged gradient, keeps the Muon momentum and runs
+    Newton-Schulz (``updates_here``), and after the step it hands the new values to the
+    other replicas' owners. On a 1-D mesh ``updates_here`` is ``is_owned``.
+
     ``tp`` describes a matrix that tensor parallelism made a DTensor
     (`dmuon._ownership.tp_integration`): ``shape``, the master, the momentum and the
     gradients are then this tp position's shard, and ``global_shape`` the whole matrix's.
@@ -61,6 +67,13 @@ class DedicatedParam:
     registered: nn.Parameter | None = None
     stack_shape: torch.Size | None = None
     tp: TensorParallel | None = None
+    update_replica: int = 0
+    #: ``None``: the same as ``is_owned`` (one replica).
+    updates_here: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.updates_here is None:
+            self.updates_here = self.is_owned
 
     @property
     def global_shape(self) -> torch.Size:

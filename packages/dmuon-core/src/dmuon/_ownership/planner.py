@@ -58,13 +58,17 @@ def default_predicate(name: str, param: nn.Parameter) -> bool:
 
 
 def newton_schulz_cost(shape: Sequence[int]) -> int:
-    """Approximate Newton-Schulz cost: ``min(m, n)**2 * max(m, n)`` per ``m x n`` matrix.
+    """Multiply-adds of one Newton-Schulz iteration: ``2 * m**2 * n + m**3`` per matrix.
 
-    A 3-D shape ``(k, m, n)`` is a stack of ``k`` matrices and costs ``k`` times as much.
+    ``m`` is the short side and ``n`` the long side of an ``m x n`` matrix: the iteration
+    computes ``A = X Xᵀ`` (``m² n``), ``A @ A`` (``m³``) and ``B @ X`` (``m² n``) on the
+    short side. A 3-D shape ``(k, m, n)`` is a stack of ``k`` matrices and costs ``k``
+    times as much. Twice this, times the number of iterations, is the FLOP count a
+    `torch.utils.flop_counter.FlopCounterMode` reports for the standard iteration.
     """
     count = int(shape[0]) if len(shape) == 3 else 1
-    m, n = int(shape[-2]), int(shape[-1])
-    return count * min(m, n) ** 2 * max(m, n)
+    m, n = sorted((int(shape[-2]), int(shape[-1])))
+    return count * (2 * m * m * n + m**3)
 
 
 #: ``split_expert_stacks`` values: always split stacks, never, or when it balances better.
@@ -88,20 +92,50 @@ def range_name(fqn: str, start: int, stop: int) -> str:
 class OwnerPlan:
     """The result of `plan_owners`.
 
+    Ranks of the whole mesh are numbered as an HSDP mesh numbers them: replica ``r`` and
+    shard rank ``s`` are rank ``r * shard_size + s`` (a 1-D mesh has one replica).
+
     Attributes:
-        owners: ``{name: owner_rank}`` in the order the parameters were given. A stack
-            split by experts appears as one entry per range, named ``fqn[start:stop]``
-            (experts ``start`` to ``stop - 1``), in expert order.
-        loads: Newton-Schulz cost assigned to each rank.
+        owners: ``{name: owner_rank}`` in the order the parameters were given: the shard
+            rank that holds the matrix's master in every replica, broadcasts it and
+            receives its gradient. A stack split by experts appears as one entry per
+            range, named ``fqn[start:stop]`` (experts ``start`` to ``stop - 1``), in
+            expert order.
+        loads: Newton-Schulz cost (`newton_schulz_cost`) of the matrices each rank of the
+            whole mesh orthogonalizes.
         imbalance: ``max(loads) / mean(loads)``; 1.0 is perfect balance.
         expert_ranges: ``{fqn: (ExpertRange, ...)}`` of every stack split by experts;
             empty when no stack is split.
+        workers: ``{name: replica}``: the replica whose owner runs the matrix's
+            Newton-Schulz iteration and keeps its momentum (0 on a 1-D mesh).
+        elements: Elements of the matrices each rank of the whole mesh orthogonalizes:
+            the elements of its momentum (4 bytes each).
+        shard_size: Ranks per replica.
     """
 
     owners: dict[str, int]
     loads: tuple[int, ...]
     imbalance: float
     expert_ranges: dict[str, tuple[ExpertRange, ...]] = field(default_factory=dict)
+    workers: dict[str, int] = field(default_factory=dict)
+    elements: tuple[int, ...] = ()
+    shard_size: int = 0
+
+    @property
+    def replicas(self) -> int:
+        """Replicas of the mesh the plan is for (1 on a 1-D mesh)."""
+        return len(self.loads) // self.shard_size if self.shard_size else 1
+
+    @property
+    def element_imbalance(self) -> float:
+        """``max(elements) / mean(elements)`` over the ranks; 1.0 is perfect balance."""
+        mean = sum(self.elements) / len(self.elements) if self.elements else 0.0
+        return max(self.elements) / mean if mean > 0 else 1.0
+
+    def owned_elements(self) -> tuple[int, ...]:
+        """Elements of the masters each shard rank holds (the same in every replica)."""
+        size = self.shard_size or len(self.loads)
+        return tuple(sum(self.elements[shard::size]) for shard in range(size))
 
 
 @dataclass(frozen=True)
@@ -111,6 +145,7 @@ class _Item:
     name: str
     fqn: str
     cost: int
+    elements: int
     boundary: str
     experts: tuple[int, int] | None = None
 
@@ -126,6 +161,10 @@ def _expert_ranges(experts: int, pieces: int) -> list[tuple[int, int]]:
     return ranges
 
 
+def _numel(shape: Sequence[int]) -> int:
+    return math.prod(int(d) for d in shape)
+
+
 def _items(
     shapes: Mapping[str, Sequence[int]],
     boundaries: Mapping[str, str],
@@ -136,50 +175,80 @@ def _items(
         boundary = boundaries.get(fqn, "")
         count = pieces.get(fqn, 1)
         if count == 1:
-            items.append(_Item(fqn, fqn, newton_schulz_cost(shape), boundary))
+            items.append(_Item(fqn, fqn, newton_schulz_cost(shape), _numel(shape), boundary))
             continue
         per_expert = newton_schulz_cost(tuple(shape)[1:])
+        per_expert_elements = _numel(tuple(shape)[1:])
         for start, stop in _expert_ranges(int(shape[0]), count):
             name = range_name(fqn, start, stop)
-            cost = (stop - start) * per_expert
-            items.append(_Item(name, fqn, cost, boundary, (start, stop)))
+            size = stop - start
+            items.append(
+                _Item(
+                    name,
+                    fqn,
+                    size * per_expert,
+                    size * per_expert_elements,
+                    boundary,
+                    (start, stop),
+                )
+            )
     return items
 
 
-def _assign(items: list[_Item], world_size: int) -> tuple[dict[str, int], list[int]]:
-    """Longest-processing-time first; the ranges of one stack go to different ranks."""
+class _Assignment(NamedTuple):
+    ranks: dict[str, int]
+    loads: list[int]
+    elements: list[int]
+
+
+def _assign(items: list[_Item], shard_size: int, replicas: int) -> _Assignment:
+    """Longest-processing-time first over every rank of the mesh; the ranges of one stack
+    go to different ranks.
+
+    Among the ranks within one item's cost of the least loaded: the shard rank that holds
+    the fewest matrices of the item's boundary (one layer's broadcasts come from several
+    ranks), then the fewest elements (momentum and master memory), then the least load.
+    """
+    world = shard_size * replicas
     order = {item.name: index for index, item in enumerate(items)}
-    loads = [0] * world_size
+    loads = [0] * world
+    elements = [0] * world
     per_boundary: dict[tuple[str, int], int] = {}
     holders: dict[str, set[int]] = {}
     assigned: dict[str, int] = {}
     for item in sorted(items, key=lambda i: (-i.cost, order[i.name])):
         taken = holders.setdefault(item.fqn, set()) if item.experts is not None else set()
-        candidates = [rank for rank in range(world_size) if rank not in taken]
+        candidates = [rank for rank in range(world) if rank not in taken]
         lightest = min(loads[rank] for rank in candidates)
         eligible = [rank for rank in candidates if loads[rank] <= lightest + item.cost]
         rank = min(
             eligible,
-            key=lambda r: (per_boundary.get((item.boundary, r), 0), loads[r], r),
+            key=lambda r: (
+                per_boundary.get((item.boundary, r % shard_size), 0),
+                elements[r],
+                loads[r],
+                r,
+            ),
         )
         assigned[item.name] = rank
         taken.add(rank)
         loads[rank] += item.cost
-        key = (item.boundary, rank)
+        elements[rank] += item.elements
+        key = (item.boundary, rank % shard_size)
         per_boundary[key] = per_boundary.get(key, 0) + 1
-    return assigned, loads
+    return _Assignment(assigned, loads, elements)
 
 
 def _split_candidates(
-    shapes: Mapping[str, Sequence[int]], world_size: int, split: SplitStacks
+    shapes: Mapping[str, Sequence[int]], ranks: int, split: SplitStacks
 ) -> list[str]:
     """Stacks the planner may split: every stack (``True``), dominant ones (``"auto"``)."""
-    if split is False or world_size < 2:
+    if split is False or ranks < 2:
         return []
     stacks = [fqn for fqn, shape in shapes.items() if len(shape) == 3 and int(shape[0]) >= 2]
     if split is True:
         return stacks
-    share = sum(newton_schulz_cost(shape) for shape in shapes.values()) / world_size
+    share = sum(newton_schulz_cost(shape) for shape in shapes.values()) / ranks
     return [fqn for fqn in stacks if newton_schulz_cost(shapes[fqn]) > share]
 
 
@@ -188,43 +257,56 @@ def plan_owners(
     world_size: int,
     boundaries: Mapping[str, str] | None = None,
     split_expert_stacks: SplitStacks = "auto",
+    replicas: int = 1,
 ) -> OwnerPlan:
-    """Assign every matrix to exactly one rank, balancing Newton-Schulz cost.
+    """Assign every matrix to one owner rank and one rank of the whole mesh that
+    orthogonalizes it, balancing Newton-Schulz cost.
 
-    Longest-processing-time first: matrices are taken in decreasing cost and each goes to
-    a least-loaded rank. Among ranks whose load is within one matrix of the least loaded,
-    the rank that owns the fewest matrices of the same hook boundary wins, so one layer's
-    broadcasts come from several ranks. Ties break on input order and rank, so the plan is
-    deterministic and identical on every rank.
+    The plan is made over every rank of the mesh, ``world_size`` shard ranks times
+    ``replicas`` replicas (HSDP): each matrix's Newton-Schulz iteration and momentum
+    live on exactly one of them, rank ``r * world_size + s``. Its owner is that rank's
+    shard rank ``s``: in every replica, the rank at shard position ``s`` holds the master,
+    broadcasts it for forward and receives its gradient; only replica ``r``'s runs the
+    iteration, and it hands the result to the others (see `dmuon.dedicate_params`).
+
+    Longest-processing-time first: matrices are taken in decreasing cost
+    (`newton_schulz_cost`, the iteration's multiply-adds) and each goes to a least-loaded
+    rank. Among ranks whose load is within one matrix of the least loaded, the shard rank
+    that owns the fewest matrices of the same hook boundary wins, so one layer's broadcasts
+    come from several ranks, then the rank with the fewest elements, so the momentum and
+    masters spread too. Ties break on input order and rank, so the plan is deterministic
+    and identical on every rank.
 
     A 3-D stack of matrices (fused experts) is one item with one owner, its cost the sum
     of its matrices' costs, unless it is split by experts: its experts are then cut into
     contiguous ranges of nearly equal size, each range an item of its own, and the ranges
     of one stack go to different ranks. With ``split_expert_stacks="auto"`` a stack is a
-    candidate when its cost exceeds the per-rank share ``S`` (total cost /
-    ``world_size``), so one owner would carry more than its share. The planner compares
-    the plan without splits with plans that cut every candidate of cost ``C`` into
-    ``ceil(C / S)``, one more, or two more ranges (at most ``min(experts, world_size)``),
-    and keeps the one whose heaviest rank is lightest (the fewest items on a tie).
-    ``True`` splits every stack into at least 2 ranges the same way; ``False`` never
-    splits.
+    candidate when its cost exceeds the per-rank share ``S`` (total cost / ranks of the
+    mesh), so one rank would carry more than its share. The planner compares the plan
+    without splits with plans that cut every candidate of cost ``C`` into ``ceil(C / S)``,
+    one more, or two more ranges (at most ``min(experts, ranks)``), and keeps the one whose
+    heaviest rank is lightest (the fewest items on a tie). ``True`` splits every stack into
+    at least 2 ranges the same way; ``False`` never splits.
 
     Args:
         shapes: ``{fqn: (rows, cols)}`` of the dedicated matrices, or ``(matrices, rows,
             cols)`` of dedicated stacks.
-        world_size: Number of ranks (at least 1).
+        world_size: Ranks that share the owners: the shard group's size (at least 1).
         boundaries: Optional ``{fqn: boundary_name}``; matrices of one boundary are spread.
         split_expert_stacks: ``"auto"`` (default), ``True`` or ``False``; see above.
+        replicas: Replicas of an HSDP mesh (1 for a 1-D mesh).
 
     Returns:
         The `OwnerPlan`.
 
     Raises:
-        ValueError: If ``world_size < 1``, a shape is neither 2-D nor 3-D, or
-            ``split_expert_stacks`` is not ``"auto"``, ``True`` or ``False``.
+        ValueError: If ``world_size`` or ``replicas`` is below 1, a shape is neither 2-D
+            nor 3-D, or ``split_expert_stacks`` is not ``"auto"``, ``True`` or ``False``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
     if not (split_expert_stacks == "auto" or isinstance(split_expert_stacks, bool)):
         raise ValueError(
             'split_expert_stacks must be "auto", True (split every expert stack across '
@@ -237,39 +319,45 @@ def plan_owners(
                 f"{tuple(shape)}"
             )
     boundaries = boundaries or {}
-    candidates = _split_candidates(shapes, world_size, split_expert_stacks)
+    ranks = world_size * replicas
+    candidates = _split_candidates(shapes, ranks, split_expert_stacks)
     fewest = 2 if split_expert_stacks is True else 1
-    share = sum(newton_schulz_cost(shape) for shape in shapes.values()) / world_size
+    share = sum(newton_schulz_cost(shape) for shape in shapes.values()) / ranks
     options: list[dict[str, int]] = [{}] if split_expert_stacks == "auto" else []
     for extra in (0, 1, 2):
         pieces = {}
         for fqn in candidates:
-            most = min(int(shapes[fqn][0]), world_size)
+            most = min(int(shapes[fqn][0]), ranks)
             wanted = math.ceil(newton_schulz_cost(shapes[fqn]) / share) + extra
             pieces[fqn] = max(fewest, min(most, wanted))
         if pieces not in options:
             options.append(pieces)
-    best: tuple[tuple[int, int], list[_Item], dict[str, int], list[int]] | None = None
+    best: tuple[tuple[int, int], list[_Item], _Assignment] | None = None
     for pieces in options:
         items = _items(shapes, boundaries, pieces)
-        assigned, loads = _assign(items, world_size)
-        score = (max(loads), len(items))  # the lightest heaviest rank, then fewest items
+        assignment = _assign(items, world_size, replicas)
+        score = (max(assignment.loads), len(items))  # the lightest heaviest rank, then fewest items
         if best is None or score < best[0]:
-            best = (score, items, assigned, loads)
+            best = (score, items, assignment)
     assert best is not None
-    _, items, assigned, loads = best
+    _, items, assignment = best
+    owner_of = {name: rank % world_size for name, rank in assignment.ranks.items()}
     ranges: dict[str, list[ExpertRange]] = {}
     for item in items:
         if item.experts is not None:
             start, stop = item.experts
-            ranges.setdefault(item.fqn, []).append(ExpertRange(start, stop, assigned[item.name]))
-    mean = sum(loads) / world_size
+            ranges.setdefault(item.fqn, []).append(ExpertRange(start, stop, owner_of[item.name]))
+    loads = assignment.loads
+    mean = sum(loads) / ranks
     imbalance = max(loads) / mean if mean > 0 else 1.0
     return OwnerPlan(
-        owners={item.name: assigned[item.name] for item in items},
+        owners={item.name: owner_of[item.name] for item in items},
         loads=tuple(loads),
         imbalance=imbalance,
         expert_ranges={fqn: tuple(r) for fqn, r in ranges.items()},
+        workers={item.name: assignment.ranks[item.name] // world_size for item in items},
+        elements=tuple(assignment.elements),
+        shard_size=world_size,
     )
 
 

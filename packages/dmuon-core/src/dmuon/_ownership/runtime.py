@@ -15,9 +15,10 @@ Per hook boundary (usually one transformer layer):
   of backward for a boundary whose inputs need no gradient, SUM-reduce the gradients to
   their owners (a matrix without a local gradient contributes zeros) or, under `no_sync`,
   add them to ``_accumulated_grad`` locally. On a 2-D (HSDP) mesh the reduce stays inside
-  the shard group and, at the end of backward, each owner all-reduces its sum with the
-  owners of the same matrices in the other replicas, so every replica's owner holds the
-  same average and steps the matrix alike (no broadcast after the step).
+  the shard group and, at the end of backward, the owners of the same matrices in the
+  replicas reduce-scatter their sums by matrix, so each matrix's average lands on the one
+  owner that steps it (its ``update_replica``); after the step that owner broadcasts the
+  new values to the other replicas' owners (`dmuon._ownership.replica_updates`).
 
 Each boundary drives a list of `FlatBuffer` objects: one per owner for the packed matrices,
 and one per expert stack split across owners (one stack-wide buffer, one broadcast and one
@@ -57,6 +58,7 @@ from dmuon._ownership.ddp_integration import active_ddp
 from dmuon._ownership.flat_buffer import FlatBuffer
 from dmuon._ownership.fsdp_integration import is_fsdp_module
 from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.replica_updates import ReplicaUpdates
 
 
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -210,6 +212,7 @@ class DedicationRuntime:
         self.params = params
         self.boundaries = boundaries
         self.comm = comm
+        self._replica_updates = ReplicaUpdates(params, comm)
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.sync_grads = True
@@ -474,7 +477,9 @@ class DedicationRuntime:
             buffer.invalidate()
 
     def step_finished(self) -> None:
-        """An optimizer step changed the masters: invalidate buffers, close the audit step."""
+        """An optimizer step changed the masters: bring every replica's masters up to date
+        (HSDP), invalidate buffers, close the audit step."""
+        self._replica_updates.share()
         self.invalidate_buffers()
         self.comm.audit.close_step()
 

@@ -115,6 +115,29 @@ def _normuon_records(
     return [second_moment_record(dp) for dp in state.params if id(dp.param) in ids]
 
 
+def _on_every_replica(
+    layout: DedicatedLayout, records: list[DedicatedParam], values: dict[str, torch.Tensor]
+) -> None:
+    """Under HSDP, give every replica's owner of each record the optimizer state that the
+    owner in its ``update_replica`` keeps (``values``, by record name), as the state-dict
+    layouts take it from every replica's owner. Nothing to do on a 1-D mesh."""
+    comm = layout.comm
+    if comm.replicas == 1:
+        return
+    for dp in records:
+        if not dp.is_owned:
+            continue
+        dtype = torch.promote_types(dp.param.dtype, torch.float32)
+        if dp.updates_here:
+            value = values.get(dp.name)
+            assert value is not None, f"{dp.name}: the replica that steps it has no state"
+            buffer = value.detach().to(comm.device, dtype).contiguous()
+        else:
+            buffer = torch.empty(dp.shape, dtype=dtype, device=comm.device)
+        comm.broadcast_replicas_now(buffer, dp.update_replica)
+        values[dp.name] = buffer
+
+
 def _full_value(value: Any, options: StateDictOptions) -> Any:
     if not isinstance(value, torch.Tensor):
         return value
@@ -156,6 +179,15 @@ def get_dedicated_optimizer_state_dict(
             named = {k: v for k, v in group.items() if k != "params"}
             named["params"] = _unique([names[id(params[i])] for i in group["params"]])
             result["param_groups"].append(named)
+    in_muon = {
+        id(p)
+        for optim in optimizers
+        for group in optim.param_groups
+        if group.get("algorithm") == "muon"
+        for p in group["params"]
+    }
+    _on_every_replica(layout, [dp for dp in state.params if id(dp.param) in in_muon], momentum_of)
+    _on_every_replica(layout, _normuon_records(state, optimizers), second_of)
     dedicated_names = {dp.fqn for dp in state.params}
     if options.full_state_dict:
         for fqn, entry in result["state"].items():
@@ -368,9 +400,11 @@ def set_dedicated_optimizer_state_dict(
             for p, fqn in zip(group["params"], fqns, strict=True):
                 dp = dedicated.get(id(p))
                 if dp is not None:
-                    if dp.is_owned and pieces.get(dp.name) is not None:
+                    # Under HSDP every replica's owner received the values; the one that
+                    # steps the matrix keeps them.
+                    if dp.updates_here and pieces.get(dp.name) is not None:
                         index_state[position] = {MOMENTUM: pieces[dp.name]}
-                    if dp.is_owned and second_pieces.get(dp.name) is not None:
+                    if dp.updates_here and second_pieces.get(dp.name) is not None:
                         index_state.setdefault(position, {})[SECOND_MOMENT] = second_pieces[dp.name]
                 elif fqn in loaded_state:
                     index_state[position] = {

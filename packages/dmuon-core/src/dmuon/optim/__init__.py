@@ -14,6 +14,7 @@ from dmuon.optim._muon import (
 from dmuon.optim._normuon import NORMUON_EPS, VARIANTS
 from dmuon.optim._orthogonalize import (
     COEFFICIENT_SETS,
+    DEFAULT_MAX_WORKSPACE_BYTES,
     GRAM_MIN_ASPECT,
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
@@ -27,12 +28,14 @@ from dmuon.optim._orthogonalize import (
     newton_schulz,
     resolve_coefficients,
     uses_gram,
+    workspace_nbytes,
 )
 from dmuon.optim._split import resolve_split
 
 __all__ = [
     "ADJUST_LR_FNS",
     "COEFFICIENT_SETS",
+    "DEFAULT_MAX_WORKSPACE_BYTES",
     "GRAM_MIN_ASPECT",
     "KELLER_COEFFICIENTS",
     "NONFINITE_POLICIES",
@@ -53,4 +56,5 @@ __all__ = [
     "resolve_coefficients",
     "resolve_split",
     "uses_gram",
+    "workspace_nbytes",
 ]

@@ -42,6 +42,7 @@ from dmuon._ownership.state import DedicationState, get_dedication, unwrap
 from dmuon.optim._groups import build_param_groups
 from dmuon.optim._normuon import SECOND_MOMENT, VARIANTS, normalize_rows_, second_moment_shape
 from dmuon.optim._orthogonalize import (
+    DEFAULT_MAX_WORKSPACE_BYTES,
     Arena,
     Coefficients,
     NewtonSchulzWorkspace,
@@ -49,6 +50,7 @@ from dmuon.optim._orthogonalize import (
     _is_real,
     default_ns_dtype,
     resolve_coefficients,
+    workspace_nbytes,
 )
 from dmuon.optim._split import Split, matrix_pieces, resolve_split
 from dmuon.optim._tensor_parallel import agree, tp_updates
@@ -258,6 +260,11 @@ class Muon(torch.optim.Optimizer):
             per-neuron normalization of it (above). A param group may set its own. Not
             available for matrices split by tensor parallelism.
         beta2: NorMuon's second-moment decay in [0, 1) (default 0.95; unused by Muon).
+        max_workspace_bytes: the most memory the Newton-Schulz buffers may take (default
+            `DEFAULT_MAX_WORKSPACE_BYTES`, 2 GiB). A bucket of same-shape matrices whose
+            batched iteration would need more runs in chunks that fit; one matrix always
+            runs, so the workspace is at most the larger of this and what the largest
+            single matrix needs. `workspace_bytes` reports what is held.
 
     Raises:
         ValueError: ``model`` has no dedication state, a dedicated parameter is neither a
@@ -289,6 +296,7 @@ class Muon(torch.optim.Optimizer):
         variant: str = "muon",
         beta2: float = 0.95,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
+        max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -311,6 +319,15 @@ class Muon(torch.optim.Optimizer):
                     "matrices and 3-D stacks of matrices only: dedicate 2-D weights and fused "
                     "expert stacks, and leave other parameters to AdamW"
                 )
+        if isinstance(max_workspace_bytes, bool) or not (
+            isinstance(max_workspace_bytes, int) and max_workspace_bytes > 0
+        ):
+            raise ValueError(
+                "max_workspace_bytes must be a positive number of bytes, such as 2**31 "
+                f"(2 GiB), got {max_workspace_bytes!r}"
+            )
+        self.max_workspace_bytes = max_workspace_bytes
+        """The cap on the Newton-Schulz buffers (see ``max_workspace_bytes`` above)."""
         self.split_sizes: dict[str, tuple[int, ...]] = resolve_split(split, state.params)
         """``{fqn: output sizes of its parts}`` of the dedicated parameters ``split`` cuts."""
         verify_not_sharded(state.params)
@@ -611,7 +628,7 @@ class Muon(torch.optim.Optimizer):
                     "a parameter in the Muon group is not dedicated; only parameters "
                     "dedicated by dmuon.dedicate_params can be stepped with Muon"
                 )
-            if not dp.is_owned:
+            if not dp.updates_here:
                 continue
             grad = runtime.reduced_grad(dp)
             if grad is None:
@@ -671,36 +688,33 @@ class Muon(torch.optim.Optimizer):
                 g_piece = piece[0]
                 key = (tuple(g_piece.shape), g_piece.dtype, g_piece.device, dp.transposed)
                 buckets.setdefault(key, []).append(piece)
-        for (shape, _, device, is_transposed), members in buckets.items():
+        for (shape, _, device, is_transposed), bucket in buckets.items():
             ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
-            batch = len(members)
-            ws = self._workspace(
-                batch,
-                shape,
-                ns_dtype,
-                device,
-                group.get("ns_gram", False),
-                members[0][2].dtype,
-            )
-            views = ws.source_views
-            bucket_grads = [g for g, _, _, _ in members]
-            bucket_bufs = [b for _, b, _, _ in members]
-            # Straight into the buffers, widened there when the gradients are 16-bit.
-            if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
-                for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
-                    torch.lerp(g, b, momentum, out=v)
-            else:
-                torch._foreach_copy_(views, bucket_bufs)
-            bucket_params = [p for _, _, p, _ in members]
-            # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
-            # (adding it directly would allocate a widened temporary per matrix).
-            ortho = ws.cast(ws.run(triples, group["eps"]), bucket_params[0].dtype)
-            if normuon:
-                bucket_seconds = [s for _, _, _, s in members]
-                ortho = normalize_rows_(ortho, bucket_seconds, group["beta2"], is_transposed)  # type: ignore[arg-type]
-            rows, cols = (shape[1], shape[0]) if is_transposed else shape
-            adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
-            torch._foreach_add_(bucket_params, list(ortho.unbind(0)), alpha=-adjusted_lr)
+            gram = group.get("ns_gram", False)
+            out_dtype = bucket[0][2].dtype
+            size = self._chunk_size(shape, ns_dtype, device, gram, out_dtype)
+            for first in range(0, len(bucket), size):
+                members = bucket[first : first + size]
+                ws = self._workspace(len(members), shape, ns_dtype, device, gram, out_dtype)
+                views = ws.source_views
+                bucket_grads = [g for g, _, _, _ in members]
+                bucket_bufs = [b for _, b, _, _ in members]
+                # Straight into the buffers, widened there when the gradients are 16-bit.
+                if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
+                    for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
+                        torch.lerp(g, b, momentum, out=v)
+                else:
+                    torch._foreach_copy_(views, bucket_bufs)
+                bucket_params = [p for _, _, p, _ in members]
+                # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
+                # (adding it directly would allocate a widened temporary per matrix).
+                ortho = ws.cast(ws.run(triples, group["eps"]), bucket_params[0].dtype)
+                if normuon:
+                    bucket_seconds = [s for _, _, _, s in members]
+                    ortho = normalize_rows_(ortho, bucket_seconds, group["beta2"], is_transposed)  # type: ignore[arg-type]
+                rows, cols = (shape[1], shape[0]) if is_transposed else shape
+                adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
+                torch._foreach_add_(bucket_params, list(ortho.unbind(0)), alpha=-adjusted_lr)
         if sharded:
             self._tensor_parallel_step(group, triples, sharded)
 
@@ -755,11 +769,7 @@ class Muon(torch.optim.Optimizer):
         arenas: dict[torch.device, Arena] = self.__dict__.setdefault("_ns_arenas", {})
         arena = arenas.setdefault(device, Arena(device))
         rows, cols = shape
-        measure, used = arena.carver(measure_only=True)
-        NewtonSchulzWorkspace(
-            batch, rows, cols, dtype, device, gram=gram, allocate=measure, out_dtype=out_dtype
-        )
-        if arena.reserve(used()):
+        if arena.reserve(workspace_nbytes(batch, rows, cols, dtype, device, gram, out_dtype)):
             for stale in [k for k in cache if k[3] == device]:
                 del cache[stale]
         allocate, _ = arena.carver()
@@ -767,6 +777,20 @@ class Muon(torch.optim.Optimizer):
             batch, rows, cols, dtype, device, gram=gram, allocate=allocate, out_dtype=out_dtype
         )
         return ws
+
+    def _chunk_size(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        gram: bool,
+        out_dtype: torch.dtype,
+    ) -> int:
+        """How many matrices of ``shape`` one batched iteration may take within
+        `max_workspace_bytes` (at least one)."""
+        rows, cols = shape
+        one = workspace_nbytes(1, rows, cols, dtype, device, gram, out_dtype)
+        return max(1, self.max_workspace_bytes // one)
 
     def workspace_bytes(self) -> int:
         """Bytes of the Newton-Schulz buffers this optimizer keeps (its largest bucket's)."""
@@ -788,13 +812,13 @@ class Muon(torch.optim.Optimizer):
                 state = self.state[p]
                 if group["algorithm"] == "muon":
                     dp = dedicated.get(id(p))
-                    if dp is not None and dp.is_owned and "momentum_buffer" not in state:
+                    if dp is not None and dp.updates_here and "momentum_buffer" not in state:
                         state["momentum_buffer"] = torch.zeros_like(
                             p, memory_format=torch.preserve_format
                         )
                     if (
                         dp is not None
-                        and dp.is_owned
+                        and dp.updates_here
                         and group["variant"] == "normuon"
                         and SECOND_MOMENT not in state
                     ):
