@@ -221,7 +221,8 @@ def _records(
     """The dedication records of one selected parameter.
 
     ``owners`` is one owner rank (the parameter stays whole) or the ranges of a stack split
-    by experts. Whole: one record; the parameter becomes its owner's float32 master and a
+    by experts; ``replica_of(name)`` is the replica whose owner steps a record (HSDP).
+    Whole: one record; the parameter becomes its owner's float32 master and a
     0-element placeholder elsewhere. Split: one record per range; a range's owner keeps a
     float32 master of its experts, and the stack becomes a 0-element placeholder on every
     rank (what the module holds between forwards).
@@ -370,9 +371,12 @@ def dedicate_params(
         mesh: A 1-D ``DeviceMesh`` (the data-parallel ranks), or the 2-D
             ``(replicate, shard)`` mesh of FSDP2's HSDP (dimension names ``replicate`` and
             ``shard``, or none). On a 2-D mesh each matrix has one owner per replica, at
-            the same shard rank in every replica: broadcasts and reduces stay inside the
-            shard group, the owners average gradients across replicas with one all-reduce,
-            and each steps its copy alike. ``None`` uses the default process group, or,
+            the same shard rank in every replica, holding its master: broadcasts and
+            reduces stay inside the shard group, and the plan, made over every rank of the
+            mesh, picks the one replica whose owner steps the matrix. The owners
+            reduce-scatter gradients by matrix across replicas, and the stepping owner
+            broadcasts the new values to the others after ``optimizer.step()``. ``None``
+            uses the default process group, or,
             without one, runs in one process with everything owned by rank 0 and nothing
             communicated.
         predicate: ``predicate(name, param) -> bool`` selects the Muon-target parameters:

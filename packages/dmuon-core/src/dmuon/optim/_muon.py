@@ -210,9 +210,11 @@ class Muon(torch.optim.Optimizer):
     hold those). On every rank, ``param_groups[0]`` is the Muon group and
     ``param_groups[1]`` the AdamW group (its ``lr`` is ``adamw_lr``); schedulers change both.
 
-    ``step()`` issues no collective. Optimizer state is per rank (each owner holds the
-    momentum of its matrices, each rank the AdamW state of its shards): save and load one
-    ``state_dict()`` per rank.
+    On a 1-D mesh ``step()`` issues no collective. Under HSDP it broadcasts the updated
+    matrices from the replica that stepped them to the other replicas' owners, and under
+    tensor parallelism it gathers and scatters the tp-split matrices. Optimizer state is
+    per rank (each owner holds the momentum of the matrices it steps, each rank the AdamW
+    state of its shards): save and load one ``state_dict()`` per rank.
 
     Args:
         model: the module passed to ``dmuon.dedicate_params``.
@@ -511,7 +513,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimization step (no collective is issued).
+        """Perform one optimization step (no collective on a 1-D mesh; see the class doc).
 
         Args:
             closure: optional callable that re-evaluates the model and returns the loss.
