@@ -116,7 +116,13 @@ def _build(contender: str, args: argparse.Namespace, device: str) -> tuple[Any, 
     import dmuon
     from dmuon.train import build_model
 
-    mesh = init_device_mesh(device, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if args.hsdp > 1:
+        mesh = init_device_mesh(
+            device, (args.hsdp, world // args.hsdp), mesh_dim_names=("replicate", "shard")
+        )
+    else:
+        mesh = init_device_mesh(device, (world,))
     model = build_model(args.model, seed=0, max_seq_len=args.seq_len, device=device)
     reshard = contender.endswith("z3")
     sizes = {name: p.numel() for name, p in model.named_parameters()}
@@ -433,6 +439,7 @@ def _record(
         "name": args.name,
         "model": args.model,
         "nproc": args.nproc,
+        "hsdp": args.hsdp,
         "device": "cuda" if args.cuda else "cpu",
         "micro_batch": args.micro_batch,
         "seq_len": args.seq_len,
@@ -467,6 +474,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--check", action="store_true", help="exit 1 if traffic or memory != formulas"
     )
     parser.add_argument("--nproc", type=positive_int, default=2)
+    parser.add_argument(
+        "--hsdp",
+        type=positive_int,
+        default=1,
+        help="replicas of an HSDP (replicate, shard) mesh; 1: a 1-D mesh of every rank",
+    )
     parser.add_argument("--model", default=None)
     parser.add_argument("--accum", type=positive_int, nargs="+", default=None)
     parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
@@ -486,7 +499,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.accum = args.accum or ([1, 2] if quick else [1, 4, 8])
     args.seq_len = args.seq_len or (32 if quick else 128)
     args.steps = args.steps or (1 if quick else 5)
-    args.name = args.name or ("quick" if quick else f"{args.model}-n{args.nproc}")
+    hsdp = f"-hsdp{args.hsdp}" if args.hsdp > 1 else ""
+    args.name = args.name or ("quick" if quick else f"{args.model}-n{args.nproc}{hsdp}")
+    if args.nproc % args.hsdp:
+        parser.error(f"--hsdp {args.hsdp} must divide --nproc {args.nproc}")
     return args
 
 

@@ -144,10 +144,11 @@ def test_batched_equals_per_matrix(
     # Per-matrix norms: scale each matrix differently to catch a shared norm.
     Gs = torch.randn(*shape, generator=torch.Generator().manual_seed(4))
     Gs = Gs * torch.logspace(-2, 2, shape[0]).view(-1, 1, 1)
-    if one_at_a_time:  # the path large CPU matrices take
+    if one_at_a_time:  # the path large CPU matrices take, for the batch and each matrix
+        # alike: its block-symmetric products round differently in bfloat16 on some CPUs
+        # (AMX), which the blocks' own test bounds.
         monkeypatch.setattr(orthogonalize, "CPU_ONE_AT_A_TIME_MIN_SIDE", 1)
     batched = newton_schulz(Gs, dtype=dtype, gram=gram)
-    monkeypatch.undo()
     single = torch.stack([newton_schulz(g, dtype=dtype, gram=gram) for g in Gs])
     # Measured bit-identical on CPU; allow one float32 rounding step if BLAS differs.
     torch.testing.assert_close(batched, single, rtol=0, atol=1e-6 if dtype == torch.float32 else 0)
