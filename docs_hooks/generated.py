@@ -10,6 +10,9 @@ A page asks for generated content with a marker on a line of its own:
 ``<!-- generated: recipe-flags -->``, ``<!-- generated: recipe-presets -->``
     The training recipe's flags (from its argument parser) and model presets (from
     ``dmuon.train.PRESETS``); see ``docs_hooks/recipe_tables.py``.
+``<!-- generated: scaling-MODEL -->``
+    The Scaling page's plan of ``benchmarks/models/MODEL.json`` at every layout, from
+    ``dmuon.plan``; see ``docs_hooks/scaling.py``.
 ``<!-- generated: torch-muon-defaults -->`` and the other ``torch-*`` markers
     ``dmuon.Muon``'s defaults against ``torch.optim.Muon``'s and ``torch.optim.AdamW``'s,
     from their signatures; see ``docs_hooks/torch_muon.py``.
@@ -41,6 +44,7 @@ if str(Path(__file__).parent) not in sys.path:
 import diagrams
 import glossary
 import recipe_tables
+import scaling
 import torch_muon
 
 log = get_plugin_logger("dmuon-docs")
@@ -358,6 +362,11 @@ RENDERERS: dict[str, Callable[[Mapping[str, str]], str]] = {
     "recipe-flags": lambda labels: recipe_tables.render_flags(labels["lang"]),
     "recipe-presets": lambda labels: recipe_tables.render_presets(labels["lang"]),
     "glossary": lambda labels: glossary.render_glossary(labels["lang"]),
+    # scaling-llama-3-8b, ...: the Scaling page's plans; see docs_hooks/scaling.py.
+    **{
+        name: (lambda labels, render=render: render(labels["lang"]))
+        for name, render in scaling.RENDERERS.items()
+    },
     # torch-muon-defaults, torch-muon-differences, ...: see docs_hooks/torch_muon.py.
     **{
         name: (lambda labels, render=render: render(labels["lang"]))

@@ -392,3 +392,41 @@ def test_meshes_hsdp_does_not_use_are_refused_with_what_to_pass(spawned) -> None
     for name in ("dp_tp", "swapped"):
         assert "mesh_dim_names=('replicate', 'shard')" in messages[name], messages[name]
     assert "('dp', 'tp')" in messages["dp_tp"]
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_the_cluster_plan_predicts_the_audit_and_the_flops(spawned, name: str) -> None:
+    """`dmuon.plan.plan_cluster` on the same model and mesh, rank by rank: the collectives
+    of each dimension (count and elements) equal what the comm audit recorded in every
+    step, and the Newton-Schulz FLOPs what `FlopCounterMode` counted in ``optimizer.step()``.
+    The 1x2 runs are 1-D meshes of 2 ranks."""
+    from dmuon.plan import plan_cluster
+
+    _, scenario = SCENARIOS[name]
+    replicas, shard = scenario.mesh_shape
+    plan = plan_cluster(
+        make_model(Scenario("plan")),
+        replicas * shard,
+        shard,
+        mode=scenario.mode,
+        accum=K,
+        no_sync=scenario.use_no_sync,
+        ns_dtype=torch.float32,
+        device_type="cpu",
+    )
+
+    def tallies(collectives: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        return {kind: (t["count"], t["elements"]) for kind, t in collectives.items()}
+
+    for run in _runs(_per_rank(spawned, name), _mesh_size(name)):
+        for rank, result in enumerate(run):
+            predicted = plan.ranks[rank]
+            assert result["step_flops"] == [predicted.ns_flops] * STEPS
+            shard_dim = {k: (t.count, t.elements) for k, t in predicted.shard_collectives.items()}
+            replicate_dim = {
+                k: (t.count, t.elements) for k, t in predicted.replicate_collectives.items()
+            }
+            for step in result["comm"]:
+                assert tallies(step["collectives"]) == shard_dim, rank
+                measured = step.get("dimensions", {}).get("replicate", {}).get("collectives", {})
+                assert tallies(measured) == replicate_dim, rank

@@ -50,6 +50,7 @@ PACKAGES = (
     "dmuon",
     "dmuon.optim",
     "dmuon.checkpoint",
+    "dmuon.plan",
     "dmuon.train",
     "dmuon.integrations.transformers",
     "dmuon.integrations.accelerate",

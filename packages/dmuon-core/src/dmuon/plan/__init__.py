@@ -1,0 +1,27 @@
+"""`dmuon.plan`: a model on a cluster before renting it.
+
+``python -m dmuon.plan --model DIR --world 1024 --shard-size 8`` builds a Hugging Face
+model on the meta device from its config (no weights, no process group), makes the owner
+plan `dmuon.dedicate_params` would make on that mesh (the same code), and prints per rank
+what DMuon adds: owned bytes, Newton-Schulz FLOPs and workspace, buffers, collectives and
+bytes per step on each mesh dimension, and the optimizer step's overhead against
+forward+backward under a stated time model. `plan_cluster` is the function behind it.
+"""
+
+from dmuon.plan._estimate import ClusterPlan, RankPlan, Tally, plan_cluster
+from dmuon.plan._hardware import HARDWARE, Hardware, parse_hardware, parse_tokens
+from dmuon.plan._model import active_parameters, load_config, meta_model
+
+__all__ = [
+    "HARDWARE",
+    "ClusterPlan",
+    "Hardware",
+    "RankPlan",
+    "Tally",
+    "active_parameters",
+    "load_config",
+    "meta_model",
+    "parse_hardware",
+    "parse_tokens",
+    "plan_cluster",
+]

@@ -1,0 +1,197 @@
+"""``python -m dmuon.plan``: plan a Hugging Face model on a cluster (see `dmuon.plan`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+
+from dmuon.plan._estimate import GIB, ClusterPlan, RankPlan, Tally, plan_cluster
+from dmuon.plan._hardware import HARDWARE, parse_hardware, parse_tokens
+from dmuon.plan._model import active_parameters, load_config, meta_model
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dmuon.plan",
+        description=(
+            "What DMuon costs each rank of a cluster: owned bytes, Newton-Schulz FLOPs and "
+            "workspace, buffers, collectives per step, and the optimizer step's overhead "
+            "against forward+backward. The model is built on the meta device from its "
+            "config alone; nothing is downloaded, allocated or launched."
+        ),
+    )
+    parser.add_argument("--model", required=True, help="Hugging Face model folder or config.json")
+    parser.add_argument("--world", type=int, required=True, help="ranks in all")
+    parser.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        help="ranks per replica of an HSDP mesh (world / shard-size replicas); default: the "
+        "world (a 1-D mesh)",
+    )
+    parser.add_argument(
+        "--tokens-per-step", default="4M", help="tokens per optimizer step (4M = 4,000,000)"
+    )
+    parser.add_argument("--mode", choices=("z2", "z3"), default="z3")
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument("--no-sync", action="store_true", help="accumulate under dmuon.no_sync")
+    parser.add_argument(
+        "--hardware",
+        default="h100",
+        help=f"{', '.join(sorted(HARDWARE))}, or TFLOPS,GBPS (dense bfloat16 peak, network "
+        "per accelerator)",
+    )
+    parser.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
+    parser.add_argument(
+        "--param-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype of the packed buffers (dedicate_params(param_dtype=...))",
+    )
+    parser.add_argument(
+        "--max-workspace-bytes",
+        type=int,
+        default=None,
+        help="dmuon.Muon's cap on the Newton-Schulz workspace (default 2 GiB)",
+    )
+    parser.add_argument("--per-rank", action="store_true", help="a line for every rank")
+    parser.add_argument("--json", action="store_true", help="everything as JSON, for tools")
+    return parser
+
+
+def _row(
+    name: str, ranks: Sequence[RankPlan], value: Callable[[RankPlan], float], unit: str
+) -> str:
+    values = [value(r) for r in ranks]
+    cells = (min(values), statistics.fmean(values), max(values))
+    return f"  {name:<34}" + "".join(f"{c:>12,.2f}" for c in cells) + f"  {unit}"
+
+
+def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> str:
+    """The plan as text: assumptions, totals, per-rank ranges, warnings."""
+    layout = (
+        f"{plan.replicas} replicas x {plan.shard_size} shard ranks (HSDP)"
+        if plan.replicas > 1
+        else f"a 1-D mesh of {plan.world} ranks"
+    )
+    sync = " under dmuon.no_sync" if plan.no_sync and plan.accum > 1 else ""
+    busiest = plan.busiest
+    lines = [
+        f"model: {model_name}: {plan.parameters / 1e9:,.2f} B parameters, "
+        f"{plan.active_parameters / 1e9:,.2f} B active per token; {plan.matrices:,} "
+        f"dedicated matrices ({plan.dedicated_elements / 1e9:,.2f} B elements) in "
+        f"{plan.boundaries} hook boundaries",
+        f"mesh: {plan.world} ranks, {layout}; {plan.mode.upper()}, {plan.accum} "
+        f"micro-batch(es) per step{sync}",
+        f"time model: {plan.hardware.describe()}; forward+backward = 6 x active parameters x "
+        f"{plan.tokens_per_step:,} tokens per step; Newton-Schulz = 2 x {plan.ns_steps} "
+        "iterations x each matrix's 2 m^2 n + m^3 multiply-adds",
+        f"forward+backward: {plan.forward_backward_seconds * 1e3:,.1f} ms per step per rank",
+        f"optimizer-step overhead against forward+backward: Newton-Schulz "
+        f"{plan.ns_overhead:.2%} (busiest rank {busiest.rank}: {busiest.ns_seconds * 1e3:,.2f} "
+        f"ms; imbalance {plan.owner_plan.imbalance:.2f})"
+        + (
+            f"; broadcasts of updated values between replicas {plan.update_overhead:.2%}"
+            if plan.replicas > 1
+            else ""
+        ),
+        f"collective calls per step: DMuon up to {plan.calls:,} per rank, FSDP2 "
+        f"{plan.fsdp2_calls:,} for the same model and mesh",
+        "",
+        f"  {'per rank':<34}{'min':>12}{'mean':>12}{'max':>12}",
+    ]
+    ranks = plan.ranks
+    gib = float(GIB)
+    lines += [
+        _row("float32 masters", ranks, lambda r: r.master_bytes / gib, "GiB"),
+        _row("momentum", ranks, lambda r: r.momentum_bytes / gib, "GiB"),
+        _row("Newton-Schulz workspace", ranks, lambda r: r.workspace_bytes / gib, "GiB"),
+        _row("packed buffers", ranks, lambda r: r.buffer_bytes / gib, "GiB"),
+        _row("no_sync accumulator", ranks, lambda r: r.accumulator_bytes / gib, "GiB"),
+        _row("reduce buffers (backward)", ranks, lambda r: r.reduce_buffer_bytes / gib, "GiB"),
+        _row("DMuon adds in all", ranks, lambda r: r.added_bytes / gib, "GiB"),
+        _row("Newton-Schulz", ranks, lambda r: r.ns_flops / 1e12, "TFLOP"),
+        _row("Newton-Schulz time", ranks, lambda r: r.ns_seconds * 1e3, "ms"),
+        _row("collective calls", ranks, lambda r: r.calls, "per step"),
+    ]
+    for dim, pick in (
+        ("shard", lambda r: r.shard_collectives),
+        ("replicate", lambda r: r.replicate_collectives),
+    ):
+        kinds = sorted({kind for r in ranks for kind in pick(r)})
+        for kind in kinds:
+            lines.append(
+                _row(
+                    f"{dim} {kind} calls",
+                    ranks,
+                    lambda r, k=kind, p=pick: p(r).get(k, _ZERO).count,
+                    "per step",
+                )
+            )
+            lines.append(
+                _row(
+                    f"{dim} {kind} elements",
+                    ranks,
+                    lambda r, k=kind, p=pick: p(r).get(k, _ZERO).elements / 1e6,
+                    "M per step",
+                )
+            )
+    if per_rank:
+        lines += [
+            "",
+            "  rank replica shard  masters GiB  momentum GiB  workspace GiB  NS ms  calls",
+        ]
+        for r in ranks:
+            lines.append(
+                f"  {r.rank:>4} {r.replica:>7} {r.shard:>5} {r.master_bytes / gib:>12.2f} "
+                f"{r.momentum_bytes / gib:>13.2f} {r.workspace_bytes / gib:>14.2f} "
+                f"{r.ns_seconds * 1e3:>6.2f} {r.calls:>6}"
+            )
+    for warning in plan.warnings:
+        lines += ["", f"warning: {warning}"]
+    return "\n".join(lines)
+
+
+_ZERO = Tally()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the planner's command line; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        hardware = parse_hardware(args.hardware)
+        tokens = parse_tokens(args.tokens_per_step)
+        config = load_config(args.model)
+        model = meta_model(config)
+        kwargs = {}
+        if args.max_workspace_bytes is not None:
+            kwargs["max_workspace_bytes"] = args.max_workspace_bytes
+        plan = plan_cluster(
+            model,
+            args.world,
+            args.shard_size,
+            tokens_per_step=tokens,
+            mode=args.mode,
+            accum=args.accum,
+            no_sync=args.no_sync,
+            hardware=hardware,
+            active_parameters=active_parameters(model, config),
+            ns_steps=args.ns_steps,
+            param_bytes=2 if args.param_dtype == "bfloat16" else 4,
+            **kwargs,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    if args.json:
+        print(json.dumps(plan.as_dict(), indent=2))
+    else:
+        print(format_plan(plan, args.model, args.per_rank))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,444 @@
+"""`plan_cluster`: what DMuon costs each rank of a cluster, from the owner plan alone.
+
+Everything follows from the plan that `dmuon.dedicate_params` makes (`plan_dedication`, the
+same code) and from the library's own rules:
+
+- **Newton-Schulz FLOPs** of a rank: its plan load (`dmuon.plan_owners`'s multiply-adds
+  per iteration) x 2 x the iteration count, what ``FlopCounterMode`` counts in
+  ``optimizer.step()`` for the standard iteration;
+- **collectives**: one broadcast and one reduce per *span* (the matrices of one owner in one
+  hook boundary, or a run of one owner's ranges of a split expert stack), as many times as
+  Z2/Z3 and accumulation say; across replicas, one reduce-scatter per owned span per
+  synchronised backward and one broadcast per replica that steps some of the rank's
+  matrices, per step: what ``dmuon.comm_audit`` counts;
+- **memory**: float32 masters of the matrices a shard position owns, momentum of those the
+  rank steps, the Newton-Schulz workspace (`dmuon.optim.workspace_nbytes`, within the
+  optimizer's cap), the packed buffers, the ``no_sync`` accumulator and the reduce buffers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from dmuon._ownership.planner import OwnerPlan, SplitStacks
+from dmuon._ownership.selection import plan_dedication
+from dmuon.optim._orthogonalize import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
+from dmuon.plan._hardware import Hardware, parse_hardware
+
+GIB = 1024**3
+FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class Tally:
+    """Collectives of one kind per optimizer step: how many, and the elements they carry
+    (as ``dmuon.comm_audit`` records them on each rank)."""
+
+    count: int = 0
+    elements: int = 0
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What DMuon adds to one rank (replica ``replica``, shard position ``shard``).
+
+    Bytes are per rank; collectives per optimizer step, by kind, on the shard dimension
+    (inside a replica) and the replicate dimension (between replicas).
+    """
+
+    rank: int
+    replica: int
+    shard: int
+    ns_flops: int
+    ns_seconds: float
+    update_seconds: float
+    master_bytes: int
+    momentum_bytes: int
+    workspace_bytes: int
+    buffer_bytes: int
+    accumulator_bytes: int
+    reduce_buffer_bytes: int
+    shard_collectives: dict[str, Tally] = field(default_factory=dict)
+    replicate_collectives: dict[str, Tally] = field(default_factory=dict)
+
+    @property
+    def added_bytes(self) -> int:
+        """Everything DMuon holds at its peak on this rank (the reduce buffers included)."""
+        return (
+            self.master_bytes
+            + self.momentum_bytes
+            + self.workspace_bytes
+            + self.buffer_bytes
+            + self.accumulator_bytes
+            + self.reduce_buffer_bytes
+        )
+
+    @property
+    def calls(self) -> int:
+        """Collective calls per optimizer step, both dimensions."""
+        tallies = [*self.shard_collectives.values(), *self.replicate_collectives.values()]
+        return sum(t.count for t in tallies)
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """A model on a cluster, per rank and in total (see `plan_cluster`)."""
+
+    world: int
+    shard_size: int
+    replicas: int
+    mode: str
+    accum: int
+    no_sync: bool
+    tokens_per_step: int
+    ns_steps: int
+    hardware: Hardware
+    matrices: int
+    dedicated_elements: int
+    parameters: int
+    active_parameters: int
+    boundaries: int
+    fsdp2_calls: int
+    forward_backward_seconds: float
+    ranks: list[RankPlan]
+    owner_plan: OwnerPlan
+    warnings: list[str]
+
+    @property
+    def busiest(self) -> RankPlan:
+        """The rank with the longest Newton-Schulz time."""
+        return max(self.ranks, key=lambda r: (r.ns_seconds, -r.rank))
+
+    @property
+    def ns_overhead(self) -> float:
+        """The busiest rank's Newton-Schulz time over forward+backward's."""
+        return self.busiest.ns_seconds / self.forward_backward_seconds
+
+    @property
+    def update_overhead(self) -> float:
+        """The longest broadcast of updated values between replicas over forward+backward's
+        (0 on a 1-D mesh): exposed, after the step."""
+        return max(r.update_seconds for r in self.ranks) / self.forward_backward_seconds
+
+    @property
+    def calls(self) -> int:
+        """The most collective calls per optimizer step any rank issues for DMuon."""
+        return max(r.calls for r in self.ranks)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything, JSON-ready (``--json``)."""
+        ranks = []
+        for rank in self.ranks:
+            entry = asdict(rank)
+            entry["added_bytes"] = rank.added_bytes
+            entry["calls"] = rank.calls
+            ranks.append(entry)
+        return {
+            "world": self.world,
+            "shard_size": self.shard_size,
+            "replicas": self.replicas,
+            "mode": self.mode,
+            "accum": self.accum,
+            "no_sync": self.no_sync,
+            "tokens_per_step": self.tokens_per_step,
+            "ns_steps": self.ns_steps,
+            "hardware": asdict(self.hardware),
+            "matrices": self.matrices,
+            "dedicated_elements": self.dedicated_elements,
+            "parameters": self.parameters,
+            "active_parameters": self.active_parameters,
+            "boundaries": self.boundaries,
+            "fsdp2_calls": self.fsdp2_calls,
+            "forward_backward_seconds": self.forward_backward_seconds,
+            "ns_overhead": self.ns_overhead,
+            "update_overhead": self.update_overhead,
+            "calls": self.calls,
+            "ns_imbalance": self.owner_plan.imbalance,
+            "ranks": ranks,
+            "warnings": list(self.warnings),
+        }
+
+
+@dataclass
+class _Span:
+    """One broadcast and one reduce: a boundary's matrices (or expert ranges) of one owner."""
+
+    owner: int
+    elements: int = 0
+    names: list[str] = field(default_factory=list)
+
+
+def _spans(
+    shapes: Mapping[str, Sequence[int]], boundaries: Mapping[str, str], plan: OwnerPlan
+) -> dict[str, list[_Span]]:
+    """Each boundary's spans, as `dedicate_params` lays out its flat buffers: one per owner
+    of its whole matrices, then per split stack one per run of ranges with one owner."""
+    spans: dict[str, list[_Span]] = defaultdict(list)
+    packed: dict[tuple[str, int], _Span] = {}
+    for fqn, shape in shapes.items():
+        boundary = boundaries[fqn]
+        if fqn in plan.expert_ranges:
+            continue
+        owner = plan.owners[fqn]
+        if (boundary, owner) not in packed:
+            packed[boundary, owner] = _Span(owner)
+            spans[boundary].append(packed[boundary, owner])
+        span = packed[boundary, owner]
+        span.elements += _numel(shape)
+        span.names.append(fqn)
+    for fqn, ranges in plan.expert_ranges.items():
+        per_expert = _numel(shapes[fqn][1:])
+        runs: list[_Span] = []
+        for expert_range in sorted(ranges):
+            name = f"{fqn}[{expert_range.start}:{expert_range.stop}]"
+            if not runs or runs[-1].owner != expert_range.owner:
+                runs.append(_Span(expert_range.owner))
+            runs[-1].elements += (expert_range.stop - expert_range.start) * per_expert
+            runs[-1].names.append(name)
+        spans[boundaries[fqn]].extend(runs)
+    return spans
+
+
+def _numel(shape: Sequence[int]) -> int:
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count
+
+
+def _item_shape(name: str, shapes: Mapping[str, Sequence[int]]) -> tuple[int, int, int]:
+    """``(matrices, rows, cols)`` of a plan item: a matrix, a stack, or a range of one."""
+    if "[" in name:
+        fqn, bounds = name[:-1].split("[")
+        start, stop = (int(b) for b in bounds.split(":"))
+        _, rows, cols = shapes[fqn]
+        return stop - start, int(rows), int(cols)
+    shape = shapes[name]
+    if len(shape) == 3:
+        return int(shape[0]), int(shape[1]), int(shape[2])
+    return 1, int(shape[0]), int(shape[1])
+
+
+def _workspace(
+    items: list[tuple[int, int, int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    cap: int,
+) -> int:
+    """Bytes of the Newton-Schulz workspace `dmuon.Muon` keeps for these items: the largest
+    bucket of one shape, run in chunks within ``cap``."""
+    counts: dict[tuple[int, int], int] = defaultdict(int)
+    for matrices, rows, cols in items:
+        counts[rows, cols] += matrices
+    largest = 0
+    for (rows, cols), count in counts.items():
+        one = workspace_nbytes(1, rows, cols, dtype, device, out_dtype=torch.float32)
+        batch = min(count, max(1, cap // one))
+        largest = max(
+            largest, workspace_nbytes(batch, rows, cols, dtype, device, out_dtype=torch.float32)
+        )
+    return largest
+
+
+def plan_cluster(
+    model: nn.Module,
+    world: int,
+    shard_size: int | None = None,
+    *,
+    tokens_per_step: int = 4_000_000,
+    mode: str = "z3",
+    accum: int = 1,
+    no_sync: bool = False,
+    hardware: Hardware | str = "h100",
+    active_parameters: int | None = None,
+    ns_steps: int = 5,
+    ns_dtype: torch.dtype = torch.bfloat16,
+    device_type: str = "cuda",
+    param_bytes: int = FLOAT32,
+    max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
+    split_expert_stacks: SplitStacks = "auto",
+) -> ClusterPlan:
+    """Plan ``model`` (built on the meta device, or a real one: nothing is changed) on a
+    cluster of ``world`` ranks: per rank, what DMuon adds in memory, Newton-Schulz work and
+    collectives, and the optimizer step's overhead against forward+backward.
+
+    Args:
+        model: The model, before `dmuon.dedicate_params` (its default predicate selects).
+        world: Ranks in all.
+        shard_size: Ranks per replica of an HSDP mesh (``world / shard_size`` replicas);
+            ``None`` or ``world``: a 1-D mesh.
+        tokens_per_step: Tokens of one optimizer step over the whole cluster.
+        mode: ``"z2"`` or ``"z3"`` (``dedicate_params(reshard_after_forward=...)``).
+        accum: Micro-batches per optimizer step.
+        no_sync: Whether the micro-batches but the last run under `dmuon.no_sync`.
+        hardware: A `Hardware`, or a preset name (``"h100"``, ``"h200"``, ``"b200"``).
+        active_parameters: Parameters a token passes through (forward+backward is taken as
+            6 x this x tokens); ``None``: every parameter of ``model``.
+        ns_steps: Newton-Schulz iterations.
+        ns_dtype: The iteration dtype (the workspace's); bfloat16 on GPUs by default.
+        device_type: Where the iteration runs (``"cuda"``, or ``"cpu"``: the workspace's
+            layout differs).
+        param_bytes: Bytes per element of the packed buffers (4 for float32, 2 with
+            ``param_dtype=torch.bfloat16``).
+        max_workspace_bytes: `dmuon.Muon`'s cap on the Newton-Schulz workspace.
+        split_expert_stacks: As for `dmuon.dedicate_params`.
+
+    Returns:
+        The `ClusterPlan`.
+
+    Raises:
+        ValueError: A layout that does not divide, an unknown mode or hardware, or what
+            `dmuon.dedicate_params` would refuse.
+    """
+    shard = world if shard_size is None else shard_size
+    if world < 1 or shard < 1 or world % shard:
+        raise ValueError(
+            f"the shard size {shard} must divide the world size {world} (HSDP runs "
+            "world / shard-size replicas; a 1-D mesh has shard size = world)"
+        )
+    if mode not in ("z2", "z3"):
+        raise ValueError(f"mode must be 'z2' or 'z3', got {mode!r}")
+    if accum < 1:
+        raise ValueError(f"accum must be at least 1, got {accum}")
+    if isinstance(hardware, str):
+        hardware = parse_hardware(hardware)
+    replicas = world // shard
+    selected, boundaries, plan = plan_dedication(
+        model, shard, replicas, split_expert_stacks=split_expert_stacks
+    )
+    shapes = {fqn: tuple(int(d) for d in p.shape) for fqn, _, _, p, _, _ in selected}
+    p_m = sum(_numel(s) for s in shapes.values())
+    spans = _spans(shapes, boundaries, plan)
+    synced = 1 if no_sync else accum
+    rounds = 1 if mode == "z2" else 2 * accum  # broadcasts of every span per step
+    all_spans = [span for boundary in spans.values() for span in boundary]
+    shard_tallies: dict[str, Tally] = {}
+    if shard > 1:
+        shard_tallies = {
+            "broadcast": Tally(len(all_spans) * rounds, p_m * rounds),
+            "reduce": Tally(len(all_spans) * synced, p_m * synced),
+        }
+    boundary_elements = [sum(s.elements for s in spans[b]) for b in spans]
+    if mode == "z2":
+        buffer_bytes = p_m * param_bytes
+    else:  # the boundary running and the one prefetched
+        pairs = [a + b for a, b in itertools.pairwise(boundary_elements)]
+        buffer_bytes = max(pairs or boundary_elements or [0]) * param_bytes
+    accumulator = p_m * FLOAT32 if no_sync and accum > 1 else 0
+    device = torch.device(device_type)
+    parameters = sum(p.numel() for p in model.parameters())
+    active = parameters if active_parameters is None else active_parameters
+    forward_backward = (
+        6 * active * tokens_per_step / (hardware.mfu * hardware.peak_tflops * 1e12 * world)
+    )
+    items_of: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    elements_owned = plan.owned_elements()
+    for name, owner in plan.owners.items():
+        items_of[plan.workers[name] * shard + owner].append(_item_shape(name, shapes))
+    ranks = []
+    for rank in range(world):
+        replica, position = divmod(rank, shard)
+        owned = [s for s in all_spans if s.owner == position]
+        stepped_by = {plan.workers[n] for s in owned for n in s.names}
+        replicate_tallies: dict[str, Tally] = {}
+        if replicas > 1 and owned:
+            elements = sum(s.elements for s in owned)
+            replicate_tallies = {
+                "reduce_scatter": Tally(len(owned) * synced, elements * synced),
+                "broadcast": Tally(len(stepped_by), elements),
+            }
+        flops = plan.loads[rank] * 2 * ns_steps
+        update = 0.0
+        if replicas > 1:
+            moved = elements_owned[position] * FLOAT32 * (replicas - 1) / replicas
+            update = moved / (hardware.network_gbps * 1e9)
+        ranks.append(
+            RankPlan(
+                rank=rank,
+                replica=replica,
+                shard=position,
+                ns_flops=flops,
+                ns_seconds=flops / (hardware.ns_tflops * 1e12),
+                update_seconds=update,
+                master_bytes=elements_owned[position] * FLOAT32,
+                momentum_bytes=plan.elements[rank] * FLOAT32,
+                workspace_bytes=_workspace(items_of[rank], ns_dtype, device, max_workspace_bytes),
+                buffer_bytes=buffer_bytes,
+                accumulator_bytes=accumulator,
+                reduce_buffer_bytes=p_m * FLOAT32,
+                shard_collectives=shard_tallies,
+                replicate_collectives=replicate_tallies,
+            )
+        )
+    units = len(spans) + 1  # FSDP2: each hook boundary's layer and the root
+    gathers = units * accum * (2 if mode == "z3" else 1)
+    fsdp2_calls = gathers + units * synced + (units * synced if replicas > 1 else 0)
+    result = ClusterPlan(
+        world=world,
+        shard_size=shard,
+        replicas=replicas,
+        mode=mode,
+        accum=accum,
+        no_sync=no_sync,
+        tokens_per_step=tokens_per_step,
+        ns_steps=ns_steps,
+        hardware=hardware,
+        matrices=sum(int(s[0]) if len(s) == 3 else 1 for s in shapes.values()),
+        dedicated_elements=p_m,
+        parameters=parameters,
+        active_parameters=active,
+        boundaries=len(spans),
+        fsdp2_calls=fsdp2_calls,
+        forward_backward_seconds=forward_backward,
+        ranks=ranks,
+        owner_plan=plan,
+        warnings=[],
+    )
+    result.warnings.extend(_warnings(result))
+    return result
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / GIB:,.1f} GiB"
+
+
+def _warnings(plan: ClusterPlan) -> list[str]:
+    """What will not fit or not pay, each with what to do instead."""
+    memory = plan.hardware.memory_gib * GIB
+    busiest = max(plan.ranks, key=lambda r: r.added_bytes)
+    notes = []
+    if busiest.accumulator_bytes > 0.5 * memory:
+        notes.append(
+            f"dmuon.no_sync accumulation keeps {_gib(busiest.accumulator_bytes)} of full float32 "
+            f"gradients of the dedicated matrices on every rank, more than half of the "
+            f"{plan.hardware.memory_gib:g} GiB of a {plan.hardware.name}: accumulate without "
+            "dmuon.no_sync (every micro-batch then reduces its gradients to the owners: "
+            f"{plan.accum} reduces per step instead of 1, and no accumulator)"
+        )
+    if busiest.added_bytes > memory:
+        parts = (
+            f"masters {_gib(busiest.master_bytes)}, momentum {_gib(busiest.momentum_bytes)}, "
+            f"buffers {_gib(busiest.buffer_bytes)}, reduce buffers "
+            f"{_gib(busiest.reduce_buffer_bytes)}, workspace {_gib(busiest.workspace_bytes)}"
+        )
+        hints = ["larger shard groups (the masters are split over the shard size)"]
+        if plan.mode == "z2":
+            hints.insert(0, "Z3 (two boundaries' buffers instead of all of them)")
+        notes.append(
+            f"DMuon adds up to {_gib(busiest.added_bytes)} on rank {busiest.rank} ({parts}), "
+            f"more than the {plan.hardware.memory_gib:g} GiB of a {plan.hardware.name}: use "
+            + " or ".join(hints)
+        )
+    if plan.calls > 2 * plan.fsdp2_calls:
+        notes.append(
+            f"DMuon issues up to {plan.calls} collective calls per step where FSDP2 issues "
+            f"{plan.fsdp2_calls}: at this many ranks each call's latency adds up"
+        )
+    return notes

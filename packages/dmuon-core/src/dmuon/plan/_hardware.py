@@ -1,0 +1,96 @@
+"""The time model of a cluster plan: what one accelerator computes and sends per second."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: Share of the dense bfloat16 peak a well-shaped Newton-Schulz product reaches
+#: (600 of H100's 989 TFLOP/s), used to derive the Newton-Schulz rate of other hardware.
+NS_EFFICIENCY = 600 / 989
+
+#: Share of the peak that forward and backward reach (model FLOPs utilisation).
+DEFAULT_MFU = 0.40
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One accelerator of the cluster, as the plan's time model sees it.
+
+    Attributes:
+        name: What the plan prints.
+        peak_tflops: Dense bfloat16 peak, TFLOP/s.
+        ns_tflops: The rate Newton-Schulz's batched products run at, TFLOP/s.
+        network_gbps: Bytes per second one accelerator sends between nodes, GB/s.
+        memory_gib: Accelerator memory, GiB.
+        mfu: Share of the peak that forward and backward reach.
+    """
+
+    name: str
+    peak_tflops: float
+    ns_tflops: float
+    network_gbps: float
+    memory_gib: float
+    mfu: float = DEFAULT_MFU
+
+    def describe(self) -> str:
+        """One line with every number of the time model."""
+        return (
+            f"{self.name}: Newton-Schulz at {self.ns_tflops:g} TFLOP/s, forward+backward at "
+            f"{self.mfu:.0%} of {self.peak_tflops:g} TFLOP/s, {self.network_gbps:g} GB/s "
+            f"between nodes per accelerator, {self.memory_gib:g} GiB of memory"
+        )
+
+
+HARDWARE: dict[str, Hardware] = {
+    "h100": Hardware("h100", 989.0, 600.0, 50.0, 80.0),
+    "h200": Hardware("h200", 989.0, 600.0, 50.0, 141.0),
+    "b200": Hardware("b200", 2250.0, round(2250.0 * NS_EFFICIENCY), 100.0, 180.0),
+}
+"""The presets of ``--hardware``: H100 and H200 (SXM, 989 TFLOP/s dense bfloat16,
+Newton-Schulz at 600, 400 Gb/s per GPU between nodes, 80 and 141 GiB), B200 (2,250
+TFLOP/s, Newton-Schulz at the same share of the peak, 800 Gb/s, 180 GiB)."""
+
+_CUSTOM = re.compile(r"^\s*(?P<tflops>\d+(\.\d+)?)\s*,\s*(?P<gbps>\d+(\.\d+)?)\s*$")
+
+
+def parse_hardware(text: str) -> Hardware:
+    """``h100``, ``h200``, ``b200``, or ``TFLOPS,GBPS`` (peak and network of another
+    accelerator; Newton-Schulz is then taken at `NS_EFFICIENCY` of the peak, with H100's
+    80 GiB of memory).
+
+    Raises:
+        ValueError: Neither a preset nor two positive numbers.
+    """
+    key = text.strip().lower()
+    if key in HARDWARE:
+        return HARDWARE[key]
+    match = _CUSTOM.match(key)
+    if match is None or float(match["tflops"]) <= 0 or float(match["gbps"]) <= 0:
+        raise ValueError(
+            f"hardware {text!r} is neither one of {sorted(HARDWARE)} nor TFLOPS,GBPS (the dense "
+            "bfloat16 peak in TFLOP/s and the network in GB/s per accelerator, such as 989,50)"
+        )
+    peak = float(match["tflops"])
+    return Hardware(
+        f"{peak:g} TFLOP/s", peak, round(peak * NS_EFFICIENCY, 1), float(match["gbps"]), 80.0
+    )
+
+
+_TOKENS = re.compile(r"^\s*(?P<number>\d+(\.\d+)?)\s*(?P<unit>[kKmMgGbB]?)\s*$")
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9}
+
+
+def parse_tokens(text: str) -> int:
+    """A token count such as ``4M`` (4,000,000), ``512k`` or ``1048576``.
+
+    Raises:
+        ValueError: Not a positive count.
+    """
+    match = _TOKENS.match(str(text))
+    value = float(match["number"]) * _UNITS[match["unit"].lower()] if match else 0
+    if value < 1:
+        raise ValueError(
+            f"tokens per step {text!r} is not a positive count such as 4M, 512k or 1048576"
+        )
+    return int(value)

@@ -1,0 +1,211 @@
+"""`dmuon.plan` (`python -m dmuon.plan`): the cluster planner against formulas and its own
+contract. Its predictions against measurement (the comm audit and ``FlopCounterMode`` on
+gloo) are in test_hsdp.py.
+
+Oracles: the shapes of a Llama layer written out from its config (elements, Newton-Schulz
+multiply-adds ``2 m² n + m³``), the time model's formula, and the scale criteria of the
+scaling page (Newton-Schulz overhead at most 2% of forward+backward, 70B's workspace at most
+4 GiB at shard groups of 8).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+from dmuon.plan import (
+    active_parameters,
+    load_config,
+    meta_model,
+    parse_hardware,
+    parse_tokens,
+    plan_cluster,
+)
+from dmuon.plan.__main__ import main
+
+MODELS = Path(__file__).parents[2] / "benchmarks" / "models"
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 100,
+    "tie_word_embeddings": False,
+}
+
+
+def _tiny_matrices() -> list[tuple[int, int]]:
+    """The dedicated matrices of `TINY`, written out: per layer q, k, v, o, gate, up, down."""
+    d, i, hd = 64, 96, 64 // 4
+    layer = [(4 * hd, d), (2 * hd, d), (2 * hd, d), (d, 4 * hd), (i, d), (i, d), (d, i)]
+    return layer * 3
+
+
+def _iteration(rows: int, cols: int) -> int:
+    m, n = sorted((rows, cols))
+    return 2 * m * m * n + m**3
+
+
+@pytest.fixture
+def tiny_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    return tmp_path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    assert main(list(argv)) == 0
+    return capsys.readouterr().out
+
+
+def test_help_names_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for flag in (
+        "--model",
+        "--world",
+        "--shard-size",
+        "--tokens-per-step",
+        "--mode",
+        "--accum",
+        "--no-sync",
+        "--hardware",
+        "--json",
+    ):
+        assert flag in text
+
+
+def test_json_totals_follow_the_config(tiny_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = _run(capsys, "--model", str(tiny_dir), "--world", "8", "--shard-size", "4", "--json")
+    plan = json.loads(out)
+    matrices = _tiny_matrices()
+    p_m = sum(r * c for r, c in matrices)
+    assert (plan["world"], plan["shard_size"], plan["replicas"]) == (8, 4, 2)
+    assert plan["dedicated_elements"] == p_m and plan["matrices"] == len(matrices)
+    ranks = plan["ranks"]
+    assert len(ranks) == 8
+    # Each matrix is stepped on one rank of the whole mesh, and mastered once per replica.
+    assert sum(r["momentum_bytes"] for r in ranks) == 4 * p_m
+    assert sum(r["master_bytes"] for r in ranks if r["replica"] == 0) == 4 * p_m
+    assert sum(r["ns_flops"] for r in ranks) == 2 * 5 * sum(_iteration(*s) for s in matrices)
+    # The time model: 6 x parameters x tokens at 40% of 989 TFLOP/s, per rank.
+    parameters = p_m + 2 * 100 * 64 + 3 * 2 * 64 + 64  # + embed, head, norms
+    assert plan["parameters"] == parameters
+    expected = 6 * parameters * 4_000_000 / (0.4 * 989e12 * 8)
+    assert plan["forward_backward_seconds"] == pytest.approx(expected)
+    busiest = max(r["ns_flops"] for r in ranks)
+    assert plan["ns_overhead"] == pytest.approx(busiest / 600e12 / expected)
+
+
+def test_text_output_states_every_assumption(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = _run(
+        capsys,
+        "--model",
+        str(tiny_dir),
+        "--world",
+        "4",
+        "--hardware",
+        "b200",
+        "--tokens-per-step",
+        "512k",
+    )
+    assert "a 1-D mesh of 4 ranks" in out
+    assert "Newton-Schulz at 1365 TFLOP/s" in out and "40% of 2250 TFLOP/s" in out
+    assert "512,000 tokens per step" in out
+    assert "FSDP2" in out and "float32 masters" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--world", "6", "--shard-size", "4"], "must divide the world size 6"),
+        (["--world", "4", "--hardware", "tpu"], "neither one of ['b200', 'h100', 'h200']"),
+        (["--world", "4", "--tokens-per-step", "lots"], "not a positive count"),
+    ],
+)
+def test_bad_input_says_what_to_pass(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model", str(tiny_dir), *argv])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_folder_without_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"config\.json"):
+        load_config(tmp_path)
+
+
+def test_parsers() -> None:
+    assert parse_tokens("4M") == 4_000_000 and parse_tokens("512k") == 512_000
+    assert parse_tokens("1048576") == 1_048_576
+    custom = parse_hardware("1000,25")
+    assert (custom.peak_tflops, custom.network_gbps) == (1000.0, 25.0)
+    assert custom.ns_tflops == pytest.approx(1000 * 600 / 989, abs=0.1)
+
+
+@functools.cache
+def _model(name: str) -> tuple[nn.Module, int]:
+    config = load_config(MODELS / f"{name}.json")
+    model = meta_model(config)
+    return model, active_parameters(model, config)
+
+
+def _total_iteration_cost(model: nn.Module) -> int:
+    """Multiply-adds of one iteration over every matrix Muon trains, from the parameters:
+    the layers' 2-D projections (not the router) and every expert of the 3-D stacks."""
+    total = 0
+    for name, p in model.named_parameters():
+        if ".layers." not in name or name.endswith("mlp.gate.weight") or p.ndim < 2:
+            continue
+        count = p.shape[0] if p.ndim == 3 else 1
+        total += count * _iteration(p.shape[-2], p.shape[-1])
+    return total
+
+
+#: Every layout of the scaling page: 1-D meshes and HSDP with shard groups of 8 and 64.
+LAYOUTS = (
+    [(world, world) for world in (8, 64, 1024)]
+    + [(world, 8) for world in (64, 128, 1024)]
+    + [(world, 64) for world in (128, 1024)]
+)
+
+
+@pytest.mark.parametrize("name", ["llama-3-8b", "llama-3-70b", "qwen3-30b-a3b"])
+def test_newton_schulz_stays_within_two_percent_at_every_scale(name: str) -> None:
+    model, active = _model(name)
+    for world, shard in LAYOUTS:
+        plan = plan_cluster(model, world, shard, active_parameters=active)
+        assert plan.ns_overhead <= 0.02, (name, world, shard, plan.ns_overhead)
+        # Every matrix is iterated once in the whole world, whatever the replicas.
+        assert (
+            sum(r.ns_flops for r in plan.ranks)
+            == plan.ranks[0].ns_flops * 0 + sum(plan.owner_plan.loads) * 2 * 5
+        )
+
+
+def test_llama_70b_workspace_at_shard_groups_of_8_fits_in_4_gib() -> None:
+    model, active = _model("llama-3-70b")
+    for world in (64, 1024):
+        plan = plan_cluster(model, world, 8, active_parameters=active)
+        assert max(r.workspace_bytes for r in plan.ranks) <= 4 * 1024**3
+
+
+def test_no_sync_accumulation_that_cannot_fit_is_warned_with_what_to_do() -> None:
+    model, active = _model("llama-3-70b")
+    plan = plan_cluster(model, 64, 8, accum=8, no_sync=True, active_parameters=active)
+    accumulator = plan.ranks[0].accumulator_bytes
+    assert accumulator == 4 * plan.dedicated_elements > 250 * 1024**3
+    assert any("accumulate without dmuon.no_sync" in w for w in plan.warnings)
+    quiet = plan_cluster(model, 64, 8, accum=8, no_sync=False, active_parameters=active)
+    assert not any("no_sync" in w for w in quiet.warnings)

@@ -1,0 +1,77 @@
+"""The Scaling page (EN + ZH): its tables are the planner's, and its typed figures are the
+code's.
+
+Oracles: `dmuon.plan.plan_cluster` run here on the same configs (the tables are rendered
+when the site is built, so a stale or edited cell fails), `dmuon.optim.workspace_nbytes`,
+and the cost formulas (old ``m² n`` against ``2 m² n + m³``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from docs_md import DOCS, ZH, built_page, html_tables
+
+from dmuon.optim import workspace_nbytes
+from dmuon.plan import active_parameters, load_config, meta_model, plan_cluster
+
+MODELS = Path(__file__).parents[2] / "benchmarks" / "models"
+NAMES = sorted(p.stem for p in MODELS.glob("*.json"))
+PAGES = {"en": DOCS / "scaling.md", "zh": ZH / "scaling.md"}
+GIB = 1024**3
+
+
+@functools.cache
+def _model(name: str) -> tuple[torch.nn.Module, int]:
+    config = load_config(MODELS / f"{name}.json")
+    model = meta_model(config)
+    return model, active_parameters(model, config)
+
+
+def test_three_models_are_planned_and_each_has_its_table_in_both_languages() -> None:
+    assert NAMES == ["llama-3-70b", "llama-3-8b", "qwen3-30b-a3b"]
+    for path in PAGES.values():
+        text = path.read_text(encoding="utf-8")
+        for name in NAMES:
+            assert f"<!-- generated: scaling-{name} -->" in text
+        assert json.loads((MODELS / "llama-3-8b.json").read_text())["hidden_size"] == 4096
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_rendered_rows_are_the_planners(site: Path, lang: str) -> None:
+    """Every row of the built tables against a plan made here: the Newton-Schulz overhead
+    (once per world, at most 2% everywhere) and the calls."""
+    tables = [t for t in html_tables(built_page(site, "scaling.md", lang)) if len(t[0]) == 10]
+    assert len(tables) == len(NAMES)
+    order = ["llama-3-8b", "llama-3-70b", "qwen3-30b-a3b"]  # the page's order
+    for name, table in zip(order, tables, strict=True):
+        model, active = _model(name)
+        rows = table[1:]
+        assert len(rows) == 9
+        for row in rows:
+            world = int(row[0].replace(",", ""))
+            shard = int(row[1].split()[-1]) if "HSDP" in row[1] else world
+            plan = plan_cluster(model, world, shard, active_parameters=active)
+            assert row[3] == f"{plan.ns_overhead:.2%}", (name, row)
+            assert plan.ns_overhead <= 0.02
+            assert row[8] == f"{plan.calls:,} / {plan.fsdp2_calls:,}"
+
+
+def test_typed_figures_come_from_the_code() -> None:
+    en = " ".join(PAGES["en"].read_text(encoding="utf-8").split())
+    zh = " ".join(PAGES["zh"].read_text(encoding="utf-8").split())
+    model, active = _model("llama-3-70b")
+    plan = plan_cluster(model, 64, 8, accum=8, no_sync=True, active_parameters=active)
+    accumulator = round(plan.ranks[0].accumulator_bytes / GIB)
+    assert f"about {accumulator} GiB" in en and f"约 {accumulator} GiB" in zh
+    one = workspace_nbytes(
+        1, 28672, 8192, torch.bfloat16, torch.device("cuda"), out_dtype=torch.float32
+    )
+    assert f"{one / GIB:.1f} GiB for Llama-3-70B" in en and f"{one / GIB:.1f} GiB" in zh
+    # Square matrices against the MLP's (m/n = 4096/14336 = 8192/28672): new/old weights.
+    lighter = 3 / (2 + 4096 / 14336)
+    assert f"{lighter:.2f}x too light" in en and f"{lighter:.2f} 倍" in zh
