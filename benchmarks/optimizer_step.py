@@ -11,7 +11,9 @@ are compared within this run. Reported per shape bucket and for the whole model,
   the Gram iteration in bfloat16);
 * dmuon in float32 with and without the Gram iteration (what the Gram iteration gains);
 * dmuon at its defaults with the block-symmetric products off (``dmuon-unblocked``: what
-  computing ``X Xᵀ`` and ``A·A`` by blocks gains on a CPU).
+  computing ``X Xᵀ`` and ``A·A`` by blocks gains on a CPU);
+* dmuon at its defaults with a workspace cap of a quarter of what the defaults hold
+  (``dmuon-chunked``: what running the buckets in chunks costs).
 
 ``--runs N`` repeats the whole measurement N times (each one interleaved) and records every
 run's whole-model speedup with its minimum, median and maximum: the spread, not only a
@@ -58,8 +60,13 @@ CONTENDERS: dict[str, dict[str, Any]] = {
     "dmuon-fp32": {"ns_dtype": torch.float32, "ns_gram": True},
     "dmuon-fp32-nogram": {"ns_dtype": torch.float32, "ns_gram": False},
     "dmuon-unblocked": {},
+    "dmuon-chunked": {},
 }
 """dmuon.Muon settings timed against torch.optim.Muon + AdamW at their defaults."""
+
+CHUNKED = {"dmuon-chunked"}
+"""Contenders whose ``max_workspace_bytes`` is a quarter of the defaults' workspace on the
+same model, so every bucket of more than a few matrices runs in chunks."""
 
 UNBLOCKED = {"dmuon-unblocked"}
 """Contenders run with the block-symmetric products off (`CPU_SYMMETRIC_BLOCKS`): the
@@ -110,8 +117,11 @@ def _make_step(name: str, spec: dict[str, Any], device: torch.device) -> Callabl
                 adamw.step()
 
         return step
+    settings = dict(CONTENDERS[name])
+    if name in CHUNKED:
+        settings["max_workspace_bytes"] = max(1, _default_workspace(spec, device) // 4)
     dmuon.dedicate_params(model)
-    optimizer = dmuon.Muon(model, **CONTENDERS[name])
+    optimizer = dmuon.Muon(model, **settings)
     loss_fn(model).backward()
     if name not in UNBLOCKED:
         return optimizer.step
@@ -125,6 +135,16 @@ def _make_step(name: str, spec: dict[str, Any], device: torch.device) -> Callabl
             orthogonalize.CPU_SYMMETRIC_BLOCKS = True
 
     return unblocked_step
+
+
+def _default_workspace(spec: dict[str, Any], device: torch.device) -> int:
+    """Bytes of the Newton-Schulz workspace ``dmuon.Muon`` holds at its defaults here."""
+    model, loss_fn = _model_and_loss(spec, device)
+    dmuon.dedicate_params(model)
+    optimizer = dmuon.Muon(model)
+    loss_fn(model).backward()
+    optimizer.step()
+    return optimizer.workspace_bytes()
 
 
 def _muon_targets(spec: dict[str, Any], device: torch.device) -> list[tuple[str, tuple[int, ...]]]:

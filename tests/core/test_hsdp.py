@@ -201,6 +201,46 @@ def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float
     }
 
 
+def _reduce_inputs_alive_in_backward(world: int) -> dict[str, Any]:
+    """A 6-layer model on the 2x2 mesh: how many boundaries still hold their reduce input
+    when the gradient of layer 0's input arrives (the end of the layers' backward), and the
+    trained result against one process."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    from dmuon._ownership.state import get_dedication
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    scenario = Scenario("six layers", model_kwargs={"n_layers": 6})
+    model = make_model(scenario)
+    dmuon.dedicate_params(model, mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    alive: list[int] = []
+
+    def count(grad: torch.Tensor) -> torch.Tensor:
+        boundaries = get_dedication(model).runtime.boundaries
+        alive.append(sum(any(b._reduce_flat is not None for b in x.buffers) for x in boundaries))
+        return grad
+
+    def watch(_module: Any, args: tuple[Any, ...]) -> None:
+        if args[0].requires_grad:
+            args[0].register_hook(count)
+
+    model.layers[0].register_forward_pre_hook(watch)
+    tokens = global_batch(0, world, 1).chunk(world)[dist_rank()]
+    _loss(model, tokens).backward()
+    return {"alive": alive, "boundaries": len(model.layers)}
+
+
+def dist_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
 def _mesh_errors(world: int) -> dict[str, str]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -231,6 +271,7 @@ def _worker(rank: int, world: int, scenarios: list[Scenario], root: str) -> dict
     if world == WORLD:
         steps.append(("__checkpoint__", lambda: _checkpoint_round_trips(rank, world, root)))
         steps.append(("__errors__", lambda: _mesh_errors(world)))
+        steps.append(("__reduce_window__", lambda: _reduce_inputs_alive_in_backward(world)))
     return run_in_order(steps)
 
 
@@ -430,3 +471,16 @@ def test_the_cluster_plan_predicts_the_audit_and_the_flops(spawned, name: str) -
                 assert tallies(step["collectives"]) == shard_dim, rank
                 measured = step.get("dimensions", {}).get("replicate", {}).get("collectives", {})
                 assert tallies(measured) == replicate_dim, rank
+
+
+def test_backward_keeps_a_bounded_window_of_reduce_inputs(spawned) -> None:
+    """Reduce inputs (float32, a boundary's gradients) are waited on and released during
+    backward: at most REDUCES_IN_FLIGHT + 2 of the 6 boundaries hold one at the end of the
+    layers' backward (those in flight, the one issued last, and the one whose reduce-scatter
+    between replicas is in flight), where all 6 used to."""
+    from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
+
+    for rank, result in enumerate(_per_rank(spawned, "__reduce_window__")):
+        assert result["boundaries"] == 6
+        assert result["alive"], f"rank {rank}: the hook did not run"
+        assert 1 <= max(result["alive"]) <= REDUCES_IN_FLIGHT + 2 < 6, (rank, result["alive"])

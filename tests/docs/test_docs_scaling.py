@@ -75,3 +75,16 @@ def test_typed_figures_come_from_the_code() -> None:
     # Square matrices against the MLP's (m/n = 4096/14336 = 8192/28672): new/old weights.
     lighter = 3 / (2 + 4096 / 14336)
     assert f"{lighter:.2f}x too light" in en and f"{lighter:.2f} 倍" in zh
+
+
+def test_the_reduce_window_on_the_z2_z3_page_is_the_runtimes() -> None:
+    from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
+
+    words = {4: ("four", "四")}
+    en_word, zh_word = words[REDUCES_IN_FLIGHT + 2]
+    en = " ".join((DOCS / "z2-vs-z3.md").read_text(encoding="utf-8").split())
+    zh = (ZH / "z2-vs-z3.md").read_text(encoding="utf-8")
+    for text in (en, zh):
+        assert f"`REDUCES_IN_FLIGHT = {REDUCES_IN_FLIGHT}`" in text
+    assert f"at most {en_word} hook boundaries' worth" in en
+    assert f"至多保留{zh_word}个钩子边界" in zh

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from enum import Enum
@@ -59,6 +60,12 @@ from dmuon._ownership.flat_buffer import FlatBuffer
 from dmuon._ownership.fsdp_integration import is_fsdp_module
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.replica_updates import ReplicaUpdates
+
+#: Hook boundaries whose gradient reduces may be in flight behind the one issued last.
+#: Older ones are waited on during backward and their float32 reduce inputs released, so a
+#: rank holds at most this many plus two boundaries' gradients at once (these, the one
+#: issued last, and one whose cross-replica reduce-scatter is in flight), not the model's.
+REDUCES_IN_FLIGHT = 2
 
 
 def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -217,6 +224,10 @@ class DedicationRuntime:
         self.param_dtype = param_dtype
         self.sync_grads = True
         self._callback_queued = False
+        #: Boundaries whose reduces were issued in this backward, oldest first; then those
+        #: whose cross-replica reduce-scatter was (see `REDUCES_IN_FLIGHT`).
+        self._reducing: deque[Boundary] = deque()
+        self._averaging: deque[Boundary] = deque()
         self._late_grads: list[str] = []
         self._checked_param_dtype = param_dtype is None
         self._root = model
@@ -426,12 +437,35 @@ class DedicationRuntime:
                 buffer.accumulate_locally()
             if self.reshard_after_forward:
                 buffer.free()
+        if self.sync_grads:
+            self._reducing.append(boundary)
+            self._bound_reduces_in_flight()
+
+    def _bound_reduces_in_flight(self) -> None:
+        """Finish the oldest boundaries' reduces while more than `REDUCES_IN_FLIGHT` follow
+        them, so their float32 reduce inputs are released during backward."""
+        while len(self._reducing) > REDUCES_IN_FLIGHT + 1:
+            oldest = self._reducing.popleft()
+            for buffer in oldest.buffers:
+                buffer.finish_reduce()
+            self._averaging.append(oldest)
+        while len(self._averaging) > 1:
+            for buffer in self._averaging.popleft().buffers:
+                buffer.finish_replica_reduce()
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         for boundary in self.boundaries:
             if boundary.awaits_backward:
                 self._post_backward(boundary)
+        # What is still in flight, oldest first, then every buffer (in model order) that a
+        # reduce of this backward left waiting.
+        for buffer in (b for boundary in self._averaging for b in boundary.buffers):
+            buffer.finish_replica_reduce()
+        for buffer in (b for boundary in self._reducing for b in boundary.buffers):
+            buffer.finish_reduce()
+        self._reducing.clear()
+        self._averaging.clear()
         for boundary in self.boundaries:
             boundary.state = BoundaryState.IDLE
             for buffer in boundary.buffers:

@@ -13,7 +13,9 @@ same code) and from the library's own rules:
   matrices, per step: what ``dmuon.comm_audit`` counts;
 - **memory**: float32 masters of the matrices a shard position owns, momentum of those the
   rank steps, the Newton-Schulz workspace (`dmuon.optim.workspace_nbytes`, within the
-  optimizer's cap), the packed buffers, the ``no_sync`` accumulator and the reduce buffers.
+  optimizer's cap), the packed buffers, the ``no_sync`` accumulator and the reduce buffers
+  (float32, of the ``REDUCES_IN_FLIGHT + 2`` boundaries whose reduces backward keeps in
+  flight).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 from torch import nn
 
 from dmuon._ownership.planner import OwnerPlan, SplitStacks
+from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.selection import plan_dedication
 from dmuon.optim._orthogonalize import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
 from dmuon.plan._hardware import Hardware, parse_hardware
@@ -332,6 +335,11 @@ def plan_cluster(
         pairs = [a + b for a, b in itertools.pairwise(boundary_elements)]
         buffer_bytes = max(pairs or boundary_elements or [0]) * param_bytes
     accumulator = p_m * FLOAT32 if no_sync and accum > 1 else 0
+    window = REDUCES_IN_FLIGHT + 2  # boundaries whose float32 reduce inputs are alive
+    reduce_window = max(
+        (sum(boundary_elements[i : i + window]) for i in range(len(boundary_elements))),
+        default=0,
+    )
     device = torch.device(device_type)
     parameters = sum(p.numel() for p in model.parameters())
     active = parameters if active_parameters is None else active_parameters
@@ -372,7 +380,7 @@ def plan_cluster(
                 workspace_bytes=_workspace(items_of[rank], ns_dtype, device, max_workspace_bytes),
                 buffer_bytes=buffer_bytes,
                 accumulator_bytes=accumulator,
-                reduce_buffer_bytes=p_m * FLOAT32,
+                reduce_buffer_bytes=reduce_window * FLOAT32,
                 shard_collectives=shard_tallies,
                 replicate_collectives=replicate_tallies,
             )
