@@ -25,6 +25,7 @@ from dmuon.optim._orthogonalize import (
     default_ns_dtype,
     resolve_coefficients,
 )
+from dmuon.optim._validation import group_defaults
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -82,13 +83,13 @@ class NaiveMuon(Muon):
             )
         self.audit = CommAudit(sum(p.numel() for p in muon))
         defaults = inspect.signature(Muon.__init__).parameters
-        self._set_group_defaults(
-            **{
-                name: hyperparameters.pop(name, parameter.default)
-                for name, parameter in defaults.items()
-                if parameter.kind is inspect.Parameter.KEYWORD_ONLY
-            }
-        )
+        values = {
+            name: hyperparameters.pop(name, parameter.default)
+            for name, parameter in defaults.items()
+            if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        }
+        wanted = inspect.signature(group_defaults).parameters
+        self._group_defaults = group_defaults(**{k: v for k, v in values.items() if k in wanted})
         hyperparameters.pop("param_groups", None)
         if hyperparameters:
             raise TypeError(f"NaiveMuon got unexpected arguments {sorted(hyperparameters)}")

@@ -655,7 +655,8 @@ def _buffer_bytes(ws: object) -> int:
 
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
 def test_workspaces_share_one_block_sized_for_the_largest_bucket(ns_dtype: torch.dtype) -> None:
-    from dmuon.optim._orthogonalize import Arena, NewtonSchulzWorkspace
+    from dmuon.optim._blocks import Arena
+    from dmuon.optim._orthogonalize import NewtonSchulzWorkspace
 
     model = make_model()
     dedicate_by_hand(model)

@@ -270,6 +270,18 @@ class CollectiveError(RuntimeError):
     """A DMuon collective failed or timed out; the message names the collective."""
 
 
+def separate_group(group: dist.ProcessGroup, other: dist.ProcessGroup) -> dist.ProcessGroup:
+    """``group``, or a new process group over its ranks when it shares ranks with ``other``.
+
+    Only ``group``'s members call this (``use_local_synchronization``), all at the same
+    point of their schedule.
+    """
+    ranks = dist.get_process_group_ranks(group)
+    if not set(ranks) & set(dist.get_process_group_ranks(other)):
+        return group
+    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+
+
 class Communicator:
     """Collectives over one process group (and its replicate group under HSDP), audited.
 
@@ -304,8 +316,6 @@ class Communicator:
         """Issue collectives on process groups of their own where this communicator's share
         ranks with ``other`` (the group of a DDP wrapper), so that neither schedule can
         interleave with the other. Every rank calls it at the same point."""
-        from dmuon._ownership.ddp_integration import separate_group
-
         if self.group is not None:
             self.group = separate_group(self.group, other)
         if self.replicate_group is not None:

@@ -13,12 +13,11 @@ gradients are ready when; DMuon issues its broadcasts and reduces from its bound
 On one process group the two sequences could interleave differently on different ranks
 (a model whose graph depends on the data), which gloo and NCCL cannot match. So, the first
 time a forward runs inside DDP, the ownership runtime moves DMuon's collectives to a
-process group of its own over the same ranks (`separate_group`).
+process group of its own over the same ranks (`dmuon._comm.separate_group`).
 """
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -36,15 +35,3 @@ def active_ddp(model: nn.Module) -> DistributedDataParallel | None:
     """The DDP wrapper whose forward is running ``model`` right now, if any."""
     ddp = DistributedDataParallel._get_active_ddp_module()
     return ddp if ddp is not None and ddp.module is model else None
-
-
-def separate_group(group: dist.ProcessGroup, other: dist.ProcessGroup) -> dist.ProcessGroup:
-    """``group``, or a new process group over its ranks when it shares ranks with ``other``.
-
-    Only ``group``'s members call this (``use_local_synchronization``), all at the same
-    point of their schedule.
-    """
-    ranks = dist.get_process_group_ranks(group)
-    if not set(ranks) & set(dist.get_process_group_ranks(other)):
-        return group
-    return dist.new_group(ranks=ranks, use_local_synchronization=True)

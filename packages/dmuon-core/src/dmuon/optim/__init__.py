@@ -11,10 +11,10 @@ from dmuon.optim._muon import (
     NonFiniteGradientError,
     adjust_lr_ratio,
 )
+from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
 from dmuon.optim._normuon import NORMUON_EPS, VARIANTS
 from dmuon.optim._orthogonalize import (
     COEFFICIENT_SETS,
-    DEFAULT_MAX_WORKSPACE_BYTES,
     GRAM_MIN_ASPECT,
     KELLER_COEFFICIENTS,
     POLAR_EXPRESS_COEFFICIENTS,
@@ -28,7 +28,6 @@ from dmuon.optim._orthogonalize import (
     newton_schulz,
     resolve_coefficients,
     uses_gram,
-    workspace_nbytes,
 )
 from dmuon.optim._split import resolve_split
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -96,3 +97,37 @@ def normalize_rows_(
     )
     normed.mul_(scale)
     return normed if normed.dtype == ortho.dtype else ortho.copy_(normed)
+
+
+def check_normuon_layouts(group: dict[str, Any], dedicated: dict[int, DedicatedParam]) -> None:
+    """Raise if a NorMuon group holds a matrix split by tensor parallelism."""
+    split = [
+        dedicated[id(p)].fqn
+        for p in group["params"]
+        if id(p) in dedicated and dedicated[id(p)].tp_sharded
+    ]
+    if split:
+        raise ValueError(
+            f"variant='normuon' does not support matrices split by tensor parallelism "
+            f"yet ({split[:3]}); use variant='muon' for them (a param group of their own "
+            "may set it), or leave them out of the tensor-parallel plan"
+        )
+
+
+def check_checkpoint_variants(
+    groups: list[dict[str, Any]], saved_groups: list[dict[str, Any]]
+) -> None:
+    """Raise if a Muon group's variant differs from the checkpoint's (a checkpoint group
+    without ``variant`` is Muon's)."""
+    for index, (ours, saved) in enumerate(zip(groups, saved_groups, strict=False)):
+        if ours.get("algorithm") != "muon" or saved.get("algorithm") != "muon":
+            continue
+        mine, theirs = ours["variant"], saved.get("variant", "muon")
+        if mine != theirs:
+            raise ValueError(
+                f"param group {index} ({ours.get('name')!r}) is variant {mine!r}, the "
+                f"checkpoint's is {theirs!r}; nothing was loaded. Create the optimizer "
+                f"with variant={theirs!r} to resume, or load with "
+                "dmuon.set_optimizer_state_dict(..., options=StateDictOptions("
+                f"strict=False)) to continue as {mine!r} from the checkpoint's momenta"
+            )

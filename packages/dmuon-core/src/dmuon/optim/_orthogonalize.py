@@ -1,4 +1,4 @@
-"""Newton-Schulz orthogonalization: coefficient sets and the quintic iteration.
+"""Newton-Schulz orthogonalization: the quintic iteration and its workspaces.
 
 Muon replaces a gradient (momentum) matrix ``G = U S Vᵀ`` by an approximation of its
 orthogonal polar factor ``U Vᵀ``. The approximation is a fixed number of quintic
@@ -10,27 +10,32 @@ B = b·A + c·A·A
 X ← a·X + B·X
 ```
 
-Two coefficient sets are built in:
-
-* ``"keller"``: Keller Jordan's triple ``(3.4445, -4.7750, 2.0315)`` every step, the default
-  of ``torch.optim.Muon``. It is tuned for speed, not accuracy: the singular values of the
-  result land roughly in ``(0.5, 1.5)`` instead of exactly 1.
-* ``"polar_express"`` (the default here): the five per-step triples of Polar Express
-  (Amsel, Persson, Musco, Gower; arXiv 2505.16932) with the safety factor ``s = 1.05``
-  applied as ``(a/s, b/s³, c/s⁵)``. After five steps the singular values are much closer
-  to 1. Steps after the fifth repeat the last triple.
+with the coefficients of `dmuon.optim._coefficients` (``"keller"``, or ``"polar_express"``
+by default).
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
+
+from dmuon.optim._blocks import Allocate, SymmetricProduct
+from dmuon.optim._coefficients import (
+    COEFFICIENT_SETS,
+    KELLER_COEFFICIENTS,
+    POLAR_EXPRESS_COEFFICIENTS,
+    POLAR_EXPRESS_PUBLISHED_COEFFICIENTS,
+    POLAR_EXPRESS_SAFETY_FACTOR,
+    Coefficients,
+    CoefficientTriple,
+    _is_real,
+    resolve_coefficients,
+)
 
 __all__ = [
     "COEFFICIENT_SETS",
@@ -49,110 +54,6 @@ __all__ = [
     "resolve_coefficients",
     "uses_gram",
 ]
-
-CoefficientTriple = tuple[float, float, float]
-"""One quintic step ``(a, b, c)``: ``X ← a·X + (b·A + c·A·A)·X`` with ``A = X Xᵀ``."""
-
-Coefficients = str | Sequence[float] | Sequence[Sequence[float]]
-"""What ``coefficients`` accepts: a set name, one triple, or a per-step list of triples."""
-
-KELLER_COEFFICIENTS: CoefficientTriple = (3.4445, -4.7750, 2.0315)
-"""Keller Jordan's triple, used at every step (``torch.optim.Muon``'s default)."""
-
-POLAR_EXPRESS_PUBLISHED_COEFFICIENTS: tuple[CoefficientTriple, ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-)
-"""The five Polar Express triples as published (arXiv 2505.16932), before the safety factor."""
-
-POLAR_EXPRESS_SAFETY_FACTOR: float = 1.05
-"""Safety factor ``s``: each published triple is used as ``(a/s, b/s³, c/s⁵)``."""
-
-POLAR_EXPRESS_COEFFICIENTS: tuple[CoefficientTriple, ...] = tuple(
-    (
-        a / POLAR_EXPRESS_SAFETY_FACTOR,
-        b / POLAR_EXPRESS_SAFETY_FACTOR**3,
-        c / POLAR_EXPRESS_SAFETY_FACTOR**5,
-    )
-    for a, b, c in POLAR_EXPRESS_PUBLISHED_COEFFICIENTS
-)
-"""The Polar Express triples actually used (safety factor applied); later steps repeat the last."""
-
-COEFFICIENT_SETS: dict[str, tuple[CoefficientTriple, ...]] = {
-    "keller": (KELLER_COEFFICIENTS,),
-    "polar_express": POLAR_EXPRESS_COEFFICIENTS,
-}
-"""Named coefficient sets, as per-step tuples (the last triple repeats for later steps)."""
-
-
-def _is_real(x: object) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
-def _check_steps(steps: object) -> int:
-    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
-        raise ValueError(f"steps must be an integer >= 1 (5 is the usual choice), got {steps!r}")
-    return int(steps)
-
-
-def _as_triple(value: object, where: str) -> CoefficientTriple:
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != 3:
-        raise ValueError(
-            f"{where} must be a triple (a, b, c) of finite real numbers, got {value!r}; "
-            'pass e.g. (3.4445, -4.7750, 2.0315), or a name: "keller" or "polar_express"'
-        )
-    if not all(_is_real(v) and math.isfinite(float(v)) for v in value):
-        raise ValueError(f"{where} must contain three finite real numbers (a, b, c), got {value!r}")
-    a, b, c = (float(v) for v in value)
-    return (a, b, c)
-
-
-def resolve_coefficients(coefficients: Coefficients, steps: int) -> list[CoefficientTriple]:
-    """Return the exact list of ``steps`` triples ``(a, b, c)`` the iteration will use.
-
-    Args:
-        coefficients: ``"keller"``, ``"polar_express"``, a single triple ``(a, b, c)`` used at
-            every step, or a per-step sequence of triples.
-        steps: number of Newton-Schulz steps (>= 1).
-
-    Returns:
-        A list of length ``steps``. A per-step sequence shorter than ``steps`` repeats its
-        last triple; a longer one is cut after ``steps`` triples.
-
-    Raises:
-        ValueError: ``steps < 1``, an unknown name, or a malformed triple.
-    """
-    steps = _check_steps(steps)
-    if isinstance(coefficients, str):
-        try:
-            per_step: Sequence[Sequence[float]] = COEFFICIENT_SETS[coefficients]
-        except KeyError:
-            raise ValueError(
-                f"unknown Newton-Schulz coefficient set {coefficients!r}; pass one of "
-                f"{sorted(COEFFICIENT_SETS)} or a sequence of (a, b, c) triples"
-            ) from None
-        triples = [_as_triple(t, "coefficient triple") for t in per_step]
-    elif isinstance(coefficients, Sequence) and not isinstance(coefficients, bytes):
-        if len(coefficients) == 0:
-            raise ValueError(
-                'coefficients is empty; pass a name ("keller" or "polar_express") or at '
-                "least one (a, b, c) triple"
-            )
-        if len(coefficients) == 3 and all(_is_real(v) for v in coefficients):
-            triples = [_as_triple(coefficients, "coefficients")]
-        else:
-            triples = [_as_triple(t, f"coefficients[{i}]") for i, t in enumerate(coefficients)]
-    else:
-        raise ValueError(
-            f'coefficients must be a name ("keller" or "polar_express"), a triple '
-            f"(a, b, c) or a sequence of triples, got {type(coefficients).__name__}"
-        )
-    if len(triples) >= steps:
-        return triples[:steps]
-    return triples + [triples[-1]] * (steps - len(triples))
 
 
 def cpu_has_native_bf16() -> bool:
@@ -256,103 +157,12 @@ def uses_gram(rows: int, cols: int, gram: bool = True, dtype: torch.dtype = torc
     return gram and precise and long >= GRAM_MIN_ASPECT * short
 
 
-Allocate = Callable[[tuple[int, ...], torch.dtype], Tensor]
-"""``allocate(shape, dtype)``: a new uninitialized tensor."""
-
-
-class Arena:
-    """One block of memory that the workspaces of an optimizer carve their buffers from.
-
-    The optimizer orthogonalizes its buckets of same-shape matrices one after the other,
-    and a bucket's buffers are read before the next bucket runs, so every bucket's
-    workspace may start at the same place: the block holds the largest workspace, not the
-    sum of all of them. `carver` hands out one workspace's buffers from the start of the
-    block, 64-byte aligned; `measure` gives the bytes a workspace will need.
-    """
-
-    ALIGN = 64
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self.block = torch.empty(0, dtype=torch.uint8, device=self.device)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the block holds."""
-        return self.block.numel()
-
-    def reserve(self, nbytes: int) -> bool:
-        """Make the block hold at least ``nbytes``; ``True`` when it had to grow (views
-        carved before then no longer share it)."""
-        if nbytes <= self.block.numel():
-            return False
-        self.block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return True
-
-    def carver(self, measure_only: bool = False) -> tuple[Allocate, Callable[[], int]]:
-        """``(allocate, used)``: buffers from the block's start on (meta tensors with
-        ``measure_only``), and the bytes handed out so far."""
-        offset = 0
-
-        def allocate(shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-            nonlocal offset
-            start = -(-offset // self.ALIGN) * self.ALIGN
-            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-            offset = start + nbytes
-            if measure_only:
-                return torch.empty(shape, dtype=dtype, device="meta")
-            return self.block[start : start + nbytes].view(dtype).view(shape)
-
-        return allocate, lambda: offset
-
-
 CPU_ONE_AT_A_TIME_MIN_SIDE: int = 512
 """Short side from which a CPU workspace iterates its matrices one at a time, not batched."""
 
 
 CPU_SYMMETRIC_BLOCKS: bool = True
 """Whether CPU matrices iterated one at a time compute their symmetric products by blocks."""
-
-
-class SymmetricProduct:
-    """``out = beta·add + alpha·rows·rowsᵀ`` for 2-D ``rows``, with a quarter less work.
-
-    The product is symmetric, so with ``rows`` split into two row blocks ``R₁, R₂`` only the
-    blocks ``R₁R₁ᵀ``, ``R₁R₂ᵀ`` and ``R₂R₂ᵀ`` are multiplied; the fourth is the transpose
-    of the second, copied. ``add`` must be symmetric (it is ``rows`` itself in the
-    Newton-Schulz step ``B = bA + cA·A``). The diagonal blocks are written into ``out`` in
-    place, which 2-D products do for any row stride; the off-diagonal one goes through
-    ``scratch`` (``R₁``'s rows x ``R₂``'s rows, contiguous) and its transpose through
-    ``scratch_t``, because torch copies a transpose fast only between contiguous tensors.
-    Every view is made once, here: a step makes none.
-    """
-
-    def __init__(
-        self,
-        out: Tensor,
-        rows: Tensor,
-        scratch: Tensor,
-        scratch_t: Tensor,
-        add: Tensor | None = None,
-    ) -> None:
-        h = rows.shape[0] // 2
-        top, bottom = rows[:h], rows[h:]
-        self._products = [
-            (top, top.mT, out[:h, :h], None if add is None else add[:h, :h]),
-            (top, bottom.mT, scratch, None if add is None else add[:h, h:]),
-            (bottom, bottom.mT, out[h:, h:], None if add is None else add[h:, h:]),
-        ]
-        self._copies = [(out[:h, h:], scratch), (scratch_t, scratch.mT), (out[h:, :h], scratch_t)]
-
-    def __call__(self, beta: float = 0.0, alpha: float = 1.0) -> None:
-        """Compute the product into ``out``."""
-        for left, right, out, add in self._products:
-            if add is None:
-                torch.mm(left, right, out=out)
-            else:
-                torch.addmm(add, left, right, beta=beta, alpha=alpha, out=out)
-        for dst, src in self._copies:
-            dst.copy_(src)
 
 
 class NewtonSchulzWorkspace:
@@ -591,28 +401,6 @@ class NewtonSchulzWorkspace:
         else:
             torch.bmm(Q, X0, out=out)
         return out
-
-
-DEFAULT_MAX_WORKSPACE_BYTES: int = 2 * 1024**3
-"""`dmuon.Muon`'s default cap on its Newton-Schulz buffers: 2 GiB."""
-
-
-def workspace_nbytes(
-    batch: int,
-    rows: int,
-    cols: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    gram: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> int:
-    """Bytes a `NewtonSchulzWorkspace` of ``batch`` ``rows x cols`` matrices takes when
-    carved from an `Arena`, computed on the meta device (nothing is allocated)."""
-    measure, used = Arena(torch.device("meta")).carver(measure_only=True)
-    NewtonSchulzWorkspace(
-        batch, rows, cols, dtype, device, gram=gram, allocate=measure, out_dtype=out_dtype
-    )
-    return used()
 
 
 def _newton_schulz_unchecked(

@@ -32,7 +32,7 @@ from torch import nn
 from dmuon._ownership.planner import OwnerPlan, SplitStacks
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.selection import plan_dedication
-from dmuon.optim._orthogonalize import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
+from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
 from dmuon.plan._hardware import Hardware, parse_hardware
 
 GIB = 1024**3

@@ -1,0 +1,273 @@
+"""The Muon update of one param group's owned matrices, given their averaged gradients.
+
+Momentum and decoupled weight decay with ``torch._foreach_*`` kernels; then each bucket
+of same-shape matrices (stacks contribute each matrix, ``split`` parameters each part) is
+orthogonalized in batches that fit `dmuon.Muon`'s ``max_workspace_bytes``, in buffers kept
+from step to step (`Workspaces`); NorMuon normalizes the result per output neuron; the
+update is added with each shape's learning-rate adjustment. Matrices split by tensor
+parallelism are gathered to their workers first (`dmuon.optim._tensor_parallel`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dmuon._comm import CommAudit
+from dmuon._ownership.param import DedicatedParam
+from dmuon.optim._adamw_step import new_adamw_state
+from dmuon.optim._blocks import Arena
+from dmuon.optim._normuon import SECOND_MOMENT, normalize_rows_, second_moment_shape
+from dmuon.optim._orthogonalize import (
+    CoefficientTriple,
+    NewtonSchulzWorkspace,
+    default_ns_dtype,
+)
+from dmuon.optim._split import matrix_pieces
+from dmuon.optim._tensor_parallel import tp_updates
+from dmuon.optim._validation import adjust_lr_ratio
+
+DEFAULT_MAX_WORKSPACE_BYTES: int = 2 * 1024**3
+"""`dmuon.Muon`'s default cap on its Newton-Schulz buffers: 2 GiB."""
+
+
+def workspace_nbytes(
+    batch: int,
+    rows: int,
+    cols: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gram: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> int:
+    """Bytes a `NewtonSchulzWorkspace` of ``batch`` ``rows x cols`` matrices takes when
+    carved from an `Arena`, computed on the meta device (nothing is allocated)."""
+    measure, used = Arena(torch.device("meta")).carver(measure_only=True)
+    NewtonSchulzWorkspace(
+        batch, rows, cols, dtype, device, gram=gram, allocate=measure, out_dtype=out_dtype
+    )
+    return used()
+
+
+class Workspaces:
+    """The Newton-Schulz buffers of one optimizer, kept from step to step.
+
+    Every bucket's buffers are carved from one `Arena` per device, from its start: buckets
+    run one after the other, so the optimizer holds the largest bucket's workspace, not
+    the sum of all of them. When a new bucket needs a larger block, the block is replaced
+    and the other buckets' workspaces are made again on it.
+    """
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[Any, ...], NewtonSchulzWorkspace] = {}
+        self._arenas: dict[torch.device, Arena] = {}
+
+    def get(
+        self,
+        batch: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        gram: bool,
+        out_dtype: torch.dtype,
+    ) -> NewtonSchulzWorkspace:
+        """The workspace of ``batch`` matrices of ``shape``: made on first use, then reused."""
+        key = (batch, shape, dtype, device, gram, out_dtype)
+        ws = self._cache.get(key)
+        if ws is not None:
+            return ws
+        arena = self._arenas.setdefault(device, Arena(device))
+        rows, cols = shape
+        if arena.reserve(workspace_nbytes(batch, rows, cols, dtype, device, gram, out_dtype)):
+            for stale in [k for k in self._cache if k[3] == device]:
+                del self._cache[stale]
+        allocate, _ = arena.carver()
+        ws = self._cache[key] = NewtonSchulzWorkspace(
+            batch, rows, cols, dtype, device, gram=gram, allocate=allocate, out_dtype=out_dtype
+        )
+        return ws
+
+    def nbytes(self) -> int:
+        """Bytes held, over every device."""
+        return sum(arena.nbytes for arena in self._arenas.values())
+
+
+def chunk_size(
+    max_workspace_bytes: int,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    gram: bool,
+    out_dtype: torch.dtype,
+) -> int:
+    """How many matrices of ``shape`` one batched iteration may take within
+    ``max_workspace_bytes`` (at least one)."""
+    rows, cols = shape
+    one = workspace_nbytes(1, rows, cols, dtype, device, gram, out_dtype)
+    return max(1, max_workspace_bytes // one)
+
+
+def apply_muon_update(
+    group: dict[str, Any],
+    triples: list[CoefficientTriple],
+    stepped: list[DedicatedParam],
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    seconds: list[Tensor | None],
+    split_sizes: dict[str, tuple[int, ...]],
+    workspaces: Workspaces,
+    max_workspace_bytes: int,
+    audit: CommAudit,
+) -> None:
+    """Step ``params`` (the owned masters) with their averaged ``grads``, momentum buffers
+    ``bufs`` and NorMuon second moments ``seconds`` (``None`` under Muon), in place."""
+    lr = group["lr"]
+    momentum = group["momentum"]
+    normuon = group["variant"] == "normuon"
+    foreach_by_dtype(torch._foreach_lerp_, bufs, grads, 1 - momentum)
+    if group["weight_decay"] != 0:
+        foreach_by_dtype(torch._foreach_mul_, params, 1 - lr * group["weight_decay"])
+
+    # Orthogonalize same-shape matrices together (one batched call per bucket), in
+    # buffers kept from step to step. Stacks contribute each of their matrices, split
+    # parameters each of their parts (views, not copies). A (in, out) layout (Conv1D)
+    # gets its own bucket: its learning-rate adjustment reads the shape the other way.
+    # NorMuon's second moments are (out, 1) per matrix: a split part's is a row range.
+    buckets: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, Tensor, Tensor | None]]] = {}
+    sharded: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]] = []
+    for dp, p, g, b, s in zip(stepped, params, grads, bufs, seconds, strict=True):
+        if dp.tp_sharded:
+            sharded.append((dp, p, g, b))
+            continue
+        sizes = split_sizes.get(dp.fqn)
+        pieces = zip(
+            matrix_pieces(g, dp.transposed, sizes),
+            matrix_pieces(b, dp.transposed, sizes),
+            matrix_pieces(p, dp.transposed, sizes),
+            matrix_pieces(s, False, sizes) if s is not None else _nones(g, sizes),
+            strict=True,
+        )
+        for piece in pieces:
+            g_piece = piece[0]
+            key = (tuple(g_piece.shape), g_piece.dtype, g_piece.device, dp.transposed)
+            buckets.setdefault(key, []).append(piece)
+    for (shape, _, device, is_transposed), bucket in buckets.items():
+        ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
+        gram = group.get("ns_gram", False)
+        out_dtype = bucket[0][2].dtype
+        size = chunk_size(max_workspace_bytes, shape, ns_dtype, device, gram, out_dtype)
+        for first in range(0, len(bucket), size):
+            members = bucket[first : first + size]
+            ws = workspaces.get(len(members), shape, ns_dtype, device, gram, out_dtype)
+            views = ws.source_views
+            bucket_grads = [g for g, _, _, _ in members]
+            bucket_bufs = [b for _, b, _, _ in members]
+            # Straight into the buffers, widened there when the gradients are 16-bit.
+            if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
+                for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
+                    torch.lerp(g, b, momentum, out=v)
+            else:
+                torch._foreach_copy_(views, bucket_bufs)
+            bucket_params = [p for _, _, p, _ in members]
+            # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
+            # (adding it directly would allocate a widened temporary per matrix).
+            ortho = ws.cast(ws.run(triples, group["eps"]), bucket_params[0].dtype)
+            if normuon:
+                bucket_seconds = [s for _, _, _, s in members]
+                ortho = normalize_rows_(ortho, bucket_seconds, group["beta2"], is_transposed)  # type: ignore[arg-type]
+            rows, cols = (shape[1], shape[0]) if is_transposed else shape
+            adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
+            torch._foreach_add_(bucket_params, list(ortho.unbind(0)), alpha=-adjusted_lr)
+    if sharded:
+        _tensor_parallel_step(group, triples, sharded, split_sizes, audit)
+
+
+def _tensor_parallel_step(
+    group: dict[str, Any],
+    triples: list[Any],
+    members: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]],
+    split_sizes: dict[str, tuple[int, ...]],
+    audit: CommAudit,
+) -> None:
+    """Matrices split by tensor parallelism: gathered to their workers, orthogonalized
+    there, their updates scattered back (see `dmuon.optim._tensor_parallel`)."""
+    momentum = group["momentum"]
+    sources = [
+        torch.lerp(g, b, momentum).float() if group["nesterov"] else b.float().clone()
+        for _, _, g, b in members
+    ]
+    updates = tp_updates(
+        [dp for dp, _, _, _ in members],
+        sources,
+        group,
+        triples,
+        split_sizes,
+        adjust_lr_ratio,
+        audit,
+    )
+    for (_, p, _, _), update in zip(members, updates, strict=True):
+        p.add_(update.to(p.dtype), alpha=-group["lr"])
+
+
+def zero_second_moment(dp: DedicatedParam) -> Tensor:
+    """NorMuon's second moment of ``dp`` at its start: zeros of ``(*lead, out, 1)``, float32
+    (float64 for float64 weights)."""
+    shape = second_moment_shape(dp.shape, dp.transposed)
+    dtype = torch.promote_types(dp.param.dtype, torch.float32)
+    return torch.zeros(shape, dtype=dtype, device=dp.param.device)
+
+
+def _nones(tensor: Tensor, sizes: tuple[int, ...] | None) -> list[None]:
+    """One ``None`` per piece `matrix_pieces` cuts ``tensor`` into."""
+    return [None] * (tensor.shape[0] if tensor.dim() == 3 else 1) * (len(sizes) if sizes else 1)
+
+
+def foreach_by_dtype(op: Callable[..., Any], first: list[Tensor], *rest: Any) -> None:
+    """Apply an in-place ``torch._foreach_*_`` op, one call per (dtype, device) of ``first``.
+
+    The foreach kernels take one dtype per list, and model weights may mix dtypes.
+    """
+    lists = [first] + [r for r in rest if isinstance(r, list)]
+    scalars = [r for r in rest if not isinstance(r, list)]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, t in enumerate(first):
+        groups.setdefault((t.dtype, t.device), []).append(i)
+    if len(groups) == 1:
+        op(*lists, *scalars)
+        return
+    for idx in groups.values():
+        op(*[[lst[i] for i in idx] for lst in lists], *scalars)
+
+
+def init_missing_state(
+    states: dict[Tensor, dict[str, Any]],
+    param_groups: list[dict[str, Any]],
+    dedicated: dict[int, DedicatedParam],
+) -> None:
+    """Create every missing optimizer state as zeros, as the first step would: Muon
+    momentum (and NorMuon's second moment) of the matrices this rank steps, AdamW's
+    state of every trainable parameter of the AdamW groups."""
+    for group in param_groups:
+        for p in group["params"]:
+            state = states[p]
+            if group["algorithm"] == "muon":
+                dp = dedicated.get(id(p))
+                if dp is not None and dp.updates_here and "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
+                if (
+                    dp is not None
+                    and dp.updates_here
+                    and group["variant"] == "normuon"
+                    and SECOND_MOMENT not in state
+                ):
+                    state[SECOND_MOMENT] = zero_second_moment(dp)
+            elif p.requires_grad and len(state) == 0:
+                state.update(new_adamw_state(p))
+            if not state:
+                del states[p]
