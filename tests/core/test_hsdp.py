@@ -343,6 +343,13 @@ def test_traffic_per_mesh_dimension_follows_the_formula(spawned, name: str) -> N
     per_rank = _per_rank(spawned, name)
     for result in per_rank:
         groups = result["memory"]["groups"]
+        # Clipping in step 0 sums the gradient norm over each mesh dimension of more than
+        # one rank, through the communicator: audited apart, as control collectives.
+        norm_groups = (shard > 1) + (replicas > 1)
+        assert result["comm"][0]["control"] == {
+            "all_reduce": {"count": norm_groups, "elements": norm_groups, "bytes": 8 * norm_groups}
+        }
+        assert all("control" not in step for step in result["comm"][1:])
         for step in result["comm"]:
             tallies = step["collectives"]
             if shard == 1:

@@ -18,12 +18,14 @@ the shard group and one over the replicate group.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from dmuon._comm import all_reduce_plain
 from dmuon._ownership.fsdp_integration import is_dedicated
 from dmuon._ownership.state import DedicationState, get_dedication
 
@@ -110,11 +112,22 @@ def _parts_and_groups(
     return *_local_parts(model, world), groups, device
 
 
+Reduce = Callable[[Tensor, dist.ReduceOp.RedOpType, dist.ProcessGroup], None]
+
+
+def _reducer(model: nn.Module) -> Reduce:
+    """How the norm is reduced: through the dedication's communicator (checked and
+    audited as a control collective), or plainly for a model without one."""
+    state = get_dedication(model)
+    return state.runtime.comm.all_reduce_control if state is not None else all_reduce_plain
+
+
 def _global_norm(
     parts: Parts,
     norm_type: float,
     groups: list[dist.ProcessGroup],
     device: torch.device,
+    reduce: Reduce,
 ) -> Tensor:
     """Combine the local parts into the global norm (float64): one all-reduce per group."""
     if norm_type == math.inf:
@@ -123,14 +136,14 @@ def _global_norm(
             if grad.numel():
                 total = torch.maximum(total, grad.detach().abs().max().to(device, torch.float64))
         for group in groups:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+            reduce(total, dist.ReduceOp.MAX, group)
         return total
     total = torch.zeros((), dtype=torch.float64, device=device)
     for grad, replicas in parts:
         local = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64) ** norm_type
         total += local.to(device) / replicas
     for group in groups:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        reduce(total, dist.ReduceOp.SUM, group)
     return total ** (1.0 / norm_type)
 
 
@@ -142,7 +155,7 @@ def total_grad_norm(model: nn.Module, norm_type: float = 2.0) -> Tensor:
     `clip_grad_norm_` for which gradients count.
     """
     owned, others, groups, device = _parts_and_groups(model)
-    return _global_norm(owned + others, float(norm_type), groups, device)
+    return _global_norm(owned + others, float(norm_type), groups, device, _reducer(model))
 
 
 @torch.no_grad()
@@ -177,7 +190,7 @@ def clip_grad_norm_(
     """
     owned, others, groups, device = _parts_and_groups(model)
     # Returned in torch's dtype for float32 gradients.
-    total = _global_norm(owned + others, float(norm_type), groups, device).float()
+    total = _global_norm(owned + others, float(norm_type), groups, device, _reducer(model)).float()
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {float(norm_type)} of the gradients is non-finite "

@@ -73,6 +73,10 @@ class CollectiveTally:
 #: replicas of HSDP, and tensor parallelism.
 SHARD, REPLICATE, TENSOR = "shard", "replicate", "tensor"
 
+#: Small control collectives (gradient norms for clipping and the non-finite check), kept
+#: apart from the dedicated matrices' traffic.
+CONTROL = "control"
+
 
 def _units(by_kind: dict[str, CollectiveTally], dedicated_elements: int) -> float:
     if dedicated_elements == 0:
@@ -114,6 +118,9 @@ class StepComm:
         default_factory=lambda: defaultdict(CollectiveTally)
     )
     tensor: dict[str, CollectiveTally] = field(default_factory=lambda: defaultdict(CollectiveTally))
+    control: dict[str, CollectiveTally] = field(
+        default_factory=lambda: defaultdict(CollectiveTally)
+    )
 
     @property
     def units(self) -> float:
@@ -169,6 +176,8 @@ class StepComm:
         if dimensions:
             shard = {SHARD: {"units": self.units, "collectives": _tallies(self.by_kind)}}
             summary["dimensions"] = shard | dimensions
+        if self.control:
+            summary[CONTROL] = _tallies(self.control)
         return summary
 
 
@@ -197,7 +206,7 @@ class CommAudit:
     ) -> None:
         """Add one collective of ``kind`` over mesh dimension ``dim`` that moved ``tensor``
         (``numel`` elements of its dtype, when they are not ``tensor``'s own)."""
-        attr = {SHARD: "by_kind", REPLICATE: "replicate", TENSOR: "tensor"}[dim]
+        attr = {SHARD: "by_kind", REPLICATE: "replicate", TENSOR: "tensor", CONTROL: "control"}[dim]
         tallies = (getattr(self.current, attr)[kind], getattr(self.total, attr)[kind])
         elements = tensor.numel() if numel is None else numel
         for tally in tallies:
@@ -270,6 +279,14 @@ class CollectiveError(RuntimeError):
     """A DMuon collective failed or timed out; the message names the collective."""
 
 
+def all_reduce_plain(
+    tensor: torch.Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup
+) -> None:
+    """All-reduce ``tensor`` over ``group`` and wait, for a model without a dedication (no
+    communicator to check or audit it)."""
+    dist.all_reduce(tensor, op=op, group=group)
+
+
 def separate_group(group: dist.ProcessGroup, other: dist.ProcessGroup) -> dist.ProcessGroup:
     """``group``, or a new process group over its ranks when it shares ranks with ``other``.
 
@@ -306,7 +323,7 @@ class Communicator:
         self.device = device
         self.audit = audit
         self.check_collectives = check_collectives
-        self._sequence = {SHARD: 0, REPLICATE: 0}
+        self._sequence: dict[str, int] = defaultdict(int)
         self.rank = dist.get_rank(group) if group is not None else 0
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -326,12 +343,21 @@ class Communicator:
         return dist.get_global_rank(self.group, group_rank)
 
     def _check_same_everywhere(
-        self, kind: str, tensor: torch.Tensor, root: int, dim: str = SHARD, numel: int | None = None
+        self,
+        kind: str,
+        tensor: torch.Tensor,
+        root: int,
+        dim: str = SHARD,
+        numel: int | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
-        """All-gather this collective's signature; raise on every rank if ranks disagree."""
-        group, size = (
-            (self.group, self.world_size) if dim == SHARD else (self.replicate_group, self.replicas)
-        )
+        """All-gather this collective's signature; raise on every rank if ranks disagree.
+
+        ``group`` is the collective's own group when it is not ``dim``'s (tensor
+        parallelism's, or one of the groups a gradient norm is summed over)."""
+        if group is None:
+            group = self.group if dim == SHARD else self.replicate_group
+        size = dist.get_world_size(group)
         # Each dimension counts its own collectives: only owners take part in the
         # replicate dimension's, so one counter would drift apart between shard ranks.
         self._sequence[dim] += 1
@@ -369,9 +395,10 @@ class Communicator:
         dim: str = SHARD,
         what: str = "",
         numel: int | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> Pending:
         if self.check_collectives:
-            self._check_same_everywhere(kind, tensor, root, dim, numel)
+            self._check_same_everywhere(kind, tensor, root, dim, numel, group)
         self.audit.record(kind, tensor, dim, numel)
         elements = tensor.numel() if numel is None else numel
         label = f"{kind} of {elements} elements (root {root}, {dim} group{what})"
@@ -455,6 +482,67 @@ class Communicator:
             what=what,
         )
 
+    def all_reduce_control(
+        self,
+        tensor: torch.Tensor,
+        op: dist.ReduceOp.RedOpType,
+        group: dist.ProcessGroup,
+        sequence: str = CONTROL,
+    ) -> None:
+        """Reduce a small control tensor (a gradient norm) over ``group`` and wait.
+
+        Audited apart from the matrices' traffic (`StepComm.control`). ``sequence`` is the
+        counter the collective-order check numbers it by: every rank of ``group`` must
+        issue the same collectives counted there (`TENSOR` for a tp group's own)."""
+        if self.check_collectives:
+            self._check_same_everywhere("all_reduce", tensor, 0, sequence, group=group)
+        self.audit.record("all_reduce", tensor, CONTROL)
+        dist.all_reduce(tensor, op=op, group=group)
+
+    def gather_tensor_parallel(
+        self,
+        tensor: torch.Tensor,
+        chunks: list[torch.Tensor] | None,
+        dst: int,
+        group: dist.ProcessGroup,
+        numel: int,
+    ) -> Pending:
+        """Gather ``tensor`` from the ranks of a tensor-parallel ``group`` into ``chunks`` on
+        its rank ``dst``; audited as ``numel`` elements (the whole matrix) over tp."""
+        return self._issue(
+            "gather",
+            tensor,
+            dst,
+            lambda: dist.gather(
+                tensor, chunks, dst=dist.get_global_rank(group, dst), group=group, async_op=True
+            ),
+            dim=TENSOR,
+            numel=numel,
+            group=group,
+        )
+
+    def scatter_tensor_parallel(
+        self,
+        out: torch.Tensor,
+        parts: list[torch.Tensor] | None,
+        src: int,
+        group: dist.ProcessGroup,
+        numel: int,
+    ) -> Pending:
+        """Scatter ``parts`` (given on rank ``src`` of a tensor-parallel ``group``) into
+        each rank's ``out``; audited as ``numel`` elements over tp."""
+        return self._issue(
+            "scatter",
+            out,
+            src,
+            lambda: dist.scatter(
+                out, parts, src=dist.get_global_rank(group, src), group=group, async_op=True
+            ),
+            dim=TENSOR,
+            numel=numel,
+            group=group,
+        )
+
     # ----- checkpoint transfers: synchronous, not audited ---------------------------------
     def _checked(self, kind: str, tensor: torch.Tensor, root: int) -> None:
         if self.check_collectives:
@@ -469,6 +557,25 @@ class Communicator:
         """Gather every rank's equally sized ``chunk`` into ``chunks`` on group rank ``dst``."""
         self._checked("gather", chunk, dst)
         dist.gather(chunk, chunks, dst=self._global(dst), group=self.group)
+
+    def gather_on(
+        self,
+        chunk: torch.Tensor,
+        chunks: list[torch.Tensor] | None,
+        dst: int,
+        group: dist.ProcessGroup,
+    ) -> None:
+        """Gather ``chunk`` into ``chunks`` on rank ``dst`` of another ``group`` (tensor
+        parallelism's) and wait."""
+        if self.check_collectives:
+            self._check_same_everywhere("gather", chunk, dst, TENSOR, group=group)
+        dist.gather(chunk, chunks, dst=dist.get_global_rank(group, dst), group=group)
+
+    def broadcast_on(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
+        """Broadcast ``tensor`` from rank ``src`` of another ``group`` and wait."""
+        if self.check_collectives:
+            self._check_same_everywhere("broadcast", tensor, src, TENSOR, group=group)
+        dist.broadcast(tensor, dist.get_global_rank(group, src), group=group)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send ``tensor`` to group rank ``dst`` (point to point)."""

@@ -32,7 +32,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
@@ -134,7 +133,7 @@ class DedicatedLayout:
             )
             padded.narrow(tp.shard_dim, 0, dp.shape[tp.shard_dim]).copy_(owned.detach())
             chunks = [torch.empty_like(padded) for _ in range(tp.size)] if tp.rank == 0 else None
-            dist.gather(padded, chunks, dst=dist.get_global_rank(tp.group, 0), group=tp.group)
+            comm.gather_on(padded, chunks, 0, tp.group)
             if chunks is not None:
                 whole = torch.cat(
                     [
@@ -156,7 +155,7 @@ class DedicatedLayout:
             return value
         if value is None:
             value = torch.empty(dp.global_shape, dtype=torch.float32, device=comm.device)
-        dist.broadcast(value, dist.get_global_rank(tp.group, 0), group=tp.group)
+        comm.broadcast_on(value, 0, tp.group)
         return value
 
     def _layout_of(self, dp: DedicatedParam) -> tuple[DeviceMesh, tuple[Placement, ...], int]:

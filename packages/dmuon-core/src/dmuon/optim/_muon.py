@@ -411,7 +411,7 @@ class Muon(torch.optim.Optimizer):
         seconds: list[Tensor | None] = []
         stepped: list[DedicatedParam] = []
         norm_buffers = self.__dict__.setdefault("_norm_buffers", {})
-        kept, skipped = finite_only(group, pairs, norm_buffers)
+        kept, skipped = finite_only(group, pairs, norm_buffers, runtime.comm)
         self.skipped_updates += skipped
         for dp, grad in kept:
             p = dp.param
@@ -440,7 +440,7 @@ class Muon(torch.optim.Optimizer):
             self.split_sizes,
             self._workspaces,
             self.max_workspace_bytes,
-            self._dedication().audit,
+            self._dedication().runtime.comm,
         )
 
     @property

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon._comm import CommAudit
+from dmuon._comm import Communicator
 from dmuon._ownership.param import DedicatedParam
 from dmuon.optim._adamw_step import new_adamw_state
 from dmuon.optim._blocks import Arena
@@ -121,7 +121,7 @@ def apply_muon_update(
     split_sizes: dict[str, tuple[int, ...]],
     workspaces: Workspaces,
     max_workspace_bytes: int,
-    audit: CommAudit,
+    comm: Communicator,
 ) -> None:
     """Step ``params`` (the owned masters) with their averaged ``grads``, momentum buffers
     ``bufs`` and NorMuon second moments ``seconds`` (``None`` under Muon), in place."""
@@ -183,7 +183,7 @@ def apply_muon_update(
             adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
             torch._foreach_add_(bucket_params, list(ortho.unbind(0)), alpha=-adjusted_lr)
     if sharded:
-        _tensor_parallel_step(group, triples, sharded, split_sizes, audit)
+        _tensor_parallel_step(group, triples, sharded, split_sizes, comm)
 
 
 def _tensor_parallel_step(
@@ -191,7 +191,7 @@ def _tensor_parallel_step(
     triples: list[Any],
     members: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]],
     split_sizes: dict[str, tuple[int, ...]],
-    audit: CommAudit,
+    comm: Communicator,
 ) -> None:
     """Matrices split by tensor parallelism: gathered to their workers, orthogonalized
     there, their updates scattered back (see `dmuon.optim._tensor_parallel`)."""
@@ -207,7 +207,7 @@ def _tensor_parallel_step(
         triples,
         split_sizes,
         adjust_lr_ratio,
-        audit,
+        comm,
     )
     for (_, p, _, _), update in zip(members, updates, strict=True):
         p.add_(update.to(p.dtype), alpha=-group["lr"])

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from dmuon._comm import Communicator
 from dmuon._ownership.gradients import is_absent
 from dmuon._ownership.param import DedicatedParam
 from dmuon.optim._tensor_parallel import agree
@@ -22,10 +23,12 @@ def finite_only(
     group: dict[str, Any],
     pairs: list[tuple[DedicatedParam, Tensor]],
     buffers: dict[tuple[int, torch.device], Tensor],
+    comm: Communicator,
 ) -> tuple[list[tuple[DedicatedParam, Tensor]], int]:
     """Drop matrices no rank had a gradient for; apply ``nonfinite`` to the rest.
 
-    ``buffers`` keeps the norm buffers between steps (one per count and device). Returns
+    ``buffers`` keeps the norm buffers between steps (one per count and device); ``comm``
+    sums the norms of matrices split by tensor parallelism over their tp group. Returns
     the pairs to step and how many were skipped for a non-finite gradient.
 
     Raises:
@@ -49,7 +52,7 @@ def finite_only(
     if sharded:  # whole matrices' norms, the same on every tp rank
         index = torch.tensor(sharded, device=device)
         norms, firsts = kept[index], kept[count + index]
-        agree([pairs[i][0] for i in sharded], norms, firsts)
+        agree([pairs[i][0] for i in sharded], norms, firsts, comm)
         kept[index], kept[count + index] = norms, firsts
     values = kept.tolist()
     # A matrix no rank had a gradient for (an expert no token was routed to anywhere)

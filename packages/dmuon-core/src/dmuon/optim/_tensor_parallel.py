@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon._comm import TENSOR, CommAudit
+from dmuon._comm import TENSOR, Communicator
 from dmuon._ownership.param import DedicatedParam
 from dmuon.optim._orthogonalize import (
     CoefficientTriple,
@@ -41,7 +41,9 @@ def _group(records: Sequence[DedicatedParam]) -> dist.ProcessGroup:
     return tp.group
 
 
-def agree(records: Sequence[DedicatedParam], norms: Tensor, firsts: Tensor) -> None:
+def agree(
+    records: Sequence[DedicatedParam], norms: Tensor, firsts: Tensor, comm: Communicator
+) -> None:
     """Make per-shard norms and first elements the whole matrices', on every tp rank.
 
     ``norms`` (2-norms) and ``firsts`` hold one entry per record and are rewritten in
@@ -53,7 +55,7 @@ def agree(records: Sequence[DedicatedParam], norms: Tensor, firsts: Tensor) -> N
         return
     shard_present = ((norms != 0) | ~firsts.signbit()).float()
     packed = torch.cat([norms.square(), shard_present])
-    dist.all_reduce(packed, group=_group(records))
+    comm.all_reduce_control(packed, dist.ReduceOp.SUM, _group(records), sequence=TENSOR)
     count = len(records)
     norms.copy_(packed[:count].sqrt())
     present = packed[count:] > 0
@@ -77,7 +79,7 @@ def tp_updates(
     triples: Sequence[CoefficientTriple],
     split_sizes: dict[str, tuple[int, ...]],
     adjust: Callable[[str | None, int, int], float],
-    audit: CommAudit,
+    comm: Communicator,
 ) -> list[Tensor]:
     """Each record's local shard of its scaled, orthogonalized update.
 
@@ -94,14 +96,9 @@ def tp_updates(
         assert tp is not None and tp.shard_dim is not None
         padded = _padded(source, tp.shard_dim, tp.padded)
         chunks = [torch.empty_like(padded) for _ in range(tp.size)] if rank == tp.worker else None
-        audit.record("gather", padded.new_empty(record.global_shape, device="meta"), TENSOR)
         works.append(
-            dist.gather(
-                padded,
-                chunks,
-                dst=dist.get_global_rank(tp_group, tp.worker),
-                group=tp_group,
-                async_op=True,
+            comm.gather_tensor_parallel(
+                padded, chunks, tp.worker, tp_group, record.global_shape.numel()
             )
         )
         gathered.append(chunks)
@@ -158,14 +155,9 @@ def tp_updates(
                 parts.append(
                     _padded(updates[index].narrow(dim, start, stop - start), dim, tp.padded)
                 )
-        audit.record("scatter", out.new_empty(record.global_shape, device="meta"), TENSOR)
         works.append(
-            dist.scatter(
-                out,
-                parts,
-                src=dist.get_global_rank(tp_group, tp.worker),
-                group=tp_group,
-                async_op=True,
+            comm.scatter_tensor_parallel(
+                out, parts, tp.worker, tp_group, record.global_shape.numel()
             )
         )
         locals_.append(out.narrow(dim, 0, source.shape[dim]))
