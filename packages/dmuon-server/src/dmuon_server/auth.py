@@ -75,7 +75,10 @@ class BearerAuthMiddleware:
         if scheme.lower() == b"bearer":
             user = self.users.authenticate(credentials.strip().decode("latin-1"))
         if user is not None:
-            scope.setdefault("state", {})["user"] = user
+            state = scope.setdefault("state", {})
+            state["user"] = user
+            # Long requests (event streams) check it again after a reload of the users.
+            state["token"] = credentials.strip().decode("latin-1")
             await self.app(scope, receive, send)
             return
         detail = (

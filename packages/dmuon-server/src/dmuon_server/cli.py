@@ -36,6 +36,8 @@ from dmuon_server.gpus import parse as parse_gpus
 from dmuon_server.hosts import LOOPBACK_NAMES
 from dmuon_server.users import Users, UsersFileError
 
+log = logging.getLogger("dmuon_server.cli")
+
 
 def is_loopback(host: str) -> bool:
     """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
@@ -242,6 +244,14 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _reload_users(users: Users) -> None:
+    """SIGHUP: read the users file again, or say there is none and carry on."""
+    if users.path is None:
+        log.info("SIGHUP: no --users-file to reload; the server carries on")
+        return
+    users.reload()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse flags, check them, lock the data directory, bind and serve until SIGINT/SIGTERM."""
     args = build_parser().parse_args(argv)
@@ -281,6 +291,12 @@ def main(argv: list[str] | None = None) -> int:
         users = Users(args.users_file, token)
     except UsersFileError as e:
         return _error(str(e))
+    if not is_loopback(args.host) and not users.all():
+        return _error(
+            f"refusing to listen on {args.host}: the users file {args.users_file} has no users "
+            "and no token is given, so nobody could sign in; add a user to the file, pass "
+            f"--token-file or set {TOKEN_ENV}, or listen on 127.0.0.1"
+        )
     settings = Settings(
         data_dir=args.data_dir,
         token=token,
@@ -348,8 +364,9 @@ def main(argv: list[str] | None = None) -> int:
             super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
     server = _Server(config)
-    if args.users_file is not None:
-        signal.signal(signal.SIGHUP, lambda signum, frame: users.reload())
+    # SIGHUP reloads the users file; without one there is nothing to reload, and the
+    # signal must not end the server (its default action).
+    signal.signal(signal.SIGHUP, lambda signum, frame: _reload_users(users))
     try:
         server.run(sockets=[sock])
     finally:

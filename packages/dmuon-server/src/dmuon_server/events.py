@@ -71,6 +71,12 @@ SHUTDOWN_REASON = "server_shutdown"
 #: Longest wait between two looks at the database when no notification comes.
 _MAX_IDLE_WAIT_S = 1.0
 
+#: Why a stream ended when its token stopped being valid.
+REVOKED_REASON = (
+    "the token of this stream is no longer valid (the users were reloaded): reconnect with "
+    "a current token"
+)
+
 
 def format_event(*, data: str, event: str | None = None, event_id: int | None = None) -> str:
     """One SSE event; ``data`` must be a single line (compact JSON is)."""
@@ -110,9 +116,14 @@ async def job_events(
     after_step: int,
     heartbeat_s: float,
     places: Places = dict,
+    still_allowed: Callable[[], bool] = lambda: True,
 ) -> AsyncIterator[str]:
     """Yield the event stream of ``job_id``, starting after ``after_step``; ``places``
-    gives the queue's places (the supervisor's :meth:`queue_places`)."""
+    gives the queue's places (the supervisor's :meth:`queue_places`).
+
+    ``still_allowed`` is asked on every wake-up (at least once a second): when it says no
+    (the token was removed or rotated by a reload of the users, or the user may no longer
+    see the job), the stream ends with an ``end`` event that says so."""
     sub = hub.subscribe(job_id)
     try:
         yield "retry: 3000\n\n"
@@ -132,6 +143,9 @@ async def job_events(
         last_eid = 0
         while True:
             sub.event.clear()
+            if not still_allowed():
+                yield format_event(event="end", data=json.dumps({"reason": REVOKED_REASON}))
+                return
             while True:
                 rows = await anyio.to_thread.run_sync(store.metrics_after, job_id, last_step, _PAGE)
                 for r in rows:

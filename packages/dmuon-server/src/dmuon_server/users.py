@@ -20,6 +20,7 @@ import logging
 import re
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,11 +115,20 @@ class Users:
         self._token_entry = (User(TOKEN_USER, admin=True), token_hash(token)) if token else None
         self._lock = threading.Lock()
         self._entries = self._load()
+        self._generation = 0
 
     @property
     def enabled(self) -> bool:
-        """Whether requests must carry a token (someone is configured)."""
-        return bool(self._entries)
+        """Whether requests must carry a token: a users file or ``--token`` is configured.
+
+        An empty users file keeps authentication on, with nobody to let in (until a reload
+        adds someone): it fails closed."""
+        return self.path is not None or self._token_entry is not None
+
+    @property
+    def generation(self) -> int:
+        """How many times the users were reloaded (a stream re-checks its token then)."""
+        return self._generation
 
     def _load(self) -> list[tuple[User, str]]:
         entries = read_users_file(self.path) if self.path is not None else []
@@ -141,6 +151,7 @@ class Users:
             return str(e)
         with self._lock:
             self._entries = entries
+            self._generation += 1
         log.info("reloaded %d user(s) from %s", len(entries), self.path)
         return None
 
@@ -155,6 +166,23 @@ class Users:
             if hmac.compare_digest(digest, expected.encode()):
                 found = user
         return found
+
+    def watch(self, token: str | None, user: User) -> Callable[[], bool]:
+        """A check that ``token`` still belongs to ``user`` (same name and rights), for a
+        long request such as an event stream: it hashes again only after a reload."""
+        if not self.enabled:
+            return lambda: True
+        seen = self.generation
+        valid = True
+
+        def still_valid() -> bool:
+            nonlocal seen, valid
+            if valid and self.generation != seen:
+                seen = self.generation
+                valid = token is not None and self.authenticate(token) == user
+            return valid
+
+        return still_valid
 
     def all(self) -> list[User]:
         """Every user, in the file's order (``--token``'s admin last)."""

@@ -5,10 +5,18 @@ from __future__ import annotations
 from typing import Annotated
 
 import anyio
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from dmuon_server.dependencies import HubDep, JobDep, SettingsDep, StoreDep, SupervisorDep
+from dmuon_server.dependencies import (
+    HubDep,
+    JobDep,
+    SettingsDep,
+    StoreDep,
+    SupervisorDep,
+    UserDep,
+    UsersDep,
+)
 from dmuon_server.errors import error_responses
 from dmuon_server.events import SSE_HEADERS, job_events
 from dmuon_server.schemas import TERMINAL_STATES, MetricPage
@@ -51,7 +59,10 @@ def get_metrics(
     },
 )
 async def get_events(
+    request: Request,
     job: JobDep,
+    users: UsersDep,
+    user: UserDep,
     settings: SettingsDep,
     store: StoreDep,
     hub: HubDep,
@@ -76,7 +87,15 @@ async def get_events(
         if not rest:
             return Response(status_code=204)
     return StreamingResponse(
-        job_events(store, hub, job_id, start, settings.heartbeat_s, supervisor.queue_places),
+        job_events(
+            store,
+            hub,
+            job_id,
+            start,
+            settings.heartbeat_s,
+            supervisor.queue_places,
+            users.watch(getattr(request.state, "token", None), user),
+        ),
         media_type="text/event-stream; charset=utf-8",
         headers=SSE_HEADERS,
     )
