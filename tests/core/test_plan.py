@@ -128,6 +128,9 @@ def test_text_output_states_every_assumption(
     ("argv", "message"),
     [
         (["--world", "6", "--shard-size", "4"], "must divide the world size 6"),
+        (["--world", "0"], "the world size must be at least 1 rank"),
+        (["--world", "4", "--ns-steps", "0"], "ns_steps must be at least 1"),
+        (["--world", "4", "--max-workspace-bytes", "-5"], "max_workspace_bytes must be a positive"),
         (["--world", "4", "--hardware", "tpu"], "neither one of ['b200', 'h100', 'h200']"),
         (["--world", "4", "--tokens-per-step", "lots"], "not a positive count"),
     ],

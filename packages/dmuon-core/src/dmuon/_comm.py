@@ -20,9 +20,9 @@ hanging. It costs one extra synchronous collective each, so it is for debugging.
 On a 2-D ``(replicate, shard)`` mesh (HSDP) the broadcasts and reduces run inside the
 shard group, and the owners of a matrix (one per replica, at the same shard rank) sum its
 gradient with one reduce-scatter over the replicate group, into the one replica that
-updates it, which broadcasts the new values back after the optimizer step. The audit keeps the two
-dimensions apart: `StepComm.by_kind` and `StepComm.units` describe the shard dimension
-(the whole traffic of a 1-D mesh), `StepComm.replicate` the replicate dimension.
+updates it, which broadcasts the new values back after the optimizer step. The audit keeps
+the two dimensions apart: `StepComm.by_kind` and `StepComm.units` describe the shard
+dimension (the whole traffic of a 1-D mesh), `StepComm.replicate` the replicate dimension.
 
 Checkpoint transfers (`Communicator.scatter_rows`, `gather_rows`, `send`, `recv`,
 `broadcast_now`, `all_gather_codes`) are synchronous and are not part of the per-step
@@ -351,10 +351,13 @@ class Communicator:
         numel: int | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
-        """All-gather this collective's signature; raise on every rank if ranks disagree.
+        """With ``check_collectives``, all-gather this collective's signature and raise on
+        every rank if the ranks disagree (nothing otherwise).
 
         ``group`` is the collective's own group when it is not ``dim``'s (tensor
         parallelism's, or one of the groups a gradient norm is summed over)."""
+        if not self.check_collectives:
+            return
         if group is None:
             group = self.group if dim == SHARD else self.replicate_group
         size = dist.get_world_size(group)
@@ -397,8 +400,7 @@ class Communicator:
         numel: int | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> Pending:
-        if self.check_collectives:
-            self._check_same_everywhere(kind, tensor, root, dim, numel, group)
+        self._check_same_everywhere(kind, tensor, root, dim, numel, group)
         self.audit.record(kind, tensor, dim, numel)
         elements = tensor.numel() if numel is None else numel
         label = f"{kind} of {elements} elements (root {root}, {dim} group{what})"
@@ -494,8 +496,7 @@ class Communicator:
         Audited apart from the matrices' traffic (`StepComm.control`). ``sequence`` is the
         counter the collective-order check numbers it by: every rank of ``group`` must
         issue the same collectives counted there (`TENSOR` for a tp group's own)."""
-        if self.check_collectives:
-            self._check_same_everywhere("all_reduce", tensor, 0, sequence, group=group)
+        self._check_same_everywhere("all_reduce", tensor, 0, sequence, group=group)
         self.audit.record("all_reduce", tensor, CONTROL)
         dist.all_reduce(tensor, op=op, group=group)
 
@@ -545,17 +546,16 @@ class Communicator:
 
     # ----- checkpoint transfers: synchronous, not audited ---------------------------------
     def _checked(self, kind: str, tensor: torch.Tensor, root: int) -> None:
-        if self.check_collectives:
-            self._check_same_everywhere(kind, tensor, root)
+        self._check_same_everywhere(kind, tensor, root)
 
     def scatter_rows(self, chunks: list[torch.Tensor] | None, out: torch.Tensor, src: int) -> None:
         """Scatter equally sized ``chunks`` (given on group rank ``src`` only) into ``out``."""
-        self._checked("scatter", out, src)
+        self._check_same_everywhere("scatter", out, src)
         dist.scatter(out, chunks, src=self._global(src), group=self.group)
 
     def gather_rows(self, chunk: torch.Tensor, chunks: list[torch.Tensor] | None, dst: int) -> None:
         """Gather every rank's equally sized ``chunk`` into ``chunks`` on group rank ``dst``."""
-        self._checked("gather", chunk, dst)
+        self._check_same_everywhere("gather", chunk, dst)
         dist.gather(chunk, chunks, dst=self._global(dst), group=self.group)
 
     def gather_on(
@@ -567,14 +567,12 @@ class Communicator:
     ) -> None:
         """Gather ``chunk`` into ``chunks`` on rank ``dst`` of another ``group`` (tensor
         parallelism's) and wait."""
-        if self.check_collectives:
-            self._check_same_everywhere("gather", chunk, dst, TENSOR, group=group)
+        self._check_same_everywhere("gather", chunk, dst, TENSOR, group=group)
         dist.gather(chunk, chunks, dst=dist.get_global_rank(group, dst), group=group)
 
     def broadcast_on(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> None:
         """Broadcast ``tensor`` from rank ``src`` of another ``group`` and wait."""
-        if self.check_collectives:
-            self._check_same_everywhere("broadcast", tensor, src, TENSOR, group=group)
+        self._check_same_everywhere("broadcast", tensor, src, TENSOR, group=group)
         dist.broadcast(tensor, dist.get_global_rank(group, src), group=group)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -587,7 +585,7 @@ class Communicator:
 
     def broadcast_now(self, tensor: torch.Tensor, src: int) -> None:
         """Broadcast ``tensor`` from group rank ``src`` and wait for it."""
-        self._checked("broadcast", tensor, src)
+        self._check_same_everywhere("broadcast", tensor, src)
         dist.broadcast(tensor, self._global(src), group=self.group)
 
     def broadcast_object(self, obj: object, src: int) -> object:
@@ -629,8 +627,7 @@ class Communicator:
         """Broadcast ``tensor`` over the replicate group from replica ``src``, and wait."""
         if self.replicas == 1:
             return
-        if self.check_collectives:
-            self._check_same_everywhere("broadcast", tensor, src, REPLICATE)
+        self._check_same_everywhere("broadcast", tensor, src, REPLICATE)
         dist.broadcast(
             tensor, dist.get_global_rank(self.replicate_group, src), group=self.replicate_group
         )
@@ -638,7 +635,7 @@ class Communicator:
     def all_gather_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """All-gather a 1-D int64 tensor; returns a ``(world_size, len)`` tensor."""
         codes = codes.to(self.device)
-        self._checked("all_gather", codes, 0)
+        self._check_same_everywhere("all_gather", codes, 0)
         out = [torch.empty_like(codes) for _ in range(self.world_size)]
         dist.all_gather(out, codes, group=self.group)
         return torch.stack(out).cpu()

@@ -14,9 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dmuon._comm import CommAudit, Communicator
 from dmuon._ownership.ddp_integration import keep_out_of_ddp
-from dmuon._ownership.experts import (
-    fused_gate_up_parts,
-)
+from dmuon._ownership.experts import fused_gate_up_parts
 from dmuon._ownership.flat_buffer import FlatBuffer
 from dmuon._ownership.fsdp_integration import (
     install_fsdp_filter,

@@ -404,10 +404,12 @@ class FlatBuffer:
         assert flat is not None
         divisor = self.comm.world_size * self.comm.replicas
         holders = {index: view.holder for view in self.views for index in view.entries}
-        # A view of the flat buffer keeps all of it alive: only when all of it is ours.
-        keeps_flat = self.owns_all and self.comm.replicas == 1
+        # On one replica the averages are views of the flat buffer, which keep all of it
+        # alive: kept as views only when all of it is ours (across replicas they landed in
+        # buffers of their own).
+        in_flat = self.comm.replicas == 1
+        keeps_flat = self.owns_all and in_flat
         for values, indices in self._landed:
-            in_flat = values.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
             widened = values.dtype != torch.float32
             if widened:  # summed in a narrower dtype on the wire, averaged in float32
                 values = values.float()

@@ -458,20 +458,19 @@ class DedicationRuntime:
         for boundary in self.boundaries:
             if boundary.awaits_backward:
                 self._post_backward(boundary)
-        # What is still in flight, oldest first, then every buffer (in model order) that a
-        # reduce of this backward left waiting.
+        # What this backward still has in flight, oldest first: every reduce-scatter between
+        # replicas is issued before any is waited on.
         for buffer in (b for boundary in self._averaging for b in boundary.buffers):
             buffer.finish_replica_reduce()
-        for buffer in (b for boundary in self._reducing for b in boundary.buffers):
+        reducing = [b for boundary in self._reducing for b in boundary.buffers]
+        for buffer in reducing:
             buffer.finish_reduce()
+        for buffer in reducing:
+            buffer.finish_replica_reduce()
         self._reducing.clear()
         self._averaging.clear()
         for boundary in self.boundaries:
             boundary.state = BoundaryState.IDLE
-            for buffer in boundary.buffers:
-                buffer.finish_reduce()
-        for buffer in self.buffers():
-            buffer.finish_replica_reduce()
         late, self._late_grads = self._late_grads, []
         if late:
             raise RuntimeError(

@@ -21,6 +21,7 @@ same code) and from the library's own rules:
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -29,10 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon._ownership.planner import OwnerPlan, SplitStacks
+from dmuon._ownership.planner import OwnerPlan, SplitStacks, range_name
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.selection import plan_dedication
 from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
+from dmuon.optim._validation import check_max_workspace_bytes
 from dmuon.plan._hardware import Hardware, parse_hardware
 
 GIB = 1024**3
@@ -194,13 +196,13 @@ def _spans(
             packed[boundary, owner] = _Span(owner)
             spans[boundary].append(packed[boundary, owner])
         span = packed[boundary, owner]
-        span.elements += _numel(shape)
+        span.elements += math.prod(shape)
         span.names.append(fqn)
     for fqn, ranges in plan.expert_ranges.items():
-        per_expert = _numel(shapes[fqn][1:])
+        per_expert = math.prod(shapes[fqn][1:])
         runs: list[_Span] = []
         for expert_range in sorted(ranges):
-            name = f"{fqn}[{expert_range.start}:{expert_range.stop}]"
+            name = range_name(fqn, expert_range.start, expert_range.stop)
             if not runs or runs[-1].owner != expert_range.owner:
                 runs.append(_Span(expert_range.owner))
             runs[-1].elements += (expert_range.stop - expert_range.start) * per_expert
@@ -209,24 +211,18 @@ def _spans(
     return spans
 
 
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for dim in shape:
-        count *= int(dim)
-    return count
-
-
-def _item_shape(name: str, shapes: Mapping[str, Sequence[int]]) -> tuple[int, int, int]:
-    """``(matrices, rows, cols)`` of a plan item: a matrix, a stack, or a range of one."""
-    if "[" in name:
-        fqn, bounds = name[:-1].split("[")
-        start, stop = (int(b) for b in bounds.split(":"))
-        _, rows, cols = shapes[fqn]
-        return stop - start, int(rows), int(cols)
-    shape = shapes[name]
-    if len(shape) == 3:
-        return int(shape[0]), int(shape[1]), int(shape[2])
-    return 1, int(shape[0]), int(shape[1])
+def _items(shapes: Mapping[str, Sequence[int]], plan: OwnerPlan) -> dict[str, tuple[int, int, int]]:
+    """``{plan item name: (matrices, rows, cols)}``: each matrix or stack, and each range
+    of a stack the plan split by experts."""
+    items: dict[str, tuple[int, int, int]] = {}
+    for fqn, shape in shapes.items():
+        if fqn in plan.expert_ranges:
+            _, rows, cols = shape
+            for r in plan.expert_ranges[fqn]:
+                items[range_name(fqn, r.start, r.stop)] = (r.stop - r.start, rows, cols)
+        else:
+            items[fqn] = (shape[0], shape[1], shape[2]) if len(shape) == 3 else (1, *shape)
+    return items
 
 
 def _workspace(
@@ -300,8 +296,13 @@ def plan_cluster(
         ValueError: A layout that does not divide, an unknown mode or hardware, or what
             `dmuon.dedicate_params` would refuse.
     """
+    if world < 1:
+        raise ValueError(f"the world size must be at least 1 rank, got {world}")
+    if ns_steps < 1:
+        raise ValueError(f"ns_steps must be at least 1 (5 is usual), got {ns_steps}")
+    check_max_workspace_bytes(max_workspace_bytes)
     shard = world if shard_size is None else shard_size
-    if world < 1 or shard < 1 or world % shard:
+    if shard < 1 or world % shard:
         raise ValueError(
             f"the shard size {shard} must divide the world size {world} (HSDP runs "
             "world / shard-size replicas; a 1-D mesh has shard size = world)"
@@ -317,7 +318,7 @@ def plan_cluster(
         model, shard, replicas, split_expert_stacks=split_expert_stacks
     )
     shapes = {fqn: tuple(int(d) for d in p.shape) for fqn, _, _, p, _, _ in selected}
-    p_m = sum(_numel(s) for s in shapes.values())
+    p_m = sum(math.prod(s) for s in shapes.values())
     spans = _spans(shapes, boundaries, plan)
     synced = 1 if no_sync else accum
     rounds = 1 if mode == "z2" else 2 * accum  # broadcasts of every span per step
@@ -348,8 +349,9 @@ def plan_cluster(
     )
     items_of: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
     elements_owned = plan.owned_elements()
+    item_shapes = _items(shapes, plan)
     for name, owner in plan.owners.items():
-        items_of[plan.workers[name] * shard + owner].append(_item_shape(name, shapes))
+        items_of[plan.workers[name] * shard + owner].append(item_shapes[name])
     ranks = []
     for rank in range(world):
         replica, position = divmod(rank, shard)
