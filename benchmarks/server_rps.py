@@ -27,7 +27,10 @@ from cli_types import positive_int
 def start_server(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``dmuon-server --port 0`` and return it with its URL once /healthz answers."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dmuon_server.cli", "--port", "0", "--data-dir", str(data_dir)],
+        [
+            *(sys.executable, "-m", "dmuon_server.cli", "--port", "0"),
+            *("--data-dir", str(data_dir), "--allow-same-user-jobs", "--sandbox", "none"),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

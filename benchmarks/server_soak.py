@@ -59,7 +59,8 @@ class Server:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         (self.data_dir / "server.json").unlink(missing_ok=True)
         argv = [sys.executable, "-m", "dmuon_server.cli", "--data-dir", str(self.data_dir)]
-        argv += ["--port", str(self.port), *self.flags]
+        argv += ["--port", str(self.port), "--allow-same-user-jobs", "--sandbox", "none"]
+        argv += self.flags
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 120

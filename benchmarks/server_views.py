@@ -123,7 +123,10 @@ def make_job(data_dir: Path, points: int, pad: int) -> tuple[str, float, int, in
 def start_server(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``dmuon-server --port 0`` on ``data_dir``; return it and its URL."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dmuon_server.cli", "--port", "0", "--data-dir", str(data_dir)],
+        [
+            *(sys.executable, "-m", "dmuon_server.cli", "--port", "0"),
+            *("--data-dir", str(data_dir), "--allow-same-user-jobs", "--sandbox", "none"),
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -23,6 +23,9 @@ import psutil
 from dmuon_server.config import DATA_DIR_ENV_MARKER, JOB_ENV_MARKER, Settings
 
 SERVER_TESTS = Path(__file__).resolve().parent
+#: How most tests run a server's jobs: as the server's own account (root in CI), without a
+#: sandbox; the isolation tests start servers with accounts and bubblewrap of their own.
+SAME_USER_JOBS = ("--allow-same-user-jobs", "--sandbox", "none")
 T = TypeVar("T")
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
@@ -74,6 +77,7 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "max_nproc_per_node": 4,
         "data_roots": (tmp_path / "datasets",),
         "allowed_hosts": ("testserver",),  # the Host of TestClient
+        "allow_same_user_jobs": True,  # script jobs run as the test's own account
     }
     kw.update(overrides)
     return Settings(**kw)
@@ -242,9 +246,18 @@ def iter_sse(response: httpx.Response) -> Iterator[SSEEvent]:
 class LiveServer:
     """``dmuon-server`` as a real process on a free loopback port."""
 
-    def __init__(self, data_dir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
-        """Remember how to start it; :meth:`start` does."""
+    def __init__(
+        self,
+        data_dir: Path,
+        *extra: str,
+        env: dict[str, str] | None = None,
+        own_identity: bool = False,
+    ) -> None:
+        """Remember how to start it; :meth:`start` does. Jobs run as the server's account
+        without a sandbox (:data:`SAME_USER_JOBS`) unless ``own_identity``: then ``extra``
+        says how."""
         self.data_dir = data_dir
+        self.own_identity = own_identity
         # Tests say which GPUs the server has: none unless they declare some (on a GPU host
         # `--gpus auto` would make jobs wait for devices the test does not know about).
         self.extra = list(extra) if "--gpus" in extra else [*extra, "--gpus", "none"]
@@ -268,6 +281,7 @@ class LiveServer:
                     "0",
                     "--data-dir",
                     str(self.data_dir),
+                    *(() if self.own_identity else SAME_USER_JOBS),
                     *self.extra,
                 ],
                 env=self.env,

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import SERVER_TESTS, LiveServer, SSEEvent, iter_sse, job_spec, wait_until
+from server_helpers import (
+    SAME_USER_JOBS,
+    SERVER_TESTS,
+    LiveServer,
+    SSEEvent,
+    iter_sse,
+    job_spec,
+    wait_until,
+)
 
 
 def _env(**fake: str) -> dict[str, str]:
@@ -171,7 +179,7 @@ def test_live_server_with_token(server_factory, tmp_path: Path) -> None:
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "dmuon_server.cli", "--port", "0", *args],
+        [sys.executable, "-m", "dmuon_server.cli", "--port", "0", *SAME_USER_JOBS, *args],
         capture_output=True,
         text=True,
         timeout=60,

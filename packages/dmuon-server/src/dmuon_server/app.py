@@ -17,6 +17,7 @@ from dmuon_server.errors import install_error_handlers
 from dmuon_server.fingerprint import PREFIX as FINGERPRINT_PREFIX
 from dmuon_server.fingerprint import stored_spec_fingerprint
 from dmuon_server.hosts import HostCheckMiddleware
+from dmuon_server.identity import IdentityError, JobIdentities
 from dmuon_server.launchers.handover import check_launcher_matches
 from dmuon_server.launchers.slurm_jobs import check_slurm
 from dmuon_server.limits import BodySizeLimitMiddleware
@@ -49,6 +50,10 @@ def create_app(
             users = Users(settings.users_file, settings.token)
         except UsersFileError as e:
             raise StartupError(str(e)) from None
+    try:
+        identities = JobIdentities(settings, users)
+    except IdentityError as e:
+        raise StartupError(str(e)) from None
     check_data_dir(settings.data_dir, settings.jobs_dir)
     if settings.launcher == "slurm":
         check_slurm(settings)
@@ -56,13 +61,17 @@ def create_app(
         store = Store(settings.db_path)
     except StoreError as e:
         raise StartupError(str(e)) from None
+    try:
+        identities.secure_data_dir()
+    except IdentityError as e:
+        raise StartupError(str(e)) from None
     check_launcher_matches(store, settings.launcher)
     store.refresh_spec_hashes(stored_spec_fingerprint, FINGERPRINT_PREFIX)
     hub = Hub()
     tailer = MetricsTailer(
         store, hub, lambda job_id, text: PublicPaths(settings, settings.job_dir(job_id)).text(text)
     )
-    supervisor = Supervisor(settings, store, hub, tailer)
+    supervisor = Supervisor(settings, store, hub, tailer, identities=identities)
     data_lock = lock or DataDirLock(settings.data_dir)
 
     @asynccontextmanager
@@ -96,6 +105,7 @@ def create_app(
     app.state.supervisor = supervisor
     app.state.tailer = tailer
     app.state.users = users
+    app.state.identities = identities
     install_error_handlers(app)
     app.include_router(service.router)
     app.include_router(jobs.router)

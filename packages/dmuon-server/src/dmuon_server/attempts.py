@@ -11,15 +11,19 @@ whichever launcher ran it.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dmuon_server.config import Settings
+from dmuon_server.identity import Account, JobIdentities, account_env, chown_to, job_home
 from dmuon_server.jobfiles import (
     CHECKPOINT_DIR,
+    LOG_FILE,
     SPEC_FILE,
     CheckpointInfo,
     describe_failure,
@@ -33,6 +37,7 @@ from dmuon_server.metrics import MetricsTailer, metrics_stream
 from dmuon_server.paths import PublicPaths
 from dmuon_server.records import JobRecord
 from dmuon_server.runner import EXIT_FILE
+from dmuon_server.safefiles import open_in
 from dmuon_server.store import Store
 
 #: How a launcher changes a job's state (:func:`dmuon_server.lifecycle.move_job` bound to
@@ -48,6 +53,8 @@ class AttemptStart:
     argv: list[str]
     env: dict[str, str]
     resumed_from: CheckpointInfo | None
+    #: The account the attempt runs as (None: the server's own).
+    account: Account | None = None
 
 
 def next_cause(store: Store, job: JobRecord) -> str:
@@ -56,12 +63,19 @@ def next_cause(store: Store, job: JobRecord) -> str:
 
 
 def begin(
-    settings: Settings, store: Store, job: JobRecord, cause: str, gpus: list[int]
+    settings: Settings,
+    store: Store,
+    job: JobRecord,
+    cause: str,
+    gpus: list[int],
+    identities: JobIdentities,
 ) -> AttemptStart:
-    """Record a new attempt of ``job`` and prepare its folder; return what to launch.
+    """Record a new attempt of ``job`` and prepare its folder, owned by the account the job
+    runs as (``identities``); return what to launch.
 
-    Raises :class:`OSError` when the job's folder cannot be written (the attempt is then
-    recorded; conclude it with :func:`fail_to_start`).
+    Raises :class:`OSError` when the job's folder cannot be written and
+    :class:`~dmuon_server.identity.IdentityError` when the job's account is unusable (the
+    attempt is then recorded; conclude it with :func:`fail_to_start`).
     """
     job_dir = settings.job_dir(job.id)
     latest = latest_checkpoint(job_dir / CHECKPOINT_DIR)
@@ -76,11 +90,31 @@ def begin(
         gpus=gpus,
         resume_from=latest.path if latest is not None else None,
     )
-    start = AttemptStart(number, argv, job_env(settings, plan_env), latest)
-    job_dir.mkdir(parents=True, exist_ok=True)
-    (job_dir / SPEC_FILE).write_text(job.spec)
+    account = identities.account_for(job.user or "")
+    home = job_home(account, job_dir, sandboxed=settings.sandbox == "bwrap")
+    env = job_env(settings, {**plan_env, **account_env(account, home)})
+    identities.prepare_job_dir(job_dir, account)
+    write_job_file(job_dir, SPEC_FILE, job.spec.encode(), account)
     (job_dir / EXIT_FILE).unlink(missing_ok=True)  # the previous attempt's report
-    return start
+    return AttemptStart(number, argv, env, latest, account)
+
+
+def write_job_file(job_dir: Path, name: str, data: bytes, account: Account | None) -> None:
+    """Write the file ``name`` of a job's folder, owned by the job's ``account``, never
+    through a link the job put in its place."""
+    (job_dir / name).unlink(missing_ok=True)
+    fd = open_in(job_dir, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    with os.fdopen(fd, "wb") as f:
+        chown_to(f.fileno(), account)
+        f.write(data)
+
+
+def open_job_log(job_dir: Path, account: Account | None) -> int:
+    """A descriptor appending to the job's log (created owned by ``account``), opened
+    without following a link the job put in its place."""
+    fd = open_in(job_dir, LOG_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    chown_to(fd, account)
+    return fd
 
 
 def fail_to_start(

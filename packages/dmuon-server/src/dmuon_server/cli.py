@@ -3,15 +3,23 @@
 Refuses to listen on a non-loopback address without a token. ``--port 0`` picks a free
 port; the address actually bound is printed and written to ``<data-dir>/server.json``.
 
-Start-up order: check the flags and the token, lock the data directory, check the data
+Start-up order: check the flags and the token, take the secrets out of the environment,
+choose the jobs' Unix accounts and sandbox, lock the data directory, check the data
 directory and open the database, bind the socket, write ``server.json``, print
 "listening". Every problem before that is one ``dmuon-server: error:`` line naming the
 path and the cause, with exit status 2.
+
+Secrets never stay where a process could read them: a token given with ``--token`` or in
+``DMUON_SERVER_TOKEN``, and every variable named by ``--secret-env``, are read once, then
+the server executes itself again without them (its ``/proc/<pid>/environ`` and
+``/proc/<pid>/cmdline`` keep what a process started with), receiving the token through a
+pipe.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import logging
 import os
@@ -20,7 +28,7 @@ import socket
 import sys
 from pathlib import Path
 
-from dmuon_server import __version__
+from dmuon_server import __version__, sandbox
 from dmuon_server.auth import TokenError, check_token, read_token_file
 from dmuon_server.config import (
     DEFAULT_JOB_MEMORY_FRACTION,
@@ -34,6 +42,7 @@ from dmuon_server.datadir import DataDirLock, StartupError, write_server_info
 from dmuon_server.gpus import GpuSpecError
 from dmuon_server.gpus import parse as parse_gpus
 from dmuon_server.hosts import LOOPBACK_NAMES
+from dmuon_server.identity import IdentityError, JobIdentities
 from dmuon_server.users import Users, UsersFileError
 
 log = logging.getLogger("dmuon_server.cli")
@@ -187,6 +196,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="where jobs run: local (torchrun on this host) or slurm (sbatch; the data "
         "directory must be on a filesystem every node mounts at the same path)",
     )
+    p.add_argument(
+        "--job-user",
+        default=None,
+        metavar="ACCOUNT",
+        help="Unix account jobs run as when their user has no unix_user in the users file "
+        "(a dedicated unprivileged account; the server must run as root)",
+    )
+    p.add_argument(
+        "--allow-same-user-jobs",
+        action="store_true",
+        help="let jobs without an account of their own run as the server's own Unix account "
+        "(script jobs are refused otherwise, and a root server refuses to start): a job can "
+        "then read the server's files",
+    )
+    p.add_argument(
+        "--sandbox",
+        choices=["auto", "bwrap", "none"],
+        default="auto",
+        help="run each local job in a bubblewrap sandbox that shows it only its folder, its "
+        "code, the data and model roots and its own processes: bwrap (required), none, or "
+        "auto (bwrap where it works)",
+    )
+    p.add_argument("--token-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
@@ -198,7 +230,11 @@ def _error(message: str) -> int:
 
 
 def _token(args: argparse.Namespace) -> str | None:
-    """The token from --token, --token-file or the environment (checked), or None."""
+    """The token from --token, --token-file, the environment or the pipe of a server that
+    executed itself again (checked), or None."""
+    if args.token_fd is not None:
+        with os.fdopen(args.token_fd, "rb") as pipe:
+            return check_token(pipe.read().decode(), "the token pipe")
     given = [
         n for n, v in (("--token", args.token), ("--token-file", args.token_file)) if v is not None
     ]
@@ -244,6 +280,55 @@ def _listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _without_token_flag(argv: list[str]) -> list[str]:
+    """``argv`` without ``--token VALUE`` / ``--token=VALUE``."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--token":
+            skip = True
+        elif not a.startswith("--token="):
+            out.append(a)
+    return out
+
+
+def _secret_names(args: argparse.Namespace) -> list[str]:
+    """The secret variables present in this process's environment."""
+    return [n for n in (TOKEN_ENV, *args.secret_env) if n in os.environ]
+
+
+def _exec_without_secrets(argv: list[str], token: str | None, secrets: list[str]) -> None:
+    """Execute this server again without ``secrets`` in its environment nor the token on
+    its command line; the token travels through a pipe (it fits in the pipe's buffer)."""
+    env = {k: v for k, v in os.environ.items() if k not in secrets}
+    args = _without_token_flag(argv)
+    if token is not None:
+        read_end, write_end = os.pipe()
+        os.write(write_end, token.encode())
+        os.close(write_end)
+        os.set_inheritable(read_end, True)
+        args += ["--token-fd", str(read_end)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "dmuon_server", *args], env)
+
+
+def _choose_sandbox(args: argparse.Namespace, identities: JobIdentities) -> str:
+    """``bwrap`` or ``none`` for ``--sandbox``; raises :class:`StartupError` when bwrap was
+    required and does not work."""
+    if args.sandbox == "none" or args.launcher != "local":
+        return "none"
+    why = sandbox.probe(identities.job_user)
+    if why is None:
+        return "bwrap"
+    if args.sandbox == "bwrap":
+        raise StartupError(f"--sandbox bwrap: {why}; install bubblewrap, or pass --sandbox none")
+    log.warning("jobs run without a sandbox: %s", why)
+    return "none"
+
+
 def _reload_users(users: Users) -> None:
     """SIGHUP: read the users file again, or say there is none and carry on."""
     if users.path is None:
@@ -259,6 +344,12 @@ def main(argv: list[str] | None = None) -> int:
         token = _token(args)
     except TokenError as e:
         return _error(str(e))
+    os.umask(0o077)  # the database, server.json, logs: the server's alone
+    secrets = _secret_names(args)
+    if argv is None and (secrets or args.token is not None):
+        _exec_without_secrets(sys.argv[1:], token, secrets)
+    for name in secrets:  # called in-process (argv given): at least out of os.environ
+        os.environ.pop(name, None)
     if not is_loopback(args.host) and not token and args.users_file is None:
         return _error(
             f"refusing to listen on {args.host} without a token; pass --token-file or set "
@@ -297,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
             "and no token is given, so nobody could sign in; add a user to the file, pass "
             f"--token-file or set {TOKEN_ENV}, or listen on 127.0.0.1"
         )
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     settings = Settings(
         data_dir=args.data_dir,
         token=token,
@@ -318,10 +412,17 @@ def main(argv: list[str] | None = None) -> int:
         gpus=gpus,
         code_roots=tuple(args.code_root or ()),
         users_file=args.users_file,
+        job_user=args.job_user,
+        allow_same_user_jobs=args.allow_same_user_jobs,
     )
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    try:
+        identities = JobIdentities(settings, users)
+        problem = identities.startup_problem()
+        if problem is not None:
+            return _error(problem)
+        settings = dataclasses.replace(settings, sandbox=_choose_sandbox(args, identities))
+    except (IdentityError, StartupError) as e:
+        return _error(str(e))
 
     import uvicorn
 

@@ -78,6 +78,14 @@ class Settings:
         code_roots: Folders a script job's ``script.path`` must lie in (``--code-root``);
             none by default: script jobs are refused.
         users_file: The users and their token hashes (``--users-file``), or None.
+        job_user: The Unix account jobs run as (``--job-user``) when their user has no
+            ``unix_user``; None: the server's own (see :mod:`dmuon_server.identity`).
+        allow_same_user_jobs: Whether script jobs may run as the server's own account, and
+            a root server may run jobs as root (``--allow-same-user-jobs``).
+        sandbox: ``bwrap``: each local job runs in a bubblewrap sandbox that shows it only
+            its folder, its code, the data and model roots and a private ``/proc``
+            (:mod:`dmuon_server.sandbox`); ``none``: no sandbox. The CLI's ``auto`` becomes
+            one of them at start-up.
         allowed_hosts: Host names requests may name besides the loopback ones
             (``--allowed-host``); see :mod:`dmuon_server.hosts`. Given, they turn the
             ``Host`` and ``Origin`` checks on for a server with a token too.
@@ -107,6 +115,9 @@ class Settings:
     gpus: tuple[int, ...] = ()
     code_roots: tuple[Path, ...] = ()
     users_file: Path | None = None
+    job_user: str | None = None
+    allow_same_user_jobs: bool = False
+    sandbox: Literal["bwrap", "none"] = "none"
 
     def __post_init__(self) -> None:
         """Normalise paths (absolute, symlinks resolved) and check the numbers."""
@@ -126,6 +137,8 @@ class Settings:
             raise ValueError("max_nproc_per_node must be at least 1")
         if self.launcher not in ("local", "slurm"):
             raise ValueError(f"launcher must be 'local' or 'slurm', not {self.launcher!r}")
+        if self.sandbox not in ("bwrap", "none"):
+            raise ValueError(f"sandbox must be 'bwrap' or 'none', not {self.sandbox!r}")
         if self.max_body_bytes < 1 or self.max_job_memory < 1:
             raise ValueError("max_body_bytes and max_job_memory must be at least 1")
         if self.token is not None and not self.token:

@@ -75,7 +75,11 @@ def start_server(data_dir: Path, timeout: float = 60.0) -> tuple[subprocess.Pope
     """Start ``dmuon-server --port 0`` and return the process and its URL."""
     log = (data_dir / "server.log").open("ab")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dmuon_server.cli", "--port", "0", "--data-dir", str(data_dir)],
+        # The demo runs the recipe only, as whoever runs the demo (root included).
+        [
+            *(sys.executable, "-m", "dmuon_server.cli", "--port", "0"),
+            *("--data-dir", str(data_dir), "--allow-same-user-jobs"),
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )

@@ -9,6 +9,7 @@ from fastapi import Depends, Path, Request
 
 from dmuon_server.config import Settings
 from dmuon_server.errors import ApiError
+from dmuon_server.identity import JobIdentities
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.records import JobRecord
 from dmuon_server.store import Store
@@ -50,6 +51,11 @@ def get_users(request: Request) -> Users:
     return request.app.state.users
 
 
+def get_identities(request: Request) -> JobIdentities:
+    """Which Unix account each job runs as."""
+    return request.app.state.identities
+
+
 def get_user(request: Request) -> User:
     """Who the request comes from (the token middleware says; without tokens, anyone)."""
     return getattr(request.state, "user", ANONYMOUS)
@@ -62,6 +68,7 @@ SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
 TailerDep = Annotated[MetricsTailer, Depends(get_tailer)]
 UsersDep = Annotated[Users, Depends(get_users)]
 UserDep = Annotated[User, Depends(get_user)]
+IdentitiesDep = Annotated[JobIdentities, Depends(get_identities)]
 
 
 def may_see(user: User, job: JobRecord) -> bool:

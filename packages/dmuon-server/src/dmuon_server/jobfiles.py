@@ -16,13 +16,16 @@ import os
 import re
 import shutil
 import signal
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import dmuon_recipe_contract as contract
 
+from dmuon_server.identity import Account, chown_to
 from dmuon_server.runner import EXIT_FILE
+from dmuon_server.safefiles import open_in, open_path_in
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
@@ -36,6 +39,8 @@ SPEC_FILE = "spec.json"
 TORCHRUN_LOG_DIR = "torchrun-logs"
 #: Longest exception message a failure's ``reason`` quotes in full.
 _REASON_MESSAGE_CHARS = 300
+#: The runner's report is a few KiB; a larger file is not one.
+_EXIT_REPORT_MAX_BYTES = 1 << 20
 
 
 def metrics_file(attempt: int) -> str:
@@ -114,32 +119,61 @@ def trained_to_the_end(job_dir: Path, steps: int) -> bool:
     return latest is not None and latest.step >= steps
 
 
-def link_tree(source: Path, target: Path) -> None:
-    """Copy the folder ``source`` to ``target`` with hard links (plain copies across
-    file systems), so that the copy costs no space and outlives ``source``."""
+def link_tree(source: Path, target: Path, owner: Account | None = None) -> None:
+    """Copy the folder ``source`` (another job's checkpoint) to ``target`` for a job running
+    as ``owner``, so that the copy outlives ``source``.
 
-    def link_or_copy(src: str, dst: str) -> None:
+    Files ``owner`` already owns are hard-linked (no space taken; plain copies across file
+    systems); others are copied and given to ``owner``. Only folders and regular files are
+    taken: a link or FIFO the source job left is skipped, never followed.
+    """
+    target.mkdir(parents=True, mode=0o700)
+    chown_to(target, owner)
+    owner_uid = owner.uid if owner is not None else os.geteuid()
+    for entry in os.scandir(source):
+        st = entry.stat(follow_symlinks=False)
+        dst = target / entry.name
+        if stat.S_ISDIR(st.st_mode):
+            link_tree(Path(entry.path), dst, owner)
+        elif stat.S_ISREG(st.st_mode):
+            _link_or_copy(Path(entry.path), dst, owner, linkable=st.st_uid == owner_uid)
+
+
+def _link_or_copy(src: Path, dst: Path, owner: Account | None, *, linkable: bool) -> None:
+    if linkable:
         try:
-            os.link(src, dst)
+            os.link(src, dst, follow_symlinks=False)
         except OSError:
-            shutil.copy2(src, dst)
+            pass
+        else:
+            if stat.S_ISREG(os.lstat(dst).st_mode):
+                return
+            dst.unlink()  # replaced by a link between the look and the link: skip it
+            return
+    fd = open_in(src.parent, src.name)
+    with os.fdopen(fd, "rb") as fin:
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(out, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 1 << 20)
+            chown_to(fout.fileno(), owner)
 
-    shutil.copytree(source, target, copy_function=link_or_copy, symlinks=False)
 
-
-def tail_lines(path: Path, n: int, max_bytes: int = 1 << 20) -> tuple[list[str], bool]:
-    """Return the last ``n`` lines of a text file (reading at most ``max_bytes``).
+def tail_lines(
+    path: Path, n: int, max_bytes: int = 1 << 20, *, root: Path
+) -> tuple[list[str], bool]:
+    """Return the last ``n`` lines of a text file below the job folder ``root`` (reading at
+    most ``max_bytes``; no link below ``root`` is followed, see :mod:`dmuon_server.safefiles`).
 
     The second value tells whether the file has more lines than returned.
     """
     try:
-        with path.open("rb") as f:
+        with os.fdopen(open_path_in(root, path), "rb") as f:
             f.seek(0, os.SEEK_END)
             size = f.tell()
             start = max(0, size - max_bytes)
             f.seek(start)
             data = f.read()
-    except FileNotFoundError:
+    except OSError:  # missing, or a link or FIFO the job put there
         return [], False
     lines = data.decode("utf-8", "replace").splitlines()
     if start > 0 and lines:
@@ -151,8 +185,9 @@ def tail_lines(path: Path, n: int, max_bytes: int = 1 << 20) -> tuple[list[str],
 def read_exit_report(job_dir: Path) -> dict[str, Any] | None:
     """The runner's exit report, or None when it wrote none (yet)."""
     try:
-        data = json.loads((job_dir / EXIT_FILE).read_text())
-    except (FileNotFoundError, ValueError):
+        with os.fdopen(open_in(job_dir, EXIT_FILE), "rb") as f:
+            data = json.loads(f.read(_EXIT_REPORT_MAX_BYTES))
+    except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
 
@@ -178,10 +213,10 @@ def _rank_log_tail(job_dir: Path, failure: dict[str, Any], n: int) -> tuple[Path
         )
         rank_dir = candidates[-1] if candidates else None
     if rank_dir is None:
-        lines, _ = tail_lines(job_dir / LOG_FILE, n)
+        lines, _ = tail_lines(job_dir / LOG_FILE, n, root=job_dir)
         return job_dir / LOG_FILE, lines
     for name in ("stderr.log", "stdout.log"):
-        lines, _ = tail_lines(rank_dir / name, n)
+        lines, _ = tail_lines(rank_dir / name, n, root=job_dir)
         if any(line.strip() for line in lines):
             return rank_dir / name, lines
     return rank_dir / "stderr.log", []
@@ -243,7 +278,7 @@ def _describe_failure(
             why = f"the job's launcher exited with code {launcher_rc} without an exit report"
         else:
             why = "the job's processes vanished while the server was down (no exit report)"
-        lines, _ = tail_lines(job_dir / LOG_FILE, n)
+        lines, _ = tail_lines(job_dir / LOG_FILE, n, root=job_dir)
         sig = signal_name(-launcher_rc) if launcher_rc is not None and launcher_rc < 0 else None
         return {
             "reason": why,
@@ -294,7 +329,7 @@ def _describe_failure(
         why = f"torchrun failed: {err}"
     else:
         why = f"torchrun exited with code {rc}"
-    lines, _ = tail_lines(job_dir / LOG_FILE, n)
+    lines, _ = tail_lines(job_dir / LOG_FILE, n, root=job_dir)
     return {
         "reason": why,
         "rank": None,

@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dmuon_server import recipe_events
+from dmuon_server.safefiles import open_in
 from dmuon_server.schemas import encode_nonfinite
 from dmuon_server.store import EventRecord, Store
 
@@ -263,14 +265,15 @@ class MetricsTailer:
         offset = self.store.get_offset(job_id, stream)
         stored = noted = 0
         try:
-            f = path.open("rb")
+            # A job may put a link (to a file of the server) or a FIFO in its file's place.
+            f = os.fdopen(open_in(path.parent, path.name), "rb")
         except FileNotFoundError:
             return 0
         except OSError as e:
             log.warning("job %s: cannot read its metrics file: %s", job_id, e.strerror or e)
             return 0
         with f:
-            size = path.stat().st_size
+            size = os.fstat(f.fileno()).st_size
             if size < offset:
                 log.warning("metrics file of job %s shrank; re-reading it from the start", job_id)
                 offset = 0

@@ -20,6 +20,7 @@ from typing import Any
 
 from dmuon_server import queue_policy
 from dmuon_server.config import Settings
+from dmuon_server.identity import JobIdentities
 from dmuon_server.launch import gpus_per_node
 from dmuon_server.launchers.base import Launcher
 from dmuon_server.launchers.local import LocalLauncher
@@ -30,6 +31,7 @@ from dmuon_server.queue_policy import Place, Plan, Waiting
 from dmuon_server.records import JobRecord
 from dmuon_server.schemas import ACTIVE_STATES, TERMINAL_STATES
 from dmuon_server.store import Store, StoreFull
+from dmuon_server.users import Users
 
 log = logging.getLogger("dmuon_server.supervisor")
 
@@ -54,17 +56,20 @@ class Supervisor:
         hub: Hub,
         tailer: MetricsTailer,
         launcher: Launcher | None = None,
+        *,
+        identities: JobIdentities | None = None,
     ) -> None:
-        """Create a supervisor over ``launcher`` (by default the one ``settings`` name);
-        :meth:`start` runs it."""
+        """Create a supervisor over ``launcher`` (by default the one ``settings`` name,
+        running jobs as ``identities`` say); :meth:`start` runs it."""
+        identities = identities or JobIdentities(settings, Users(None))
         self.settings = settings
         self.store = store
         self.hub = hub
         self.tailer = tailer
         self.launcher: Launcher = launcher or (
-            SlurmLauncher(settings, store, hub, tailer, self._move)
+            SlurmLauncher(settings, store, hub, tailer, self._move, identities)
             if settings.launcher == "slurm"
-            else LocalLauncher(settings, store, hub, tailer, self._move)
+            else LocalLauncher(settings, store, hub, tailer, self._move, identities)
         )
         self._lock = threading.RLock()
         self._wake = threading.Event()

@@ -2,10 +2,13 @@
 
 The users file holds SHA-256 hashes of tokens, never tokens::
 
-    {"users": [{"name": "ada", "token_sha256": "9f86d0...", "admin": false}, ...]}
+    {"users": [{"name": "ada", "token_sha256": "9f86d0...", "admin": false,
+                "unix_user": "ada"}, ...]}
 
-(``printf %s "$TOKEN" | sha256sum`` gives the hash). It must not be readable or writable by
-other users (``chmod 600`` or ``640``): whoever can write it can make themselves admin. It
+(``printf %s "$TOKEN" | sha256sum`` gives the hash; ``unix_user``, optional, is the Unix
+account the user's jobs run as, see :mod:`dmuon_server.identity`). It must not be readable
+or writable by other users (``chmod 600`` or ``640``): whoever can write it can make
+themselves admin. It
 is read at start (a bad file stops the server) and again on SIGHUP (a bad file then keeps
 the users loaded before, and says why in the log). ``--token`` is one more user, the admin
 called ``admin``. A user sees and acts on their own jobs only; an admin on every job.
@@ -31,6 +34,9 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 #: The user ``--token`` stands for.
 TOKEN_USER = "admin"
 _HASH = re.compile(r"^[0-9a-f]{64}$")
+_ENTRY_KEYS = {"name", "token_sha256", "admin", "unix_user"}
+#: What a Unix account name may be (the portable set ``useradd`` accepts).
+_UNIX_NAME = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}\$?$")
 
 
 class UsersFileError(ValueError):
@@ -43,6 +49,8 @@ class User:
 
     name: str
     admin: bool = False
+    #: The Unix account this user's jobs run as (None: the server's ``--job-user``).
+    unix_user: str | None = None
 
 
 #: Who a request comes from on a server without tokens: nobody in particular, allowed all.
@@ -78,8 +86,10 @@ def read_users_file(path: Path) -> list[tuple[User, str]]:
     hashes: set[str] = set()
     for i, entry in enumerate(entries):
         where = f"users[{i}] of {path}"
-        if not isinstance(entry, dict) or set(entry) - {"name", "token_sha256", "admin"}:
-            raise UsersFileError(f"{where}: give name, token_sha256 and optionally admin")
+        if not isinstance(entry, dict) or set(entry) - _ENTRY_KEYS:
+            raise UsersFileError(
+                f"{where}: give name, token_sha256 and optionally admin and unix_user"
+            )
         name, digest, admin = (
             entry.get("name"),
             entry.get("token_sha256"),
@@ -96,13 +106,18 @@ def read_users_file(path: Path) -> list[tuple[User, str]]:
             )
         if not isinstance(admin, bool):
             raise UsersFileError(f"{where}: admin must be true or false")
+        unix_user = entry.get("unix_user")
+        if unix_user is not None and (
+            not isinstance(unix_user, str) or not _UNIX_NAME.match(unix_user)
+        ):
+            raise UsersFileError(f"{where}: unix_user {unix_user!r} is not a Unix account name")
         if name in names:
             raise UsersFileError(f"{where}: the name {name!r} is given twice")
         if digest in hashes:
             raise UsersFileError(f"{where}: two users have the same token")
         names.add(name)
         hashes.add(digest)
-        out.append((User(name, admin), digest))
+        out.append((User(name, admin, unix_user), digest))
     return out
 
 
@@ -183,6 +198,17 @@ class Users:
             return valid
 
         return still_valid
+
+    def unix_user_of(self, name: str) -> str | None:
+        """The ``unix_user`` of the user called ``name`` (None: none given, or no such
+        user)."""
+        with self._lock:
+            return next((u.unix_user for u, _ in self._entries if u.name == name), None)
+
+    def unix_users(self) -> list[str]:
+        """Every ``unix_user`` the file names."""
+        with self._lock:
+            return [u.unix_user for u, _ in self._entries if u.unix_user]
 
     def all(self) -> list[User]:
         """Every user, in the file's order (``--token``'s admin last)."""

@@ -31,14 +31,16 @@ import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import psutil
 
-from dmuon_server import attempts
+from dmuon_server import attempts, sandbox
 from dmuon_server.attempts import Move
 from dmuon_server.config import Settings
 from dmuon_server.datadir import disk_full
-from dmuon_server.jobfiles import DISK_FULL_TEXT, LOG_FILE, metrics_file, read_exit_report
+from dmuon_server.identity import IdentityError, JobIdentities, drop_privileges
+from dmuon_server.jobfiles import DISK_FULL_TEXT, metrics_file, read_exit_report
 from dmuon_server.launchers.base import Isolated
 from dmuon_server.launchers.full_disk import FullDisk
 from dmuon_server.metrics import Hub, MetricsTailer, metrics_stream
@@ -61,10 +63,18 @@ class LocalLauncher:
     """torchrun on this host (see the module docstring)."""
 
     def __init__(
-        self, settings: Settings, store: Store, hub: Hub, tailer: MetricsTailer, move: Move
+        self,
+        settings: Settings,
+        store: Store,
+        hub: Hub,
+        tailer: MetricsTailer,
+        move: Move,
+        identities: JobIdentities,
     ) -> None:
-        """Launch into ``settings.jobs_dir`` and record through ``store`` and ``move``."""
+        """Launch into ``settings.jobs_dir`` as the accounts ``identities`` say, and record
+        through ``store`` and ``move``."""
         self.settings = settings
+        self.identities = identities
         self.store = store
         self.hub = hub
         self.tailer = tailer
@@ -150,7 +160,18 @@ class LocalLauncher:
             return
         job_dir = self.settings.job_dir(job.id)
         try:
-            start = attempts.begin(self.settings, self.store, job, cause, gpus)
+            start = attempts.begin(self.settings, self.store, job, cause, gpus, self.identities)
+        except IdentityError as e:
+            why = f"could not choose the job's Unix account: {e}"
+            attempts.fail_to_start(
+                self.store,
+                self._move,
+                job.id,
+                self.store.current_attempt(job.id),
+                why,
+                ACTIVE_STATES,
+            )
+            return
         except OSError as e:
             why = f"could not prepare the job's folder: {e.strerror or e}"
             attempts.fail_to_start(
@@ -163,9 +184,18 @@ class LocalLauncher:
             )
             return
         try:
-            with (job_dir / LOG_FILE).open("ab") as logf:
+            argv = start.argv
+            if self.settings.sandbox == "bwrap":
+                argv = sandbox.wrap(
+                    argv,
+                    job_dir=job_dir,
+                    env=start.env,
+                    read_only=self._read_only_roots(),
+                    gpus=bool(gpus),
+                )
+            with os.fdopen(attempts.open_job_log(job_dir, start.account), "ab") as logf:
                 proc = subprocess.Popen(
-                    start.argv,
+                    argv,
                     cwd=job_dir,
                     env=start.env,
                     stdin=subprocess.DEVNULL,
@@ -173,6 +203,7 @@ class LocalLauncher:
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
                     close_fds=True,
+                    **drop_privileges(start.account),
                 )
         except OSError as e:
             why = f"could not start the job: {e.strerror or e}"
@@ -188,6 +219,11 @@ class LocalLauncher:
         log.info("job %s: attempt %d started pid %d on GPUs %s", job.id, start.number, proc.pid,
                  gpus or "none")  # fmt: skip
         self.hub.notify(job.id)
+
+    def _read_only_roots(self) -> list[Path]:
+        """What a sandboxed job may read besides its code: the code, data and model roots."""
+        s = self.settings
+        return [*s.code_roots, *s.data_roots, *s.model_roots]
 
     # ---------------------------------------------------------------------- watch
 

@@ -24,6 +24,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from dmuon_server.identity import Account, drop_privileges
+
 #: The commands the backend runs; all must be on the server's PATH.
 SLURM_COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sacct")
 #: Slurm states of jobs that have not started yet.
@@ -265,7 +267,7 @@ class SlurmClient:
         return [c for c in SLURM_COMMANDS if shutil.which(c) is None]
 
     def _run(
-        self, argv: list[str], env: dict[str, str] | None = None
+        self, argv: list[str], env: dict[str, str] | None = None, account: Account | None = None
     ) -> subprocess.CompletedProcess[str]:
         try:
             return subprocess.run(
@@ -276,13 +278,16 @@ class SlurmClient:
                 stdin=subprocess.DEVNULL,
                 timeout=_COMMAND_TIMEOUT_S,
                 check=False,
+                **drop_privileges(account),
             )
         except (OSError, subprocess.TimeoutExpired) as e:
             raise SlurmError(f"{argv[0]} could not run: {e}") from None
 
-    def submit(self, script: Path, env: dict[str, str]) -> str:
-        """``sbatch`` the script with ``env`` as the job's environment; return the job id."""
-        out = self._run(["sbatch", "--parsable", str(script)], env=env)
+    def submit(self, script: Path, env: dict[str, str], account: Account | None = None) -> str:
+        """``sbatch`` the script with ``env`` as the job's environment, as ``account`` (so
+        that Slurm runs the job as that account; None: the server's own); return the job
+        id."""
+        out = self._run(["sbatch", "--parsable", str(script)], env=env, account=account)
         if out.returncode != 0:
             msg = (out.stderr or out.stdout).strip().replace("sbatch: error: ", "")
             raise SlurmError(f"sbatch refused the job: {msg}")

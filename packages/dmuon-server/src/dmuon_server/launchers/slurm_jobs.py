@@ -23,9 +23,10 @@ import time
 from pathlib import Path
 
 from dmuon_server import attempts
-from dmuon_server.attempts import Move, SchedulerEnd
+from dmuon_server.attempts import Move, SchedulerEnd, write_job_file
 from dmuon_server.config import Settings
 from dmuon_server.datadir import StartupError
+from dmuon_server.identity import Account, IdentityError, JobIdentities
 from dmuon_server.jobfiles import LOG_FILE, TORCHRUN_LOG_DIR, metrics_file, read_exit_report
 from dmuon_server.launch import program_of
 from dmuon_server.launchers.base import Isolated
@@ -43,6 +44,7 @@ from dmuon_server.metrics import Hub, MetricsTailer, metrics_stream
 from dmuon_server.records import JobRecord
 from dmuon_server.schemas import JobCreate
 from dmuon_server.store import Store
+from dmuon_server.users import Users
 
 log = logging.getLogger("dmuon_server.slurm")
 
@@ -58,9 +60,15 @@ def job_name(job_id: str) -> str:
 
 
 def write_batch_script(
-    settings: Settings, spec: JobCreate, job_dir: Path, attempt: int, recipe: list[str]
+    settings: Settings,
+    spec: JobCreate,
+    job_dir: Path,
+    attempt: int,
+    recipe: list[str],
+    account: Account | None = None,
 ) -> Path:
-    """Write attempt ``attempt``'s sbatch script into the job's folder and return its path.
+    """Write attempt ``attempt``'s sbatch script into the job's folder (owned by the job's
+    ``account``) and return its path.
 
     ``recipe`` is the program torchrun runs: ``-m MODULE FLAGS...`` or a script and its
     arguments.
@@ -89,9 +97,9 @@ def write_batch_script(
         recipe=recipe,
         runner_flags=["--ignore-sigterm"],
     )
-    path = job_dir / f"slurm-attempt-{attempt}.sh"
-    path.write_text(text)
-    return path
+    name = f"slurm-attempt-{attempt}.sh"
+    write_job_file(job_dir, name, text.encode(), account)
+    return job_dir / name
 
 
 def check_slurm(settings: Settings) -> None:
@@ -119,10 +127,13 @@ class SlurmLauncher:
         hub: Hub,
         tailer: MetricsTailer,
         move: Move,
+        identities: JobIdentities | None = None,
         client: SlurmClient | None = None,
     ) -> None:
-        """Work on ``store`` with ``move`` (the state change that wakes the streams)."""
+        """Work on ``store`` with ``move`` (the state change that wakes the streams),
+        submitting as the accounts ``identities`` say."""
         self.settings = settings
+        self.identities = identities or JobIdentities(settings, Users(None))
         self.store = store
         self.hub = hub
         self.tailer = tailer
@@ -186,14 +197,24 @@ class SlurmLauncher:
         number = None
         try:
             start = attempts.begin(
-                self.settings, self.store, job, attempts.next_cause(self.store, job), []
+                self.settings,
+                self.store,
+                job,
+                attempts.next_cause(self.store, job),
+                [],
+                self.identities,
             )
             number = start.number
             script = write_batch_script(
-                self.settings, job.spec_model, job_dir, number, program_of(start.argv)
+                self.settings,
+                job.spec_model,
+                job_dir,
+                number,
+                program_of(start.argv),
+                start.account,
             )
-            slurm_id = self.client.submit(script, start.env)
-        except (OSError, SlurmError) as e:
+            slurm_id = self.client.submit(script, start.env, start.account)
+        except (OSError, SlurmError, IdentityError) as e:
             why = f"could not submit the job to Slurm: {e}"
             if number is None:
                 number = self.store.current_attempt(job_id)

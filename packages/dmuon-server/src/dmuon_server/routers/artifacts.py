@@ -1,25 +1,30 @@
 """A job's files: checkpoints, its HF export, metrics and logs, listed and served one by one.
 
-Only those four kinds are served, and only files that resolve inside the job's folder:
-a path with ``..``, a symbolic link, anything under a folder being written (``.tmp_...``,
-a save in progress) or any other file of the folder (``spec.json``, ``exit.json``,
-``init/``) is answered with 404.
+Only those four kinds are served, and only regular files below the job's folder that the
+job's Unix account owns, with one link (:func:`dmuon_server.safefiles.servable`): a path
+with ``..``, a symbolic link anywhere on the way, a hard link (to the server's database,
+say), another account's file, anything under a folder being written (``.tmp_...``, a save
+in progress) or any other file of the folder (``spec.json``, ``exit.json``, ``init/``) is
+answered with 404.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import quote
 
 import dmuon_recipe_contract as contract
 from fastapi import APIRouter
 from fastapi import Path as PathParam
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 
-from dmuon_server.dependencies import JobDep, SettingsDep
+from dmuon_server.dependencies import IdentitiesDep, JobDep, SettingsDep
 from dmuon_server.errors import ApiError, error_responses
 from dmuon_server.jobfiles import CHECKPOINT_DIR, EXPORT_DIR, LOG_FILE, TORCHRUN_LOG_DIR
+from dmuon_server.safefiles import open_in, servable
 from dmuon_server.schemas import Artifact, ArtifactKind, ArtifactList
 
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
@@ -41,8 +46,13 @@ def artifact_kind(relative: str) -> ArtifactKind | None:
     return None
 
 
-def list_artifacts(job_dir: Path) -> list[Artifact]:
-    """The job's artifacts, sorted by path (links are not followed)."""
+#: Bytes read from an artifact at a time while it is streamed.
+_CHUNK_BYTES = 1 << 20
+
+
+def list_artifacts(job_dir: Path, owner_uid: int) -> list[Artifact]:
+    """The job's artifacts, sorted by path: the files :func:`servable` for ``owner_uid``
+    (links are not followed)."""
     items: list[Artifact] = []
     root = Path(os.path.realpath(job_dir))
     for dirpath, dirnames, filenames in os.walk(root):
@@ -51,13 +61,14 @@ def list_artifacts(job_dir: Path) -> list[Artifact]:
             path = Path(dirpath) / name
             relative = path.relative_to(root).as_posix()
             kind = artifact_kind(relative)
-            if kind is None or path.is_symlink():
+            if kind is None:
                 continue
             try:
-                size = path.stat().st_size
+                st = os.lstat(path)
             except OSError:
                 continue
-            items.append(Artifact(path=relative, bytes=size, kind=kind))
+            if servable(st, owner_uid):
+                items.append(Artifact(path=relative, bytes=st.st_size, kind=kind))
     return sorted(items, key=lambda a: a.path)
 
 
@@ -73,15 +84,22 @@ def _not_found(job_id: str, path: str) -> ApiError:
 @router.get(
     "/{job_id}/artifacts", response_model=ArtifactList, responses=error_responses(401, 404, 422)
 )
-def get_artifacts(job: JobDep, settings: SettingsDep) -> ArtifactList:
+def get_artifacts(job: JobDep, settings: SettingsDep, identities: IdentitiesDep) -> ArtifactList:
     """The job's files: `checkpoint`, `export`, `metrics` and `log`, with their sizes."""
     job_dir = settings.job_dir(job.id)
-    return ArtifactList(items=list_artifacts(job_dir) if job_dir.is_dir() else [])
+    owner = identities.owner_uid(job.user or "")
+    return ArtifactList(items=list_artifacts(job_dir, owner) if job_dir.is_dir() else [])
+
+
+def _read_chunks(fd: int) -> Iterator[bytes]:
+    with os.fdopen(fd, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            yield chunk
 
 
 @router.get(
     "/{job_id}/artifacts/{path:path}",
-    response_class=FileResponse,
+    response_class=StreamingResponse,
     responses={
         200: {
             "description": "The file's bytes, streamed",
@@ -93,6 +111,7 @@ def get_artifacts(job: JobDep, settings: SettingsDep) -> ArtifactList:
 def get_artifact(
     job: JobDep,
     settings: SettingsDep,
+    identities: IdentitiesDep,
     path: Annotated[
         str,
         PathParam(
@@ -101,13 +120,25 @@ def get_artifact(
             description="Path relative to the job's folder, as listed by `/artifacts`.",
         ),
     ],
-) -> FileResponse:
+) -> StreamingResponse:
     """One artifact, streamed; paths never leave the job's folder."""
     root = Path(os.path.realpath(settings.job_dir(job.id)))
     if "\x00" in path or artifact_kind(path) is None:
         raise _not_found(job.id, path)
-    target = root / path
-    resolved = Path(os.path.realpath(target))
-    if target.is_symlink() or not resolved.is_relative_to(root) or not resolved.is_file():
+    try:
+        fd = open_in(root, path)
+    except OSError:
+        raise _not_found(job.id, path) from None
+    st = os.fstat(fd)
+    if not servable(st, identities.owner_uid(job.user or "")):
+        os.close(fd)
         raise _not_found(job.id, path)
-    return FileResponse(resolved, filename=resolved.name, media_type="application/octet-stream")
+    name = path.rsplit("/", 1)[-1]
+    return StreamingResponse(
+        _read_chunks(fd),
+        media_type="application/octet-stream",
+        headers={
+            "Content-Length": str(st.st_size),
+            "Content-Disposition": f"attachment; filename*=utf-8''{quote(name)}",
+        },
+    )

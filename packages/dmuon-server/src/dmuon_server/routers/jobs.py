@@ -13,6 +13,7 @@ from fastapi import APIRouter, Header, Query, Response
 
 from dmuon_server.config import Settings
 from dmuon_server.dependencies import (
+    IdentitiesDep,
     JobDep,
     SettingsDep,
     StoreDep,
@@ -23,6 +24,7 @@ from dmuon_server.dependencies import (
 )
 from dmuon_server.errors import ApiError, error_responses, field_error, invalid_request
 from dmuon_server.fingerprint import spec_fingerprint
+from dmuon_server.identity import JobIdentities
 from dmuon_server.jobfiles import (
     CHECKPOINT_DIR,
     LOG_FILE,
@@ -85,15 +87,22 @@ def _decode_cursor(cursor: str) -> int:
         ) from None
 
 
-def _accepted(settings: Settings, store: Store, user: User, body: JobCreate) -> Review:
+def _accepted(
+    settings: Settings, store: Store, identities: JobIdentities, user: User, body: JobCreate
+) -> Review:
     """The review of ``body`` for ``user``; a 422 naming every field to change (with the
-    estimates as ``admission`` when there are some) when the server cannot run it."""
+    estimates as ``admission`` when there are some) when the server cannot run it (a script
+    job among them, when it would run as the server's own Unix account)."""
 
     def visible(job_id: str) -> bool:
         job = store.get_job(job_id)
         return job is not None and may_see(user, job)
 
     accepted = review(settings, body, visible)
+    refusal = identities.refusal(user_name(user) or "", script=body.script is not None)
+    if refusal is not None:
+        where = ("body", "script") if body.script is not None else ("body",)
+        accepted.errors.append(field_error(where, refusal, "value_error"))
     if not accepted.accepted:
         problem = invalid_request(accepted.errors)
         if accepted.admission is not None:
@@ -123,6 +132,7 @@ def create_job(
     settings: SettingsDep,
     store: StoreDep,
     supervisor: SupervisorDep,
+    identities: IdentitiesDep,
     user: UserDep,
     idempotency_key: Annotated[
         str | None,
@@ -141,7 +151,7 @@ def create_job(
     Refused with 422 when it cannot run: the checks and estimates of `:validate`. The
     `Idempotency-Key` is the submitting user's own.
     """
-    accepted = _accepted(settings, store, user, body)
+    accepted = _accepted(settings, store, identities, user, body)
     body = with_recipe_defaults(body)  # the job record shows the values used
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     job_id = uuid.uuid4().hex
@@ -152,7 +162,8 @@ def create_job(
         # The job gets its own (hard-linked) copy before it exists in the store, so the
         # source job may prune or delete its checkpoint while this one waits in the queue.
         try:
-            link_tree(init.path, init_path(job_dir, init))
+            owner = identities.account_for(user_name(user) or "")
+            link_tree(init.path, init_path(job_dir, init), owner)
         except OSError as e:
             shutil.rmtree(job_dir, ignore_errors=True)
             raise ApiError(
@@ -197,14 +208,18 @@ def create_job(
 
 @router.post(":validate", response_model=LaunchPlan, responses=error_responses(401, 413, 422))
 def validate_job(
-    body: JobCreate, settings: SettingsDep, store: StoreDep, user: UserDep
+    body: JobCreate,
+    settings: SettingsDep,
+    store: StoreDep,
+    identities: IdentitiesDep,
+    user: UserDep,
 ) -> LaunchPlan:
     """Dry run: the command, world size, global batch, estimates and warnings.
 
     Starts nothing. Answers 422, with the estimates as `admission`, for a job the
     server would refuse.
     """
-    accepted = _accepted(settings, store, user, body)
+    accepted = _accepted(settings, store, identities, user, body)
     ahead = len(store.jobs_in_states(["queued", "starting", "running"]))
     return plan_view(settings, body, accepted, ahead)
 
@@ -329,7 +344,7 @@ def get_logs(
     Server paths in the lines are shown as `<job-dir>`, `<data-dir>` and `<data-root>`.
     """
     job_dir = settings.job_dir(job.id)
-    lines, truncated = tail_lines(job_dir / LOG_FILE, tail)
+    lines, truncated = tail_lines(job_dir / LOG_FILE, tail, root=job_dir)
     public = PublicPaths(settings, job_dir)
     return LogLines(lines=[public.text(line) for line in lines], truncated=truncated)
 
