@@ -30,6 +30,8 @@ TABLES: dict[str, tuple[str, str, Callable[[], argparse.ArgumentParser]]] = {
 def parser_flags(parser: argparse.ArgumentParser) -> set[str]:
     flags: set[str] = set()
     for action in parser._actions:
+        if action.help == argparse.SUPPRESS:  # internal, such as --token-fd
+            continue
         flags.update(s for s in action.option_strings if s.startswith("--") and s != "--help")
     return flags
 
