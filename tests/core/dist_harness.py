@@ -61,6 +61,9 @@ class Scenario:
     checkpoint: bool = False
     dataclass_output: bool = False
     bf16: bool = False
+    #: With ``bf16``: leave ``dedicate_params``' dtypes unset, so the dedicated matrices
+    #: follow FSDP2's ``MixedPrecisionPolicy`` (the configuration users copy from FSDP2).
+    bf16_from_policy: bool = False
     naive: bool = False
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     #: ``(replicas, shard size)`` of a 2-D HSDP mesh; ``None`` for a 1-D mesh of the world.
@@ -357,7 +360,7 @@ def run_scenario(
             model,
             mesh,
             reshard_after_forward=scenario.mode == "z3",
-            param_dtype=torch.bfloat16 if scenario.bf16 else None,
+            param_dtype=torch.bfloat16 if scenario.bf16 and not scenario.bf16_from_policy else None,
             reduce_dtype=scenario.reduce_dtype,
             broadcast_dtype=scenario.broadcast_dtype,
         )

@@ -13,12 +13,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import torch
 from dist_harness import (
     Scenario,
     make_model,
     reference_eval_loss,
     reference_run,
     run_distributed,
+    spawn_ranks,
 )
 
 K = 4
@@ -35,6 +37,8 @@ FEATURES = [
     Scenario("z2-checkpoint", "z2", 2, checkpoint=True),
     Scenario("z3-dataclass-output", "z3", 1, dataclass_output=True),
     Scenario("z3-bf16", "z3", 2, bf16=True),
+    Scenario("z3-bf16-from-policy", "z3", 2, bf16=True, bf16_from_policy=True),
+    Scenario("z2-bf16-from-policy", "z2", 2, bf16=True, bf16_from_policy=True),
     Scenario("naive-fsdp2-muon", "z3", 2, naive=True),
 ]
 SCENARIOS = {s.name: s for s in EQUIVALENCE + FEATURES}
@@ -196,3 +200,44 @@ def test_naive_baseline_gathers_every_matrix_in_step(spawned) -> None:
             assert names == {"all_gather_into_tensor"}, names
             assert len(issued) == 14
             assert sum(numel for _, numel in issued) == muon_elements // 2
+
+
+def test_dedicated_matrices_follow_fsdp2s_mixed_precision_policy(spawned) -> None:
+    # dedicate_params without dtypes under MixedPrecisionPolicy(bf16, reduce fp32): the
+    # same computation, value for value, as giving dedicate_params the policy's dtypes.
+    for mode in ("z3", "z2"):
+        explicit = _scenario_results(spawned, 2, "z3-bf16") if mode == "z3" else None
+        following = _scenario_results(spawned, 2, f"{mode}-bf16-from-policy")
+        for rank, result in enumerate(following):
+            for fqn, value in result["params"].items():
+                assert value.isfinite().all(), (mode, rank, fqn)
+                if explicit is not None:
+                    assert torch.equal(value, explicit[rank]["params"][fqn]), (rank, fqn)
+
+
+def _forward_under_a_conflicting_policy(rank: int, world: int) -> str:
+    import dist_harness
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import dmuon
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(Scenario("conflict"))
+    dmuon.dedicate_params(model, mesh, param_dtype=torch.float16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    tokens = dist_harness.global_batch(0, world, 1).chunk(world)[rank]
+    try:
+        dist_harness._loss(model, tokens)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_param_dtype_that_contradicts_the_policy_raises_naming_both() -> None:
+    for message in spawn_ranks(2, _forward_under_a_conflicting_policy):
+        assert "param_dtype=torch.float16" in message, message
+        assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16)" in message

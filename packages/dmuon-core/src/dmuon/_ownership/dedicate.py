@@ -285,15 +285,18 @@ def dedicate_params(
         hook_boundary_strict: With ``True`` a selected parameter without a hook boundary
             raises ``ValueError``; with ``False`` it joins a boundary on ``model`` itself.
         param_dtype: Forward/broadcast dtype of dedicated parameters (e.g.
-            ``torch.bfloat16``); masters and gradient reduction stay float32. Floating-point
-            inputs of each boundary are cast to it, as FSDP2's mixed precision does. Every
-            boundary must then be wrapped by ``fully_shard`` with
-            ``MixedPrecisionPolicy(param_dtype=...)`` (checked at the first forward).
+            ``torch.bfloat16``); masters stay float32. ``None``: the ``param_dtype`` of the
+            ``MixedPrecisionPolicy`` of the ``fully_shard`` around each hook boundary
+            (read at the first forward), else float32. Given, floating-point inputs of each
+            boundary are cast to it, as FSDP2's mixed precision does, and every boundary
+            must be wrapped by ``fully_shard``; a policy with another ``param_dtype``
+            raises at the first forward (the layer would mix dtypes).
         reduce_dtype: The dtype gradients are summed in on their way to the owner (and
             between replicas under HSDP), as ``MixedPrecisionPolicy(reduce_dtype=...)`` is
             for FSDP2: ``torch.bfloat16`` halves the reduce's bytes. The local
             accumulation under `no_sync`, the owner's averaged gradient, the masters and
-            the momentum stay float32. ``None``: float32.
+            the momentum stay float32. ``None``: what FSDP2's policy around the boundary
+            reduces in (its ``reduce_dtype``, else its ``param_dtype``), else float32.
         broadcast_dtype: The dtype matrices are broadcast in from their owners, then
             widened into the forward buffers (every rank, the owner too, computes with the
             same rounded values): ``torch.bfloat16`` halves the broadcasts' bytes while the
@@ -423,7 +426,13 @@ def dedicate_params(
             )
         )
     runtime = DedicationRuntime(
-        model, dedicated, runtime_boundaries, comm, reshard_after_forward, param_dtype
+        model,
+        dedicated,
+        runtime_boundaries,
+        comm,
+        reshard_after_forward,
+        param_dtype,
+        reduce_dtype,
     )
     install_fsdp_filter()
     keep_out_of_ddp(model, [n for n, p in model.named_parameters() if is_dedicated(p)])

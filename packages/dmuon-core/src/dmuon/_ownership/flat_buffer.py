@@ -144,6 +144,8 @@ class FlatBuffer:
         self.reduce_dtype = reduce_dtype
         #: The dtype matrices are broadcast in (``None``: the buffer's).
         self.broadcast_dtype = None if broadcast_dtype in (None, dtype) else broadcast_dtype
+        self._requested_broadcast_dtype = broadcast_dtype
+        self._make_leaf: LeafFactory = plain_leaf
         self._staging: torch.Tensor | None = None
         self.spans = spans
         self.views = views
@@ -199,15 +201,43 @@ class FlatBuffer:
             entries.append(entry)
             offset = entry.hi
         flat = cls(entries, spans, [], dtype, device, comm, reduce_dtype, broadcast_dtype)
+        flat._make_leaf = make_leaf
         for module, attr, holder, covered, name in views:
             lo, hi = entries[covered[0]].lo, entries[covered[-1]].hi
-            shape = records[covered[0]].view_shape
-            leaf = make_leaf(
-                flat.buffer[lo:hi].view(shape), holder.requires_grad, records[covered[0]]
-            )
-            flat.views.append(View(module, attr, holder, leaf, lo, hi, list(covered), name))
+            flat.views.append(
+                View(module, attr, holder, flat._leaf_over(lo, hi, holder, covered[0]),
+                     lo, hi, list(covered), name)
+            )  # fmt: skip
         flat.free()  # the views were made on the storage; they stay when it goes
         return flat
+
+    def _leaf_over(self, lo: int, hi: int, holder: nn.Parameter, first: int) -> nn.Parameter:
+        record = self.entries[first].record
+        view = self.buffer[lo:hi].view(record.view_shape)
+        return self._make_leaf(view, holder.requires_grad, record)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the forward computes with (the views')."""
+        return self.buffer.dtype
+
+    def retype(self, dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
+        """Compute in ``dtype`` and reduce in ``reduce_dtype`` from now on (before the first
+        forward: the buffer holds no values and no gradient yet). The views are made
+        again over the new storage."""
+        if self.state is not BufferState.FREED or any(v.leaf.grad is not None for v in self.views):
+            raise RuntimeError(f"a flat buffer{self.label} can change dtype only before use")
+        self.reduce_dtype = reduce_dtype
+        requested = self._requested_broadcast_dtype
+        self.broadcast_dtype = None if requested in (None, dtype) else requested
+        if dtype == self.buffer.dtype:
+            return
+        self.buffer = torch.empty(self.numel, dtype=dtype, device=self.buffer.device)
+        self._nbytes = self.numel * self.buffer.element_size()
+        for view in self.views:
+            view.leaf = self._leaf_over(view.lo, view.hi, view.holder, view.entries[0])
+        self.state = BufferState.STALE
+        self.free()
 
     # ----- what the boundary registers ----------------------------------------------------
     def registered_views(self) -> list[tuple[nn.Module, str, nn.Parameter]]:

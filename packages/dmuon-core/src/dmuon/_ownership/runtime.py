@@ -41,6 +41,7 @@ gradients themselves are written only by `dmuon._ownership.gradients`.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -132,6 +133,43 @@ def _is_whole(dp: DedicatedParam, value: Any) -> bool:
     return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(dp.global_shape)
 
 
+#: The module of torch's DCP state-dict functions, which see dedicated matrices as the 0-element
+#: placeholders non-owners hold.
+_TORCH_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
+
+
+def _torch_state_dict_function() -> str | None:
+    """The public function of torch's DCP state-dict module that the current
+    ``state_dict()`` runs under, unless DMuon's own functions called it; else None."""
+    frame = sys._getframe(2)
+    found = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module == "dmuon" or module.startswith("dmuon."):
+            return None
+        if module == _TORCH_STATE_DICT_MODULE and not frame.f_code.co_name.startswith("_"):
+            found = frame.f_code.co_name
+        frame = frame.f_back
+    return found
+
+
+def _refuse_torchs_state_dict_functions(
+    _module: nn.Module, _state_dict: dict[str, Any], _prefix: str, _metadata: Any
+) -> None:
+    """A model's ``state_dict()`` raises under torch's DCP state-dict functions: they
+    would return the placeholders of the matrices other ranks own (empty tensors), or
+    fail inside ``dcp.save``. Every rank raises alike, before any collective."""
+    function = _torch_state_dict_function()
+    if function is not None:
+        raise RuntimeError(
+            f"torch.distributed.checkpoint.state_dict.{function} cannot read a model prepared "
+            "by dmuon.dedicate_params: each dedicated matrix lives on its owner rank alone, so "
+            "torch would return empty tensors for those owned by other ranks. Call "
+            f"dmuon.{function} instead (the same arguments and StateDictOptions; its state "
+            "dicts go to dcp.save and torch.save as torch's do)."
+        )
+
+
 class BoundaryState(Enum):
     """Where a hook boundary stands in the training step (like FSDP2's ``TrainingState``)."""
 
@@ -194,14 +232,18 @@ class Boundary:
 
     def covered_by_fsdp(self, root: nn.Module) -> bool:
         """Whether ``fully_shard`` wraps this boundary's module or one of its ancestors."""
+        return self.fsdp_module(root) is not None
+
+    def fsdp_module(self, root: nn.Module) -> nn.Module | None:
+        """The innermost module ``fully_shard`` wraps among this boundary's module and its
+        ancestors (its mixed-precision policy is the boundary's), or None."""
         module: nn.Module = root
-        if is_fsdp_module(module):
-            return True
+        found = module if is_fsdp_module(module) else None
         for part in self.name.split(".") if self.name else []:
             module = module.get_submodule(part)
             if is_fsdp_module(module):
-                return True
-        return False
+                found = module
+        return found
 
 
 class DedicationRuntime:
@@ -215,6 +257,7 @@ class DedicationRuntime:
         comm: Communicator,
         reshard_after_forward: bool,
         param_dtype: torch.dtype | None,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = params
         self.boundaries = boundaries
@@ -230,6 +273,9 @@ class DedicationRuntime:
         self._averaging: deque[Boundary] = deque()
         self._late_grads: list[str] = []
         self._checked_param_dtype = param_dtype is None
+        #: ``dedicate_params``'s own ``reduce_dtype`` (None: follow FSDP2's policy).
+        self.reduce_dtype = reduce_dtype
+        self._policies_adopted = False
         self._root = model
         #: The DistributedDataParallel wrapper the model ran in, once seen (a weak reference).
         self.ddp: Callable[[], DistributedDataParallel | None] = lambda: None
@@ -286,6 +332,7 @@ class DedicationRuntime:
 
             dps[0].module.register_load_state_dict_pre_hook(keep_owned_only)
         model.register_load_state_dict_post_hook(lambda _module, _keys: self.invalidate_buffers())
+        model.register_state_dict_post_hook(_refuse_torchs_state_dict_functions)
 
     # ----- forward -------------------------------------------------------------------------
     def _unshard(self, index: int, prefetch: int | None) -> None:
@@ -297,6 +344,36 @@ class DedicationRuntime:
                 buffer.unshard_async()
         for buffer in boundary.buffers:
             buffer.wait_unshard()
+
+    def _adopt_fsdp_policies(self) -> None:
+        """Before the first forward: each boundary computes and reduces its dedicated
+        matrices as the ``MixedPrecisionPolicy`` of the ``fully_shard`` around it does for
+        its other parameters, unless ``dedicate_params`` was told otherwise.
+
+        The compute dtype is the policy's ``param_dtype``; the reduce dtype is the policy's
+        effective one (``reduce_dtype``, else ``param_dtype``, as FSDP2 reduces), unless
+        ``dedicate_params(reduce_dtype=...)`` overrides it. A ``dedicate_params(param_dtype=)``
+        that differs from the policy's would mix dtypes inside the layer: it raises.
+        """
+        self._policies_adopted = True
+        for boundary in self.boundaries:
+            fsdp = boundary.fsdp_module(self._root)
+            policy = fsdp._get_fsdp_state()._mp_policy if fsdp is not None else None
+            if policy is None or (policy.param_dtype is None and policy.reduce_dtype is None):
+                continue
+            where = boundary.name or "<root>"
+            if self.param_dtype is not None and policy.param_dtype not in (None, self.param_dtype):
+                raise ValueError(
+                    f"dedicate_params(param_dtype={self.param_dtype}) differs from the "
+                    f"MixedPrecisionPolicy(param_dtype={policy.param_dtype}) of the fully_shard "
+                    f"around hook boundary {where!r}: the layer would compute with two dtypes. "
+                    "Drop dedicate_params' param_dtype (dedicated matrices follow the policy), "
+                    "or give both the same dtype."
+                )
+            compute = self.param_dtype or policy.param_dtype
+            reduce = self.reduce_dtype or policy.reduce_dtype or policy.param_dtype
+            for buffer in boundary.buffers:
+                buffer.retype(compute or buffer.dtype, reduce or torch.float32)
 
     def _check_param_dtype(self) -> None:
         # Without FSDP2's mixed precision, the boundary's other parameters stay float32 and
@@ -348,6 +425,8 @@ class DedicationRuntime:
             # allocates activations (they are otherwise only dropped when next read).
             self._drop_cleared_gradients()
         self._watch_for_ddp()
+        if not self._policies_adopted:
+            self._adopt_fsdp_policies()
         if not self._checked_param_dtype:
             self._check_param_dtype()
         if not self.reshard_after_forward:
