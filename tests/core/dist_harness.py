@@ -65,6 +65,8 @@ class Scenario:
     #: follow FSDP2's ``MixedPrecisionPolicy`` (the configuration users copy from FSDP2).
     bf16_from_policy: bool = False
     naive: bool = False
+    #: A layer whose parameters are all frozen (layers below it still train).
+    frozen_layer: int | None = None
     model_kwargs: dict[str, Any] = field(default_factory=dict)
     #: ``(replicas, shard size)`` of a 2-D HSDP mesh; ``None`` for a 1-D mesh of the world.
     #: A mesh smaller than the world runs once per group of that many ranks.
@@ -79,12 +81,15 @@ class Scenario:
 def make_model(scenario: Scenario) -> TinyLlama:
     """The scenario's model, identically initialised on every rank."""
     torch.manual_seed(1234)
-    return TinyLlama(
+    model = TinyLlama(
         vocab=VOCAB,
         use_checkpoint=scenario.checkpoint,
         dataclass_output=scenario.dataclass_output,
         **scenario.model_kwargs,
     )
+    if scenario.frozen_layer is not None:
+        model.layers[scenario.frozen_layer].requires_grad_(False)
+    return model
 
 
 def global_batch(step: int, world: int, accum: int) -> torch.Tensor:

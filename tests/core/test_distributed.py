@@ -38,6 +38,8 @@ FEATURES = [
     Scenario("z3-dataclass-output", "z3", 1, dataclass_output=True),
     Scenario("z3-bf16", "z3", 2, bf16=True),
     Scenario("z3-bf16-from-policy", "z3", 2, bf16=True, bf16_from_policy=True),
+    Scenario("z3-top-layer-frozen", "z3", 2, frozen_layer=1),
+    Scenario("z2-top-layer-frozen", "z2", 2, frozen_layer=1),
     Scenario("z2-bf16-from-policy", "z2", 2, bf16=True, bf16_from_policy=True),
     Scenario("naive-fsdp2-muon", "z3", 2, naive=True),
 ]
@@ -241,3 +243,29 @@ def test_a_param_dtype_that_contradicts_the_policy_raises_naming_both() -> None:
     for message in spawn_ranks(2, _forward_under_a_conflicting_policy):
         assert "param_dtype=torch.float16" in message, message
         assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16)" in message
+
+
+def _step_without_a_wrapper(rank: int, world: int) -> str:
+    import dist_harness
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = make_model(Scenario("unwrapped"))
+    dmuon.dedicate_params(model, mesh)
+    optimizer = dmuon.Muon(model, lr=0.02)
+    tokens = dist_harness.global_batch(0, world, 1).chunk(world)[rank]
+    dist_harness._loss(model, tokens).backward()
+    try:
+        optimizer.step()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_torchrun_without_fsdp2_or_ddp_raises_at_the_first_step() -> None:
+    # The embedding, norms and head would each train on one rank's data alone.
+    for message in spawn_ranks(2, _step_without_a_wrapper):
+        assert "neither sharded by FSDP2 nor in a DistributedDataParallel" in message, message
+        assert "fully_shard" in message and "DistributedDataParallel(model)" in message

@@ -276,6 +276,9 @@ class DedicationRuntime:
         #: ``dedicate_params``'s own ``reduce_dtype`` (None: follow FSDP2's policy).
         self.reduce_dtype = reduce_dtype
         self._policies_adopted = False
+        #: Z3 boundaries with every matrix frozen that a backward passes through: their
+        #: buffers stay allocated until that backward ends.
+        self._resident_until_backward_ends: list[Boundary] = []
         self._root = model
         #: The DistributedDataParallel wrapper the model ran in, once seen (a weak reference).
         self.ddp: Callable[[], DistributedDataParallel | None] = lambda: None
@@ -424,6 +427,8 @@ class DedicationRuntime:
             # Gradients that model.zero_grad() cleared are freed before the forward
             # allocates activations (they are otherwise only dropped when next read).
             self._drop_cleared_gradients()
+            if not _in_backward():  # not the recomputation of a checkpointed forward
+                self._free_frozen_residents()
         self._watch_for_ddp()
         if not self._policies_adopted:
             self._adopt_fsdp_policies()
@@ -468,9 +473,33 @@ class DedicationRuntime:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(lambda grad: self._pre_backward(index, grad))
+        elif self.reshard_after_forward and self._gradients_pass_through(output):
+            # A frozen boundary that gradients still pass through (something below it
+            # trains): backward needs its weights for the input gradient and reduces
+            # nothing, so its buffers stay until the end of this backward.
+            self._resident_until_backward_ends.append(boundary)
+            return
         if self.reshard_after_forward:
             for buffer in boundary.buffers:
                 buffer.free()
+
+    def _gradients_pass_through(self, output: Any) -> bool:
+        """Whether backward will run through ``output``; if so, the end of that backward
+        is made to come (it frees what frozen boundaries kept)."""
+        if not torch.is_grad_enabled():
+            return False
+        passing = [t for t in iter_tensors(output) if t.requires_grad]
+        for tensor in passing:
+            tensor.register_hook(lambda grad: (self._queue_final_callback(), grad)[1])
+        return bool(passing)
+
+    def _free_frozen_residents(self) -> None:
+        """Free the buffers frozen boundaries kept for a backward (that backward ended, or
+        never came before the next forward)."""
+        for boundary in self._resident_until_backward_ends:
+            for buffer in boundary.buffers:
+                buffer.free()
+        self._resident_until_backward_ends.clear()
 
     # ----- backward ------------------------------------------------------------------------
     def _queue_final_callback(self) -> None:
@@ -534,6 +563,7 @@ class DedicationRuntime:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self._free_frozen_residents()
         for boundary in self.boundaries:
             if boundary.awaits_backward:
                 self._post_backward(boundary)

@@ -35,6 +35,7 @@ from dmuon._clip import total_grad_norm
 from dmuon._ownership.fsdp_integration import verify_not_sharded
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.state import DedicationState, get_dedication, unwrap
+from dmuon._ownership.wrappers import check_wrapped
 from dmuon.optim._adamw_step import adamw_step
 from dmuon.optim._groups import build_param_groups
 from dmuon.optim._muon_update import (
@@ -375,6 +376,7 @@ class Muon(torch.optim.Optimizer):
                 "last: dmuon.dedicate_params, then fully_shard (or DistributedDataParallel), "
                 "then dmuon.Muon."
             )
+        check_wrapped(self._model, self._dedication())
         self._params_checked = True
 
     def _step_finished(self) -> None:
