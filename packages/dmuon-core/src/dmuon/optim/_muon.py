@@ -376,7 +376,9 @@ class Muon(torch.optim.Optimizer):
                 "last: dmuon.dedicate_params, then fully_shard (or DistributedDataParallel), "
                 "then dmuon.Muon."
             )
-        check_wrapped(self._model, self._dedication())
+        state = get_dedication(self._model)
+        if state is not None:  # subclasses without dedication (the naive baseline) skip it
+            check_wrapped(self._model, state)
         self._params_checked = True
 
     def _step_finished(self) -> None:
