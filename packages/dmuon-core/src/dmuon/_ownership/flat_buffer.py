@@ -35,7 +35,7 @@ Only the methods here and `dmuon._ownership.gradients` write gradients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -162,6 +162,10 @@ class FlatBuffer:
         #: Per owned span: the averaged values that landed here and the entries they hold,
         #: back to back (the span itself on a 1-D mesh).
         self._landed: list[tuple[torch.Tensor, list[int]]] = []
+        #: The reduce input's layout: where each entry that needs gradients starts, and
+        #: each span's ``(lo, hi)`` (see `reduce_async`).
+        self._packed_lo: dict[int, int] = {}
+        self._packed_spans: list[tuple[int, int]] = []
         self._broadcast_versions: dict[int, int] = {}
         #: Named in errors: the hook boundary and its matrices.
         self.label = ""
@@ -352,15 +356,26 @@ class FlatBuffer:
     def reduce_async(self) -> None:
         """Merge local and accumulated gradients; SUM-reduce each span to its owner.
 
-        A record without a local gradient on this rank (an expert that saw no token)
-        contributes negative zeros (see the module docstring): the collectives are the
-        same on every rank whatever the data.
+        Only the entries of views that need gradients travel (frozen matrices, such as an
+        adapter's base weights, cost nothing): they are packed back to back, span by span,
+        and a span with none is not reduced. ``requires_grad`` is the same on every rank,
+        so the collectives are too. A record without a local gradient on this rank (an
+        expert that saw no token) contributes negative zeros (see the module docstring):
+        the collectives are the same on every rank whatever the data.
         """
-        flat = torch.empty(self.numel, dtype=self.reduce_dtype, device=self.buffer.device)
+        live = self._live_entries()
+        flat = torch.empty(
+            sum(e.hi - e.lo for i, e in enumerate(self.entries) if i in live),
+            dtype=self.reduce_dtype,
+            device=self.buffer.device,
+        )
         for view, grad in zip(self.views, self._take_local_grads(), strict=True):
             acc = gradients.take_accumulated(view.holder)
             gradients.mark(view.holder)
-            piece = flat[view.lo : view.hi]
+            if view.entries[0] not in live:
+                continue
+            lo = self._packed_lo[view.entries[0]]
+            piece = flat[lo : lo + view.hi - view.lo]
             if grad is None and acc is None:
                 piece.fill_(-0.0)
                 continue
@@ -372,15 +387,32 @@ class FlatBuffer:
                 piece.add_(acc.reshape(-1))
         self._reduce_flat = flat
         self._reduces = [
-            self.comm.reduce_sum(flat[span.lo : span.hi], span.owner, self.label)
-            for span in self.spans
+            self.comm.reduce_sum(flat[lo:hi], span.owner, self.label)
+            for span, (lo, hi) in zip(self.spans, self._packed_spans, strict=True)
+            if hi > lo
         ]
         self.reduce_state = ReduceState.REDUCING
 
-    def _owned_spans(self) -> Iterator[Span]:
+    def _live_entries(self) -> set[int]:
+        """The entries whose views need gradients; lays them out back to back in
+        ``_packed_lo`` (per entry) and ``_packed_spans`` (per span, ``(lo, hi)``)."""
+        live = {i for view in self.views if view.leaf.requires_grad for i in view.entries}
+        self._packed_lo = {}
+        self._packed_spans = []
+        offset = 0
         for span in self.spans:
-            if span.owner == self.comm.rank:
-                yield span
+            start = offset
+            for index in span.entries:
+                if index in live:
+                    self._packed_lo[index] = offset
+                    offset += self.entries[index].hi - self.entries[index].lo
+            self._packed_spans.append((start, offset))
+        return live
+
+    def _packed_range(self, index: int) -> slice:
+        """Where entry ``index`` lies in the packed reduce input."""
+        lo = self._packed_lo[index]
+        return slice(lo, lo + self.entries[index].hi - self.entries[index].lo)
 
     def finish_reduce(self) -> None:
         """Wait for the reduces; owners then start summing across replicas (HSDP).
@@ -398,17 +430,18 @@ class FlatBuffer:
         assert flat is not None
         self._landed = []
         self._reduces = []
-        for span in self._owned_spans():
+        for span, (lo, hi) in zip(self.spans, self._packed_spans, strict=True):
+            if span.owner != self.comm.rank or hi == lo:
+                continue
+            live = [i for i in span.entries if i in self._packed_lo]
             if self.comm.replicas == 1:
-                self._landed.append((flat[span.lo : span.hi], span.entries))
+                self._landed.append((flat[lo:hi], live))
                 continue
             by_replica: list[list[int]] = [[] for _ in range(self.comm.replicas)]
-            for index in span.entries:
+            for index in live:
                 by_replica[self.entries[index].record.update_replica].append(index)
             pieces = [
-                torch.cat([flat[self.entries[i].lo : self.entries[i].hi] for i in indices])
-                if indices
-                else flat[:0]
+                torch.cat([flat[self._packed_range(i)] for i in indices]) if indices else flat[:0]
                 for indices in by_replica
             ]
             mine = by_replica[self.comm.replica_rank]
