@@ -289,11 +289,18 @@ class DedicationRuntime:
     # ----- installation ------------------------------------------------------------------
     def _install(self, index: int, boundary: Boundary) -> None:
         module = boundary.module
+        # Under torch.compile (module.compile() on a block, as torchtitan does) the hooks
+        # run eagerly, between compiled regions: they issue collectives, swap parameters
+        # and read gradients that Dynamo must not trace.
         module.register_forward_pre_hook(
-            lambda _m, args, kwargs: self._pre_forward(index, args, kwargs), with_kwargs=True
+            torch.compiler.disable(
+                lambda _m, args, kwargs: self._pre_forward(index, args, kwargs)
+            ),
+            with_kwargs=True,
         )
         module.register_forward_hook(
-            lambda _m, _args, out: self._post_forward(index, out), always_call=True
+            torch.compiler.disable(lambda _m, _args, out: self._post_forward(index, out)),
+            always_call=True,
         )
         boundary.sync_requires_grad(lambda fqn: self._grad_arrived(index, fqn))
 
