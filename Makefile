@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --constraint constraints.txt $(FIND_LINKS)
 
-.PHONY: setup demo test test-core test-server test-docs fuzz lint format docs docs-serve bench bench-setup bench-quick bench-moe bench-optimizer clean
+.PHONY: setup demo dist test test-core test-server test-docs fuzz lint format docs docs-serve bench bench-setup bench-quick bench-moe bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ $(STAMP): constraints.txt requirements-dev.txt packages/dmuon-core/pyproject.tom
 
 demo: setup
 	$(BIN)/python -m dmuon_server.demo
+
+# Wheels of both packages in dist/: pip install 'dist/dmuon-<version>-py3-none-any.whl[hf]'.
+dist: setup
+	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir dist packages/dmuon-core packages/dmuon-server
 
 # Two pytest workers, each taking whole test files (their module fixtures stay shared):
 # many tests wait on processes they start, so two workers fill both cores. The

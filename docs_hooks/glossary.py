@@ -117,11 +117,13 @@ TERMS: tuple[Term, ...] = (
         "Z2 / Z3",
         r"Z[23]",
         "Z3 (reshard_after_forward=True, the default) frees packed buffers after forward and "
-        "broadcasts again before backward: 3 units per step. Z2 keeps them until step(): 2.",
+        "broadcasts again before backward: 3 units per step. Z2 keeps them allocated for the "
+        "whole run and broadcasts once per step, after step() changed the values: 2.",
         "Z2 / Z3",
         r"Z[23]",
         "Z3（reshard_after_forward=True，默认）在前向后释放打包缓冲区、反向前再广播一次："
-        "每步 3 个单位。Z2 一直保留到 step()：每步 2 个单位。",
+        "每步 3 个单位。Z2 在整个训练中一直保留它们，step() 改变数值后每步广播一次："
+        "每步 2 个单位。",
         "z2-vs-z3.md",
     ),
     Term(

@@ -160,3 +160,13 @@ def test_nonfinite_policy_is_validated() -> None:
     dmuon.dedicate_params(model)
     with pytest.raises(ValueError, match="nonfinite must be 'raise' or 'skip'"):
         dmuon.Muon(model, nonfinite="ignore")
+
+
+@pytest.mark.parametrize("value", [2, 0, None, "z3"])
+def test_reshard_after_forward_takes_a_bool_only(value: object) -> None:
+    # fully_shard's integer (reshard to a smaller group) has no meaning for a matrix
+    # broadcast whole; 2 was taken as True, and 0 would have been taken as False.
+    model = Stack()
+    with pytest.raises(ValueError, match="reshard_after_forward must be True \\(Z3\\) or False"):
+        dmuon.dedicate_params(model, reshard_after_forward=value)  # type: ignore[arg-type]
+    assert dmuon.dedicate_params(model, reshard_after_forward=False)  # nothing was changed

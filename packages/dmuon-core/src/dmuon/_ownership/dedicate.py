@@ -278,8 +278,10 @@ def dedicate_params(
             expert stacks of mixture-of-experts modules, and skips tied parameters and
             routers.
         reshard_after_forward: ``True`` (Z3) frees the broadcast buffers after forward and
-            broadcasts again before backward; ``False`` (Z2) keeps them resident until
-            ``optimizer.step()`` changes the owners' values.
+            broadcasts again before backward; ``False`` (Z2) keeps them allocated for the
+            whole run (never freed), broadcasting again once ``optimizer.step()`` changed
+            the owners' values. Only a bool: ``fully_shard``'s integer form has no meaning
+            for matrices broadcast whole.
         hook_boundary_predicate: Marks extra hook-boundary modules; the lowest matching
             ancestor of a parameter wins over the ``layers``/``blocks``/``h`` rule.
         hook_boundary_strict: With ``True`` a selected parameter without a hook boundary
@@ -340,6 +342,13 @@ def dedicate_params(
     """
     if getattr(model, STATE_ATTR, None) is not None:
         raise ValueError("dedicate_params was already called on this model; call it once")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward must be True (Z3) or False (Z2), not "
+            f"{reshard_after_forward!r}: dedicated matrices are broadcast whole from their "
+            "owners, so fully_shard's integer form (reshard to a smaller group of ranks) has "
+            "no meaning for them. fully_shard itself may still take the integer."
+        )
     for name, value in (
         ("param_dtype", param_dtype),
         ("reduce_dtype", reduce_dtype),
