@@ -293,9 +293,7 @@ class DedicationRuntime:
         # run eagerly, between compiled regions: they issue collectives, swap parameters
         # and read gradients that Dynamo must not trace.
         module.register_forward_pre_hook(
-            torch.compiler.disable(
-                lambda _m, args, kwargs: self._pre_forward(index, args, kwargs)
-            ),
+            torch.compiler.disable(lambda _m, args, kwargs: self._pre_forward(index, args, kwargs)),
             with_kwargs=True,
         )
         module.register_forward_hook(
