@@ -7,6 +7,7 @@ the pages get them through the docs build (``docs_hooks/benchmarks.py``).
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import statistics
@@ -129,37 +130,83 @@ def test_gpu_section_numbers_come_from_the_script_and_its_log(
     assert tests.format(passed.group(1)) in text
 
 
-def test_base_section_claims_hold_in_the_committed_run() -> None:
+def page_text(site: Path, lang: str) -> str:
+    """The visible text of the built benchmarks page, whitespace collapsed."""
+    page = built_page(site, "benchmarks.md", lang).read_text(encoding="utf-8")
+    page = re.sub(r"<(script|style)\b.*?</\1>", " ", page, flags=re.S)
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", page)).split())
+
+
+def assert_said(site: Path, lang: str, phrases: dict[str, list[str]]) -> None:
+    """The page says each phrase of its language (the claim a test holds to the results)."""
+    text = page_text(site, lang)
+    for phrase in phrases[lang]:
+        assert " ".join(phrase.split()) in text, f"the {lang} page no longer says {phrase!r}"
+
+
+#: The `base` section's bound on DMuon's optimizer step, as a share of naive's.
+NAIVE_SHARE = 0.6
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_base_section_claims_hold_in_the_committed_run(lang: str, site: Path) -> None:
     """The `base` section says DMuon's optimizer step stays under 0.6x naive's and that its
     step-time ratio to AdamW falls as the accumulation grows."""
+    assert_said(
+        site, lang, {"en": [f"{NAIVE_SHARE}x naive's"], "zh": [f"朴素方法的 {NAIVE_SHARE} 倍"]}
+    )
     rows = json.loads((RESULTS / "base-n2.json").read_text())["rows"]
     naive = {r["accum"]: r["median_optim_step_s"] for r in rows if r["contender"] == "naive-z3"}
     for mode in ("dmuon-z2", "dmuon-z3"):
         ours = sorted((r["accum"], r) for r in rows if r["contender"] == mode)
         assert [accum for accum, _ in ours] == [1, 4, 8]
-        assert all(r["median_optim_step_s"] < 0.6 * naive[accum] for accum, r in ours)
+        assert all(r["median_optim_step_s"] < NAIVE_SHARE * naive[accum] for accum, r in ours)
         ratios = [r["vs_adamw_same_mode"] for _, r in ours]
         assert ratios == sorted(ratios, reverse=True), (mode, ratios)
 
 
-def test_small_n4_section_claim_holds_in_the_committed_run() -> None:
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_small_n4_section_claim_holds_in_the_committed_run(lang: str, site: Path) -> None:
     """The four-rank section says both DMuon modes beat AdamW at the same mode at
     accumulation 8."""
+    assert_said(
+        site,
+        lang,
+        {
+            "en": ["at accumulation 8 both DMuon modes take less time per step than FSDP2 + "
+                   "AdamW at the same mode"],
+            "zh": ["在梯度累积 8 时，DMuon 的两种模式每步用时都少于相同模式下的 FSDP2 + AdamW"],
+        },
+    )  # fmt: skip
     rows = json.loads((RESULTS / "small-n4.json").read_text())["rows"]
     at_8 = {r["contender"]: r["vs_adamw_same_mode"] for r in rows if r["accum"] == 8}
     assert at_8["dmuon-z2"] < 1.0 and at_8["dmuon-z3"] < 1.0, at_8
 
 
-def test_quality_section_claims_hold_in_the_committed_sweep() -> None:
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_quality_section_claims_hold_in_the_committed_sweep(lang: str, site: Path) -> None:
     """The `tiny` quality section says each sweep is centred on 0.02 and 0.0015 (the
     benchmark's own centres, not the recipe's defaults), that both optimizers do best at an
     end of their sweep, and that DMuon reaches AdamW's best in under half the steps."""
+    centres_said = {"dmuon": 0.02, "adamw": 0.0015}
+    assert_said(
+        site,
+        lang,
+        {
+            "en": [f"centred on {centres_said['dmuon']} (DMuon) and {centres_said['adamw']} "
+                   "(AdamW)", "Both optimizers do best at an end of their sweep",
+                   "AdamW's best in under half the steps"],
+            "zh": [f"以 {centres_said['dmuon']}（DMuon）和 {centres_said['adamw']}（AdamW）为中心",
+                   "两种优化器的最佳学习率都在各自扫描的一端",
+                   "用不到一半的步数就达到了 AdamW 的最佳损失"],
+        },
+    )  # fmt: skip
     sys.path.insert(0, str(RESULTS.parent))
     from quality import TINY_SWEEPS
 
     result = json.loads((RESULTS / "quality.json").read_text())
     centres = {o: rates[1] for o, (_, rates) in TINY_SWEEPS.items()}
-    assert centres == {"dmuon": 0.02, "adamw": 0.0015} == result["defaults"]
+    assert centres == centres_said == result["defaults"]
     for optimizer, (_, swept) in TINY_SWEEPS.items():
         rates = [r["lr"] for r in result["runs"] if r["optimizer"] == optimizer]
         assert rates == swept, optimizer
@@ -179,7 +226,8 @@ def _largest_same_setting_gap(result: dict) -> float:
     )
 
 
-def test_cpu_optimizer_step_section_claims_hold_in_the_committed_run() -> None:
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_cpu_optimizer_step_section_claims_hold_in_the_committed_run(lang: str, site: Path) -> None:
     """The CPU optimizer-step section says: the run covers `small` and `base` on a CPU that
     multiplies bfloat16 natively (so `dmuon-default` iterates in bfloat16), five runs each;
     on `small` DMuon is ahead in every run but not 1.2x in every run, the first run the
@@ -190,6 +238,11 @@ def test_cpu_optimizer_step_section_claims_hold_in_the_committed_run() -> None:
     same torch calls alone while its copies and other operators take about as long as
     torch's; on `base` both run below that rate, and copies and other operators take a
     quarter to a third of each step."""
+    assert_said(
+        site,
+        lang,
+        {"en": ["a quarter to a third of each step"], "zh": ["占每一步的四分之一到三分之一"]},
+    )
     results = json.loads((RESULTS / "optimizer_step.json").read_text())
     assert [r["preset"] for r in results] == ["small", "base"]
     for result in results:
@@ -227,7 +280,10 @@ def test_cpu_optimizer_step_section_claims_hold_in_the_committed_run() -> None:
     assert as_ran < 1.2 < at_rate
 
 
-def test_avx512_optimizer_step_section_claims_hold_in_the_committed_run() -> None:
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_avx512_optimizer_step_section_claims_hold_in_the_committed_run(
+    lang: str, site: Path
+) -> None:
     """The AVX512-BF16 section says: a CPU with native bfloat16 through AVX512-BF16 and no
     AMX, the same five-run command; bfloat16 steps more than three times as fast as float32
     ones, so the default is bfloat16; on `small` (no matrix 512 wide) `dmuon-unblocked` and
@@ -240,6 +296,14 @@ def test_avx512_optimizer_step_section_claims_hold_in_the_committed_run() -> Non
     half torch's; its profiled step more than 1.2x torch's, products alone more than 1.4x
     torch's unprofiled step both ways; on `small` the same products, and products alone
     under 1.3x; `aten::copy_` the largest operator outside the products everywhere."""
+    assert_said(
+        site,
+        lang,
+        {
+            "en": ["one reaches 1.17x", "15% fewer floating-point operations", "about 400 GFLOP/s"],
+            "zh": ["其中一次达到 1.17 倍", "少 15%", "约为 400 GFLOP/s"],
+        },
+    )
     results = json.loads((RESULTS / "optimizer_step_avx512.json").read_text())
     assert [r["preset"] for r in results] == ["small", "base"]
     for result in results:
@@ -293,7 +357,8 @@ def test_avx512_optimizer_step_section_claims_hold_in_the_committed_run() -> Non
     assert max(_ceilings(small)) < 1.3
 
 
-def test_half_rate_avx512_section_claims_hold_in_the_committed_run() -> None:
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_half_rate_avx512_section_claims_hold_in_the_committed_run(lang: str, site: Path) -> None:
     """The section on the second AVX512-BF16 CPU says: family 25, the same five-run
     command; its runs spread less than the first CPU's; its kernel rate less than two
     thirds of the first CPU's on `small` and less than half on `base`; `dmuon-default`
@@ -308,6 +373,7 @@ def test_half_rate_avx512_section_claims_hold_in_the_committed_run() -> None:
     AVX512-BF16 CPUs: products at nine tenths of the kernel's rate or more, the time outside
     them shorter than torch's, and only `base` on the faster CPU has a ceiling over 1.4x,
     the three other runs at most 1.21x."""
+    assert_said(site, lang, {"en": ["(173 GFLOP/s)"], "zh": ["（173 GFLOP/s）"]})
     results = json.loads((RESULTS / "optimizer_step_avx512_family25.json").read_text())
     first = json.loads((RESULTS / "optimizer_step_avx512.json").read_text())
     assert [r["preset"] for r in results] == ["small", "base"]
@@ -371,9 +437,15 @@ def test_float32_step_is_two_to_four_times_bfloat16s(name: str) -> None:
         assert 2 < whole["dmuon-fp32-nogram"] / whole["dmuon-bf16"] < 4, result["preset"]
 
 
-def test_amx_section_claim_holds_in_the_committed_run() -> None:
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_amx_section_claim_holds_in_the_committed_run(lang: str, site: Path) -> None:
     """The native-bfloat16 section says every step-time target that could run is met, with
     DMuon's Newton-Schulz in bfloat16 on a CPU that multiplies it natively."""
+    assert_said(
+        site,
+        lang,
+        {"en": ["Every step-time target that could run is met here"], "zh": ["步时目标全部达成"]},
+    )
     result = json.loads((RESULTS / "small-n2-amx.json").read_text())
     assert result["machine"]["native_bf16"] is True
     rows = {(r["contender"], r["accum"]): r for r in result["rows"]}
