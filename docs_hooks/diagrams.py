@@ -354,19 +354,66 @@ SMALL_CHAR_W = 7.0
 SMALL_LINE_H = 16
 
 
-#: Where a line may break: at spaces, and before or after any CJK character.
-_PIECES = re.compile(r"\s+|[\u2e80-\uffff]|[^\s\u2e80-\uffff]+")
+#: Where a line may break: at spaces, and between the words of a run of CJK text.
+_PIECES = re.compile(r"\s+|[\u2e80-\uffff]+|[^\s\u2e80-\uffff]+")
+_CJK = re.compile(r"[\u2e80-\uffff]")
+#: Punctuation that must not start a line (it stays with the word before it).
+_NO_LINE_START = set("，。、；：！？）》」』”’")
+
+
+def _cjk_words(run: str) -> list[str]:
+    """``run`` of CJK text cut into words (jieba's dictionary), closing punctuation kept
+    with the word before it and one-character words and opening punctuation with the word
+    after it, so a line never ends in 不 before 通信 or cuts 一次."""
+    import logging
+
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)
+    words: list[str] = []
+    carry = ""  # opening punctuation and one-character words go with the next word
+    for word in jieba.cut(run, HMM=False):
+        if words and not carry and word[0] in _NO_LINE_START:
+            words[-1] += word
+        elif len(word) == 1:
+            carry += word
+        else:
+            words.append(carry + word)
+            carry = ""
+    if carry:
+        words.append(carry)
+    return words
+
+
+#: Punctuation that must not end a line (it goes with the word after it).
+_NO_LINE_END = set("（《「『“‘")
+
+
+def _pieces(content: str) -> list[str]:
+    """The unbreakable pieces of ``content``: spaces, CJK words, other runs; punctuation
+    stays with its word across a change of script too."""
+    pieces: list[str] = []
+    for piece in _PIECES.findall(content):
+        for word in _cjk_words(piece) if _CJK.match(piece) else [piece]:
+            joins_previous = word[0] in _NO_LINE_START or (
+                pieces and pieces[-1][-1] in _NO_LINE_END
+            )
+            if pieces and not word.isspace() and not pieces[-1].isspace() and joins_previous:
+                pieces[-1] += word
+            else:
+                pieces.append(word)
+    return pieces
 
 
 def wrap_lines(content: str, width: float, char_w: float = CHAR_W) -> list[str]:
-    """``content`` split into lines that fit ``width``, at spaces or next to CJK characters.
+    """``content`` split into lines that fit ``width``, at spaces or between CJK words.
 
     Every word is kept: a box grows with its label instead of cutting it.
     """
     per_line = max(8, int(width / char_w))
     lines: list[str] = []
     current = ""
-    for piece in _PIECES.findall(content):
+    for piece in _pieces(content):
         if piece.isspace():
             current += " " if current else ""
             continue

@@ -225,3 +225,32 @@ def test_chinese_search_finds_the_guide(
         assert not any(ref in before for ref in REFERENCES), f"{query}: {pages[:6]}"
     finally:
         page.close()
+
+
+def test_a_chinese_query_on_the_english_site_points_to_the_chinese_search(
+    base_url: str, browser: Any
+) -> None:
+    """梯度累积 finds nothing on the English pages; the empty result links to the Chinese
+    site's search for it, which finds the guide, with titles free of zero-width spaces."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.goto(base_url + "quickstart/")
+        box = page.locator("input.md-search__input")
+        box.click()
+        page.keyboard.type("梯度累积")
+        page.keyboard.press("End")  # the theme searches on key events; typed CJK sends none
+        hint = page.locator(".md-search-result__meta .dmuon-search-hint")
+        hint.wait_for(timeout=15_000)
+        href = hint.get_attribute("href") or ""
+        assert href.startswith(base_url + "zh/?q="), href
+        page.goto(href)
+        page.wait_for_selector(".md-search-result__item", timeout=15_000)
+        links = page.locator(".md-search-result__item > a").evaluate_all(
+            "links => links.map((a) => a.href)"
+        )
+        assert any("zh/gradient-accumulation/" in link for link in links), links
+        titles = page.locator(".md-search-result__item h1, .md-search-result__item h2")
+        texts = titles.evaluate_all("ts => ts.map((t) => t.textContent)")
+        assert texts and not any("\u200b" in t for t in texts), texts
+    finally:
+        page.close()

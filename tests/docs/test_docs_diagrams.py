@@ -98,3 +98,22 @@ def test_every_diagram_label_is_shown_in_full(site: Path, lang: str) -> None:
         if "{" not in label and not any(_squeeze(label) in text for text in squeezed)
     ]
     assert not missing, f"{lang}: labels not drawn in full: {missing}"
+
+
+@pytest.mark.parametrize("width", range(40, 241, 20))
+def test_chinese_labels_break_between_words(width: int) -> None:
+    """A wrapped Chinese label never cuts a word (不⏎通信, 归约一⏎次), never starts a line
+    with closing punctuation and never ends one with opening punctuation."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "docs_hooks"))
+    import diagrams
+
+    for label in diagrams.TEXT["zh"].values():
+        lines = diagrams.wrap_lines(label, width)
+        assert "".join(lines).replace(" ", "") == label.replace(" ", "")
+        joined = "\n".join(lines)
+        for word in ("不通信", "一次"):
+            if word in label:
+                assert word in joined, (width, lines)
+        for line in lines:
+            assert not line or line[0] not in "，。、；：）", (width, lines)
+            assert not line or line[-1] not in "（《“", (width, lines)
