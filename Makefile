@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 PIP_INSTALL := $(BIN)/python -m pip install --quiet --constraint constraints.txt $(FIND_LINKS)
 
-.PHONY: setup demo dist test test-core test-server test-docs fuzz lint format docs docs-serve bench bench-setup bench-quick bench-moe bench-optimizer clean
+.PHONY: setup demo dist test test-fast test-core test-server test-docs fuzz lint format docs docs-serve bench bench-setup bench-quick bench-moe bench-optimizer clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,11 @@ SCHEMA_TESTS := tests/server/test_server_schemathesis.py
 test: setup
 	$(BIN)/python -m pytest -n 2 --dist loadfile --ignore=$(SCHEMA_TESTS)
 	$(BIN)/python -m pytest $(SCHEMA_TESTS)
+
+# The tests that start no process, server, site build or browser (kinds are marked by
+# tests/conftest.py: pure, subprocess, multi_process, live_server, site_build, browser).
+test-fast: setup
+	$(BIN)/python -m pytest -n 2 -m pure --ignore=$(SCHEMA_TESTS)
 
 test-core: setup
 	$(BIN)/python -m pytest tests/core

@@ -56,3 +56,39 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
         f"{collector.nodeid} skipped in CI without a declared environment reason ({reason}); "
         "install what it needs in .ci/run, or fix it"
     )
+
+
+#: Test kinds, from what a test uses (markers set at collection; ``make test-fast`` runs
+#: the ``pure`` ones): a browser, the built site, a live server process, several
+#: processes of one distributed run, or other subprocesses.
+KINDS = ("browser", "site_build", "live_server", "multi_process", "subprocess", "pure")
+
+
+def _kind(item: pytest.Item) -> str:
+    module = getattr(item, "module", None)
+    names = set(vars(module)) if module is not None else set()
+    fixtures = set(getattr(item, "fixturenames", ()))
+    path = str(item.path)
+    if "browser" in path or "browser" in fixtures:
+        return "browser"
+    if fixtures & {"site", "build"}:
+        return "site_build"
+    if "LiveServer" in names or fixtures & {"slurm_cluster", "live", "team"}:
+        return "live_server"
+    if names & {"spawn_ranks", "run_distributed", "run_torchrun", "torchrun"}:
+        return "multi_process"
+    if "subprocess" in names or fixtures & {"client", "spawned"}:
+        return "subprocess"
+    return "pure"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the kinds as markers."""
+    for kind in KINDS:
+        config.addinivalue_line("markers", f"{kind}: a test of kind {kind} (set automatically)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its kind."""
+    for item in items:
+        item.add_marker(getattr(pytest.mark, _kind(item)))
