@@ -24,11 +24,9 @@ def _skip_reason(report: pytest.TestReport | pytest.CollectReport) -> str:
     return str(longrepr)
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    """Under ``CI=true``, turn a skip without a declared reason into a failure."""
-    outcome = yield
-    report: pytest.TestReport = outcome.get_result()
+def _fail_undeclared_skip(report: pytest.TestReport | pytest.CollectReport, what: str) -> None:
+    """Under ``CI=true``, turn ``report``'s skip into a failure unless its reason is
+    declared."""
     if os.environ.get("CI") != "true" or not report.skipped or hasattr(report, "wasxfail"):
         return
     reason = _skip_reason(report)
@@ -36,26 +34,23 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
         return
     report.outcome = "failed"
     report.longrepr = (
-        f"skipped in CI without a declared environment reason ({reason}); CI must run "
-        "every test that does not need a GPU: install what it needs in .ci/run, or fix it"
+        f"{what} skipped in CI without a declared environment reason ({reason}); CI must "
+        "run every test that does not need a GPU: install what it needs in .ci/run, or fix it"
     )
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
-    """The same for a whole module skipped at collection (``importorskip``)."""
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A test's skip (see the module docstring)."""
     outcome = yield
-    report: pytest.CollectReport = outcome.get_result()
-    if os.environ.get("CI") != "true" or not report.skipped:
-        return
-    reason = _skip_reason(report)
-    if DECLARED_CI_SKIPS.search(reason):
-        return
-    report.outcome = "failed"
-    report.longrepr = (
-        f"{collector.nodeid} skipped in CI without a declared environment reason ({reason}); "
-        "install what it needs in .ci/run, or fix it"
-    )
+    _fail_undeclared_skip(outcome.get_result(), item.nodeid)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
+    """A whole module skipped at collection (``importorskip``)."""
+    outcome = yield
+    _fail_undeclared_skip(outcome.get_result(), collector.nodeid)
 
 
 #: Test kinds, from what a test uses (markers set at collection; ``make test-fast`` runs

@@ -480,17 +480,17 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
     return messages
 
 
-def _rank_main(
+def join_group(
     rank: int,
     world: int,
     store_file: str,
-    out_dir: str,
-    device_type: str,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
     environ: dict[str, str],
+    device_type: str = "cpu",
+    timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
 ) -> None:
-    # A fork server's children inherit its environment, not the test's current one.
+    """Set up a freshly started rank: the test's environment (a fork server's children
+    inherit the server's, not the test's current one), one thread, its device, and the
+    process group through the file store ``store_file``."""
     os.environ.clear()
     os.environ.update(environ)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -502,8 +502,21 @@ def _rank_main(
         init_method=f"file://{store_file}",
         rank=rank,
         world_size=world,
-        timeout=COLLECTIVE_TIMEOUT,
+        timeout=timeout,
     )
+
+
+def _rank_main(
+    rank: int,
+    world: int,
+    store_file: str,
+    out_dir: str,
+    device_type: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    environ: dict[str, str],
+) -> None:
+    join_group(rank, world, store_file, environ, device_type)
     try:
         result: Any = fn(rank, world, *args)
     except Exception:

@@ -50,33 +50,34 @@ _WORDS = (
 )
 
 
-def config_of(arch: str, vocab: int = MODEL_VOCAB, positions: int = MAX_POSITIONS) -> Any:
-    """A config of ``arch`` with two layers of width 32 and no dropout."""
+def config_of(
+    arch: str, vocab: int = MODEL_VOCAB, positions: int = MAX_POSITIONS, **overrides: Any
+) -> Any:
+    """A config of ``arch`` with two layers of width 32 and no dropout; ``overrides`` set
+    other fields (``tie_word_embeddings=True``, say)."""
     import transformers
 
     common = {"vocab_size": vocab, "max_position_embeddings": positions}
-    if arch == "llama":
-        return transformers.LlamaConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=False, **common,
-        )  # fmt: skip
-    if arch == "qwen2":
-        return transformers.Qwen2Config(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, tie_word_embeddings=True, **common,
-        )  # fmt: skip
-    if arch == "mixtral":
-        return transformers.MixtralConfig(
-            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-            tie_word_embeddings=False, **common,
-        )  # fmt: skip
-    if arch == "gpt2":
-        return transformers.GPT2Config(
-            vocab_size=vocab, n_positions=positions, n_embd=32, n_layer=2, n_head=4,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
-    raise ValueError(arch)
+    attention = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    kinds: dict[str, tuple[Any, dict[str, Any]]] = {
+        "llama": (transformers.LlamaConfig, {
+            "hidden_size": 32, "intermediate_size": 64, **attention,
+            "tie_word_embeddings": False, **common}),
+        "qwen2": (transformers.Qwen2Config, {
+            "hidden_size": 32, "intermediate_size": 64, **attention,
+            "tie_word_embeddings": True, **common}),
+        "mixtral": (transformers.MixtralConfig, {
+            "hidden_size": 32, "intermediate_size": 48, **attention, "num_local_experts": 4,
+            "num_experts_per_tok": 2, "tie_word_embeddings": False, **common}),
+        "gpt2": (transformers.GPT2Config, {
+            "vocab_size": vocab, "n_positions": positions, "n_embd": 32, "n_layer": 2,
+            "n_head": 4, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
+            "bos_token_id": 0, "eos_token_id": 0}),
+    }  # fmt: skip
+    if arch not in kinds:
+        raise ValueError(arch)
+    make, fields = kinds[arch]
+    return make(**{**fields, **overrides})
 
 
 def model_dir(

@@ -33,18 +33,10 @@ MUON_LR, ADAMW_LR, WD, MAX_NORM = 0.02, 0.01, 0.1, 0.5
 
 def tiny_llama() -> torch.nn.Module:
     """The same tiny Llama on every rank (float32, tied embeddings)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from hf_models import config_of
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=SEQ,
-        tie_word_embeddings=True,
-    )
+    config = config_of("llama", vocab=VOCAB, positions=SEQ, tie_word_embeddings=True)
     torch.manual_seed(1234)
     return LlamaForCausalLM(config)
 

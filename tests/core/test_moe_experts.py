@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 from dist_harness import full_parameters, run_in_order, spawn_ranks
+from hf_models import config_of
 from torch import nn
 from torch.distributed.tensor import Shard
 from torch.utils._pytree import tree_map_only
@@ -37,17 +38,7 @@ TOLERANCE = 1e-5
 
 def tiny_mixtral() -> nn.Module:
     torch.manual_seed(11)
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    return transformers.MixtralForCausalLM(config)
+    return transformers.MixtralForCausalLM(config_of("mixtral", vocab=VOCAB))
 
 
 def tiny_qwen2_moe() -> nn.Module:

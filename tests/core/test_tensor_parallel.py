@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_harness import count_collectives, reference_train, run_in_order, spawn_ranks
+from hf_models import config_of
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -38,16 +39,7 @@ FULL = StateDictOptions(full_state_dict=True)
 
 def hf_llama() -> nn.Module:
     torch.manual_seed(21)
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=32,
-    )
-    return transformers.LlamaForCausalLM(config)
+    return transformers.LlamaForCausalLM(config_of("llama", vocab=VOCAB, positions=32))
 
 
 def hf_plan(model: nn.Module) -> dict[str, Any]:

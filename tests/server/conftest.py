@@ -11,7 +11,13 @@ from typing import NoReturn
 
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import SERVER_TESTS, finish_all_jobs, kill_job_processes, make_settings
+from server_helpers import (
+    SERVER_TESTS,
+    finish_all_jobs,
+    kill_job_processes,
+    make_settings,
+    recipe_without_checkpoints,
+)
 
 from dmuon_server.app import create_app
 
@@ -96,3 +102,11 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     finally:
         kill_job_processes(mount / "data")
         subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.fixture
+def checkpointing_recipe() -> None:
+    """Skip, saying why, unless the real recipe can run the server's jobs."""
+    why = recipe_without_checkpoints()
+    if why is not None:
+        pytest.skip(why)

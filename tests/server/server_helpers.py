@@ -119,12 +119,16 @@ def wait_until(fn: Callable[[], T], timeout: float, what: str, interval: float =
 def metrics_file_steps(path: Path) -> list[int]:
     """Steps of the metric points in a job's metrics file, in order (event lines and
     lines that are not JSON left out): the oracle for what the server must have stored."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []  # not written yet
     steps = []
-    for line in path.read_text().splitlines():
+    for line in lines:
         try:
             obj = json.loads(line)
         except ValueError:
-            continue
+            continue  # a line being written
         if isinstance(obj, dict) and contract.EVENT_KEY not in obj and "step" in obj:
             steps.append(obj["step"])
     return steps

@@ -34,11 +34,12 @@ from server_helpers import (
     LiveServer,
     fill_disk,
     metrics_file_steps,
-    recipe_without_checkpoints,
     wait_until,
 )
 
 from dmuon_server.datadir import RESERVE_FILE, free_bytes
+
+pytestmark = pytest.mark.usefixtures("checkpointing_recipe")
 
 TRAIN: dict[str, Any] = {
     "model": "tiny",
@@ -49,13 +50,6 @@ TRAIN: dict[str, Any] = {
     "eval_every": 0,
     "warmup_steps": 1,
 }
-
-
-@pytest.fixture(autouse=True)
-def _checkpointing_recipe() -> None:
-    why = recipe_without_checkpoints()
-    if why is not None:
-        pytest.skip(why)
 
 
 def test_a_full_data_directory_fails_the_job_and_the_server_keeps_going(

@@ -9,14 +9,9 @@ import os
 from pathlib import Path
 
 import pytest
-from server_helpers import LiveServer, iter_sse, job_processes, recipe_without_checkpoints
+from server_helpers import LiveServer, iter_sse, job_processes
 
-
-@pytest.fixture(autouse=True)
-def _checkpointing_recipe() -> None:
-    why = recipe_without_checkpoints()
-    if why is not None:
-        pytest.skip(why)
+pytestmark = pytest.mark.usefixtures("checkpointing_recipe")
 
 
 def test_real_two_process_tiny_job(data_dir: Path) -> None:

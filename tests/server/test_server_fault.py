@@ -12,7 +12,6 @@ printed (``pytest -s``).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -24,10 +23,12 @@ import pytest
 from server_helpers import (
     LiveServer,
     iter_sse,
+    metrics_file_steps,
     rank_process,
-    recipe_without_checkpoints,
     wait_until,
 )
+
+pytestmark = pytest.mark.usefixtures("checkpointing_recipe")
 
 SPEC: dict[str, Any] = {
     "nproc_per_node": 2,
@@ -49,29 +50,6 @@ SPEC: dict[str, Any] = {
         "keep_checkpoints": 0,
     },
 }
-
-
-@pytest.fixture(autouse=True)
-def _checkpointing_recipe() -> None:
-    why = recipe_without_checkpoints()
-    if why is not None:
-        pytest.skip(why)
-
-
-def _steps_in(path: Path) -> list[int]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    steps = []
-    for line in lines:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if isinstance(obj, dict) and "event" not in obj and isinstance(obj.get("step"), int):
-            steps.append(obj["step"])
-    return steps
 
 
 def _stream_steps(url: str, job_id: str, out: list[int]) -> None:
@@ -123,11 +101,11 @@ def test_a_rank_killed_after_step_7_restarts_and_matches_an_uninterrupted_run(
             reader = threading.Thread(target=_stream_steps, args=(server.url, faulty, streamed))
             reader.start()
             metrics = data_dir / "jobs" / faulty / "metrics.jsonl"
-            wait_until(lambda: 7 in _steps_in(metrics), 600, "step 7", interval=0.005)
+            wait_until(lambda: 7 in metrics_file_steps(metrics), 600, "step 7", interval=0.005)
             victim = rank_process(faulty, 1)
             assert victim is not None
             victim.send_signal(signal.SIGKILL)
-            seen = max(_steps_in(metrics))
+            seen = max(metrics_file_steps(metrics))
             mark(f"rank 1 (pid {victim.pid}) SIGKILLed; last step in the file: {seen}")
             assert seen < 10, "the kill came after checkpoint 10; the test needs a slower step"
 

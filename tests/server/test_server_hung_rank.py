@@ -14,7 +14,6 @@ step's and the one its failure runs into), plus a margin well under torchrun's 3
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -27,10 +26,12 @@ import pytest
 from server_helpers import (
     TERMINAL,
     LiveServer,
+    metrics_file_steps,
     rank_process,
-    recipe_without_checkpoints,
     wait_until,
 )
+
+pytestmark = pytest.mark.usefixtures("checkpointing_recipe")
 
 #: Long enough for every collective of a loaded 2-core machine (startup included): at
 #: 6 s, a load average of 14 timed out the start of both attempts.
@@ -53,29 +54,6 @@ SPEC: dict[str, Any] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _checkpointing_recipe() -> None:
-    why = recipe_without_checkpoints()
-    if why is not None:
-        pytest.skip(why)
-
-
-def _steps_in(path: Path) -> list[int]:
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return []
-    steps = []
-    for line in lines:
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(obj, dict) and "event" not in obj and isinstance(obj.get("step"), int):
-            steps.append(obj["step"])
-    return steps
-
-
 def test_a_stopped_rank_fails_the_attempt_and_the_restart_succeeds(data_dir: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DMUON_SERVER_TRAIN_MODULE"}
     server = LiveServer(data_dir, "--max-nproc", "2")
@@ -86,12 +64,12 @@ def test_a_stopped_rank_fails_the_attempt_and_the_restart_succeeds(data_dir: Pat
         with server.client(timeout=60) as c:
             job_id = c.post("/v1/jobs", json=SPEC).json()["id"]
             metrics = data_dir / "jobs" / job_id / "metrics.jsonl"
-            wait_until(lambda: 3 in _steps_in(metrics), 300, "step 3", interval=0.01)
+            wait_until(lambda: 3 in metrics_file_steps(metrics), 300, "step 3", interval=0.01)
             victim = rank_process(job_id, 1)
             assert victim is not None
             victim.send_signal(signal.SIGSTOP)
             stopped_at = time.time()
-            seen = max(_steps_in(metrics))
+            seen = max(metrics_file_steps(metrics))
 
             def final() -> dict[str, Any] | None:
                 job = c.get(f"/v1/jobs/{job_id}").json()

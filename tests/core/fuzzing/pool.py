@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dist_harness import join_group
 
 #: A collective may wait this long for its peers before the rank gives up.
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
@@ -46,17 +47,7 @@ def _serve(
     outbox: Any,
     environ: dict[str, str],
 ) -> None:
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store_file}",
-        rank=rank,
-        world_size=world,
-        timeout=COLLECTIVE_TIMEOUT,
-    )
+    join_group(rank, world, store_file, environ, timeout=COLLECTIVE_TIMEOUT)
     import gc
 
     # What exists now (torch, transformers, the process group) lives as long as the rank:
