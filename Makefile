@@ -33,14 +33,17 @@ dist: setup
 # schemathesis module runs after them, alone: its tests (one per API operation) share one
 # node id, which pytest-xdist would count as a single test.
 SCHEMA_TESTS := tests/server/test_server_schemathesis.py
+# Plugins only the schemathesis module needs stay unloaded elsewhere: 1.2 s of start-up
+# for each pytest process (the two workers and their controller).
+LEAN := -p no:schemathesis -p no:hypothesispytest -p no:anyio
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadfile --ignore=$(SCHEMA_TESTS)
+	$(BIN)/python -m pytest -n 2 --dist loadfile --ignore=$(SCHEMA_TESTS) $(LEAN)
 	$(BIN)/python -m pytest $(SCHEMA_TESTS)
 
 # The tests that start no process, server, site build or browser (kinds are marked by
 # tests/conftest.py: pure, subprocess, multi_process, live_server, site_build, browser).
 test-fast: setup
-	$(BIN)/python -m pytest -n 2 -m pure --ignore=$(SCHEMA_TESTS)
+	$(BIN)/python -m pytest -n 2 -m pure --ignore=$(SCHEMA_TESTS) $(LEAN)
 
 test-core: setup
 	$(BIN)/python -m pytest tests/core
