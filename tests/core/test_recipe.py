@@ -356,3 +356,21 @@ def test_clip_grad_clips_and_logs_the_norm_before_clipping(base: TrainConfig) ->
         clipped.close()
     assert parse_args(["--clip-grad", "0"]).clip_grad == 0.0
     assert TrainConfig().clip_grad == 1.0
+
+
+def test_plain_progress_lines_give_percent_elapsed_and_eta(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Not a terminal: one line per logged step. A resumed run (initial 10 of 40 steps)
+    # estimates from the steps it ran itself: 5 steps in 10 s, 25 left -> 50 s.
+    from dmuon.train.metrics import ProgressReporter
+
+    now = [100.0]
+    progress = ProgressReporter(40, use_bar=False, initial=10, clock=lambda: now[0])
+    now[0] = 110.0
+    progress.step(15, loss=2.5, tokens_per_s=1234.0, lr=0.02)
+    line = capsys.readouterr().out.strip()
+    assert line == ("step 15/40 (38%) loss 2.5000 lr 0.02 tokens/s 1,234 elapsed 00:10 eta 00:50")
+    progress.step(40, loss=2.0, tokens_per_s=1000.0, lr=0.0)
+    last = capsys.readouterr().out.strip()
+    assert last.endswith("(100%) loss 2.0000 lr 0 tokens/s 1,000 elapsed 00:10 eta 00:00")

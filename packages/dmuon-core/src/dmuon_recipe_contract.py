@@ -418,7 +418,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("log_every", "int", 1, "print every N steps when not showing a progress bar", _OUT,
          minimum=1),
     Flag("progress", "choice", "auto", "auto = a tqdm bar on a terminal, plain lines "
-         "otherwise", _OUT, choices=("auto", "bar", "plain")),
+         "otherwise (step, percent, loss, lr, tokens/s, elapsed time and ETA)", _OUT,
+         choices=("auto", "bar", "plain")),
     Flag("checkpoint_dir", "path", None, "write checkpoints here (step_NNNNNNNN folders); a "
          "final one is always written at the end and on SIGTERM/SIGINT", _CKPT,
          metavar="DIR"),

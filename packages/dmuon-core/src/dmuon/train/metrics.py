@@ -35,6 +35,8 @@ import json
 import math
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -131,6 +133,8 @@ class ProgressReporter:
         use_bar: force the bar on or off; by default on iff stderr is a terminal.
         log_every: in plain mode, print every ``log_every`` steps (and the last one).
         initial: steps already done (a resumed run starts its bar there).
+        clock: seconds from a fixed point (``time.monotonic``); plain lines give the time
+            since this reporter was made and the remaining time at the rate so far.
     """
 
     def __init__(
@@ -141,9 +145,13 @@ class ProgressReporter:
         use_bar: bool | None = None,
         log_every: int = 1,
         initial: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Create the bar (if any) for ``total_steps`` steps."""
         self.total_steps = total_steps
+        self._clock = clock
+        self._started = clock()
+        self._initial = initial
         self.enabled = enabled
         self.log_every = max(1, log_every)
         self._bar: Any = None
@@ -185,11 +193,22 @@ class ProgressReporter:
             self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
             self._bar.update(1)
         elif step % self.log_every == 0 or step == self.total_steps:
-            print(
-                f"step {step}/{self.total_steps} loss {loss:.4f} lr {lr:.3g} "
-                f"tokens/s {tokens_per_s:,.0f}",
-                flush=True,
-            )
+            print(self.plain_line(step, loss, tokens_per_s, lr), flush=True)
+
+    def plain_line(self, step: int, loss: float, tokens_per_s: float, lr: float) -> str:
+        """The line a plain log gets for ``step``: progress, loss, rate, elapsed and ETA (at
+        the rate of the steps this process ran, not counting those a resume skipped)."""
+        from tqdm import tqdm
+
+        elapsed = self._clock() - self._started
+        done = step - self._initial
+        remaining = (self.total_steps - step) * elapsed / done if done > 0 else None
+        percent = 100 * step / self.total_steps if self.total_steps else 100.0
+        eta = tqdm.format_interval(remaining) if remaining is not None else "?"
+        return (
+            f"step {step}/{self.total_steps} ({percent:.0f}%) loss {loss:.4f} lr {lr:.3g} "
+            f"tokens/s {tokens_per_s:,.0f} elapsed {tqdm.format_interval(elapsed)} eta {eta}"
+        )
 
     def close(self) -> None:
         """Close the bar (idempotent)."""
