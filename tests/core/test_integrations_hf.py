@@ -81,14 +81,12 @@ def trainer_args(output_dir: str, world: int, **overrides: Any) -> Any:
 def make_trainer(output_dir: str, world: int, **overrides: Any) -> Any:
     from dmuon.integrations.transformers import DMuonTrainer
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "TrainingArguments.optim")
-        return DMuonTrainer(
-            model=tiny_llama(),
-            args=trainer_args(output_dir, world, **overrides),
-            train_dataset=Rows(),
-            muon_kwargs={"lr": MUON_LR, "ns_dtype": torch.float32},
-        )
+    return DMuonTrainer(
+        model=tiny_llama(),
+        args=trainer_args(output_dir, world, **overrides),
+        train_dataset=Rows(),
+        muon_kwargs={"lr": MUON_LR, "ns_dtype": torch.float32},
+    )
 
 
 def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -412,11 +410,28 @@ def test_accelerate_refuses_what_it_cannot_do(two_ranks) -> None:
 
 
 # ----- misuse, in one process ------------------------------------------------------------------
-def test_default_optim_is_ignored_with_a_warning(tmp_path: Path) -> None:
+def test_default_optim_is_left_alone_without_a_warning(tmp_path: Path) -> None:
     from dmuon.integrations.transformers import DMuonTrainer
 
-    with pytest.warns(UserWarning, match="TrainingArguments.optim .* is ignored"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         DMuonTrainer(model=tiny_llama(), args=trainer_args(str(tmp_path), 1))
+    assert not [w for w in caught if "optim" in str(w.message)], [str(w.message) for w in caught]
+
+
+def test_logs_name_both_groups_learning_rates(tmp_path: Path) -> None:
+    # Muon at 0.02, AdamW at TrainingArguments' learning_rate, constant schedule: the
+    # logged rates are the configured ones, each under its own name.
+    trainer = make_trainer(
+        str(tmp_path), 1, max_steps=2, save_steps=100, lr_scheduler_type="constant"
+    )
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "learning_rate" in e]
+    assert len(logged) == 2
+    for entry in logged:
+        assert entry["learning_rate_muon"] == pytest.approx(MUON_LR)
+        assert entry["learning_rate_adamw"] == pytest.approx(ADAMW_LR)
+        assert entry["learning_rate"] == entry["learning_rate_adamw"]
 
 
 @pytest.mark.parametrize(

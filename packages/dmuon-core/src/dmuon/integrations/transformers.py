@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from typing import Any
 
 import torch
@@ -157,8 +156,10 @@ class DMuonTrainer(Trainer):
     ``fsdp_config["transformer_layer_cls_to_wrap"]`` (or the model's
     ``_no_split_modules``) and then to the model.
 
-    ``TrainingArguments.optim`` is not used: left at its default it is ignored with a
-    warning; set to anything else it is refused.
+    ``TrainingArguments.optim`` is not used: left at its default it is ignored (there is
+    nothing to choose, so nothing is said); set to anything else it is refused. Logs carry
+    both groups' learning rates, ``learning_rate_muon`` and ``learning_rate_adamw``;
+    ``learning_rate`` is the AdamW groups' (``TrainingArguments.learning_rate``).
 
     Raises:
         ValueError: ``optimizers``, ``optimizer_cls_and_kwargs``, ``model_init``, a
@@ -201,13 +202,6 @@ class DMuonTrainer(Trainer):
                 "TrainingArguments(optim_args=...) configures Trainer's own optimizers; pass "
                 "DMuon's settings as muon_kwargs={...}"
             )
-        warnings.warn(
-            f"TrainingArguments.optim ({optim!r}) is ignored: DMuonTrainer trains with "
-            "dmuon.Muon (its settings come from muon_kwargs and TrainingArguments' learning "
-            "rate, weight decay and Adam betas and epsilon)",
-            UserWarning,
-            stacklevel=2,
-        )
         check_supported(self.accelerator)
         fsdp_version = self.args.fsdp_config.get("version", 1) if self.args.fsdp else None
         if self.args.fsdp and fsdp_version != 2:
@@ -241,6 +235,21 @@ class DMuonTrainer(Trainer):
         if self.optimizer is None:
             self.optimizer = self._build_muon(model if model is not None else self.model_wrapped)
         return self.optimizer
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """Log as ``Trainer`` does, with both groups' learning rates under their own names.
+
+        ``learning_rate`` is the AdamW groups' rate (``TrainingArguments.learning_rate``
+        as scheduled); ``learning_rate_muon`` and ``learning_rate_adamw`` name each group's
+        (Trainer alone would log the first group's, Muon's, as ``learning_rate``).
+        """
+        if "learning_rate" in logs and self.optimizer is not None:
+            rates = {group["algorithm"]: group["lr"] for group in self._muon().param_groups}
+            for algorithm, rate in rates.items():
+                logs[f"learning_rate_{algorithm}"] = float(rate)
+            if "adamw" in rates:
+                logs["learning_rate"] = float(rates["adamw"])
+        super().log(logs, *args, **kwargs)
 
     def _muon(self) -> dmuon.Muon:
         optimizer = self.optimizer
