@@ -374,3 +374,61 @@ def test_plain_progress_lines_give_percent_elapsed_and_eta(
     progress.step(40, loss=2.0, tokens_per_s=1000.0, lr=0.0)
     last = capsys.readouterr().out.strip()
     assert last.endswith("(100%) loss 2.0000 lr 0 tokens/s 1,000 elapsed 00:10 eta 00:00")
+
+
+def _expected_factor(schedule: str, i: int, warmup: int, total: int, low: float) -> float:
+    """The schedules as the training page states them, written out again."""
+    if i < warmup:
+        return (i + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    start = warmup if schedule != "wsd" else max(warmup, total - math.ceil(0.3 * total))
+    if i < start:
+        return 1.0
+    t = (i - start) / (total - start - 1)
+    if schedule == "cosine":
+        return low + (1 - low) * (1 + math.cos(math.pi * t)) / 2
+    return 1 - (1 - low) * t
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant", "wsd"])
+def test_the_logged_rate_of_every_step_is_the_schedules(
+    base: TrainConfig, schedule: str, tmp_path: Path
+) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    args = ["--lr-schedule", schedule, "--decay-fraction", "0.3", "--min-lr-ratio", "0.2"]
+    parsed = parse_args(args)
+    cfg = replace(
+        base, steps=10, warmup_steps=2, eval_every=0, metrics_file=str(metrics),
+        lr_schedule=parsed.lr_schedule, decay_fraction=parsed.decay_fraction,
+        min_lr_ratio=parsed.min_lr_ratio,
+    )  # fmt: skip
+    run(cfg)
+    logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rates = [r["lr"] for r in logged if "event" not in r and "lr" in r]
+    assert len(rates) == 10
+    for i, rate in enumerate(rates):
+        expected = base.adamw_lr * _expected_factor(schedule, i, 2, 10, 0.2)
+        assert rate == pytest.approx(expected, rel=1e-6), (schedule, i)
+    if schedule == "wsd":  # 3 of 10 steps decay: the first seven run at the peak or warm up
+        assert rates[2:7] == [pytest.approx(base.adamw_lr)] * 5
+
+
+def test_optimizer_knobs_reach_both_groups(base: TrainConfig) -> None:
+    flags = ["--weight-decay", "0.05", "--adamw-weight-decay", "0.2", "--momentum", "0.9",
+             "--adamw-beta1", "0.8", "--adamw-beta2", "0.99"]  # fmt: skip
+    parsed = parse_args(flags)
+    names = ("weight_decay", "adamw_weight_decay", "momentum", "adamw_beta1", "adamw_beta2")
+    knobs = {name: getattr(parsed, name) for name in names}
+    for optimizer in ("dmuon", "adamw"):
+        trainer = Trainer(replace(base, optimizer=optimizer, **knobs))
+        try:
+            groups = trainer.optimizer.param_groups
+        finally:
+            trainer.close()
+        adamw = [g for g in groups if g.get("algorithm", "adamw") == "adamw"]
+        assert adamw and all(g["betas"] == (0.8, 0.99) for g in adamw)
+        assert any(g["weight_decay"] == 0.2 for g in adamw)
+        if optimizer == "dmuon":
+            (muon,) = [g for g in groups if g.get("algorithm") == "muon"]
+            assert muon["weight_decay"] == 0.05 and muon["momentum"] == 0.9

@@ -402,9 +402,24 @@ FLAGS: tuple[Flag, ...] = (
          "only)", _OPT, bound="positive"),
     Flag("adamw_lr", "float", ADAMW_LR, "peak AdamW rate: embeddings, norms and lm_head "
          "under dmuon; every parameter under the adamw baseline", _OPT, bound="positive"),
-    Flag("warmup_steps", "int", 10, "linear warmup steps, then cosine decay to "
-         "min-lr-ratio x peak", _OPT, minimum=0),
+    Flag("warmup_steps", "int", 10, "linear warmup steps, then the --lr-schedule", _OPT,
+         minimum=0),
     Flag("min_lr_ratio", "float", 0.1, "final learning rate as a fraction of the peak", _OPT,
+         bound="fraction"),
+    Flag("lr_schedule", "choice", "cosine", "after warmup: cosine or linear decay to "
+         "min-lr-ratio x peak, constant, or wsd (constant, then linear decay over the last "
+         "--decay-fraction of the steps)", _OPT,
+         choices=("cosine", "linear", "constant", "wsd")),
+    Flag("decay_fraction", "float", 0.2, "the final share of the steps that decays under "
+         "--lr-schedule wsd", _OPT, bound="fraction"),
+    Flag("weight_decay", "float", 0.0, "decoupled weight decay of the Muon matrices (dmuon "
+         "only)", _OPT, bound="non_negative"),
+    Flag("adamw_weight_decay", "float", 0.01, "decoupled weight decay of AdamW (the "
+         "embedding, norms and head under dmuon; every parameter under adamw)", _OPT,
+         bound="non_negative"),
+    Flag("momentum", "float", 0.95, "Muon's momentum (dmuon only)", _OPT, bound="fraction"),
+    Flag("adamw_beta1", "float", 0.9, "AdamW's first-moment decay", _OPT, bound="fraction"),
+    Flag("adamw_beta2", "float", 0.999, "AdamW's second-moment decay", _OPT,
          bound="fraction"),
     Flag("clip_grad", "float", 1.0, "clip the global gradient norm to this value (0 "
          "disables); the logged grad_norm is the norm before clipping", _OPT,

@@ -65,6 +65,7 @@ from dmuon.train.parallelize import (
     init_distributed,
     parallelize,
 )
+from dmuon.train.schedules import lr_factor
 from dmuon.train.state import ModelState, OptimizerState, RNGState, TrainState
 from dmuon.train.stopping import StopRequest
 
@@ -123,22 +124,9 @@ def configure_threads(local_world_size: int, threads: int | None = None) -> int:
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """Multiplier for ``LambdaLR``: linear warmup, then cosine decay to ``min_ratio``.
-
-    ``LambdaLR`` calls it with the number of completed steps ``i`` (0 for the first
-    optimizer step): warmup gives ``(i + 1) / warmup_steps`` for ``i < warmup_steps``;
-    then the factor follows ``min_ratio + (1 - min_ratio) * (1 + cos(pi * t)) / 2`` with
-    ``t`` going from 0 to 1 over the remaining steps.
-    """
-
-    def factor(i: int) -> float:
-        if i < warmup_steps:
-            return (i + 1) / warmup_steps
-        span = max(1, total_steps - warmup_steps - 1)
-        t = min(1.0, (i - warmup_steps) / span)
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * t))
-
-    return factor
+    """Multiplier for ``LambdaLR``: linear warmup, then cosine decay to ``min_ratio`` (the
+    default ``--lr-schedule``; see `dmuon.train.schedules`)."""
+    return lr_factor("cosine", warmup_steps, total_steps, min_ratio)
 
 
 @dataclass
@@ -318,8 +306,18 @@ class Trainer:
             adamw_lr=config.adamw_rate,
             ns_dtype=config.ns_dtype,
             variant=config.muon_variant,
+            weight_decay=config.weight_decay,
+            adamw_weight_decay=config.adamw_weight_decay,
+            momentum=config.momentum,
+            adamw_betas=(config.adamw_beta1, config.adamw_beta2),
         )
-        self._lr_factor = lr_lambda(config.warmup_steps, config.steps, config.min_lr_ratio)
+        self._lr_factor = lr_factor(
+            config.lr_schedule,
+            config.warmup_steps,
+            config.steps,
+            config.min_lr_ratio,
+            config.decay_fraction,
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.tokens_per_step = self.sampler.global_batch_size * config.seq_len
         self.train_state = TrainState(

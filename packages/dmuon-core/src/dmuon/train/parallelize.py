@@ -216,13 +216,31 @@ def build_optimizer(
     adamw_lr: float,
     ns_dtype: str,
     variant: str = "muon",
+    weight_decay: float = 0.0,
+    adamw_weight_decay: float = 0.01,
+    momentum: float = 0.95,
+    adamw_betas: tuple[float, float] = (0.9, 0.999),
 ) -> torch.optim.Optimizer:
     """``dmuon.Muon`` (Muon, or NorMuon with ``variant="normuon"``, on the dedicated
     matrices, AdamW on the rest) or the baseline ``torch.optim.AdamW`` on everything, with
     the hyperparameters DMuon's AdamW uses."""
     if optimizer == "dmuon":
         dtype = None if ns_dtype == "auto" else getattr(torch, ns_dtype)
-        return dmuon.Muon(model, lr=lr, adamw_lr=adamw_lr, ns_dtype=dtype, variant=variant)
+        return dmuon.Muon(
+            model,
+            lr=lr,
+            adamw_lr=adamw_lr,
+            ns_dtype=dtype,
+            variant=variant,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            adamw_weight_decay=adamw_weight_decay,
+            adamw_betas=adamw_betas,
+        )
     return torch.optim.AdamW(
-        model.parameters(), lr=adamw_lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01
+        model.parameters(),
+        lr=adamw_lr,
+        betas=adamw_betas,
+        eps=1e-8,
+        weight_decay=adamw_weight_decay,
     )
