@@ -136,7 +136,7 @@ def test_split_errors_name_the_problem() -> None:
         dmuon.Muon(model, split={"gate_up_proj": (48, 40)})
     with pytest.raises(ValueError, match="all match"):
         dmuon.Muon(model, split={"gate_up_proj": 2, "*.experts.*": 2})
-    with pytest.raises(ValueError, match='split must be "auto", None'):
+    with pytest.raises(ValueError, match='split must be "auto", "per_head", None'):
         dmuon.Muon(model, split="yes")
     assert dmuon.Muon(model, split=None).split_sizes == {}
 

@@ -154,7 +154,8 @@ class Muon(torch.optim.Optimizer):
             were separate parameters. ``None`` (default) splits nothing: each matrix is
             orthogonalized as stored. ``"auto"`` splits the layouts known to concatenate
             equal parts: transformers' ``gate_up_proj`` (expert stacks, and Phi-3's
-            ``nn.Linear``) into gate and up. A mapping
+            ``nn.Linear``) into gate and up. ``"per_head"`` splits those, and each
+            attention head's rows of q, k and v (model.config's head counts). A mapping
             ``{pattern: parts}`` splits the parameters whose dotted name has ``pattern`` as a
             component (or matches it as an ``fnmatch`` glob) into ``parts`` equal parts, or
             into parts of the given sizes (``(q, kv, kv)`` for a grouped-query ``qkv_proj``);
@@ -227,7 +228,7 @@ class Muon(torch.optim.Optimizer):
         check_max_workspace_bytes(max_workspace_bytes)
         self.max_workspace_bytes = max_workspace_bytes
         """The cap on the Newton-Schulz buffers (see ``max_workspace_bytes`` above)."""
-        self.split_sizes: dict[str, tuple[int, ...]] = resolve_split(split, state.params)
+        self.split_sizes: dict[str, tuple[int, ...]] = resolve_split(split, state.params, model)
         """``{fqn: output sizes of its parts}`` of the dedicated parameters ``split`` cuts."""
         verify_not_sharded(state.params)
         self._group_defaults = group_defaults(

@@ -14,6 +14,11 @@ The ``split`` argument of ``dmuon.Muon``:
 * ``"auto"``: split the layouts known to fuse equal parts by concatenation, namely
   transformers' ``gate_up_proj`` (an expert stack, or Phi-3's ``nn.Linear``) into gate and
   up (`dmuon._ownership.param.DedicatedParam.fused_parts`).
+* ``"per_head"``: what ``"auto"`` splits, and each attention head's rows of the query,
+  key and value projections on their own, read from the model's Hugging Face config
+  (``num_attention_heads``, ``num_key_value_heads``, ``head_dim``): ``q_proj`` into
+  query heads, ``k_proj`` and ``v_proj`` into key-value heads, and the fused layouts that
+  concatenate q, k and v (``qkv_proj``, GPT-2's ``c_attn``, ``W_pack``) into all of them.
 * A mapping ``{pattern: parts}``: ``pattern`` selects parameters by name; it matches a
   parameter whose dotted name has ``pattern`` as one of its components
   (``"gate_up_proj"`` matches ``"model.layers.0.mlp.experts.gate_up_proj"``, ``"c_attn"``
@@ -34,16 +39,72 @@ import numbers
 from collections.abc import Mapping, Sequence
 
 from torch import Tensor
+from torch.nn import Module
 
 from dmuon._ownership.param import DedicatedParam
 
-__all__ = ["SPLIT_AUTO", "Split", "matrix_pieces", "resolve_split"]
+__all__ = ["SPLIT_AUTO", "SPLIT_PER_HEAD", "Split", "matrix_pieces", "resolve_split"]
 
 Split = str | Mapping[str, int | Sequence[int]] | None
-"""What ``dmuon.Muon(split=...)`` accepts: ``"auto"``, ``None``, or ``{pattern: parts}``."""
+"""What ``dmuon.Muon(split=...)`` accepts: ``"auto"``, ``"per_head"``, ``None``, or
+``{pattern: parts}``."""
 
 SPLIT_AUTO = "auto"
 """``split`` value that splits the known fused layouts (transformers' ``gate_up_proj``)."""
+
+SPLIT_PER_HEAD = "per_head"
+"""``split`` value that also orthogonalizes each attention head's q, k and v rows alone."""
+
+#: Projections by what their rows hold: query heads, key-value heads, or q, k and v fused.
+_QUERY, _KEY_VALUE, _FUSED_QKV = (
+    ("q_proj", "query"),
+    ("k_proj", "v_proj", "key", "value"),
+    (
+        "qkv_proj",
+        "c_attn",
+        "W_pack",
+    ),
+)
+
+
+def _heads(model: Module | None) -> tuple[int, int, int]:
+    """``(query heads, key-value heads, head dim)`` from the model's config."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not heads:
+        raise ValueError(
+            'split="per_head" reads the head counts from the model\'s Hugging Face config '
+            "(model.config.num_attention_heads), which this model has not; give the parts "
+            "yourself: split={'q_proj': query_heads, 'k_proj': kv_heads, 'v_proj': kv_heads}"
+        )
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if hidden else None)
+    if not head_dim:
+        raise ValueError('split="per_head" needs model.config.head_dim or hidden_size')
+    return int(heads), int(kv_heads), int(head_dim)
+
+
+def _per_head(model: Module | None, params: Sequence[DedicatedParam]) -> dict[str, tuple[int, ...]]:
+    heads, kv_heads, head_dim = _heads(model)
+    resolved: dict[str, tuple[int, ...]] = {}
+    for dp in params:
+        parts = dp.fqn.split(".")
+        owner = parts[-2] if parts[-1] in ("weight", "bias") and len(parts) > 1 else parts[-1]
+        count = (
+            heads if owner in _QUERY else kv_heads if owner in _KEY_VALUE
+            else heads + 2 * kv_heads if owner in _FUSED_QKV else None
+        )  # fmt: skip
+        if count is None:
+            continue
+        out = dp.out_in_shape[0]
+        if out != count * head_dim:
+            raise ValueError(
+                f'split="per_head": {dp.fqn!r} has {out} output rows, not {count} heads x '
+                f"{head_dim} (model.config); give its parts with a mapping instead"
+            )
+        resolved[dp.fqn] = (head_dim,) * count
+    return resolved
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -73,7 +134,9 @@ def _sizes(fqn: str, out: int, parts: object, pattern: str) -> tuple[int, ...]:
     )
 
 
-def resolve_split(split: Split, params: Sequence[DedicatedParam]) -> dict[str, tuple[int, ...]]:
+def resolve_split(
+    split: Split, params: Sequence[DedicatedParam], model: Module | None = None
+) -> dict[str, tuple[int, ...]]:
     """``{fqn: output sizes of its parts}`` for every dedicated parameter that is split.
 
     Parameters left whole are absent. See the module docstring for what ``split`` means.
@@ -85,15 +148,17 @@ def resolve_split(split: Split, params: Sequence[DedicatedParam]) -> dict[str, t
     if split is None:
         return {}
     if isinstance(split, str):
-        if split != SPLIT_AUTO:
+        if split not in (SPLIT_AUTO, SPLIT_PER_HEAD):
             raise ValueError(
-                f'split must be "auto", None or a mapping {{name pattern: parts}}, got {split!r}'
+                f'split must be "auto", "per_head", None or a mapping {{name pattern: parts}}, '
+                f"got {split!r}"
             )
-        return {
+        fused = {
             dp.fqn: (dp.out_in_shape[0] // dp.fused_parts,) * dp.fused_parts
             for dp in params
             if dp.fused_parts > 1
         }
+        return fused if split == SPLIT_AUTO else {**fused, **_per_head(model, params)}
     if not isinstance(split, Mapping):
         raise ValueError(
             f'split must be "auto", None or a mapping {{name pattern: parts}}, got '

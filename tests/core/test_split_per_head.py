@@ -1,0 +1,60 @@
+"""``dmuon.Muon(split="per_head")``: each attention head's q, k and v rows orthogonalized on
+their own, from the model's Hugging Face config.
+
+Oracle: the same step with the head counts given by hand as a ``{pattern: parts}`` mapping
+(whose equality with separate parameters is tested with the other splits), value for value.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_models import config_of
+from torch import nn
+
+import dmuon
+
+transformers = pytest.importorskip("transformers")
+
+
+def _stepped(split: object) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config_of("llama"))  # 4 heads, 2 kv heads, dim 8
+    dmuon.dedicate_params(model)
+    optimizer = dmuon.Muon(model, lr=0.05, ns_dtype=torch.float32, split=split)
+    tokens = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_per_head_is_the_head_counts_of_the_config_given_by_hand() -> None:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config_of("llama"))
+    dmuon.dedicate_params(model)
+    sizes = dmuon.Muon(model, split="per_head").split_sizes
+    for layer in range(2):
+        attn = f"model.layers.{layer}.self_attn"
+        assert sizes[f"{attn}.q_proj.weight"] == (8,) * 4
+        assert sizes[f"{attn}.k_proj.weight"] == sizes[f"{attn}.v_proj.weight"] == (8,) * 2
+    assert not any("o_proj" in name or "mlp" in name for name in sizes)
+    per_head = _stepped("per_head")
+    by_hand = _stepped({"q_proj": 4, "k_proj": 2, "v_proj": 2})
+    whole = _stepped(None)
+    assert all(torch.equal(per_head[n], by_hand[n]) for n in per_head)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(per_head[q], whole[q])  # the split changed the update
+
+
+def test_gpt2s_fused_c_attn_splits_into_every_head_of_q_k_and_v() -> None:
+    model = transformers.GPT2LMHeadModel(config_of("gpt2"))  # 4 heads of 8
+    dmuon.dedicate_params(model)
+    sizes = dmuon.Muon(model, split="per_head").split_sizes
+    assert sizes["transformer.h.0.attn.c_attn.weight"] == (8,) * 12
+
+
+def test_per_head_without_a_config_says_what_to_pass() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    dmuon.dedicate_params(model, hook_boundary_strict=False)
+    with pytest.raises(ValueError, match=r"model\.config\.num_attention_heads"):
+        dmuon.Muon(model, split="per_head")
