@@ -15,7 +15,13 @@ from server_helpers import SERVER_TESTS
 
 REPO = SERVER_TESTS.parents[1]
 #: Modules run as ``python -m``: each package's ``__main__`` modules and guarded modules.
-MODULES = ("dmuon.train", "dmuon.checkpoint", "dmuon_server.cli", "dmuon_server.demo")
+MODULES = (
+    "dmuon.train",
+    "dmuon.checkpoint",
+    "dmuon_server",
+    "dmuon_server.cli",
+    "dmuon_server.demo",
+)
 #: Run in a process of their own: the runner ends its process with ``os._exit``.
 OWN_PROCESS = ("dmuon_server.runner",)
 

@@ -420,3 +420,16 @@ def test_server_never_imports_torch_or_dmuon() -> None:
     import sys
 
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ}, timeout=60)
+
+
+def test_a_spec_of_only_the_model_runs_on_the_recipes_defaults(client: TestClient) -> None:
+    import dmuon_recipe_contract as contract
+
+    r = client.post("/v1/jobs:validate", json={"nproc_per_node": 1, "train": {"model": "tiny"}})
+    assert r.status_code == 200, r.text
+    r = client.post("/v1/jobs", json={"nproc_per_node": 1, "train": {"model": "tiny"}})
+    assert r.status_code == 201, r.text
+    train = r.json()["train"]
+    for name in ("steps", "micro_batch_size", "accum_steps", "seq_len", "lr", "optimizer"):
+        assert train[name] == contract.flag(name).default, name
+    client.post(f"/v1/jobs/{r.json()['id']}/cancel")

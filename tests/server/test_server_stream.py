@@ -324,3 +324,17 @@ def test_concurrent_submissions_over_http_create_one_job(server_factory) -> None
         wait_until(
             lambda: c.get(f"/v1/jobs/{results[0][1]}").json()["state"] == "succeeded", 60, "done"
         )
+
+
+def test_with_gpus_the_largest_job_defaults_to_one_process_per_gpu(tmp_path: Path) -> None:
+    # Four GPUs named on a machine with fewer cores: a 4-process job is accepted (the
+    # default was the usable CPUs), a 5-process one is not.
+    server = LiveServer(tmp_path / "d", "--gpus", "0,1,2,3").start()
+    try:
+        with server.client() as c:
+            four = c.post("/v1/jobs:validate", json=job_spec(nproc=4))
+            five = c.post("/v1/jobs:validate", json=job_spec(nproc=5))
+        assert four.status_code == 200, four.text
+        assert five.status_code == 422 and "at most 4" in five.text
+    finally:
+        server.stop()

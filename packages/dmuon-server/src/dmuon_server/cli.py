@@ -126,8 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-nproc",
         type=int,
-        default=usable_cpus(),
-        help="largest nproc_per_node a job may ask for (default: usable CPUs)",
+        default=None,
+        help="largest nproc_per_node a job may ask for (default: the number of GPUs with "
+        "--gpus, one process each; else the usable CPUs)",
     )
     p.add_argument(
         "--data-root",
@@ -395,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         data_dir=args.data_dir,
         token=token,
         max_concurrent_jobs=args.max_concurrent_jobs,
-        max_nproc_per_node=args.max_nproc,
+        max_nproc_per_node=args.max_nproc or len(gpus) or usable_cpus(),
         data_roots=tuple(args.data_root or ()),
         model_roots=tuple(args.model_root or ()),
         cancel_grace_s=args.cancel_grace,

@@ -125,14 +125,32 @@ class TrainSpec(_Strict):
         description='A preset name, or `{"path": ...}`: a Hugging Face model directory '
         "inside a model root (`--model`)."
     )
-    steps: int = Field(ge=1, le=1_000_000, description="Optimizer steps (`--steps`).")
+    steps: int = Field(
+        default=contract.flag("steps").default,
+        ge=1,
+        le=1_000_000,
+        description=f"Optimizer steps (`--steps`); {_default_text('steps')}.",
+    )
     micro_batch_size: int = Field(
-        ge=1, le=4096, description="Sequences per rank per micro-batch (`--micro-batch-size`)."
+        default=contract.flag("micro_batch_size").default,
+        ge=1,
+        le=4096,
+        description="Sequences per rank per micro-batch (`--micro-batch-size`); "
+        f"{_default_text('micro_batch_size')}.",
     )
     accum_steps: int = Field(
-        ge=1, le=1024, description="Micro-batches accumulated per optimizer step (`--accum-steps`)."
+        default=contract.flag("accum_steps").default,
+        ge=1,
+        le=1024,
+        description="Micro-batches accumulated per optimizer step (`--accum-steps`); "
+        f"{_default_text('accum_steps')}.",
     )
-    seq_len: int = Field(ge=1, le=65_536, description="Tokens per sequence (`--seq-len`).")
+    seq_len: int = Field(
+        default=contract.flag("seq_len").default,
+        ge=1,
+        le=65_536,
+        description=f"Tokens per sequence (`--seq-len`); {_default_text('seq_len')}.",
+    )
     lr: PositiveLR | None = Field(
         default=None, description=f"Muon learning rate (`--lr`); {_default_text('lr')}."
     )
