@@ -24,12 +24,14 @@ code cannot be imported the hook logs a warning, which fails ``mkdocs build --st
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import re
 import sys
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from mkdocs.config.defaults import MkDocsConfig
@@ -37,15 +39,27 @@ from mkdocs.plugins import get_plugin_logger
 from mkdocs.structure.files import Files
 from mkdocs.structure.pages import Page
 
-# Sibling modules of this hook (MkDocs loads hooks by file path, not as a package).
-if str(Path(__file__).parent) not in sys.path:
-    sys.path.insert(0, str(Path(__file__).parent))
 
-import diagrams
-import glossary
-import recipe_tables
-import scaling
-import torch_muon
+def _sibling(name: str) -> ModuleType:
+    """A sibling module of this hook, loaded from its file under a name of its own
+    (MkDocs loads hooks by file path, not as a package; a plain ``import scaling`` could
+    find another ``scaling``, such as ``benchmarks/scaling.py``)."""
+    module_name = f"dmuon_docs_hook_{name}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, Path(__file__).parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+diagrams = _sibling("diagrams")
+glossary = _sibling("glossary")
+recipe_tables = _sibling("recipe_tables")
+scaling = _sibling("scaling")
+torch_muon = _sibling("torch_muon")
 
 log = get_plugin_logger("dmuon-docs")
 
