@@ -47,8 +47,10 @@
     }
   }
 
-  new MutationObserver(update).observe(document.documentElement, {
-    childList: true,
-    subtree: true,
-  });
+  // Only the search dialog changes what this reads: watching it alone keeps every other
+  // change of the page (the header on scroll, the table of contents) free of this work.
+  new MutationObserver(update).observe(
+    document.querySelector(".md-search") || document.documentElement,
+    { childList: true, subtree: true },
+  );
 })();

@@ -83,6 +83,17 @@ def _default_text(dest: str) -> str:
     return "the recipe's default" if value is None else f"the recipe's default, `{value}`"
 
 
+def _recipe_count(dest: str, what: str, most: int) -> Any:
+    """A positive integer field of the recipe whose default is the recipe's own."""
+    flag = contract.flag(dest)
+    return Field(
+        default=flag.default,
+        ge=1,
+        le=most,
+        description=f"{what} (`{flag.option}`); {_default_text(dest)}.",
+    )
+
+
 PresetName = Literal[tuple(sorted(contract.PRESETS))]  # type: ignore[valid-type]
 RootedPath = Annotated[str, Field(min_length=1, max_length=4096)]
 
@@ -125,32 +136,14 @@ class TrainSpec(_Strict):
         description='A preset name, or `{"path": ...}`: a Hugging Face model directory '
         "inside a model root (`--model`)."
     )
-    steps: int = Field(
-        default=contract.flag("steps").default,
-        ge=1,
-        le=1_000_000,
-        description=f"Optimizer steps (`--steps`); {_default_text('steps')}.",
+    steps: int = _recipe_count("steps", "Optimizer steps", 1_000_000)
+    micro_batch_size: int = _recipe_count(
+        "micro_batch_size", "Sequences per rank per micro-batch", 4096
     )
-    micro_batch_size: int = Field(
-        default=contract.flag("micro_batch_size").default,
-        ge=1,
-        le=4096,
-        description="Sequences per rank per micro-batch (`--micro-batch-size`); "
-        f"{_default_text('micro_batch_size')}.",
+    accum_steps: int = _recipe_count(
+        "accum_steps", "Micro-batches accumulated per optimizer step", 1024
     )
-    accum_steps: int = Field(
-        default=contract.flag("accum_steps").default,
-        ge=1,
-        le=1024,
-        description="Micro-batches accumulated per optimizer step (`--accum-steps`); "
-        f"{_default_text('accum_steps')}.",
-    )
-    seq_len: int = Field(
-        default=contract.flag("seq_len").default,
-        ge=1,
-        le=65_536,
-        description=f"Tokens per sequence (`--seq-len`); {_default_text('seq_len')}.",
-    )
+    seq_len: int = _recipe_count("seq_len", "Tokens per sequence", 65_536)
     lr: PositiveLR | None = Field(
         default=None, description=f"Muon learning rate (`--lr`); {_default_text('lr')}."
     )

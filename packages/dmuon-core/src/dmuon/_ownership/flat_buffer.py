@@ -364,11 +364,8 @@ class FlatBuffer:
         the collectives are the same on every rank whatever the data.
         """
         live = self._live_entries()
-        flat = torch.empty(
-            sum(e.hi - e.lo for i, e in enumerate(self.entries) if i in live),
-            dtype=self.reduce_dtype,
-            device=self.buffer.device,
-        )
+        packed_numel = self._packed_spans[-1][1] if self._packed_spans else 0
+        flat = torch.empty(packed_numel, dtype=self.reduce_dtype, device=self.buffer.device)
         for view, grad in zip(self.views, self._take_local_grads(), strict=True):
             acc = gradients.take_accumulated(view.holder)
             gradients.mark(view.holder)

@@ -161,19 +161,12 @@ class LocalLauncher:
         job_dir = self.settings.job_dir(job.id)
         try:
             start = attempts.begin(self.settings, self.store, job, cause, gpus, self.identities)
-        except IdentityError as e:
-            why = f"could not choose the job's Unix account: {e}"
-            attempts.fail_to_start(
-                self.store,
-                self._move,
-                job.id,
-                self.store.current_attempt(job.id),
-                why,
-                ACTIVE_STATES,
+        except (IdentityError, OSError) as e:
+            why = (
+                f"could not choose the job's Unix account: {e}"
+                if isinstance(e, IdentityError)
+                else f"could not prepare the job's folder: {e.strerror or e}"
             )
-            return
-        except OSError as e:
-            why = f"could not prepare the job's folder: {e.strerror or e}"
             attempts.fail_to_start(
                 self.store,
                 self._move,
