@@ -107,3 +107,37 @@ def test_preset_table_cells_match_the_models(lang: str, site: Path) -> None:
         decimals = len(params[:-2].partition(".")[2])
         actual = _count_parameters(config)
         assert abs(shown - actual) <= 0.5 * 10 ** (6 - decimals), f"{name}: {params} vs {actual}"
+
+
+@pytest.mark.parametrize("lang", ["en", "zh"])
+def test_the_rates_and_knobs_the_training_page_states_are_the_codes(lang: str) -> None:
+    """The learning-rate and schedule sections quote the recipe's defaults and the demo's
+    short-run rates; each number here comes from the contract or the demo's arguments."""
+    import dmuon_recipe_contract as contract
+
+    from dmuon.train.demo import DEMO_ARGS
+
+    root = Path(__file__).resolve().parents[2] / "docs"
+    text = " ".join((root / ("zh" if lang == "zh" else "") / "training.md").read_text().split())
+    demo = dict(zip(DEMO_ARGS[::2], DEMO_ARGS[1::2], strict=False))
+
+    def default(dest: str) -> str:
+        return f"{contract.flag(dest).default:g}"
+
+    lp, rp = ("（", "）") if lang == "zh" else ("(", ")")
+    said = [
+        f"`--lr {default('lr')}`",
+        f"`--adamw-lr {contract.ADAMW_LR:g}`",
+        f"`{demo['--lr']}`",
+        f"`{demo['--adamw-lr']}`",
+        f"{lp}{default('adamw_weight_decay')}{rp}",
+        f"{default('momentum')}{rp}",
+        f"{lp}{default('adamw_beta1')} ",
+        f"{default('adamw_beta2')}{rp}",
+    ]
+    if lang == "en":
+        said += [f"in {demo['--steps']}.", f"{default('weight_decay')} by default"]
+    else:
+        said += [f"默认 {default('weight_decay')}"]
+    for phrase in said:
+        assert phrase in text, f"{lang} training.md does not say {phrase!r}"
