@@ -33,6 +33,7 @@ from isolation_helpers import (
 from server_helpers import (
     TERMINAL,
     LiveServer,
+    fake_recipe_env,
     job_spec,
     processes_of_job,
     recipe_without_checkpoints,
@@ -359,5 +360,33 @@ def test_a_sandboxed_job_is_cancelled_to_its_last_process(world: World) -> None:
             )
             assert end["state"] == "cancelled", end
             wait_until(lambda: not processes_of_job(job_id), 10, "every process to end")
+    finally:
+        server.stop()
+
+
+def test_a_sandboxed_job_outlives_a_killed_server_and_is_reattached(world: World) -> None:
+    """kill -9 of the server mid-job: the sandboxed job goes on (bwrap must not die with
+    its parent), and the restarted server follows it to its end."""
+    _bwrap_or_skip()
+    env = {**os.environ, **fake_recipe_env(FAKE_STEP_SECONDS="0.1")}
+    server = _server(world, "--sandbox", "bwrap", env=env)
+    try:
+        with _as(world, server, "alice") as alice:
+            job = alice.post("/v1/jobs", json=job_spec(nproc=1, steps=30)).json()
+            wait_until(
+                lambda: alice.get(f"/v1/jobs/{job['id']}").json()["state"] == "running",
+                60,
+                "the job to run",
+            )
+        server.kill()
+        server = _server(world, "--sandbox", "bwrap", env=env)
+        with _as(world, server, "alice") as alice:
+            end = wait_until(
+                lambda: (j := alice.get(f"/v1/jobs/{job['id']}").json())["state"] in TERMINAL and j,
+                120,
+                "the job to end",
+            )
+        assert end["state"] == "succeeded", end
+        assert end["summary"]["last_step"] == 30
     finally:
         server.stop()

@@ -84,7 +84,7 @@ def wrap(
         raise FileNotFoundError("bwrap is not installed (Debian package bubblewrap)")
     args = [
         bwrap,
-        "--die-with-parent",
+        # No --die-with-parent: a job outlives the server (a restarted server re-attaches).
         "--unshare-pid",
         "--unshare-ipc",
         "--unshare-uts",
