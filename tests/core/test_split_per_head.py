@@ -58,3 +58,31 @@ def test_per_head_without_a_config_says_what_to_pass() -> None:
     dmuon.dedicate_params(model, hook_boundary_strict=False)
     with pytest.raises(ValueError, match=r"model\.config\.num_attention_heads"):
         dmuon.Muon(model, split="per_head")
+
+
+def _muon_first_step(grad: torch.Tensor, lr: float) -> torch.Tensor:
+    """Muon's first update of a separate parameter with gradient ``grad`` (zero momentum,
+    Nesterov 0.95, float32 Newton-Schulz, ``match_rms_adamw``), written out."""
+    momentum = torch.zeros_like(grad).lerp(grad, 1 - 0.95)
+    ortho = dmuon.newton_schulz(grad.lerp(momentum, 0.95), 5, "polar_express", dtype=torch.float32)
+    return -lr * 0.2 * max(grad.shape) ** 0.5 * ortho
+
+
+def test_per_head_equals_each_head_as_its_own_parameter() -> None:
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config_of("llama"))  # 4 heads, 2 kv heads, dim 8
+    dmuon.dedicate_params(model)
+    optimizer = dmuon.Muon(model, lr=0.05, ns_dtype=torch.float32, split="per_head")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    tokens = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    grads = {dp.fqn: dp.param._reduced_grad.clone() for dp in dmuon.dedicated_parameters(model)}
+    optimizer.step()
+    after = dict(model.named_parameters())
+    for layer in range(2):
+        for name in ("q_proj", "k_proj", "v_proj"):
+            fqn = f"model.layers.{layer}.self_attn.{name}.weight"
+            heads = grads[fqn].split(8)  # each head's (8, 32) rows, as a parameter of its own
+            expected = torch.cat([_muon_first_step(rows, 0.05) for rows in heads])
+            change = after[fqn].detach() - before[fqn]
+            torch.testing.assert_close(change, expected, rtol=1e-5, atol=1e-6)

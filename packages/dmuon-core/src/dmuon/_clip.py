@@ -32,7 +32,7 @@ from dmuon._ownership.state import DedicationState, get_dedication
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 
-def _groups_of(model: nn.Module) -> tuple[list[dist.ProcessGroup], torch.device]:
+def reduction_groups(model: nn.Module) -> tuple[list[dist.ProcessGroup], torch.device]:
     """The process groups whose product spans every rank, and the device to reduce on."""
     state = get_dedication(model)
     if state is not None:
@@ -107,7 +107,7 @@ def _local_parts(model: nn.Module, world: int) -> tuple[Parts, Parts]:
 def _parts_and_groups(
     model: nn.Module,
 ) -> tuple[Parts, Parts, list[dist.ProcessGroup], torch.device]:
-    groups, device = _groups_of(model)
+    groups, device = reduction_groups(model)
     world = math.prod(dist.get_world_size(g) for g in groups)
     return *_local_parts(model, world), groups, device
 

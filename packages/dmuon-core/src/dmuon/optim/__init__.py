@@ -29,6 +29,7 @@ from dmuon.optim._orthogonalize import (
     resolve_coefficients,
     uses_gram,
 )
+from dmuon.optim._qk_clip import QKClipReport
 from dmuon.optim._split import resolve_split
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "Coefficients",
     "Muon",
     "NonFiniteGradientError",
+    "QKClipReport",
     "adjust_lr_ratio",
     "cpu_bf16_unit",
     "cpu_has_native_bf16",

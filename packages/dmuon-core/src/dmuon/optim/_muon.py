@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dmuon._clip import total_grad_norm
+from dmuon._clip import reduction_groups, total_grad_norm
 from dmuon._ownership.fsdp_integration import verify_not_sharded
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.state import DedicationState, get_dedication, unwrap
@@ -51,6 +51,7 @@ from dmuon.optim._orthogonalize import (
     Coefficients,
     resolve_coefficients,
 )
+from dmuon.optim._qk_clip import QKClip, QKClipReport
 from dmuon.optim._split import Split, resolve_split
 from dmuon.optim._validation import (
     ADJUST_LR_FNS,
@@ -171,6 +172,19 @@ class Muon(torch.optim.Optimizer):
             batched iteration would need more runs in chunks that fit; one matrix always
             runs, so the workspace is at most the larger of this and what the largest
             single matrix needs. `workspace_bytes` reports what is held.
+        qk_clip: QK-clip's threshold ``tau`` (MuonClip, from the Kimi K2 report), or
+            ``None`` (default) for none. Every training forward records each attention
+            head's largest logit ``q . k * scaling`` (through transformers'
+            ``AttentionInterface``, so the model must be a Hugging Face one with separate,
+            dedicated ``q_proj`` and ``k_proj``); after each step the maxima are agreed on
+            over every rank (one small MAX all-reduce per mesh dimension) and the heads
+            above ``tau`` have their query and key rows (and biases) scaled by
+            ``gamma = tau / max`` so their logits on that batch become ``tau``. See
+            ``dmuon.optim._qk_clip`` for how ``gamma`` is shared between queries and keys
+            (grouped-query attention, q/k norms). ``qk_clip_report`` holds the last step's
+            maxima and the number of heads clipped.
+        qk_clip_alpha: the share of ``gamma`` the query rows take (``gamma ** alpha``; the
+            key rows take ``gamma ** (1 - alpha)``), in [0, 1]; default 0.5.
 
     Raises:
         ValueError: ``model`` has no dedication state, a dedicated parameter is neither a
@@ -203,6 +217,8 @@ class Muon(torch.optim.Optimizer):
         beta2: float = 0.95,
         param_groups: Sequence[Mapping[str, Any]] | None = None,
         max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
+        qk_clip: float | None = None,
+        qk_clip_alpha: float = 0.5,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise ValueError(
@@ -258,6 +274,16 @@ class Muon(torch.optim.Optimizer):
             self._group_defaults["adamw"],
         )
         self._init_groups(model, groups)
+        self._qk_clip = (
+            QKClip(model, state.params, qk_clip, qk_clip_alpha) if qk_clip is not None else None
+        )
+
+    @property
+    def qk_clip_report(self) -> QKClipReport | None:
+        """The last step's QK-clip report (``None`` without ``qk_clip``): each attention
+        layer's largest logit and how many heads were clipped, the same on every rank."""
+        clip = self.__dict__.get("_qk_clip")
+        return clip.report if clip is not None else None
 
     def _init_groups(self, model: nn.Module, groups: list[dict[str, Any]]) -> None:
         """Validate every group and create the optimizer over them."""
@@ -350,6 +376,9 @@ class Muon(torch.optim.Optimizer):
                 self._muon_step(group, dedicated)
             else:
                 self._adamw_step(group)
+        clip = self.__dict__.get("_qk_clip")
+        if clip is not None:
+            clip.apply(self._dedication().runtime.comm, reduction_groups(self._model)[0])
         self._step_finished()
         return loss
 
