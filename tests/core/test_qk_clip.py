@@ -378,3 +378,71 @@ def test_errors_say_what_to_do() -> None:
     dmuon.dedicate_params(plain, hook_boundary_strict=False)
     with pytest.raises(ValueError, match="no attention module"):
         dmuon.Muon(plain, qk_clip=100.0)
+
+
+# ----- models of one's own ------------------------------------------------------------------
+def test_the_recipes_own_model_records_through_record_attention_logits() -> None:
+    """The preset transformer calls ``record_attention_logits``; its logits, computed by
+    hand from the layer's input, are what the report shows and what the clip bounds."""
+    from dataclasses import replace
+
+    from dmuon.train.models.preset import PRESETS, build_model
+
+    model = build_model(replace(PRESETS["tiny"], n_layers=1), seed=0)
+    with torch.no_grad():  # larger query and key weights, so some heads pass tau
+        for proj in (model.layers[0].attn.q_proj, model.layers[0].attn.k_proj):
+            proj.weight.mul_(12.0)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(2))
+
+    @torch.no_grad()
+    def by_hand() -> torch.Tensor:
+        from dmuon.train.models.preset import _apply_rope
+
+        attn, seen = model.layers[0].attn, []
+        handle = attn.register_forward_pre_hook(lambda m, args: seen.append(args))
+        model(tokens)
+        handle.remove()
+        x, cos, sin = seen[0]
+        split = (2, 16, attn.n_heads, attn.head_dim)
+        q = _apply_rope((x @ attn.q_proj.weight.T).view(split).transpose(1, 2), cos, sin)
+        k = _apply_rope((x @ attn.k_proj.weight.T).view(split).transpose(1, 2), cos, sin)
+        logits = q @ k.transpose(-1, -2) / attn.head_dim**0.5
+        causal = torch.ones(16, 16, dtype=torch.bool).tril()
+        return logits.masked_fill(~causal, float("-inf")).amax(dim=(0, 2, 3))
+
+    before = by_hand()
+    tau = float(before.median())
+    dmuon.dedicate_params(model)
+    optimizer = dmuon.Muon(model, lr=0.0, adamw_lr=0.0, adamw_weight_decay=0.0, qk_clip=tau)
+    logits = model(tokens)
+    nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).backward()
+    optimizer.step()
+    assert optimizer.qk_clip_report.max_logits == {
+        "layers.0.attn": pytest.approx(float(before.max()))
+    }
+    torch.testing.assert_close(
+        by_hand(), torch.minimum(before, torch.tensor(tau)), rtol=2e-5, atol=1e-6
+    )
+
+
+class _Silent(nn.Module):
+    """Attention whose forward never reports its logits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = 4
+        self.q_proj, self.k_proj = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q_proj(x) * self.k_proj(x)
+
+
+def test_a_model_that_never_records_is_refused_before_anything_changes() -> None:
+    model = nn.Sequential(_Silent(), nn.Linear(8, 8))
+    dmuon.dedicate_params(model, hook_boundary_strict=False)
+    optimizer = dmuon.Muon(model, qk_clip=10.0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.randn(3, 8)).sum().backward()
+    with pytest.raises(ValueError, match="record_attention_logits"):
+        optimizer.step()
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

@@ -30,6 +30,7 @@ from dmuon.optim._orthogonalize import (
     uses_gram,
 )
 from dmuon.optim._qk_clip import QKClipReport
+from dmuon.optim._qk_logits import record_attention_logits
 from dmuon.optim._split import resolve_split
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "cpu_has_native_bf16",
     "default_ns_dtype",
     "newton_schulz",
+    "record_attention_logits",
     "resolve_coefficients",
     "resolve_split",
     "uses_gram",

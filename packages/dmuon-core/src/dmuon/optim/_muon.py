@@ -371,14 +371,16 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         dedicated = self._dedicated_by_id()
+        clip = self.__dict__.get("_qk_clip")
+        if clip is not None:  # the step's maxima are final: agree on them before updating
+            maxima = clip.measure(self._dedication().runtime.comm, reduction_groups(self._model)[0])
         for group in self.param_groups:
             if group["algorithm"] == "muon":
                 self._muon_step(group, dedicated)
             else:
                 self._adamw_step(group)
-        clip = self.__dict__.get("_qk_clip")
         if clip is not None:
-            clip.apply(self._dedication().runtime.comm, reduction_groups(self._model)[0])
+            clip.clip(maxima)
         self._step_finished()
         return loss
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dmuon._comm import Communicator
 from dmuon._ownership.param import DedicatedParam
-from dmuon.optim._qk_logits import HeadMaxima, attach, install
+from dmuon.optim._qk_logits import HeadMaxima, attach, install, is_hugging_face
 
 __all__ = ["QKClip", "QKClipReport"]
 
@@ -91,12 +91,17 @@ class QKClip:
         self.tau = float(tau)
         self.alpha = float(alpha)
         self.layers = _find_layers(model, params)
-        install(model)
+        #: Hugging Face attention is recorded through transformers; other models must call
+        #: ``record_attention_logits``, which the first step checks.
+        self._checked = is_hugging_face(model)
+        if self._checked:
+            install(model)
         self.report = QKClipReport()
 
     @torch.no_grad()
-    def apply(self, comm: Communicator, groups: list[dist.ProcessGroup]) -> QKClipReport:
-        """Agree on the step's maxima, scale the heads above ``tau``, return the report."""
+    def measure(self, comm: Communicator, groups: list[dist.ProcessGroup]) -> Tensor:
+        """Agree on the step's per-head maxima over every rank (before the update, so a
+        model that records nothing is refused before anything changes)."""
         total = sum(layer.heads for layer in self.layers)
         maxima = torch.full((total,), float("-inf"), device=comm.device)
         for layer in self.layers:
@@ -107,6 +112,19 @@ class QKClip:
         for group in groups:
             comm.all_reduce_control(maxima, dist.ReduceOp.MAX, group)
         maxima = maxima.cpu()
+        if not self._checked:
+            if not bool(torch.isfinite(maxima).any()):  # the same on every rank
+                raise ValueError(
+                    "qk_clip recorded no attention logit in this step: a model that is not a "
+                    "Hugging Face one must call dmuon.optim.record_attention_logits(self, q, k) "
+                    "in its attention's forward (see its docstring)"
+                )
+            self._checked = True
+        return maxima
+
+    @torch.no_grad()
+    def clip(self, maxima: Tensor) -> QKClipReport:
+        """Scale the heads whose maximum passed ``tau`` (after the update); the report."""
         clipped = torch.isfinite(maxima) & (maxima > self.tau)
         gammas = torch.where(clipped, self.tau / maxima, torch.ones_like(maxima))
         report: dict[str, float] = {}

@@ -7,7 +7,8 @@ transformers' ``AttentionInterface`` with the query and key states after the rot
 embedding. `install` registers, under a name of its own, a function that records the
 maxima and then calls the model's own implementation (``sdpa``, ``eager`` or a flash
 kernel) unchanged, with that implementation's mask function; the model's code is not
-touched.
+touched. A model of one's own calls `record_attention_logits` from its attention's forward
+instead (the recipe's presets do).
 
 The logits are computed a second time, in float32 and without gradient, in chunks of
 queries so the extra memory stays bounded. Only the positions the mask lets a query see
@@ -26,7 +27,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["SUPPORTED_IMPLEMENTATIONS", "HeadMaxima", "attach", "install"]
+__all__ = [
+    "SUPPORTED_IMPLEMENTATIONS",
+    "HeadMaxima",
+    "attach",
+    "install",
+    "is_hugging_face",
+    "record_attention_logits",
+]
 
 #: The attention implementations whose masks `_valid_positions` understands.
 SUPPORTED_IMPLEMENTATIONS = (
@@ -75,23 +83,62 @@ def attach(module: nn.Module) -> HeadMaxima:
     return recorder
 
 
+def record_attention_logits(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    attention_mask: Tensor | None = None,
+    *,
+    scaling: float | None = None,
+    is_causal: bool = True,
+) -> None:
+    """Record an attention layer's per-head maximum logits for ``dmuon.Muon(qk_clip=...)``.
+
+    Hugging Face models need no call: their attention is recorded through transformers'
+    ``AttentionInterface``. A model of one's own calls this in its attention's forward,
+    with the query and key states as attention sees them (after any rotary embedding);
+    it does nothing unless the module belongs to a QK-clipped optimizer and is in training
+    mode, and is skipped by ``torch.compile``.
+
+    Args:
+        module: the attention module, holding ``q_proj`` and ``k_proj``.
+        query: ``(batch, heads, queries, head_dim)``.
+        key: ``(batch, kv_heads, keys, head_dim)``; query head ``h`` reads key head
+            ``h // (heads // kv_heads)``.
+        attention_mask: ``None``, or a boolean (``True``: attend) or additive mask
+            broadcastable to ``(batch, heads, queries, keys)``.
+        scaling: the factor applied to ``q . k`` (default ``head_dim ** -0.5``).
+        is_causal: with no mask, whether query ``i`` sees only keys up to ``i``.
+    """
+    recorder = module.__dict__.get(_ATTR)
+    if recorder is not None and module.training:
+        kwargs = {"scaling": scaling, "is_causal": is_causal}
+        _record(recorder, module, query, key, attention_mask, kwargs)
+
+
+def is_hugging_face(model: nn.Module) -> bool:
+    """Whether ``model`` dispatches attention through transformers' ``AttentionInterface``."""
+    config = getattr(model, "config", None)
+    return hasattr(config, "_attn_implementation") and hasattr(model, "set_attn_implementation")
+
+
 def install(model: nn.Module) -> str:
-    """Route the model's attention through the recording function; return its name.
+    """Route a Hugging Face model's attention through the recording function; return
+    the implementation it wraps.
 
     Raises:
-        ValueError: the model has no Hugging Face config, or its attention implementation
-            is one whose masks cannot be read (flex or paged attention).
+        ValueError: the model is not a Hugging Face one, or its attention implementation is
+            one whose masks cannot be read (flex or paged attention).
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    config = getattr(model, "config", None)
-    current = getattr(config, "_attn_implementation", None)
-    if config is None or not hasattr(model, "set_attn_implementation"):
+    if not is_hugging_face(model):
         raise ValueError(
-            "qk_clip records attention logits through transformers' AttentionInterface: it "
-            "needs a Hugging Face model (a PreTrainedModel with a config)"
+            "install() routes a Hugging Face model's attention; other models call "
+            "dmuon.optim.record_attention_logits themselves"
         )
+    current = model.config._attn_implementation
     inner = (current or "eager").removeprefix(_PREFIX)
     if inner not in SUPPORTED_IMPLEMENTATIONS:
         raise ValueError(

@@ -64,6 +64,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dmuon.optim import record_attention_logits
+
 __all__ = [
     "MLP",
     "PRESETS",
@@ -201,6 +203,7 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        record_attention_logits(self, q, k)  # for dmuon.Muon(qk_clip=...); else nothing
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, d))
 
