@@ -432,3 +432,50 @@ def test_optimizer_knobs_reach_both_groups(base: TrainConfig) -> None:
         if optimizer == "dmuon":
             (muon,) = [g for g in groups if g.get("algorithm") == "muon"]
             assert muon["weight_decay"] == 0.05 and muon["momentum"] == 0.9
+
+
+def _records(cfg: TrainConfig, path: Path) -> list[dict[str, Any]]:
+    run(replace(cfg, metrics_file=str(path)))
+    return [json.loads(line) for line in path.read_text().splitlines() if '"step": 0' not in line]
+
+
+def test_qk_clip_flag_logs_the_maximum_logit_and_clips_only_above_tau(
+    base: TrainConfig, tmp_path: Path
+) -> None:
+    """Oracle: the same run without the clip. A tau no logit reaches changes nothing (every
+    loss equal); a tau below the first step's maximum clips after step 1, so step 1 is the
+    same and later steps differ."""
+    cfg = replace(base, optimizer="dmuon", lr=0.02, steps=4, eval_every=0)
+    plain = _records(cfg, tmp_path / "plain.jsonl")
+    assert "max_logit" not in plain[0]
+    high = _records(replace(cfg, qk_clip=1e6), tmp_path / "high.jsonl")
+    assert [r["loss"] for r in high] == [r["loss"] for r in plain]
+    assert all(r["qk_clipped_heads"] == 0 and 0 < r["max_logit"] < 1e6 for r in high)
+    tau = high[0]["max_logit"] * 0.9
+    low = _records(replace(cfg, qk_clip=tau), tmp_path / "low.jsonl")
+    assert low[0]["loss"] == plain[0]["loss"] and low[0]["max_logit"] == high[0]["max_logit"]
+    assert low[0]["qk_clipped_heads"] > 0
+    assert low[-1]["loss"] != plain[-1]["loss"]
+
+
+def test_split_and_qk_clip_flags_reach_the_optimizer(base: TrainConfig) -> None:
+    cfg = parse_args(["--split", "per_head", "--qk-clip", "50"])
+    trainer = Trainer(replace(base, optimizer="dmuon", split=cfg.split, qk_clip=cfg.qk_clip))
+    try:
+        sizes = trainer.optimizer.split_sizes
+        assert sizes["layers.0.attn.q_proj.weight"] == (16,) * 4  # tiny: 4 heads of 16
+        assert trainer.optimizer._qk_clip.tau == 50.0
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--optimizer", "adamw", "--qk-clip", "5"], ["--optimizer", "adamw", "--split", "auto"]],
+)
+def test_muon_only_flags_are_refused_under_adamw(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "only for --optimizer dmuon" in capsys.readouterr().err

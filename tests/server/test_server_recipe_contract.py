@@ -159,3 +159,51 @@ def test_the_recipes_own_error_arrives_as_the_failure(tmp_path: Path) -> None:
         assert words in failure["message"], failure
         assert failure["reason"].startswith(f"rank 0 failed (exit code {code}): {error_type}: ")
         assert "To enable traceback" not in failure["reason"]
+
+
+def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path: Path) -> None:
+    """The spec is the contract: each flag a field (hand-written or generated), each
+    generated field reaching the recipe's command line as the recipe parses it."""
+    import dmuon_recipe_contract as contract
+
+    from dmuon_server.config import Settings
+    from dmuon_server.launch import build_command
+    from dmuon_server.schemas import GENERATED_FLAGS, SERVER_SET_FLAGS, JobCreate, TrainSpec
+
+    dests = {f.dest for f in contract.FLAGS}
+    assert set(TrainSpec.model_fields) | SERVER_SET_FLAGS == dests
+    assert not set(TrainSpec.model_fields) & SERVER_SET_FLAGS
+    chosen = {
+        "qk_clip": 42.5, "split": "per_head", "lr_schedule": "wsd", "decay_fraction": 0.3,
+        "weight_decay": 0.1, "adamw_weight_decay": 0.05, "momentum": 0.9, "adamw_beta1": 0.8,
+        "adamw_beta2": 0.95, "clip_grad": 0.5, "min_lr_ratio": 0.2, "val_fraction": 0.1,
+        "eval_sequences": 16, "hsdp": 1, "dtype": "float64", "peak_tflops": 12.5,
+    }  # fmt: skip
+    assert set(chosen) == set(GENERATED_FLAGS)
+    spec = JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny", **chosen}})
+    argv = build_command(Settings(data_dir=tmp_path), spec, tmp_path / "job", None).torchrun_argv
+    parsed = train.parse_args(argv[argv.index("dmuon.train") + 1 :])
+    assert {dest: getattr(parsed, dest) for dest in chosen} == chosen
+    left_out = JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny"}})
+    argv = build_command(
+        Settings(data_dir=tmp_path), left_out, tmp_path / "job", None
+    ).torchrun_argv
+    assert not {f"--{d.replace('_', '-')}" for d in GENERATED_FLAGS} & set(argv)
+
+
+@pytest.mark.parametrize(
+    ("train_fields", "message"),
+    [
+        ({"qk_clip": 0}, "greater than 0"),
+        ({"adamw_beta2": 1.5}, "less than or equal to 1"),
+        ({"split": "rows"}, "'none', 'auto' or 'per_head'"),
+        ({"optimizer": "adamw", "qk_clip": 5.0}, "qk_clip: only for the dmuon optimizer"),
+    ],
+)
+def test_generated_fields_keep_the_recipes_bounds(train_fields: dict, message: str) -> None:
+    from pydantic import ValidationError
+
+    from dmuon_server.schemas import JobCreate
+
+    with pytest.raises(ValidationError, match=message):
+        JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny", **train_fields}})

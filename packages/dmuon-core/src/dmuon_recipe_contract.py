@@ -169,9 +169,10 @@ def data_kind(path: str | Path) -> DataKind:
 METRIC_KEYS = ("step", "loss", "lr", "tokens_per_s", "grad_norm", "time")
 """Keys present on every line of the metrics file (null where they do not apply)."""
 
-OPTIONAL_METRIC_KEYS = ("val_loss", "peak_memory_bytes", "mfu")
+OPTIONAL_METRIC_KEYS = ("val_loss", "peak_memory_bytes", "mfu", "max_logit", "qk_clipped_heads")
 """Keys some lines add: validation loss on evaluation steps, each rank's peak memory (a
-list, index = rank) and model FLOPs utilization where the peak is known."""
+list, index = rank), model FLOPs utilization where the peak is known, and under
+``--qk-clip`` the step's largest attention logit and how many heads were clipped."""
 
 EVENT_KEY = "event"
 """Lines with this key are events, not metric points."""
@@ -421,6 +422,14 @@ FLAGS: tuple[Flag, ...] = (
     Flag("adamw_beta1", "float", 0.9, "AdamW's first-moment decay", _OPT, bound="fraction"),
     Flag("adamw_beta2", "float", 0.999, "AdamW's second-moment decay", _OPT,
          bound="fraction"),
+    Flag("split", "choice", "none", "which matrices dmuon orthogonalizes in parts, as if "
+         "they were separate parameters: none; auto = fused gate_up expert stacks into gate "
+         "and up; per_head = that, and each attention head's q, k and v rows", _OPT,
+         choices=("none", "auto", "per_head")),
+    Flag("qk_clip", "float", None, "QK-clip (MuonClip) threshold: after each step, the "
+         "query and key rows of every attention head whose largest logit passed TAU are "
+         "scaled back to it (dmuon only); logs max_logit and qk_clipped_heads", _OPT,
+         bound="positive", metavar="TAU"),
     Flag("clip_grad", "float", 1.0, "clip the global gradient norm to this value (0 "
          "disables); the logged grad_norm is the norm before clipping", _OPT,
          bound="non_negative"),

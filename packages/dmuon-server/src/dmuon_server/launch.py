@@ -54,6 +54,7 @@ from dmuon_server.paths import (
     resolve_model_path,
 )
 from dmuon_server.schemas import (
+    GENERATED_FLAGS,
     SLURM_ONLY_FIELDS,
     Admission,
     FieldError,
@@ -500,11 +501,18 @@ def _recipe(settings: Settings, spec: JobCreate, job_dir: Path, accepted: Review
         ("init_from", None if init is None else str(init_path(job_dir, init))),
         ("export_hf", str(job_dir / EXPORT_DIR) if t.export_hf else None),
     ]
+    switches = ["activation_checkpointing", "compile"]
+    for dest in GENERATED_FLAGS:  # the rest of the recipe's flags, as the contract has them
+        value = getattr(t, dest)
+        if isinstance(value, bool):
+            switches += [dest] if value else []
+        elif value is not None:
+            values.append((dest, _fmt_float(value) if isinstance(value, float) else str(value)))
     recipe = ["-m", settings.train_module]
     for dest, value in values:
         if value is not None:
             recipe += [_option(dest), value]
-    for dest in ("activation_checkpointing", "compile"):
+    for dest in switches:
         if getattr(t, dest):
             recipe.append(_option(dest))
     return recipe

@@ -20,6 +20,7 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    create_model,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -125,12 +126,10 @@ def _one_model_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
 ModelChoice = Annotated[PresetName | ModelPath, WrapValidator(_one_model_error)]
 
 
-class TrainSpec(_Strict):
-    """The recipe's settings; each maps to one ``python -m dmuon.train`` flag.
-
-    Field names, choices and defaults are the recipe's own (`dmuon_recipe_contract`); a
-    field left out takes the recipe's default, and the job record shows the value used.
-    """
+class _TrainSpecByHand(_Strict):
+    """The recipe's settings the server checks or shapes itself (paths inside its roots,
+    the job folder's checkpoints and export, sizes it admits by); `TrainSpec` adds every
+    other flag of the recipe, generated from its contract."""
 
     model: ModelChoice = Field(
         description='A preset name, or `{"path": ...}`: a Hugging Face model directory '
@@ -280,6 +279,65 @@ class TrainSpec(_Strict):
     def preset(self) -> str | None:
         """The preset name, or None for a model directory."""
         return self.model if isinstance(self.model, str) else None
+
+
+#: Recipe flags the server sets itself for every job (paths inside the job folder, the
+#: cache, how the recipe prints progress, devices and threads): never part of a spec.
+SERVER_SET_FLAGS = frozenset(
+    {"metrics_file", "checkpoint_dir", "resume", "init_from", "cache_dir", "progress",
+     "log_every", "device", "threads"}
+)  # fmt: skip
+
+#: The most an integer or float field generated from the recipe's contract may be.
+_GENERATED_MAX = 1_000_000_000
+
+_FLOAT_BOUNDS: dict[str | None, dict[str, float]] = {
+    "positive": {"gt": 0.0, "le": _GENERATED_MAX},
+    "non_negative": {"ge": 0.0, "le": _GENERATED_MAX},
+    "fraction": {"ge": 0.0, "le": 1.0},
+    "open_fraction": {"gt": 0.0, "lt": 1.0},
+    None: {"ge": -_GENERATED_MAX, "le": _GENERATED_MAX},
+}
+
+
+def _generated_field(flag: contract.Flag) -> tuple[Any, Any]:
+    """``(annotation, Field)`` of a spec field for a recipe flag, from its contract entry:
+    its type, bounds and choices; left out, the recipe's default applies."""
+    help_text = flag.help[0].upper() + flag.help[1:]
+    description = f"{help_text} (`{flag.option}`); {_default_text(flag.dest)}."
+    if flag.kind == "bool":
+        return bool, Field(default=False, description=f"{help_text} (`{flag.option}`).")
+    if flag.kind == "int":
+        low = flag.minimum if flag.minimum is not None else -_GENERATED_MAX
+        return int | None, Field(default=None, ge=low, le=_GENERATED_MAX, description=description)
+    if flag.kind == "float":
+        bounds = _FLOAT_BOUNDS[flag.bound]
+        number = Annotated[float, Field(allow_inf_nan=False, **bounds)]
+        return number | None, Field(default=None, description=description)
+    if flag.kind == "choice":
+        return _choices(flag.dest) | None, Field(default=None, description=description)
+    raise TypeError(f"recipe flag {flag.option} of kind {flag.kind!r} needs a hand-written field")
+
+
+#: The recipe flags `TrainSpec` takes from the contract, in the recipe's order.
+GENERATED_FLAGS: tuple[str, ...] = tuple(
+    f.dest
+    for f in contract.FLAGS
+    if f.dest not in _TrainSpecByHand.model_fields and f.dest not in SERVER_SET_FLAGS
+)
+
+TrainSpec = create_model(
+    "TrainSpec",
+    __base__=_TrainSpecByHand,
+    __doc__="""The recipe's settings; each maps to one ``python -m dmuon.train`` flag.
+
+    Field names, choices and defaults are the recipe's own (`dmuon_recipe_contract`); a
+    field left out takes the recipe's default, and the job record shows the value used.
+    Every flag of the recipe is a field, except those the server sets for each job
+    (`SERVER_SET_FLAGS`).
+    """,
+    **{dest: _generated_field(contract.flag(dest)) for dest in GENERATED_FLAGS},
+)
 
 
 #: An argument of a script: any text but NUL (it becomes one argv entry, never shell text).
@@ -447,6 +505,18 @@ class JobCreate(_Strict):
                 "init_from is the recipe's (--init-from); a script loads the weights it "
                 "wants itself"
             )
+        t = self.train
+        if t is not None and t.optimizer == "adamw":
+            muon_only = [
+                name
+                for name in ("qk_clip", "split")
+                if getattr(t, name, None) not in (None, contract.flag(name).default)
+            ]
+            if muon_only:
+                raise ValueError(
+                    f"{', '.join(muon_only)}: only for the dmuon optimizer (they change how "
+                    'its Muon matrices are updated); drop them or set "optimizer": "dmuon"'
+                )
         return self
 
     @property

@@ -70,8 +70,18 @@ _QUERY, _KEY_VALUE, _FUSED_QKV = (
 def _heads(model: Module | None) -> tuple[int, int, int]:
     """``(query heads, key-value heads, head dim)`` from the model's config."""
     config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
-    hidden = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    heads = next(
+        (
+            getattr(config, k)
+            for k in ("num_attention_heads", "n_head", "n_heads")
+            if getattr(config, k, None)
+        ),
+        None,
+    )
+    hidden = next(
+        (getattr(config, k) for k in ("hidden_size", "n_embd", "dim") if getattr(config, k, None)),
+        None,
+    )
     if not heads:
         raise ValueError(
             'split="per_head" reads the head counts from the model\'s Hugging Face config '

@@ -80,6 +80,8 @@ class TrainConfig:
     momentum: float = _default("momentum")
     adamw_beta1: float = _default("adamw_beta1")
     adamw_beta2: float = _default("adamw_beta2")
+    split: str = _default("split")
+    qk_clip: float | None = _default("qk_clip")
     clip_grad: float = _default("clip_grad")
     eval_every: int = _default("eval_every")
     eval_sequences: int = _default("eval_sequences")
@@ -237,5 +239,19 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
             "continues a run (weights, optimizer, step), --init-from starts a new one "
             "from weights only; pass one of them"
         )
+    if namespace.optimizer == "adamw":
+        given = [
+            option
+            for option, value, default in (
+                ("--qk-clip", namespace.qk_clip, None),
+                ("--split", namespace.split, "none"),
+            )
+            if value != default
+        ]
+        if given:
+            parser.error(
+                f"{' and '.join(given)}: only for --optimizer dmuon (they change how its Muon "
+                "matrices are updated); drop them or use --optimizer dmuon"
+            )
     names = {f.name for f in fields(TrainConfig)}
     return TrainConfig(**{k: v for k, v in vars(namespace).items() if k in names})

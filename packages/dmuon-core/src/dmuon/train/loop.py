@@ -310,6 +310,8 @@ class Trainer:
             adamw_weight_decay=config.adamw_weight_decay,
             momentum=config.momentum,
             adamw_betas=(config.adamw_beta1, config.adamw_beta2),
+            split=config.split,
+            qk_clip=config.qk_clip,
         )
         self._lr_factor = lr_factor(
             config.lr_schedule,
@@ -715,6 +717,10 @@ class Trainer:
                         "grad_norm": stats["grad_norm"],
                         "peak_memory_bytes": peak_memory,
                     }
+                    report = getattr(self.optimizer, "qk_clip_report", None)
+                    if report is not None:
+                        record["max_logit"] = report.max_logit
+                        record["qk_clipped_heads"] = report.clipped_heads
                     if self.peak_flops is not None:
                         achieved = self.flops_per_token * tokens_per_s
                         record["mfu"] = achieved / (self.peak_flops * self.world_size)

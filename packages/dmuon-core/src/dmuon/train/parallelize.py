@@ -220,10 +220,13 @@ def build_optimizer(
     adamw_weight_decay: float = 0.01,
     momentum: float = 0.95,
     adamw_betas: tuple[float, float] = (0.9, 0.999),
+    split: str = "none",
+    qk_clip: float | None = None,
 ) -> torch.optim.Optimizer:
     """``dmuon.Muon`` (Muon, or NorMuon with ``variant="normuon"``, on the dedicated
-    matrices, AdamW on the rest) or the baseline ``torch.optim.AdamW`` on everything, with
-    the hyperparameters DMuon's AdamW uses."""
+    matrices, AdamW on the rest; ``split`` and ``qk_clip`` as ``dmuon.Muon`` takes them,
+    ``"none"`` for no split) or the baseline ``torch.optim.AdamW`` on everything, with the
+    hyperparameters DMuon's AdamW uses."""
     if optimizer == "dmuon":
         dtype = None if ns_dtype == "auto" else getattr(torch, ns_dtype)
         return dmuon.Muon(
@@ -236,6 +239,8 @@ def build_optimizer(
             momentum=momentum,
             adamw_weight_decay=adamw_weight_decay,
             adamw_betas=adamw_betas,
+            split=None if split == "none" else split,
+            qk_clip=qk_clip,
         )
     return torch.optim.AdamW(
         model.parameters(),

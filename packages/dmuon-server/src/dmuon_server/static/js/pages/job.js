@@ -162,9 +162,11 @@ export function renderJob(main, jobId) {
     if (extras.has(key)) return extras.get(key);
     if (extras.size >= MAX_EXTRA) return null;
     const el = h("div", { class: "chart", id: `chart-extra-${key}` });
-    extra.append(h("section", {}, h("h3", {}, key), el));
+    const known = t(`series.${key}`);
+    const label = known === `series.${key}` ? key : known; // the recipe's keys have names
+    extra.append(h("section", {}, h("h3", {}, label), el));
     extraTitle.hidden = false;
-    const entry = { values: new Array(series.step.length - 1).fill(null), chart: small(el, key, colors[(extras.size + 5) % colors.length]) };
+    const entry = { values: new Array(series.step.length - 1).fill(null), chart: small(el, label, colors[(extras.size + 5) % colors.length]) };
     charts.push(entry.chart);
     extras.set(key, entry);
     return entry;

@@ -15,6 +15,9 @@ function resolve(doc, schema) {
   return s;
 }
 
+/** Fields of `train` that only the dmuon optimizer takes (the server refuses them with adamw). */
+const MUON_ONLY = ["qk_clip", "split"];
+
 /** Describe the leaf fields of `schema` (an object schema), recursing into nested objects. */
 function leaves(doc, schema, prefix = []) {
   const out = [];
@@ -346,7 +349,10 @@ export function renderSubmit(main, params) {
         try {
           const ids = [];
           for (const opt of ["dmuon", "adamw"]) {
-            const spec = { ...base, name: `${name} ${opt}`, train: { ...(base.train || {}), optimizer: opt } };
+            const train = { ...(base.train || {}), optimizer: opt };
+            // Settings of Muon's matrices alone, which the AdamW run refuses.
+            if (opt === "adamw") for (const only of MUON_ONLY) delete train[only];
+            const spec = { ...base, name: `${name} ${opt}`, train };
             ids.push((await submitOne(spec, `${key}-${opt}`)).id);
           }
           key = newIdempotencyKey();
