@@ -11,6 +11,9 @@
 * ``comm_dtype.png``: training loss with float32 and with bfloat16 communication side by
   side, and each one's difference from float32 (``results/comm_dtype.json``;
   ``benchmarks/comm_dtype.py`` draws it too);
+* ``qk_clip.png``: the largest attention logit and the training loss of a run made to
+  blow up, without and with QK-clip (``results/qk_clip.json``; ``benchmarks/qk_clip.py``
+  draws it too);
 * ``quality_small.png``: validation loss of each optimizer's best-rate runs at every seed,
   with AdamW's final losses (``results/quality_small.json``, from
   ``benchmarks/quality_scale.py``).
@@ -70,6 +73,15 @@ TEXT: dict[str, dict[str, str]] = {
         "scale_run": "{optimizer} lr {lr:g}, seed {seed}",
         "scale_target": "AdamW's final loss, seed {seed}",
         "scale_title": "{model}, {steps} steps, best of 3 learning rates each",
+        "qk_logit_title": "Largest attention logit of the step",
+        "qk_logit_axis": "largest logit (log scale)",
+        "qk_loss_title": "Training loss",
+        "qk_loss_axis": "training loss",
+        "qk_tau": "tau = {tau:g}",
+        "qk_no_clip": "no clip",
+        "qk_clipped": "QK-clip, tau {tau:g}",
+        "qk_title": "{model} preset, Muon rate {lr:g} (constant), {steps} steps, "
+        "same seed and batches",
     },
     "zh": {
         "accumulation": "梯度累积 {accum}",
@@ -97,6 +109,14 @@ TEXT: dict[str, dict[str, str]] = {
         "scale_run": "{optimizer} 学习率 {lr:g}，种子 {seed}",
         "scale_target": "AdamW 的最终损失，种子 {seed}",
         "scale_title": "{model}，{steps} 步，各取 3 个学习率中最好的",
+        "qk_logit_title": "每步最大的注意力 logit",
+        "qk_logit_axis": "最大 logit（对数坐标）",
+        "qk_loss_title": "训练损失",
+        "qk_loss_axis": "训练损失",
+        "qk_tau": "tau = {tau:g}",
+        "qk_no_clip": "不裁剪",
+        "qk_clipped": "QK-clip，tau {tau:g}",
+        "qk_title": "{model} 预设，Muon 学习率 {lr:g}（恒定），{steps} 步，相同的随机种子和批次",
     },
 }
 
@@ -312,6 +332,37 @@ def quality_scale(result: dict[str, Any], path: Path, lang: str) -> None:
     plt.close(fig)
 
 
+def qk_clip(result: dict[str, Any], path: Path, lang: str) -> None:
+    """The blow-up run's largest logit per step, without and with QK-clip, and both
+    training losses (``results/qk_clip.json``; ``benchmarks/qk_clip.py`` draws it too)."""
+    t, plt = TEXT[lang], _pyplot(lang)
+    data = result["blow_up"]
+    s = data["settings"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), constrained_layout=True)
+    for index, run in enumerate(data["runs"].values()):
+        label = t["qk_no_clip"] if run["tau"] is None else t["qk_clipped"].format(tau=run["tau"])
+        steps = range(1, len(run["loss"]) + 1)
+        left.plot(steps, run["max_logit"], label=label, color=f"C{index}")
+        right.plot(steps, run["loss"], label=label, color=f"C{index}")
+    left.axhline(
+        s["tau"],
+        color="gray",
+        linestyle="--",
+        linewidth=0.8,
+        label=t["qk_tau"].format(tau=s["tau"]),
+    )
+    left.set(xlabel=t["step"], ylabel=t["qk_logit_axis"], yscale="log")
+    left.set_title(t["qk_logit_title"])
+    right.set(xlabel=t["step"], ylabel=t["qk_loss_axis"])
+    right.set_title(t["qk_loss_title"])
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend()
+    fig.suptitle(t["qk_title"].format(**s))
+    _save(fig, path, 110)
+    plt.close(fig)
+
+
 def language_paths(png: Path) -> dict[str, Path]:
     """Where ``moe_quality`` writes each language: ``X.png`` and ``X.zh.png``."""
     return {lang: png if lang == "en" else png.with_suffix(f".{lang}.png") for lang in LANGS}
@@ -333,6 +384,7 @@ def main() -> None:
         ("moe_quality", moe_quality, language_paths(RESULTS / "moe_quality.png")),
         ("comm_dtype", comm_dtype, language_paths(RESULTS / "comm_dtype.png")),
         ("quality_small", quality_scale, language_paths(RESULTS / "quality_small.png")),
+        ("qk_clip", qk_clip, language_paths(RESULTS / "qk_clip.png")),
     ]
     for name, draw, paths in figures:
         if args.only is not None and name != args.only:

@@ -28,6 +28,10 @@ A page asks for a table with a marker on a line of its own:
 ``<!-- benchmark: comm-dtype -->``
     ``benchmarks/results/comm_dtype.json``: the same run with float32 and with bfloat16
     communication, bytes per kind of collective and the loss differences.
+``<!-- benchmark: qk-clip -->``
+    ``benchmarks/results/qk_clip.json``: a run made to blow up without and with QK-clip
+    (largest logit, the step it passes tau, the first clipped step, the largest logit
+    after it, final validation loss) and the clip's step-time ratio.
 ``<!-- benchmark: quality-scale NAME -->``
     ``benchmarks/results/NAME.json`` (from ``benchmarks/quality_scale.py``): final
     validation loss per optimizer, rate and seed, and the steps Muon and NorMuon need to
@@ -174,6 +178,22 @@ LABELS: dict[str, dict[str, Any]] = {
             "moe_quality": "moe preset",
             "comm_dtype": "same run with float32 and with bfloat16 communication",
         },
+        "figure_alt": {
+            "qk_clip": "The largest attention logit and the training loss of a run made to "
+            "blow up, without and with QK-clip",
+        },
+        "qk_run": "Run",
+        "qk_tau": "tau",
+        "qk_passes": "logit passes tau at step",
+        "qk_first": "first clipped step",
+        "qk_after": "largest logit after it (× tau)",
+        "qk_largest": "largest logit",
+        "qk_val": "final validation loss",
+        "qk_none": "no clip",
+        "qk_never": "never",
+        "qk_cost": "Step time with the clip over without, {model} preset at the recipe's "
+        "defaults, one process, {threads} threads: **{ratio:.3f}** (median of {rounds} "
+        "alternating rounds: {rounds_list})",
         "comm_contender": "Communication",
         "comm_reduce": "Reduce",
         "comm_broadcast": "Broadcast",
@@ -337,6 +357,21 @@ LABELS: dict[str, dict[str, Any]] = {
             "moe_quality": "moe 预设",
             "comm_dtype": "同一次训练分别用 float32 和 bfloat16 通信",
         },
+        "figure_alt": {
+            "qk_clip": "一次被设计成会发散的训练在不裁剪和使用 QK-clip 时的"
+            "最大注意力 logit 与训练损失",
+        },
+        "qk_run": "运行",
+        "qk_tau": "tau",
+        "qk_passes": "logit 超过 tau 的步",
+        "qk_first": "第一次裁剪的步",
+        "qk_after": "此后最大的 logit（× tau）",
+        "qk_largest": "最大 logit",
+        "qk_val": "最终验证损失",
+        "qk_none": "不裁剪",
+        "qk_never": "从未",
+        "qk_cost": "使用裁剪与不使用时的步时之比，{model} 预设，训练配方的默认设置，单进程，"
+        "{threads} 个线程：**{ratio:.3f}**（{rounds} 轮交替运行的中位数：{rounds_list}）",
         "comm_contender": "通信",
         "comm_reduce": "归约",
         "comm_broadcast": "广播",
@@ -1007,8 +1042,49 @@ def _comm_dtype(labels: dict[str, Any]) -> str:
 def _figure(name: str, labels: dict[str, Any]) -> str:
     if not (RESULTS / f"{name}.png").is_file():
         raise OSError(f"no {RESULTS / name}.png")
-    what = labels["figure_what"].get(name, name)
-    return f"![{labels['figure'].format(what=what)}]({FIGURES}/{name}.png)"
+    alt = labels["figure_alt"].get(name)
+    if alt is None:
+        alt = labels["figure"].format(what=labels["figure_what"].get(name, name))
+    return f"![{alt}]({FIGURES}/{name}.png)"
+
+
+def _qk_clip(labels: dict[str, Any]) -> str:
+    result = _load("qk_clip")
+    blow_up, cost = result["blow_up"], result["cost"]
+    summary = blow_up["summary"]
+    lines = [
+        f"| {labels['qk_run']} | {labels['qk_largest']} | {labels['qk_passes']} | "
+        f"{labels['qk_first']} | {labels['qk_after']} | {labels['qk_val']} |",
+        "|---|--:|--:|--:|--:|--:|",
+    ]
+    for run in blow_up["runs"].values():
+        clipped = run["tau"] is not None
+        label = f"QK-clip, {labels['qk_tau']} {run['tau']:g}" if clipped else labels["qk_none"]
+        passes = summary["unclipped_passes_tau_at_step"]
+        first = summary["first_clipped_step"]
+        after = summary["largest_after_over_tau"]
+        never = labels["qk_never"]
+        lines.append(
+            f"| {label} | {max(run['max_logit']):.1f} | "
+            f"{'' if clipped else (passes if passes is not None else never)} | "
+            f"{(first if first is not None else never) if clipped else ''} | "
+            f"{f'{after:.3f}' if clipped and after is not None else ''} | "
+            f"{run['final_val_loss']:.4f} |"
+        )
+    s = cost["settings"]
+    rounds = ", ".join(f"{r:.3f}" for r in cost["ratio_per_round"])
+    lines += [
+        "",
+        labels["qk_cost"].format(
+            model=s["model"],
+            threads=s["threads"],
+            ratio=cost["ratio"],
+            rounds=s["rounds"],
+            rounds_list=rounds,
+        )
+        + labels["end"],
+    ]
+    return "\n".join(lines)
 
 
 def _machine(name: str, labels: dict[str, str]) -> str:
@@ -1098,6 +1174,8 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
                 return _moe_quality(labels)
             if kind == "comm-dtype":
                 return _comm_dtype(labels)
+            if kind == "qk-clip":
+                return _qk_clip(labels)
             if kind == "quality-scale" and name:
                 return _quality_scale(name, labels)
             if kind == "figure" and name:
