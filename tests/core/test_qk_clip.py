@@ -446,3 +446,33 @@ def test_a_model_that_never_records_is_refused_before_anything_changes() -> None
     with pytest.raises(ValueError, match="record_attention_logits"):
         optimizer.step()
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_a_checkpoint_carries_nothing_extra_and_resumes_exactly() -> None:
+    """Oracle: the uninterrupted run. QK-clip keeps no state across steps, so a run saved
+    after step 2 and loaded into a fresh model and optimizer continues identically."""
+
+    def build() -> tuple[nn.Module, dmuon.Muon]:
+        model = make_model("qwen2")
+        dmuon.dedicate_params(model)
+        return model, dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, qk_clip=TAU)
+
+    def step(model: nn.Module, optimizer: dmuon.Muon, index: int) -> int:
+        _loss(model, global_batch(index, 1)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return optimizer.qk_clip_report.clipped_heads
+
+    straight, straight_opt = build()
+    clipped = [step(straight, straight_opt, i) for i in range(3)]
+    assert sum(clipped) > 0
+    first, first_opt = build()
+    for i in range(2):
+        step(first, first_opt, i)
+    model_sd, optim_sd = dmuon.get_state_dict(first, first_opt)
+    assert not any("qk" in key for key in optim_sd.get("state", {}))
+    resumed, resumed_opt = build()
+    dmuon.set_state_dict(resumed, resumed_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    assert step(resumed, resumed_opt, 2) == clipped[2]
+    for name, value in straight.named_parameters():
+        torch.testing.assert_close(dict(resumed.named_parameters())[name], value, rtol=0, atol=0)
