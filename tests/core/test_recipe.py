@@ -479,3 +479,22 @@ def test_muon_only_flags_are_refused_under_adamw(
     with pytest.raises(SystemExit):
         parse_args(argv)
     assert "only for --optimizer dmuon" in capsys.readouterr().err
+
+
+def test_qk_clip_holds_a_run_made_to_blow_up_near_tau(base: TrainConfig, tmp_path: Path) -> None:
+    """Muon at rate 0.1 grows the tiny preset's largest logit past 7 x tau within 50 steps.
+    With the clip the two runs are the same up to the first clipped step; after it the
+    recorded maxima stay near tau: not below it, since the clip scales the weights after
+    the update with the maxima of the weights before it, and each step's batch is new."""
+    tau = 20.0
+    cfg = replace(
+        base, optimizer="dmuon", steps=50, lr=0.1, adamw_lr=0.01, warmup_steps=0,
+        lr_schedule="constant", eval_every=0, micro_batch_size=8,
+    )  # fmt: skip
+    plain = _records(replace(cfg, qk_clip=1e30), tmp_path / "plain.jsonl")
+    clipped = _records(replace(cfg, qk_clip=tau), tmp_path / "clipped.jsonl")
+    assert max(r["max_logit"] for r in plain) > 5 * tau
+    first = next(i for i, r in enumerate(clipped) if r["qk_clipped_heads"] > 0)
+    assert [r["loss"] for r in clipped[: first + 1]] == [r["loss"] for r in plain[: first + 1]]
+    after = [r["max_logit"] for r in clipped[first + 1 :]]
+    assert max(after) < 2 * tau and sorted(after)[len(after) // 2] < 1.3 * tau, after
