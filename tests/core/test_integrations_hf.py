@@ -78,14 +78,16 @@ def trainer_args(output_dir: str, world: int, **overrides: Any) -> Any:
     return TrainingArguments(**values)
 
 
-def make_trainer(output_dir: str, world: int, **overrides: Any) -> Any:
+def make_trainer(
+    output_dir: str, world: int, muon_kwargs: dict[str, Any] | None = None, **overrides: Any
+) -> Any:
     from dmuon.integrations.transformers import DMuonTrainer
 
     return DMuonTrainer(
         model=tiny_llama(),
         args=trainer_args(output_dir, world, **overrides),
         train_dataset=Rows(),
-        muon_kwargs={"lr": MUON_LR, "ns_dtype": torch.float32},
+        muon_kwargs={"lr": MUON_LR, "ns_dtype": torch.float32, **(muon_kwargs or {})},
     )
 
 
@@ -432,6 +434,20 @@ def test_logs_name_both_groups_learning_rates(tmp_path: Path) -> None:
         assert entry["learning_rate_muon"] == pytest.approx(MUON_LR)
         assert entry["learning_rate_adamw"] == pytest.approx(ADAMW_LR)
         assert entry["learning_rate"] == entry["learning_rate_adamw"]
+
+
+def test_qk_clip_reports_in_the_trainers_logs(tmp_path: Path) -> None:
+    # Oracle: the optimizer's own report of the step the Trainer logged (logging every step).
+    trainer = make_trainer(
+        str(tmp_path), 1, muon_kwargs={"qk_clip": 1e-3}, max_steps=2, save_steps=100
+    )
+    trainer.train()
+    logged = [e for e in trainer.state.log_history if "learning_rate" in e]
+    assert len(logged) == 2
+    assert all(e["qk_clipped_heads"] > 0 and e["max_logit"] > 1e-3 for e in logged)
+    report = trainer._muon().qk_clip_report
+    assert logged[-1]["max_logit"] == report.max_logit
+    assert logged[-1]["qk_clipped_heads"] == report.clipped_heads
 
 
 @pytest.mark.parametrize(

@@ -241,14 +241,21 @@ class DMuonTrainer(Trainer):
 
         ``learning_rate`` is the AdamW groups' rate (``TrainingArguments.learning_rate``
         as scheduled); ``learning_rate_muon`` and ``learning_rate_adamw`` name each group's
-        (Trainer alone would log the first group's, Muon's, as ``learning_rate``).
+        (Trainer alone would log the first group's, Muon's, as ``learning_rate``). With
+        ``muon_kwargs={"qk_clip": tau}`` the last step's ``max_logit`` and
+        ``qk_clipped_heads`` are logged too.
         """
         if "learning_rate" in logs and self.optimizer is not None:
-            rates = {group["algorithm"]: group["lr"] for group in self._muon().param_groups}
+            muon = self._muon()
+            rates = {group["algorithm"]: group["lr"] for group in muon.param_groups}
             for algorithm, rate in rates.items():
                 logs[f"learning_rate_{algorithm}"] = float(rate)
             if "adamw" in rates:
                 logs["learning_rate"] = float(rates["adamw"])
+            report = muon.qk_clip_report
+            if report is not None:
+                logs["max_logit"] = report.max_logit
+                logs["qk_clipped_heads"] = report.clipped_heads
         super().log(logs, *args, **kwargs)
 
     def _muon(self) -> dmuon.Muon:
