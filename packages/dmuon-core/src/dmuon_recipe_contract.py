@@ -441,6 +441,16 @@ FLAGS: tuple[Flag, ...] = (
          "(rank 0)", _OUT, metavar="PATH"),
     Flag("log_every", "int", 1, "print every N steps when not showing a progress bar", _OUT,
          minimum=1),
+    Flag("report_to", "str", "none", "experiment trackers to report to, as Hugging Face's "
+         "report_to: none, all (every one installed), or a comma-separated list of "
+         "tensorboard, mlflow and wandb (pip install 'dmuon[tracking]'); rank 0 logs every "
+         "metric, the config and the exported model", _OUT,
+         metavar="{none,all,tensorboard,mlflow,wandb}[,...]"),
+    Flag("run_name", "str", None, "the trackers' run name; default: model, optimizer and "
+         "start time", _OUT, metavar="NAME"),
+    Flag("tracking_dir", "path", None, "where trackers keep local files (TensorBoard "
+         "events, the MLflow store unless MLFLOW_TRACKING_URI is set, W&B runs); default "
+         "./runs", _OUT, metavar="DIR"),
     Flag("progress", "choice", "auto", "auto = a tqdm bar on a terminal, plain lines "
          "otherwise (step, percent, loss, lr, tokens/s, elapsed time and ETA)", _OUT,
          choices=("auto", "bar", "plain")),

@@ -18,6 +18,7 @@ from typing import Any
 from dmuon_recipe_contract import ADAMW_LR, FLAGS, PRESETS, Flag, flag
 
 from dmuon.train.checkpointing import CheckpointError, require_checkpoint
+from dmuon.train.trackers import resolve_report_to
 
 __all__ = [
     "ADAMW_LR",
@@ -87,6 +88,9 @@ class TrainConfig:
     eval_sequences: int = _default("eval_sequences")
     metrics_file: str | None = _default("metrics_file")
     log_every: int = _default("log_every")
+    report_to: str = _default("report_to")
+    run_name: str | None = _default("run_name")
+    tracking_dir: str | None = _default("tracking_dir")
     progress: str = _default("progress")
     checkpoint_dir: str | None = _default("checkpoint_dir")
     checkpoint_every: int = _default("checkpoint_every")
@@ -239,6 +243,10 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
             "continues a run (weights, optimizer, step), --init-from starts a new one "
             "from weights only; pass one of them"
         )
+    try:
+        resolve_report_to(namespace.report_to)
+    except ValueError as error:
+        parser.error(f"argument --report-to: {error}")
     if namespace.optimizer == "adamw":
         given = [
             option

@@ -56,7 +56,7 @@ from dmuon.train.data import (
 )
 from dmuon.train.data.sources import list_source_files
 from dmuon.train.data.tokenizer import TextTokenizer
-from dmuon.train.metrics import MetricsWriter, ProgressReporter, format_summary, truncate_after
+from dmuon.train.metrics import ProgressReporter, format_summary, truncate_after
 from dmuon.train.models import BuiltModel, ModelSource, build, lm_loss, resolve_model
 from dmuon.train.parallelize import (
     build_mesh,
@@ -65,6 +65,7 @@ from dmuon.train.parallelize import (
     init_distributed,
     parallelize,
 )
+from dmuon.train.reporting import Reporting
 from dmuon.train.schedules import lr_factor
 from dmuon.train.state import ModelState, OptimizerState, RNGState, TrainState
 from dmuon.train.stopping import StopRequest
@@ -659,7 +660,11 @@ class Trainer:
         is_main = self.rank == 0
         if is_main and cfg.metrics_file is not None and self.start_step > 0:
             truncate_after(cfg.metrics_file, self.start_step)
-        writer = MetricsWriter(cfg.metrics_file if is_main else None)
+        writer = Reporting.open(
+            cfg, is_main=is_main, resume=self.train_state.trackers, start_step=self.start_step
+        )
+        if is_main:  # saved with every checkpoint, so that a resumed run continues them
+            self.train_state.trackers = writer.ids()
         for note in self.notes:  # at the step resumed from, so that a later resume keeps it
             writer.write({**note, "step": self.start_step})
         bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]
@@ -765,6 +770,7 @@ class Trainer:
                         break
                 if cfg.export_hf is not None and not stopped and last_step == cfg.steps:
                     exported = self.export_hf(cfg.export_hf)
+                    writer.artifact(exported, "model")
                     progress.message(f"exported a Hugging Face model directory to {exported}")
         finally:
             progress.close()

@@ -77,6 +77,8 @@ class TrainState(Stateful):
         global_batch_size: sequences per step.
         seq_len: tokens per sequence.
         world_size: processes.
+        trackers: ``{tracker: ids}`` of the experiment trackers' runs (``--report-to``),
+            which a resumed run continues.
     """
 
     step: int = 0
@@ -87,6 +89,7 @@ class TrainState(Stateful):
     global_batch_size: int | None = None
     seq_len: int | None = None
     world_size: int | None = None
+    trackers: dict[str, dict[str, str]] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         """The fields as a dict."""
