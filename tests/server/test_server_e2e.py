@@ -71,3 +71,48 @@ def test_real_two_process_tiny_job(data_dir: Path) -> None:
     finally:
         server.stop()
     assert not job_processes(data_dir)
+
+
+def test_a_job_reporting_to_mlflow_lands_in_the_teams_store(data_dir: Path, tmp_path: Path) -> None:
+    """The operator points jobs at the team's MLflow store (the server's environment); a job
+    asking for MLflow appears there under its name, with the metrics the API serves."""
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    store = f"sqlite:///{tmp_path / 'team-mlflow.db'}"
+    env = {k: v for k, v in os.environ.items() if k != "DMUON_SERVER_TRAIN_MODULE"}
+    server = LiveServer(data_dir)
+    server.env = {**env, "MLFLOW_TRACKING_URI": store, "MLFLOW_EXPERIMENT_NAME": "team"}
+    server.start()
+    body = {
+        "name": "tracked-tiny",
+        "nproc_per_node": 1,
+        "train": {"model": "tiny", "steps": 3, "seq_len": 32, "micro_batch_size": 2,
+                  "eval_every": 0, "report_to": "mlflow,tensorboard"},
+    }  # fmt: skip
+    try:
+        with server.client(timeout=300) as c:
+            r = c.post("/v1/jobs", json=body)
+            assert r.status_code == 201, r.text
+            job_id = r.json()["id"]
+            with c.stream("GET", f"/v1/jobs/{job_id}/events") as resp:
+                end = next(ev.json() for ev in iter_sse(resp) if ev.event == "end")
+            job = c.get(f"/v1/jobs/{job_id}").json()
+            assert end["state"] == "succeeded", c.get(f"/v1/jobs/{job_id}/logs").json()
+            points = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
+            artifacts = c.get(f"/v1/jobs/{job_id}/artifacts").json()["items"]
+    finally:
+        server.stop()
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("team")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == "tracked-tiny"
+    history = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "loss")}
+    assert history == {p["step"]: pytest.approx(p["loss"]) for p in points}
+    messages = [e["message"] for e in job["events"] if e["kind"] == "trackers"]
+    assert messages and f"mlflow run {run.info.run_id}" in messages[0]
+    assert "tracking/tensorboard/tracked-tiny" in messages[0] and str(tmp_path) not in messages[0]
+    tracking = [a for a in artifacts if a["kind"] == "tracking"]
+    assert tracking and all(
+        a["path"].startswith("tracking/tensorboard/tracked-tiny/") for a in tracking
+    )

@@ -178,6 +178,7 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
         "weight_decay": 0.1, "adamw_weight_decay": 0.05, "momentum": 0.9, "adamw_beta1": 0.8,
         "adamw_beta2": 0.95, "clip_grad": 0.5, "min_lr_ratio": 0.2, "val_fraction": 0.1,
         "eval_sequences": 16, "hsdp": 1, "dtype": "float64", "peak_tflops": 12.5,
+        "report_to": "tensorboard", "run_name": "r1",
     }  # fmt: skip
     assert set(chosen) == set(GENERATED_FLAGS)
     spec = JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny", **chosen}})
@@ -198,6 +199,8 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
         ({"adamw_beta2": 1.5}, "less than or equal to 1"),
         ({"split": "rows"}, "'none', 'auto' or 'per_head'"),
         ({"optimizer": "adamw", "qk_clip": 5.0}, "qk_clip: only for the dmuon optimizer"),
+        ({"report_to": "tensorboard;rm"}, "should match pattern"),
+        ({"report_to": "comet"}, "should match pattern"),
     ],
 )
 def test_generated_fields_keep_the_recipes_bounds(train_fields: dict, message: str) -> None:

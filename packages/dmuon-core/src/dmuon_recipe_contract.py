@@ -53,6 +53,8 @@ __all__ = [
     "TOKENIZE_BATCH_BYTES",
     "TOKEN_DTYPES",
     "TOKEN_SUFFIX",
+    "TRACKERS_EVENT",
+    "TRACKER_NAMES",
     "TRAINER_STATE_FILE",
     "WEIGHT_SUFFIXES",
     "Flag",
@@ -182,6 +184,13 @@ CHECKPOINT_SKIPPED_EVENT = "checkpoint_skipped"
 """``{"event": "checkpoint_skipped", "checkpoint": ..., "problems": [...], "step": k}``:
 ``--resume auto`` passed over a damaged checkpoint and resumed from step ``k`` instead (0: no
 whole checkpoint was left, the run started over)."""
+TRACKERS_EVENT = "trackers"
+"""``{"event": "trackers", "step": k, "trackers": {name: ids}}``: the experiment trackers'
+runs this attempt reports to (``--report-to``), from step ``k + 1`` on: ``tensorboard``'s
+``logdir``, ``mlflow``'s ``run_id``, ``experiment_id`` and ``tracking_uri``, ``wandb``'s
+``run_id`` and ``path``."""
+TRACKER_NAMES = ("tensorboard", "mlflow", "wandb")
+"""The trackers ``--report-to`` knows (besides ``none`` and ``all``)."""
 CHECKPOINT_FAILED_EVENT = "checkpoint_failed"
 """``{"event": "checkpoint_failed", "step": k, "message": ...}``: a checkpoint could not be
 written and ``--on-checkpoint-error warn`` kept the run going."""

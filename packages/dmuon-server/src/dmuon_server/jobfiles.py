@@ -31,6 +31,9 @@ METRICS_FILE = "metrics.jsonl"
 CHECKPOINT_DIR = "checkpoints"
 #: Where a job with ``train.export_hf`` writes its Hugging Face model directory.
 EXPORT_DIR = "export"
+#: The recipe's ``--tracking-dir`` in a job's folder (TensorBoard events, a local MLflow
+#: store unless the server's environment names one, W&B run folders).
+TRACKING_DIR = "tracking"
 INIT_DIR = "init"
 #: A complete checkpoint folder, as the recipe names it (temporary ones start with a dot).
 _CHECKPOINT_NAME = re.compile(f"^{contract.CHECKPOINT_NAME_PATTERN.pattern}$")

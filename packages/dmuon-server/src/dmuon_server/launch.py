@@ -41,6 +41,7 @@ from dmuon_server.jobfiles import (
     INIT_DIR,
     METRICS_FILE,
     TORCHRUN_LOG_DIR,
+    TRACKING_DIR,
     CheckpointInfo,
     checkpoint_name,
     list_checkpoints,
@@ -500,10 +501,13 @@ def _recipe(settings: Settings, spec: JobCreate, job_dir: Path, accepted: Review
         ("resume", "auto"),
         ("init_from", None if init is None else str(init_path(job_dir, init))),
         ("export_hf", str(job_dir / EXPORT_DIR) if t.export_hf else None),
+        ("tracking_dir", str(job_dir / TRACKING_DIR)),
     ]
     switches = ["activation_checkpointing", "compile"]
     for dest in GENERATED_FLAGS:  # the rest of the recipe's flags, as the contract has them
         value = getattr(t, dest)
+        if dest == "run_name" and value is None and t.report_to not in (None, "none"):
+            value = spec.name or job_dir.name  # the trackers' run: the job's name, or its id
         if isinstance(value, bool):
             switches += [dest] if value else []
         elif value is not None:

@@ -4,7 +4,8 @@ The recipe writes an event line (``{"event": ..., ...}``, `dmuon_recipe_contract
 into its metrics file when something happened that is not a metric point: a damaged
 checkpoint that ``--resume auto`` passed over (``checkpoint_skipped``), a checkpoint that
 could not be written while ``--on-checkpoint-error warn`` kept training
-(``checkpoint_failed``), a stop on a signal (``stopped``). Each becomes one
+(``checkpoint_failed``), a stop on a signal (``stopped``), the experiment trackers' runs
+(``trackers``). Each becomes one
 :class:`~dmuon_server.store.EventRecord` with a level and a one-line message; the first two
 are warnings.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import PurePath
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import dmuon_recipe_contract as contract
 
@@ -35,6 +37,40 @@ def _clip(text: str) -> str:
     return text if len(text) <= MAX_MESSAGE_CHARS else text[: MAX_MESSAGE_CHARS - 3] + "..."
 
 
+def _store(uri: Any) -> str:
+    """An MLflow tracking URI as clients may see it: a local store by its file name (server
+    paths are not shown; the job's own is ``tracking/mlflow.db``), a remote one without
+    credentials."""
+    text = str(uri)
+    scheme, _, rest = text.partition(":")
+    if scheme in ("sqlite", "file", "") or not rest.startswith("//"):
+        return f"a local store ({PurePath(rest).name})" if rest else "?"
+    parsed = urlsplit(text)
+    host = parsed.hostname or ""
+    netloc = host + (f":{parsed.port}" if parsed.port else "")
+    return urlunsplit((parsed.scheme, netloc, parsed.path, "", ""))
+
+
+def tracker_runs(trackers: Any) -> str:
+    """Where each tracker's run is, in words: MLflow's run id and store, TensorBoard's
+    folder in the job's, the W&B run path."""
+    if not isinstance(trackers, dict) or not trackers:
+        return "no tracker"
+    parts = []
+    for name, ids in trackers.items():
+        ids = ids if isinstance(ids, dict) else {}
+        if name == "mlflow":
+            parts.append(f"mlflow run {ids.get('run_id')} at {_store(ids.get('tracking_uri'))}")
+        elif name == "tensorboard":
+            logdir = PurePath(str(ids.get("logdir", "?")))
+            parts.append(f"tensorboard events in tracking/tensorboard/{logdir.name}")
+        elif name == "wandb":
+            parts.append(f"wandb run {ids.get('path')}")
+        else:
+            parts.append(str(name))
+    return "; ".join(parts)
+
+
 def describe(obj: dict[str, Any], attempt: int) -> EventRecord:
     """The event of attempt ``attempt`` that the parsed line ``obj`` holds."""
     kind = str(obj.get(contract.EVENT_KEY))[:64]
@@ -49,6 +85,8 @@ def describe(obj: dict[str, Any], attempt: int) -> EventRecord:
             message += f"; resumed from step {step}" if step else "; started from step 0"
     elif kind == contract.CHECKPOINT_FAILED_EVENT:
         message = str(obj.get("message") or f"the checkpoint of step {step} was not written")
+    elif kind == contract.TRACKERS_EVENT:
+        message = "reporting to " + tracker_runs(obj.get("trackers"))
     elif kind == contract.STOPPED_EVENT:
         by = obj.get("signal") or "a signal on another rank"
         saved = obj.get("checkpoint")

@@ -285,8 +285,14 @@ class _TrainSpecByHand(_Strict):
 #: cache, how the recipe prints progress, devices and threads): never part of a spec.
 SERVER_SET_FLAGS = frozenset(
     {"metrics_file", "checkpoint_dir", "resume", "init_from", "cache_dir", "progress",
-     "log_every", "device", "threads"}
+     "log_every", "device", "threads", "tracking_dir"}
 )  # fmt: skip
+
+_TRACKER = "(" + "|".join(contract.TRACKER_NAMES) + ")"
+#: What ``train.report_to`` may say: none, all, or a comma-separated list of trackers.
+REPORT_TO_PATTERN = rf"^(none|all|{_TRACKER}(,{_TRACKER})*)$"
+#: Patterns of the text fields generated from the contract (anything printable otherwise).
+_TEXT_PATTERNS = {"report_to": REPORT_TO_PATTERN}
 
 #: The most an integer or float field generated from the recipe's contract may be.
 _GENERATED_MAX = 1_000_000_000
@@ -316,6 +322,10 @@ def _generated_field(flag: contract.Flag) -> tuple[Any, Any]:
         return number | None, Field(default=None, description=description)
     if flag.kind == "choice":
         return _choices(flag.dest) | None, Field(default=None, description=description)
+    if flag.kind == "str":
+        pattern = _TEXT_PATTERNS.get(flag.dest, NAME_PATTERN)
+        text = Annotated[str, Field(min_length=1, max_length=256, pattern=pattern)]
+        return text | None, Field(default=None, description=description)
     raise TypeError(f"recipe flag {flag.option} of kind {flag.kind!r} needs a hand-written field")
 
 
@@ -828,7 +838,7 @@ class LaunchPlan(BaseModel):
     warnings: list[str]
 
 
-ArtifactKind = Literal["checkpoint", "export", "metrics", "log"]
+ArtifactKind = Literal["checkpoint", "export", "metrics", "log", "tracking"]
 
 
 class Artifact(BaseModel):
@@ -838,7 +848,9 @@ class Artifact(BaseModel):
     bytes: int
     kind: ArtifactKind = Field(
         description="`checkpoint` (under `checkpoints/`), `export` (the HF directory under "
-        "`export/`), `metrics` (the metrics files), `log` (the job log and the ranks' logs)."
+        "`export/`), `metrics` (the metrics files), `log` (the job log and the ranks' logs), "
+        "`tracking` (TensorBoard's event files under `tracking/tensorboard/`, with "
+        "`train.report_to` naming tensorboard)."
     )
 
 

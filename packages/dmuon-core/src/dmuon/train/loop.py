@@ -665,6 +665,14 @@ class Trainer:
         )
         if is_main:  # saved with every checkpoint, so that a resumed run continues them
             self.train_state.trackers = writer.ids()
+            if self.train_state.trackers:
+                writer.write(
+                    {
+                        contract.EVENT_KEY: contract.TRACKERS_EVENT,
+                        "step": self.start_step,
+                        "trackers": self.train_state.trackers,
+                    }
+                )
         for note in self.notes:  # at the step resumed from, so that a later resume keeps it
             writer.write({**note, "step": self.start_step})
         bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]

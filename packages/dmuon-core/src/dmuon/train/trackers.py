@@ -38,6 +38,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
+import dmuon_recipe_contract as contract
+
 __all__ = [
     "EXTRA",
     "TRACKERS",
@@ -47,7 +49,7 @@ __all__ = [
 ]
 
 #: The trackers ``--report-to`` knows, and the package each needs.
-TRACKERS: dict[str, str] = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
+TRACKERS: dict[str, str] = {name: name for name in contract.TRACKER_NAMES}
 #: The extra that installs them all.
 EXTRA = "dmuon[tracking]"
 DEFAULT_EXPERIMENT = "dmuon"
@@ -200,13 +202,14 @@ class MlflowTracker:
             experiment_id = (
                 found.experiment_id
                 if found is not None
-                else self.client.create_experiment(experiment)
+                else self.client.create_experiment(experiment, artifact_location=artifacts)
             )
             run = self.client.create_run(experiment_id, run_name=run_name)
             self.run_id = run.info.run_id
             self.logged_through = -1
             for key, value in _flat_config(config).items():
                 self.client.log_param(self.run_id, key, value[:6000])
+        self.experiment_id = self.client.get_run(self.run_id).info.experiment_id
 
     def write(self, record: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric
@@ -227,7 +230,11 @@ class MlflowTracker:
         self.client.log_artifacts(self.run_id, str(path), name)
 
     def ids(self) -> dict[str, str]:
-        return {"run_id": self.run_id, "tracking_uri": self.uri}
+        return {
+            "run_id": self.run_id,
+            "experiment_id": self.experiment_id,
+            "tracking_uri": self.uri,
+        }
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

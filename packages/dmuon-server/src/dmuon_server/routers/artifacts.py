@@ -1,6 +1,7 @@
-"""A job's files: checkpoints, its HF export, metrics and logs, listed and served one by one.
+"""A job's files: checkpoints, its HF export, metrics, logs and TensorBoard events, listed
+and served one by one.
 
-Only those four kinds are served, and only regular files below the job's folder that the
+Only those five kinds are served, and only regular files below the job's folder that the
 job's Unix account owns, with one link (:func:`dmuon_server.safefiles.servable`): a path
 with ``..``, a symbolic link anywhere on the way, a hard link (to the server's database,
 say), another account's file, anything under a folder being written (``.tmp_...``, a save
@@ -23,7 +24,13 @@ from fastapi.responses import StreamingResponse
 
 from dmuon_server.dependencies import IdentitiesDep, JobDep, SettingsDep
 from dmuon_server.errors import ApiError, error_responses
-from dmuon_server.jobfiles import CHECKPOINT_DIR, EXPORT_DIR, LOG_FILE, TORCHRUN_LOG_DIR
+from dmuon_server.jobfiles import (
+    CHECKPOINT_DIR,
+    EXPORT_DIR,
+    LOG_FILE,
+    TORCHRUN_LOG_DIR,
+    TRACKING_DIR,
+)
 from dmuon_server.safefiles import open_in, servable
 from dmuon_server.schemas import Artifact, ArtifactKind, ArtifactList
 
@@ -43,6 +50,8 @@ def artifact_kind(relative: str) -> ArtifactKind | None:
         return "metrics"
     if relative == LOG_FILE or (parts[0] == TORCHRUN_LOG_DIR and len(parts) > 1):
         return "log"
+    if parts[:2] == [TRACKING_DIR, "tensorboard"] and len(parts) > 2:
+        return "tracking"
     return None
 
 
@@ -85,7 +94,8 @@ def _not_found(job_id: str, path: str) -> ApiError:
     "/{job_id}/artifacts", response_model=ArtifactList, responses=error_responses(401, 404, 422)
 )
 def get_artifacts(job: JobDep, settings: SettingsDep, identities: IdentitiesDep) -> ArtifactList:
-    """The job's files: `checkpoint`, `export`, `metrics` and `log`, with their sizes."""
+    """The job's files: `checkpoint`, `export`, `metrics`, `log` and `tracking`, with their
+    sizes."""
     job_dir = settings.job_dir(job.id)
     owner = identities.owner_uid(job.user or "")
     return ArtifactList(items=list_artifacts(job_dir, owner) if job_dir.is_dir() else [])
