@@ -498,3 +498,35 @@ def test_qk_clip_holds_a_run_made_to_blow_up_near_tau(base: TrainConfig, tmp_pat
     assert [r["loss"] for r in clipped[: first + 1]] == [r["loss"] for r in plain[: first + 1]]
     after = [r["max_logit"] for r in clipped[first + 1 :]]
     assert max(after) < 2 * tau and sorted(after)[len(after) // 2] < 1.3 * tau, after
+
+
+def test_samples_are_the_greedy_continuation_of_the_prompt(
+    base: TrainConfig, tmp_path: Path
+) -> None:
+    """Oracle: greedy decoding written out on the trained model, one growing input per
+    token (the recipe decodes in one fixed window instead)."""
+    metrics = tmp_path / "m.jsonl"
+    cfg = replace(
+        base, optimizer="dmuon", lr=0.02, steps=4, eval_every=0, sample_every=2,
+        sample_prompt="def f(", sample_tokens=12, metrics_file=str(metrics),
+    )  # fmt: skip
+    trainer = Trainer(cfg)
+    try:
+        trainer.fit()
+        samples = [json.loads(x) for x in metrics.read_text().splitlines() if '"sample"' in x]
+        assert [s["step"] for s in samples] == [2, 4] and samples[0]["prompt"] == "def f("
+        ids = list(b"def f(")
+        trainer.model.eval()
+        with torch.no_grad():
+            for _ in range(12):
+                ids.append(int(trainer.model(torch.tensor([ids]))[0, -1].argmax()))
+        expected = bytes(ids[len("def f(") :]).decode("utf-8", errors="replace")
+        assert samples[-1]["text"] == expected
+    finally:
+        trainer.close()
+
+
+def test_samples_need_room_in_the_window(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-len", "16", "--sample-every", "5", "--sample-tokens", "16"])
+    assert "--sample-tokens 16 must be below --seq-len 16" in capsys.readouterr().err

@@ -70,7 +70,7 @@ def resume_from_step_2(cfg: TrainConfig) -> TrainConfig:
 def test_tensorboard_events_hold_every_step_once(base: TrainConfig, tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    cfg = replace(base, report_to="tensorboard")
+    cfg = replace(base, report_to="tensorboard", sample_every=2, sample_tokens=4)
     run(cfg)
     run(resume_from_step_2(cfg))
     folders = list((tmp_path / "runs" / "tensorboard").iterdir())
@@ -85,7 +85,9 @@ def test_tensorboard_events_hold_every_step_once(base: TrainConfig, tmp_path: Pa
         assert [v for _, v in logged] == pytest.approx(
             [values[s] for s in sorted(values)], rel=1e-6
         )
-    assert "config/text_summary" in events.Tags()["tensors"]
+    assert {"config/text_summary", "sample/text_summary"} <= set(events.Tags()["tensors"])
+    samples = {e.step for e in events.Tensors("sample/text_summary")}
+    assert samples == {2, 4, 5}  # every second step and the last, each once
 
 
 def test_mlflow_run_continues_after_resume_with_every_step_once(

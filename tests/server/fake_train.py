@@ -21,6 +21,8 @@ optimizer step, flushed per line; ``val_loss`` on eval steps and a step-0 eval l
   (exit status 143 through torchrun), as the recipe's does.
 * ``FAKE_EVENT_STEP``: after that step, write a ``checkpoint_skipped`` and a
   ``checkpoint_failed`` event line as the recipe does (naming the checkpoint folder).
+* ``--sample-every N``: after every N-th step and the last, a ``sample`` event line whose
+  text names the step (two lines).
 * ``FAKE_POISON_SEED``: a run with that ``--seed`` writes, after step 2, the lines that
   once froze supervision (:data:`POISON_LINES`), then goes on.
 
@@ -80,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--collective-timeout", type=int, default=600)
     p.add_argument("--resume", default="auto")
     p.add_argument("--init-from", default=None)
+    p.add_argument("--tracking-dir", default=None)
+    p.add_argument("--report-to", default="none")
+    p.add_argument("--run-name", default=None)
+    p.add_argument("--sample-every", type=int, default=0)
+    p.add_argument("--sample-prompt", default="The ")
+    p.add_argument("--sample-tokens", type=int, default=32)
     return p
 
 
@@ -235,6 +243,9 @@ def main() -> int:
         if args.eval_every > 0 and (step % args.eval_every == 0 or step == steps):
             rec["val_loss"] = loss + 0.05
         write(rec)
+        if args.sample_every > 0 and (step % args.sample_every == 0 or step == steps):
+            text = f" sample of step {step}\n  second line"
+            write({"event": "sample", "step": step, "prompt": args.sample_prompt, "text": text})
         if step == int(os.environ.get("FAKE_EVENT_STEP", "-1")):
             folder = Path(args.checkpoint_dir or ".")
             write(

@@ -12,6 +12,7 @@ Screenshots of every page, light and dark, desktop and 390 px wide, are written 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -385,6 +386,30 @@ def test_dmuon_vs_adamw_pair_and_compare(page: Page, service: Service) -> None:
             row = page.locator(f"#compare-table tr[data-job-id='{job_id}']")
             expect(row).to_contain_text(f"{float(f'{final:.4g}')}")
     assert curves[0] != curves[1]  # two optimizers, two curves
+
+
+def test_samples_show_on_the_job_page_as_the_recipe_wrote_them(
+    page: Page, service: Service
+) -> None:
+    """Oracle: the sample lines of the job's metrics file (the recipe's own record)."""
+    spec = tiny_spec("samples", steps=4, sample_every=2, sample_prompt="Hello", sample_tokens=8)
+    with service.client() as c:
+        job_id = c.post("/v1/jobs", json=spec).json()["id"]
+    page.goto(service.url + "/")
+    page.evaluate("t => sessionStorage.setItem('dmuon.token', t)", TOKEN)  # run alone too
+    open_hash(page, service, f"#/job/{job_id}")
+    expect(page.locator("#job-state")).to_contain_text("succeeded", timeout=JOB_TIMEOUT_MS)
+    lines = (service.data_dir / "jobs" / job_id / "metrics.jsonl").read_text().splitlines()
+    written = [json.loads(x) for x in lines if '"sample"' in x]
+    assert [w["step"] for w in written] == [2, 4]
+    figures = page.locator("#job-samples figure")
+    expect(figures).to_have_count(2, timeout=30_000)
+    shown = figures.evaluate_all(
+        "fs => fs.map(f => [Number(f.dataset.step), f.querySelector('pre').textContent])"
+    )
+    # Newest first, each the prompt and what followed it, character for character.
+    assert shown == [[w["step"], w["prompt"] + w["text"]] for w in reversed(written)]
+    expect(page.locator("#job-events")).not_to_contain_text("Hello")  # not among the events
 
 
 def test_restart_mid_stream_then_cancel(page: Page, service: Service) -> None:

@@ -47,6 +47,7 @@ __all__ = [
     "PARQUET_SUFFIXES",
     "PRESETS",
     "RECORD_SUFFIXES",
+    "SAMPLE_EVENT",
     "STOPPED_EVENT",
     "TEMPORARY_PREFIX",
     "TOKENIZER_FILES",
@@ -190,6 +191,9 @@ runs this attempt reports to (``--report-to``), from step ``k + 1`` on: ``tensor
 ``logdir``, ``mlflow``'s ``run_id``, ``experiment_id`` and ``tracking_uri``, ``wandb``'s
 ``run_id`` and ``path``."""
 TRACKER_NAMES = ("tensorboard", "mlflow", "wandb")
+SAMPLE_EVENT = "sample"
+"""``{"event": "sample", "step": k, "prompt": ..., "text": ...}``: what the model wrote
+after ``--sample-prompt`` with the weights of step ``k`` (``--sample-every``)."""
 """The trackers ``--report-to`` knows (besides ``none`` and ``all``)."""
 CHECKPOINT_FAILED_EVENT = "checkpoint_failed"
 """``{"event": "checkpoint_failed", "step": k, "message": ...}``: a checkpoint could not be
@@ -450,6 +454,13 @@ FLAGS: tuple[Flag, ...] = (
          "(rank 0)", _OUT, metavar="PATH"),
     Flag("log_every", "int", 1, "print every N steps when not showing a progress bar", _OUT,
          minimum=1),
+    Flag("sample_every", "int", 0, "every N steps (and at the end), every rank generates "
+         "--sample-tokens tokens greedily after --sample-prompt with the current weights; "
+         "rank 0 logs the text (metrics file, trackers, the job page); 0 = never", _OUT,
+         minimum=0, metavar="N"),
+    Flag("sample_prompt", "str", "The ", "the text samples continue", _OUT, metavar="TEXT"),
+    Flag("sample_tokens", "int", 32, "tokens each sample generates (prompt and sample must "
+         "fit --seq-len)", _OUT, minimum=1, metavar="K"),
     Flag("report_to", "str", "none", "experiment trackers to report to, as Hugging Face's "
          "report_to: none, all (every one installed), or a comma-separated list of "
          "tensorboard, mlflow and wandb (pip install 'dmuon[tracking]'); rank 0 logs every "

@@ -5,7 +5,7 @@ into its metrics file when something happened that is not a metric point: a dama
 checkpoint that ``--resume auto`` passed over (``checkpoint_skipped``), a checkpoint that
 could not be written while ``--on-checkpoint-error warn`` kept training
 (``checkpoint_failed``), a stop on a signal (``stopped``), the experiment trackers' runs
-(``trackers``). Each becomes one
+(``trackers``), a sample of the model's text (``sample``, kept as written). Each becomes one
 :class:`~dmuon_server.store.EventRecord` with a level and a one-line message; the first two
 are warnings.
 """
@@ -85,6 +85,9 @@ def describe(obj: dict[str, Any], attempt: int) -> EventRecord:
             message += f"; resumed from step {step}" if step else "; started from step 0"
     elif kind == contract.CHECKPOINT_FAILED_EVENT:
         message = str(obj.get("message") or f"the checkpoint of step {step} was not written")
+    elif kind == contract.SAMPLE_EVENT:  # text as written, line breaks included
+        text = f"{obj.get('prompt') or ''}{obj.get('text') or ''}"
+        return EventRecord(attempt, kind, level, text[:MAX_MESSAGE_CHARS], step)
     elif kind == contract.TRACKERS_EVENT:
         message = "reporting to " + tracker_runs(obj.get("trackers"))
     elif kind == contract.STOPPED_EVENT:

@@ -88,6 +88,9 @@ class TrainConfig:
     eval_sequences: int = _default("eval_sequences")
     metrics_file: str | None = _default("metrics_file")
     log_every: int = _default("log_every")
+    sample_every: int = _default("sample_every")
+    sample_prompt: str = _default("sample_prompt")
+    sample_tokens: int = _default("sample_tokens")
     report_to: str = _default("report_to")
     run_name: str | None = _default("run_name")
     tracking_dir: str | None = _default("tracking_dir")
@@ -242,6 +245,11 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
             "--init-from and --resume PATH both give a starting point: --resume PATH "
             "continues a run (weights, optimizer, step), --init-from starts a new one "
             "from weights only; pass one of them"
+        )
+    if namespace.sample_tokens >= namespace.seq_len:
+        parser.error(
+            f"--sample-tokens {namespace.sample_tokens} must be below --seq-len "
+            f"{namespace.seq_len}: the prompt and the sample share one window"
         )
     try:
         resolve_report_to(namespace.report_to)

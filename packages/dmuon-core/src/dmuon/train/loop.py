@@ -66,6 +66,7 @@ from dmuon.train.parallelize import (
     parallelize,
 )
 from dmuon.train.reporting import Reporting
+from dmuon.train.samples import greedy_continuation, prompt_ids
 from dmuon.train.schedules import lr_factor
 from dmuon.train.state import ModelState, OptimizerState, RNGState, TrainState
 from dmuon.train.stopping import StopRequest
@@ -166,6 +167,11 @@ def preflight(config: TrainConfig) -> Inputs:
     except ValueError:
         if needs_tokenizer or config.tokenizer is not None:
             raise
+        if config.sample_every > 0:
+            raise ValueError(
+                "--sample-every writes text, and these token files come without a tokenizer: "
+                "pass --tokenizer (the one the files were made with)"
+            ) from None
         tokenizer = None
     plan = plan_corpus(
         config.data,
@@ -626,6 +632,23 @@ class Trainer:
         self._all_reduce_sum(sums)
         return float(sums[0] / sums[1])
 
+    @torch.no_grad()
+    def sample(self) -> str:
+        """The text the model writes after ``--sample-prompt`` (greedy, ``--sample-tokens``
+        tokens), on every rank (the forwards gather weights collectively)."""
+        cfg = self.config
+        tokenizer = self.inputs.tokenizer
+        assert tokenizer is not None  # preflight refuses --sample-every without one
+        encoded = [int(i) for i in tokenizer.encode_batch([cfg.sample_prompt])[0]]
+        prompt = prompt_ids(encoded, cfg.sample_tokens, cfg.seq_len)
+        self.model.eval()
+        try:
+            with self._compute():
+                ids = greedy_continuation(self.built.logits, prompt, cfg.sample_tokens, self.device)
+        finally:
+            self.model.train()
+        return tokenizer.decode(ids)
+
     def _describe(self) -> str:
         cfg = self.config
         corpus = self.corpus
@@ -744,6 +767,18 @@ class Trainer:
                     record["time"] = elapsed()
                     writer.write(record)
                     progress.step(step, loss, tokens_per_s, stats["lr"])
+                    if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or step == cfg.steps):
+                        text = self.sample()
+                        writer.write(
+                            {
+                                contract.EVENT_KEY: contract.SAMPLE_EVENT,
+                                "step": step,
+                                "prompt": cfg.sample_prompt,
+                                "text": text,
+                            }
+                        )
+                        writer.text(step, "sample", cfg.sample_prompt + text)
+                        progress.message(f"step {step} sample: {cfg.sample_prompt + text!r}")
                     periodic = cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0
                     if cfg.checkpoint_dir is not None and (
                         periodic or stopping or step == cfg.steps

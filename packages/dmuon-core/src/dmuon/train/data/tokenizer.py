@@ -40,6 +40,10 @@ class ByteTokenizer:
         """The UTF-8 bytes of every text."""
         return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of byte ids (an incomplete UTF-8 sequence shown as U+FFFD)."""
+        return bytes(ids).decode("utf-8", errors="replace")
+
     def save(self, directory: Path) -> None:
         """Write ``tokenizer.json`` and ``tokenizer_config.json`` for ``AutoTokenizer``."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -103,6 +107,10 @@ class HFTokenizer:
         return [
             np.asarray(e.ids, dtype=self.dtype) for e in encode(texts, add_special_tokens=False)
         ]
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids."""
+        return str(self.tokenizer.decode(ids))
 
     def save(self, directory: Path) -> None:
         """Write the tokenizer's files (``save_pretrained``)."""

@@ -67,6 +67,7 @@ export function renderJob(main, jobId) {
   const artifacts = h("section", { id: "job-artifacts", hidden: true });
   const attempts = h("section", { id: "job-attempts", hidden: true });
   const events = h("section", { id: "job-events", hidden: true });
+  const samples = h("section", { id: "job-samples", hidden: true });
   const recipe = h("section", { id: "job-recipe", hidden: true });
   const logs = h("pre", { id: "job-logs", tabindex: "0" });
   const spec = h("pre", { id: "job-spec", tabindex: "0" });
@@ -80,6 +81,7 @@ export function renderJob(main, jobId) {
     tiles,
     failure,
     events,
+    samples,
     h("h2", {}, t("job.loss")),
     h(
       "div",
@@ -289,11 +291,21 @@ export function renderJob(main, jobId) {
     } else {
       failure.hidden = true;
     }
-    if (Array.isArray(job.events) && job.events.length) {
+    const written = Array.isArray(job.events) ? job.events.filter((e) => e.kind === "sample") : [];
+    samples.hidden = !written.length;
+    if (written.length) {
+      // The newest first: what the model writes now, then how it got there.
+      samples.replaceChildren(h("h2", {}, t("job.samples")), ...written.slice().reverse().map((e) =>
+        h("figure", { class: "sample", "data-step": e.step },
+          h("figcaption", { class: "muted" }, `${t("job.step")} ${e.step} · #${e.attempt}`),
+          h("pre", { tabindex: "0" }, e.message))));
+    }
+    const others = Array.isArray(job.events) ? job.events.filter((e) => e.kind !== "sample") : [];
+    if (others.length) {
       events.hidden = false;
       events.replaceChildren(
         h("h2", {}, t("job.events")),
-        h("ul", { class: "events" }, ...job.events.map((e) =>
+        h("ul", { class: "events" }, ...others.map((e) =>
           h("li", { class: e.level === "warning" ? "warning" : "", "data-kind": e.kind },
             h("strong", {}, e.level === "warning" ? t("job.warning") : e.kind), " ",
             e.message, " ", h("span", { class: "muted" },
