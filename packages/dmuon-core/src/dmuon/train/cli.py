@@ -246,7 +246,7 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
             "continues a run (weights, optimizer, step), --init-from starts a new one "
             "from weights only; pass one of them"
         )
-    if namespace.sample_tokens >= namespace.seq_len:
+    if namespace.sample_every > 0 and namespace.sample_tokens >= namespace.seq_len:
         parser.error(
             f"--sample-tokens {namespace.sample_tokens} must be below --seq-len "
             f"{namespace.seq_len}: the prompt and the sample share one window"

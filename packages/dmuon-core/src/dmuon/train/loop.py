@@ -4,13 +4,16 @@ The pieces live apart, as in torchtitan: the model builders in `dmuon.train.mode
 (presets and Hugging Face directories), the data in `dmuon.train.data`, process group,
 mesh, dedication, ``fully_shard`` and the optimizer in `dmuon.train.parallelize`, the
 trainer's state as ``Stateful`` objects in `dmuon.train.state`, checkpoint folders in
-`dmuon.train.checkpointing`. One code path serves one process (no process group,
-``dedicate_params(model, None)``) and ``torchrun`` (gloo on CPU, NCCL on CUDA).
+`dmuon.train.checkpointing` (folders) and `dmuon.train.checkpoint_manager` (resume, save,
+export), the checked inputs in `dmuon.train.setup`, reporting in `dmuon.train.reporting`
+and `dmuon.train.trackers`, samples in `dmuon.train.samples`. One code path serves one
+process (no process group, ``dedicate_params(model, None)``) and ``torchrun`` (gloo on
+CPU, NCCL on CUDA).
 
 Every input a user can get wrong (the model directory, the tokenizer, the data, the
 export folder) is checked before the process group exists and before any file is
-written (`preflight`). The corpus is tokenized by local rank 0 of each node while the
-other ranks wait for its cache.
+written (`dmuon.train.setup.preflight`). The corpus is tokenized by local rank 0 of each
+node while the other ranks wait for its cache.
 
 Gradient accumulation follows the gradient-accumulation guide: the loss of each
 micro-batch is divided by ``accum_steps`` and every micro-batch but the last runs under
@@ -25,16 +28,10 @@ same global batch see the same sequences whatever the process count.
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import resource
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -42,22 +39,16 @@ import dmuon_recipe_contract as contract
 import torch
 import torch.distributed as dist
 
-import dmuon
 from dmuon._teardown import before_interpreter_exit
 from dmuon.train import checkpointing
+from dmuon.train.checkpoint_manager import CheckpointManager
 from dmuon.train.cli import TrainConfig, parse_args
 from dmuon.train.data import (
-    CorpusPlan,
     GlobalBatchSampler,
-    check_fits,
-    load_tokenizer,
-    plan_corpus,
     validation_windows,
 )
-from dmuon.train.data.sources import list_source_files
-from dmuon.train.data.tokenizer import TextTokenizer
 from dmuon.train.metrics import ProgressReporter, format_summary, truncate_after
-from dmuon.train.models import BuiltModel, ModelSource, build, lm_loss, resolve_model
+from dmuon.train.models import BuiltModel, build
 from dmuon.train.parallelize import (
     build_mesh,
     build_optimizer,
@@ -66,9 +57,19 @@ from dmuon.train.parallelize import (
     parallelize,
 )
 from dmuon.train.reporting import Reporting
-from dmuon.train.samples import greedy_continuation, prompt_ids
 from dmuon.train.schedules import lr_factor
-from dmuon.train.state import ModelState, OptimizerState, RNGState, TrainState
+from dmuon.train.setup import (
+    DTYPES,
+    KNOWN_PEAK_TFLOPS,
+    Inputs,
+    StepFailed,
+    TrainingDiverged,
+    configure_threads,
+    lr_lambda,
+    preflight,
+)
+from dmuon.train.state import TrainState
+from dmuon.train.steps import TrainingSteps
 from dmuon.train.stopping import StopRequest
 
 __all__ = [
@@ -83,132 +84,8 @@ __all__ = [
     "run",
 ]
 
-#: Dense bfloat16 peak TFLOP/s of one device, by a part of its CUDA name, for ``mfu``.
-KNOWN_PEAK_TFLOPS: dict[str, float] = {"H100": 989.0, "H200": 989.0, "B200": 2250.0,
-                                       "A100": 312.0}  # fmt: skip
 
-
-#: The recipe's dtype names (``auto`` is absent: the library's default).
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class StepFailed(RuntimeError):
-    """An optimizer step failed on this rank; the message names the step and the rank."""
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss or the gradient norm became NaN or infinite; training stopped."""
-
-    def __init__(self, step: int, what: str, value: float) -> None:
-        super().__init__(
-            f"training diverged at step {step}: the {what} is {value}. Lower --lr / "
-            "--adamw-lr, raise --warmup-steps, or resume from an earlier checkpoint."
-        )
-        self.step = step
-
-
-def configure_threads(local_world_size: int, threads: int | None = None) -> int:
-    """Set the intra-op thread count of this process and return it.
-
-    ``threads`` wins when given. Otherwise, unless ``OMP_NUM_THREADS`` is set, the CPU
-    cores available to the process are split evenly among the local processes.
-    (``torchrun`` sets ``OMP_NUM_THREADS=1`` itself when it starts several processes.)
-    """
-    if threads is not None:
-        torch.set_num_threads(threads)
-    elif "OMP_NUM_THREADS" not in os.environ:
-        try:
-            cores = len(os.sched_getaffinity(0))
-        except AttributeError:  # not available on macOS
-            cores = os.cpu_count() or 1
-        torch.set_num_threads(max(1, cores // max(1, local_world_size)))
-    return torch.get_num_threads()
-
-
-def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
-    """Multiplier for ``LambdaLR``: linear warmup, then cosine decay to ``min_ratio`` (the
-    default ``--lr-schedule``; see `dmuon.train.schedules`)."""
-    return lr_factor("cosine", warmup_steps, total_steps, min_ratio)
-
-
-@dataclass
-class Inputs:
-    """The checked inputs of a run (see `preflight`)."""
-
-    model: ModelSource
-    tokenizer: TextTokenizer | None
-    corpus: CorpusPlan
-
-
-def preflight(config: TrainConfig) -> Inputs:
-    """Check every input a user can get wrong, before any process group or file exists.
-
-    The model (a preset, or a model directory transformers builds, with enough positions
-    for ``--seq-len``), the tokenizer (loads, has an EOS token, fits the model's
-    embedding), the data (exists, readable formats, links inside its folder, token files
-    with their sidecars and a vocabulary that fits) and the export folder.
-
-    Raises:
-        FileNotFoundError, ValueError: with a message naming the flag, the file and what
-            to do.
-    """
-    source = resolve_model(config.model, config.seq_len)
-    if config.export_hf is not None:
-        from dmuon.checkpoint._hf_export import check_export_target
-
-        check_export_target(config.export_hf)
-    model_dir = None if source.hf is None else source.hf.path
-    # Token files need no tokenizer; a model directory without one still trains on them.
-    _, files = list_source_files(config.data)
-    needs_tokenizer = files[0].kind != "tokens"
-    tokenizer: TextTokenizer | None
-    try:
-        tokenizer = load_tokenizer(config.tokenizer, model_dir)
-    except ValueError:
-        if needs_tokenizer or config.tokenizer is not None:
-            raise
-        if config.sample_every > 0:
-            raise ValueError(
-                "--sample-every writes text, and these token files come without a tokenizer: "
-                "pass --tokenizer (the one the files were made with)"
-            ) from None
-        tokenizer = None
-    plan = plan_corpus(
-        config.data,
-        val_fraction=config.val_fraction,
-        cache_dir=config.cache_dir,
-        tokenizer=tokenizer,
-        text_field=config.text_field,
-    )
-    if plan.cache_bin is not None:
-        if not plan.is_cached:
-            plan.check_records()  # a missing text field, before any process group
-        if tokenizer is None:
-            tokenizer = load_tokenizer(config.tokenizer, model_dir)  # raises its error
-        what = (
-            f"--tokenizer {tokenizer.name}"
-            if config.tokenizer
-            else f"the tokenizer {tokenizer.name}"
-        )
-        check_fits(tokenizer.vocab_size, source.vocab_size, what, config.model)
-    else:
-        from dmuon.train.data.sources import read_sidecar
-
-        for f in (*plan.train, *plan.val):
-            info = read_sidecar(f.path, f.relative)
-            check_fits(info.vocab_size, source.vocab_size, f"token file {f.relative}", config.model)
-    return Inputs(source, tokenizer, plan)
-
-
-def _peak_memory_bytes(device: torch.device) -> int:
-    """This process's peak memory: CUDA's allocator peak, else the peak resident set."""
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak if sys.platform == "darwin" else peak * 1024)
-
-
-class Trainer:
+class Trainer(TrainingSteps):
     """A prepared run: process group, model, optimizer, schedule, data, metrics.
 
     Create it, call `train_step` for steps ``1..steps`` and `evaluate`
@@ -298,8 +175,8 @@ class Trainer:
             param_dtype=param_dtype,
             activation_checkpointing=config.activation_checkpointing,
             compile=config.compile,
-            reduce_dtype=_DTYPES.get(config.reduce_dtype),
-            broadcast_dtype=_DTYPES.get(config.broadcast_dtype),
+            reduce_dtype=DTYPES.get(config.reduce_dtype),
+            broadcast_dtype=DTYPES.get(config.broadcast_dtype),
         )
         # One process has no FSDP2 to cast with: bfloat16 compute is torch.autocast.
         self._autocast = param_dtype is not None and self.mesh is None
@@ -338,7 +215,8 @@ class Trainer:
             world_size=self.world_size,
         )
         self.peak_flops = self._peak_flops()
-        self._restore()
+        self.checkpoints = CheckpointManager(self)
+        self.checkpoints.restore()
 
     def _load_corpus(self) -> Any:
         """Tokenize on local rank 0 while the node's other ranks wait for its cache."""
@@ -366,288 +244,19 @@ class Trainer:
                     return tflops * 1e12
         return None
 
-    def _states(self) -> dict[str, Any]:
-        return {
-            "distributed": {
-                "model": ModelState(self.model),
-                "optim": OptimizerState(self.model, self.optimizer),
-            },
-            "rank_zero": {"train": self.train_state, "scheduler": self.scheduler},
-            "rng": RNGState(self.device),
-        }
-
-    def _restore(self) -> None:
-        """Resume from a checkpoint or take initial weights, as the flags say."""
-        cfg = self.config
-        if cfg.checkpoint_dir is not None and self.rank == 0:
-            checkpointing.remove_incomplete(cfg.checkpoint_dir)  # saves cut short
-        if cfg.resume == "never":
-            target = None
-        elif cfg.resume == "auto":
-            target = self._latest_verified() if cfg.checkpoint_dir is not None else None
-        else:
-            target = checkpointing.require_checkpoint(cfg.resume, "--resume")
-        if target is not None and cfg.init_from is not None:
-            raise ValueError(
-                f"--init-from {cfg.init_from} was given, but --resume {cfg.resume} found "
-                f"checkpoint {target} to continue from. Pass --resume never to start a new "
-                "run from the --init-from weights, or drop --init-from to continue the run."
-            )
-        if target is not None:
-            self._resume(target)
-            return
-        if cfg.init_from is not None:
-            checkpointing.load_checkpoint(
-                cfg.init_from, distributed={"model": ModelState(self.model)}
-            )
-
-    def _latest_verified(self) -> Path | None:
-        """The newest checkpoint whose files match its manifest, found on rank 0 (it reads
-        every file once) and told to the other ranks; damaged ones are reported."""
-        assert self.config.checkpoint_dir is not None
-        found: list[Path | None] = [None]
-        if self.rank == 0:
-
-            def damaged(path: Path, problems: list[str]) -> None:
-                text = f"skipping damaged checkpoint {path}: " + "; ".join(problems)
-                print(f"dmuon-train: warning: {text}", file=sys.stderr, flush=True)
-                self.notes.append(
-                    {
-                        contract.EVENT_KEY: contract.CHECKPOINT_SKIPPED_EVENT,
-                        "checkpoint": str(path),
-                        "problems": problems,
-                    }
-                )
-
-            found[0] = checkpointing.latest_checkpoint(self.config.checkpoint_dir, damaged)
-        if self.distributed:
-            dist.broadcast_object_list(found, src=0)
-        return found[0]
-
-    def _resume(self, path: Path) -> None:
-        cfg = self.config
-        saved = TrainState()
-        saved.load_state_dict(checkpointing.read_trainer_state(path)["train"])
-        checks = (("model", "--model"), ("optimizer", "--optimizer"))
-        if cfg.optimizer == "dmuon":
-            checks += (("muon_variant", "--muon-variant"),)
-        for key, option in checks:
-            if getattr(saved, key) not in (None, getattr(cfg, key)):
-                raise ValueError(
-                    f"checkpoint {path} was written with {option} {getattr(saved, key)}, this "
-                    f"run has {option} {getattr(cfg, key)}. Resume with the same {option}, or "
-                    f"start a new run from its weights with --init-from {path} --resume never."
-                )
-        if saved.step > cfg.steps:
-            raise ValueError(
-                f"checkpoint {path} is at step {saved.step}, past --steps {cfg.steps}. Raise "
-                "--steps to continue it, or pass --resume never to start over."
-            )
-        geometry = (saved.global_batch_size, saved.seq_len)
-        states = self._states()
-        checkpointing.load_checkpoint(path, **states, rank=self.rank)
-        self.start_step = self.train_state.step
-        self.resumed_from = path
-        self._resumed_geometry = geometry
-        # What this run was started with, not the checkpoint's (the note in `fit` says so).
-        self.train_state.global_batch_size = self.sampler.global_batch_size
-        self.train_state.seq_len = cfg.seq_len
-        self.train_state.world_size = self.world_size
-
-    def _write_hf_snapshot(self, folder: Path) -> None:
-        """Write into ``folder/hf`` what an HF export needs besides the weights."""
-        from dmuon.checkpoint._hf_export import KEYS_FILE
-
-        hf = folder / contract.HF_SNAPSHOT_DIR
-        hf.mkdir(exist_ok=True)
-        config = {k: v for k, v in self.built.hf_config.items() if k != "use_cache"}
-        (hf / contract.HF_CONFIG_FILE).write_text(json.dumps(config, indent=2), encoding="utf-8")
-        if self.built.hf_keys:
-            (hf / KEYS_FILE).write_text(json.dumps(self.built.hf_keys, indent=2), encoding="utf-8")
-        if self.inputs.tokenizer is not None:
-            self.inputs.tokenizer.save(hf)
-
-    def _guarded_step(self, step: int) -> dict[str, Any]:
-        """`train_step`, with a failure (a collective that timed out because another process
-        died or stalled, say) raised as `StepFailed` naming the step, the rank and the timeout."""
-        try:
-            return self.train_step(step)
-        except (TrainingDiverged, StepFailed):
-            raise
-        except RuntimeError as error:
-            where = f"step {step} failed on rank {self.rank} of {self.world_size}"
-            hint = ""
-            if self.distributed:
-                hint = (
-                    f". A collective waits --collective-timeout {self.config.collective_timeout}"
-                    " s for every process: if another process died or stalled, its own output"
-                    " (or the lack of it) says which"
-                )
-            raise StepFailed(f"{where}: {type(error).__name__}: {error}{hint}") from error
-
     def save_checkpoint(self, step: int, elapsed: float) -> Path:
-        """Write the checkpoint after ``step`` into ``--checkpoint-dir`` (a collective).
-
-        ``elapsed`` is the training time so far, which a resumed run's ``time`` continues.
-        """
-        cfg = self.config
-        if cfg.checkpoint_dir is None:
-            raise ValueError("save_checkpoint needs --checkpoint-dir")
-        self.train_state.step = step
-        self.train_state.time = elapsed
-        return checkpointing.save_checkpoint(
-            cfg.checkpoint_dir,
-            step,
-            **self._states(),
-            rank=self.rank,
-            barrier=self._barrier,
-            keep=cfg.keep_checkpoints,
-            write_extra=self._write_hf_snapshot,
-        )
+        """Write the checkpoint after ``step`` into ``--checkpoint-dir`` (a collective);
+        ``elapsed`` is the training time so far (`CheckpointManager.save`)."""
+        return self.checkpoints.save(step, elapsed)
 
     def export_hf(self, output: str | os.PathLike[str]) -> Path:
-        """Write the model as a Hugging Face directory into ``output`` (a collective).
-
-        Every rank contributes its part of the full weights; rank 0 writes them with the
-        model's config, its tokenizer and a generation config
-        (`dmuon.checkpoint._hf_export.save_hf_model`).
-        """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        from dmuon.checkpoint._hf_export import save_hf_model
-
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = dmuon.get_model_state_dict(self.model, options=options)
-        out = Path(output)
-        if self.rank == 0:
-            with tempfile.TemporaryDirectory() as scratch:
-                self._write_hf_snapshot(Path(scratch))
-                hf = Path(scratch) / contract.HF_SNAPSHOT_DIR
-                config = json.loads((hf / contract.HF_CONFIG_FILE).read_text(encoding="utf-8"))
-                save_hf_model(
-                    {k: v.float() if v.is_floating_point() else v for k, v in weights.items()},
-                    config,
-                    out,
-                    keys=self.built.hf_keys or None,
-                    tokenizer_files=hf,
-                )
-        self._barrier()
-        return out
+        """Write the model as a Hugging Face directory into ``output`` (a collective;
+        `CheckpointManager.export_hf`)."""
+        return self.checkpoints.export_hf(output)
 
     def _barrier(self) -> None:
         if self.distributed:
             dist.barrier()
-
-    def _no_sync(self) -> AbstractContextManager[Any]:
-        # dmuon.no_sync covers dedicated matrices and FSDP2 modules alike, so the AdamW
-        # baseline (FSDP2 alone) accumulates through the same call.
-        return dmuon.no_sync(self.model)
-
-    def _all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.distributed:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        return tensor
-
-    def grad_norm(self) -> float:
-        """Global L2 norm of the current gradients, clipped to ``--clip-grad`` if set.
-
-        A collective: call it on every rank. Returns the norm before clipping.
-        `dmuon.clip_grad_norm_` serves both optimizers: it counts dedicated gradients on
-        their owners and FSDP2 shards once each (the AdamW baseline has only the latter).
-        """
-        max_norm = self.config.clip_grad if self.config.clip_grad > 0 else math.inf
-        return float(dmuon.clip_grad_norm_(self.model, max_norm))
-
-    def _compute(self) -> AbstractContextManager[Any]:
-        if self._autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return nullcontext()
-
-    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss of windows ``tokens`` (batch, seq_len + 1)."""
-        with self._compute():
-            logits = self.built.logits(tokens[:, :-1])
-        return lm_loss(logits, tokens[:, 1:])
-
-    def train_step(self, step: int) -> dict[str, Any]:
-        """Run optimizer step ``step`` (1-based): accumulate, step, schedule.
-
-        Returns ``loss`` (global-batch mean), ``lr`` (the logged rate for this step),
-        ``grad_norm``, ``seconds`` (wall time of the step), ``stop`` (1.0 when any rank
-        was asked to stop; the flag rides on the loss all-reduce, so all ranks agree) and
-        ``peak_memory_bytes`` (every rank's peak so far, index = rank; the same
-        all-reduce).
-        """
-        accum_steps = self.config.accum_steps
-        start = time.perf_counter()
-        lr = self.lr * self._lr_factor(step - 1)
-        batch = self.sampler.rank_batch(step, self.rank).to(self.device)
-        self.model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        grad_norm = float("nan")
-        # The gradient-accumulation guide's loop, over this step's micro-batches.
-        for i, micro in enumerate(batch):
-            is_accumulating = (i + 1) % accum_steps != 0
-            ctx = self._no_sync() if is_accumulating else nullcontext()
-            with ctx:
-                loss = self.loss(micro) / accum_steps
-                loss.backward()
-            loss_sum += loss.detach()
-            if not is_accumulating:
-                grad_norm = self.grad_norm()
-                if not math.isfinite(grad_norm):  # the same all-reduced value on every rank
-                    raise TrainingDiverged(step, "gradient norm", grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad()
-                self.scheduler.step()
-        shared = torch.zeros(2 + self.world_size, dtype=torch.float64, device=self.device)
-        shared[0] = loss_sum
-        shared[1] = 1.0 if self.stop.requested else 0.0
-        shared[2 + self.rank] = float(_peak_memory_bytes(self.device))
-        reduced = self._all_reduce_sum(shared).cpu()
-        mean_loss = float(reduced[0] / self.world_size)
-        if not math.isfinite(mean_loss):
-            raise TrainingDiverged(step, "loss", mean_loss)
-        return {
-            "loss": mean_loss,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "seconds": time.perf_counter() - start,
-            "stop": 1.0 if float(reduced[1]) > 0 else 0.0,
-            "peak_memory_bytes": [int(v) for v in reduced[2:].tolist()],
-        }
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        """Token-weighted mean validation loss over the fixed windows, on every rank."""
-        self.model.eval()
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
-        windows = self.val_windows.to(self.device)
-        for chunk in windows.split(self.config.micro_batch_size):
-            with self._compute():
-                logits = self.built.logits(chunk[:, :-1])
-            sums[0] += lm_loss(logits, chunk[:, 1:], reduction="sum").double()
-            sums[1] += chunk[:, 1:].numel()
-        self.model.train()
-        self._all_reduce_sum(sums)
-        return float(sums[0] / sums[1])
-
-    @torch.no_grad()
-    def sample(self) -> str:
-        """The text the model writes after ``--sample-prompt`` (greedy, ``--sample-tokens``
-        tokens), on every rank (the forwards gather weights collectively)."""
-        cfg = self.config
-        tokenizer = self.inputs.tokenizer
-        assert tokenizer is not None  # preflight refuses --sample-every without one
-        encoded = [int(i) for i in tokenizer.encode_batch([cfg.sample_prompt])[0]]
-        prompt = prompt_ids(encoded, cfg.sample_tokens, cfg.seq_len)
-        self.model.eval()
-        try:
-            with self._compute():
-                ids = greedy_continuation(self.built.logits, prompt, cfg.sample_tokens, self.device)
-        finally:
-            self.model.train()
-        return tokenizer.decode(ids)
 
     def _describe(self) -> str:
         cfg = self.config
