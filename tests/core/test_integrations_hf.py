@@ -436,6 +436,26 @@ def test_logs_name_both_groups_learning_rates(tmp_path: Path) -> None:
         assert entry["learning_rate"] == entry["learning_rate_adamw"]
 
 
+def test_report_to_tensorboard_gets_both_groups_rates(tmp_path: Path) -> None:
+    """Trainer's own TensorBoard callback, read back with TensorBoard's reader: the logs
+    DMuonTrainer adds reach ``report_to`` like any other."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trainer = make_trainer(
+        str(tmp_path), 1, max_steps=2, save_steps=100, lr_scheduler_type="constant",
+        report_to=["tensorboard"],
+    )  # fmt: skip
+    trainer.train()
+    (events_file,) = list(tmp_path.rglob("events.out.tfevents.*"))
+    events = EventAccumulator(str(events_file.parent))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"train/learning_rate_muon", "train/learning_rate_adamw", "train/loss"} <= tags
+    muon = [e.value for e in events.Scalars("train/learning_rate_muon")]
+    assert muon == pytest.approx([MUON_LR] * 2)
+
+
 def test_qk_clip_reports_in_the_trainers_logs(tmp_path: Path) -> None:
     # Oracle: the optimizer's own report of the step the Trainer logged (logging every step).
     trainer = make_trainer(
