@@ -178,13 +178,27 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
         "weight_decay": 0.1, "adamw_weight_decay": 0.05, "momentum": 0.9, "adamw_beta1": 0.8,
         "adamw_beta2": 0.95, "clip_grad": 0.5, "min_lr_ratio": 0.2, "val_fraction": 0.1,
         "eval_sequences": 16, "hsdp": 1, "dtype": "float64", "peak_tflops": 12.5,
-        "report_to": "tensorboard", "run_name": "r1",
+        "report_to": "tensorboard", "run_name": "r1", "device": "cpu", "threads": 2,
+        "log_every": 5, "progress": "plain", "sample_every": 3, "sample_prompt": "Hi",
+        "sample_tokens": 4,
     }  # fmt: skip
     assert set(chosen) == set(GENERATED_FLAGS)
     spec = JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny", **chosen}})
     argv = build_command(Settings(data_dir=tmp_path), spec, tmp_path / "job", None).torchrun_argv
     parsed = train.parse_args(argv[argv.index("dmuon.train") + 1 :])
     assert {dest: getattr(parsed, dest) for dest in chosen} == chosen
+    # The OpenAPI schema says what --help says: each field's choices and lower bound.
+    schema = JobCreate.model_json_schema()["$defs"]["TrainSpec"]["properties"]
+    for spec_flag in contract.FLAGS:
+        if spec_flag.dest in SERVER_SET_FLAGS:
+            continue
+        field = schema[spec_flag.dest]
+        kinds = field.get("anyOf", [field])
+        if spec_flag.kind == "choice":
+            assert [k["enum"] for k in kinds if "enum" in k] == [list(spec_flag.choices)]
+        if spec_flag.kind == "int" and spec_flag.minimum is not None:
+            assert [k["minimum"] for k in kinds if "minimum" in k] == [spec_flag.minimum]
+        assert spec_flag.option in field["description"], spec_flag.dest
     left_out = JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny"}})
     argv = build_command(
         Settings(data_dir=tmp_path), left_out, tmp_path / "job", None

@@ -281,12 +281,12 @@ class _TrainSpecByHand(_Strict):
         return self.model if isinstance(self.model, str) else None
 
 
-#: Recipe flags the server sets itself for every job (paths inside the job folder, the
-#: cache, how the recipe prints progress, devices and threads): never part of a spec.
+#: Recipe flags the server decides for every job, never part of a spec: paths (the job
+#: folder's metrics file, checkpoints and trackers, the recipe's own cache), and where a job
+#: starts from (``resume``; the spec's ``init_from`` names another job's checkpoint).
 SERVER_SET_FLAGS = frozenset(
-    {"metrics_file", "checkpoint_dir", "resume", "init_from", "cache_dir", "progress",
-     "log_every", "device", "threads", "tracking_dir"}
-)  # fmt: skip
+    {"metrics_file", "checkpoint_dir", "resume", "init_from", "cache_dir", "tracking_dir"}
+)
 
 _TRACKER = "(" + "|".join(contract.TRACKER_NAMES) + ")"
 #: What ``train.report_to`` may say: none, all, or a comma-separated list of trackers.
