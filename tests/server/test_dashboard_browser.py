@@ -410,6 +410,26 @@ def test_samples_show_on_the_job_page_as_the_recipe_wrote_them(
     # Newest first, each the prompt and what followed it, character for character.
     assert shown == [[w["step"], w["prompt"] + w["text"]] for w in reversed(written)]
     expect(page.locator("#job-events")).not_to_contain_text("Hello")  # not among the events
+    # The step axis spans the steps drawn, with whole-number ticks (not 0-100 or 2.5).
+    wait_drawn(page, 4)
+    scale, ticks = page.evaluate(
+        "() => { const u = document.querySelector('#chart-loss')._uplot;"
+        " return [[u.scales.x.min, u.scales.x.max], u.axes[0]._splits]; }"
+    )
+    assert scale == [1, 4] and ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_the_pair_hint_goes_with_its_button(page: Page, service: Service) -> None:
+    page.goto(service.url + "/")
+    page.evaluate("t => sessionStorage.setItem('dmuon.token', t)", TOKEN)
+    open_hash(page, service, "#/submit")
+    expect(page.locator("#submit-pair")).to_be_visible()
+    expect(page.locator("#pair-help")).to_be_visible()
+    page.check("#kind-script")
+    expect(page.locator("#submit-pair")).to_be_hidden()
+    expect(page.locator("#pair-help")).to_be_hidden()
+    page.check("#kind-train")
+    expect(page.locator("#pair-help")).to_be_visible()
 
 
 def test_restart_mid_stream_then_cancel(page: Page, service: Service) -> None:

@@ -32,6 +32,15 @@ export function smooth(values, w) {
   return out;
 }
 
+/** Tick spacings of the x axis: whole numbers (1, 2, 5, 10, 20, 50, ...). */
+const WHOLE_INCREMENTS = Array.from({ length: 16 }, (_, i) => [1, 2, 5].map((m) => m * 10 ** i)).flat();
+
+/** The x range: from the first to the last value drawn (one unit each side of a single one). */
+function wholeRange(u, min, max) {
+  if (min === null || max === null) return [0, 1];
+  return min === max ? [min - 1, max + 1] : [min, max];
+}
+
 /**
  * A chart in `el`. series: [{label, color, width, dash, points, spanGaps}].
  * Returns {setData(data), rebuild(opts), destroy()}; `el._uplot` is the uPlot instance.
@@ -51,8 +60,10 @@ export function lineChart(el, { series, xLabel, log = false, height = 260 }) {
       {
         width: Math.max(240, el.clientWidth || 600),
         height: options.height,
-        scales: { x: { time: false }, y: { distr: options.log ? 3 : 1 } },
-        axes: [{ ...axis, label: options.xLabel }, { ...axis, size: 60 }],
+        // x is a step or a token count: the data's own range (not uPlot's rounded one,
+        // 0-100 for 12 steps) and whole-number ticks only.
+        scales: { x: { time: false, range: wholeRange }, y: { distr: options.log ? 3 : 1 } },
+        axes: [{ ...axis, label: options.xLabel, incrs: WHOLE_INCREMENTS }, { ...axis, size: 60 }],
         legend: { live: true },
         cursor: { drag: { x: true, y: false } },
         series: [

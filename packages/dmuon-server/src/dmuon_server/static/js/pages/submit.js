@@ -99,6 +99,8 @@ export function renderSubmit(main, params) {
     const radio = document.getElementById(`kind-${kind}`);
     if (radio) radio.checked = true;
     if (pairButton) pairButton.hidden = kind !== "train"; // the pair compares optimizers
+    const pairHelp = document.getElementById("pair-help");
+    if (pairHelp) pairHelp.hidden = kind !== "train"; // and its hint goes with it
   }
 
   function inKind(f) {
