@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report-to", default="none")
     p.add_argument("--run-name", default=None)
     p.add_argument("--sample-every", type=int, default=0)
-    p.add_argument("--sample-prompt", default="The ")
+    p.add_argument("--sample-prompt", default="The")
     p.add_argument("--sample-tokens", type=int, default=32)
     return p
 

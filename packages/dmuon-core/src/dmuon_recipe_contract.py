@@ -458,7 +458,7 @@ FLAGS: tuple[Flag, ...] = (
          "--sample-tokens tokens greedily after --sample-prompt with the current weights; "
          "rank 0 logs the text (metrics file, trackers, the job page); 0 = never", _OUT,
          minimum=0, metavar="N"),
-    Flag("sample_prompt", "str", "The ", "the text samples continue", _OUT, metavar="TEXT"),
+    Flag("sample_prompt", "str", "The", "the text samples continue", _OUT, metavar="TEXT"),
     Flag("sample_tokens", "int", 32, "tokens each sample generates (prompt and sample must "
          "fit --seq-len)", _OUT, minimum=1, metavar="K"),
     Flag("report_to", "str", "none", "experiment trackers to report to, as Hugging Face's "

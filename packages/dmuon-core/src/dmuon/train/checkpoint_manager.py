@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import dmuon_recipe_contract as contract
 import torch.distributed as dist
@@ -25,9 +25,6 @@ import dmuon
 from dmuon.train import checkpointing
 from dmuon.train.state import ModelState, OptimizerState, RNGState, TrainState
 
-if TYPE_CHECKING:
-    from dmuon.train.loop import Trainer
-
 __all__ = ["CheckpointManager"]
 
 
@@ -35,8 +32,9 @@ class CheckpointManager:
     """Resume, save and export for one `Trainer` (whose model, optimizer and state it
     reads and, on resume, sets)."""
 
-    def __init__(self, trainer: Trainer) -> None:
-        """Serve ``trainer``."""
+    def __init__(self, trainer: Any) -> None:
+        """Serve ``trainer``, a `dmuon.train.loop.Trainer` (not imported here: the trainer
+        imports this module)."""
         self.trainer = trainer
 
     def states(self) -> dict[str, Any]:
