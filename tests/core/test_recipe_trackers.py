@@ -212,3 +212,16 @@ def test_a_failing_tracker_is_dropped_and_training_goes_on(
     summary = run(replace(base, report_to="mlflow"))
     assert summary["steps"] == 4 and sorted(metric_lines(base)) == [0, 1, 2, 3, 4]
     assert "mlflow failed (ConnectionError: tracking server went away)" in capsys.readouterr().err
+
+
+def test_a_tracker_that_cannot_start_is_left_out(
+    base: TrainConfig, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A tracking server that cannot be reached at start-up.
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9/")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    summary = run(replace(base, report_to="mlflow,tensorboard"))
+    assert summary["steps"] == 4 and sorted(metric_lines(base)) == [0, 1, 2, 3, 4]
+    assert "mlflow could not start" in capsys.readouterr().err
+    assert list((Path(base.tracking_dir) / "tensorboard").iterdir())  # the other one ran

@@ -292,8 +292,20 @@ class Trainer(TrainingSteps):
         is_main = self.rank == 0
         if is_main and cfg.metrics_file is not None and self.start_step > 0:
             truncate_after(cfg.metrics_file, self.start_step)
+        bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]
+        progress = ProgressReporter(
+            cfg.steps,
+            enabled=is_main,
+            use_bar=bar,
+            log_every=cfg.log_every,
+            initial=self.start_step,
+        )
         writer = Reporting.open(
-            cfg, is_main=is_main, resume=self.train_state.trackers, start_step=self.start_step
+            cfg,
+            is_main=is_main,
+            resume=self.train_state.trackers,
+            start_step=self.start_step,
+            progress=progress,
         )
         if is_main:  # saved with every checkpoint, so that a resumed run continues them
             self.train_state.trackers = writer.ids()
@@ -307,14 +319,6 @@ class Trainer(TrainingSteps):
                 )
         for note in self.notes:  # at the step resumed from, so that a later resume keeps it
             writer.write({**note, "step": self.start_step})
-        bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]
-        progress = ProgressReporter(
-            cfg.steps,
-            enabled=is_main,
-            use_bar=bar,
-            log_every=cfg.log_every,
-            initial=self.start_step,
-        )
         progress.message(self._describe())
         if self.resumed_from is not None:
             progress.message(f"resumed from {self.resumed_from} (step {self.start_step})")
@@ -345,7 +349,6 @@ class Trainer(TrainingSteps):
                 if cfg.eval_every > 0 and self.start_step == 0:
                     start_val = end_val = self.evaluate()
                     writer.write({"step": 0, "time": elapsed(), "val_loss": start_val})
-                    progress.message(f"step 0 val_loss {start_val:.4f}")
                 for step in range(self.start_step + 1, cfg.steps + 1):
                     stats = self._guarded_step(step)
                     train_seconds += stats["seconds"]
@@ -372,10 +375,8 @@ class Trainer(TrainingSteps):
                     if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
                         end_val = self.evaluate()
                         record["val_loss"] = end_val
-                        progress.message(f"step {step} val_loss {end_val:.4f}")
                     record["time"] = elapsed()
                     writer.write(record)
-                    progress.step(step, loss, tokens_per_s, stats["lr"])
                     if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or step == cfg.steps):
                         text = self.sample()
                         writer.write(
@@ -387,7 +388,6 @@ class Trainer(TrainingSteps):
                             }
                         )
                         writer.text(step, "sample", cfg.sample_prompt + text)
-                        progress.message(f"step {step} sample: {cfg.sample_prompt + text!r}")
                     periodic = cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0
                     if cfg.checkpoint_dir is not None and (
                         periodic or stopping or step == cfg.steps

@@ -36,7 +36,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -184,6 +184,23 @@ class ProgressReporter:
             self._bar.write(line, file=sys.stderr)
         else:
             print(line, file=sys.stderr, flush=True)
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Show one metrics line, as `dmuon.train.reporting.Reporting` hands it to every
+        reporter: a step's progress, a validation loss, a sample (other events are the
+        trainer's to word)."""
+        step = record.get("step")
+        kind = record.get(contract.EVENT_KEY)
+        if kind == contract.SAMPLE_EVENT:
+            text = f"{record.get('prompt') or ''}{record.get('text') or ''}"
+            self.message(f"step {step} sample: {text!r}")
+            return
+        if kind is not None or not isinstance(step, int):
+            return
+        if isinstance(record.get("val_loss"), float):
+            self.message(f"step {step} val_loss {record['val_loss']:.4f}")
+        if record.get("loss") is not None:
+            self.step(step, record["loss"], record["tokens_per_s"], record["lr"])
 
     def step(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
         """Report a finished optimizer step."""

@@ -1,11 +1,14 @@
-"""Where the recipe reports: the metrics file and the experiment trackers, behind one object.
+"""Where the recipe reports: the metrics file, the console and the experiment trackers,
+behind one object.
 
 `Reporting` takes each metrics line (``write``), text such as samples (``text``) and the
-exported model folder (``artifact``) and hands them to the metrics file (`MetricsWriter`)
-and to every tracker of ``--report-to`` (`dmuon.train.trackers`). Only rank 0 has
-trackers. A tracker that fails (a tracking server that went away) is reported once on
-stderr and dropped, so that a tracking problem never ends the training run; the metrics
-file stays the record.
+exported model folder (``artifact``) and hands them to every reporter: the metrics file
+(`MetricsWriter`), the progress display (`ProgressReporter`) and every tracker of
+``--report-to`` (`dmuon.train.trackers`), each of which implements ``write(record)``
+(trackers also ``text`` and ``artifact``). Only rank 0 has trackers. A tracker that fails
+to start or later (a tracking server that went away) is reported once on stderr and
+dropped, so that a tracking problem never ends the training run (nor leaves the other
+ranks waiting for rank 0); the metrics file stays the record.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dmuon.train.cli import TrainConfig
-from dmuon.train.metrics import MetricsWriter
+from dmuon.train.metrics import MetricsWriter, ProgressReporter
 from dmuon.train.trackers import Tracker, open_trackers, resolve_report_to
 
 __all__ = ["DEFAULT_TRACKING_DIR", "Reporting", "default_run_name"]
@@ -36,9 +39,15 @@ def default_run_name(config: TrainConfig) -> str:
 class Reporting:
     """The metrics file and the trackers of one run (rank 0), fed the same lines."""
 
-    def __init__(self, writer: MetricsWriter, trackers: list[Tracker]) -> None:
-        """Report to ``writer`` and ``trackers``."""
+    def __init__(
+        self,
+        writer: MetricsWriter,
+        trackers: list[Tracker],
+        progress: ProgressReporter | None = None,
+    ) -> None:
+        """Report to ``writer``, ``progress`` and ``trackers``."""
         self.writer = writer
+        self.progress = progress
         self.trackers = list(trackers)
 
     @classmethod
@@ -49,6 +58,7 @@ class Reporting:
         is_main: bool,
         resume: Mapping[str, Mapping[str, str]] | None,
         start_step: int,
+        progress: ProgressReporter | None = None,
     ) -> Reporting:
         """The metrics file (rank 0) and, on rank 0, a run in each tracker of
         ``config.report_to``: new, or continued from ``resume``'s ids."""
@@ -62,15 +72,17 @@ class Reporting:
             resume or {},
             start_step,
         )
-        return cls(writer, trackers)
+        return cls(writer, trackers, progress)
 
     def ids(self) -> dict[str, dict[str, str]] | None:
         """Each tracker's run ids, for the checkpoint (``None`` without trackers)."""
         return {t.name: t.ids() for t in self.trackers} or None
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """One metrics line, to the file and every tracker."""
+        """One metrics line, to the file, the console and every tracker."""
         self.writer.write(dict(record))
+        if self.progress is not None:
+            self.progress.write(record)
         self._each("write", record)
 
     def text(self, step: int, key: str, text: str) -> None:

@@ -33,6 +33,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -314,8 +315,18 @@ def open_trackers(
     resume: Mapping[str, Mapping[str, str]],
     start_step: int,
 ) -> list[Tracker]:
-    """Start (or, with ``resume``'s ids, continue) a run in each tracker of ``names``."""
-    return [
-        _KINDS[name](directory, run_name, config, resume.get(name, {}), start_step)
-        for name in names
-    ]
+    """Start (or, with ``resume``'s ids, continue) a run in each tracker of ``names``; one
+    that cannot start is reported on stderr and left out."""
+    trackers: list[Tracker] = []
+    for name in names:
+        try:
+            trackers.append(
+                _KINDS[name](directory, run_name, config, resume.get(name, {}), start_step)
+            )
+        except Exception as error:  # a tracking server that is down must not stop training
+            print(
+                f"dmuon.train: {name} could not start ({type(error).__name__}: {error}); "
+                "training goes on without it (the metrics file has every step)",
+                file=sys.stderr,
+            )
+    return trackers

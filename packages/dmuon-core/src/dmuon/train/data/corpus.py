@@ -30,7 +30,6 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -38,6 +37,7 @@ from typing import IO, Any
 import dmuon_recipe_contract as contract
 import numpy as np
 
+from dmuon.train.data.documents import read_documents
 from dmuon.train.data.sampler import TokenStream
 from dmuon.train.data.sources import (
     SourceFile,
@@ -60,7 +60,6 @@ __all__ = [
 CACHE_FORMAT = 2
 """Bumped whenever the cache layout or tokenization changes."""
 
-_PIECE_BYTES = 1 << 20  # text read per piece
 _BATCH_BYTES = contract.TOKENIZE_BATCH_BYTES  # text per encode_batch call
 _BATCH_ITEMS = 4096
 
@@ -119,120 +118,6 @@ def _write_private(path: Path, data: bytes) -> None:
     with _private_file(tmp) as out:
         out.write(data)
     os.replace(tmp, path)
-
-
-# ----- reading documents -----------------------------------------------------------------
-def _text_pieces(path: Path, as_bytes: bool) -> Iterator[tuple[str | bytes, int]]:
-    """A text file in pieces of about 1 MiB cut at line ends, with their sizes in bytes."""
-    with path.open("rb") as handle:
-        while True:
-            piece = handle.read(_PIECE_BYTES)
-            if not piece:
-                return
-            if not as_bytes and not piece.endswith(b"\n"):
-                piece += handle.readline()  # whole lines, so no character is cut
-            yield (piece if as_bytes else piece.decode("utf-8", errors="replace")), len(piece)
-
-
-def _field_error(shown: str, where: str, record: Any, field: str) -> ValueError:
-    if isinstance(record, dict):
-        fields = ", ".join(sorted(map(str, record))[:10]) or "none"
-        return ValueError(
-            f"--data: {where} of {shown} has no string field {field!r} (its fields: {fields}); "
-            "pass --text-field with the field that holds the text"
-        )
-    return ValueError(
-        f"--data: {where} of {shown} is a JSON {type(record).__name__}, not an object with a "
-        f"{field!r} field; write one JSON object per line"
-    )
-
-
-def _text_of(record: Any, field: str, shown: str, where: str) -> str:
-    value = record.get(field) if isinstance(record, dict) else None
-    if not isinstance(value, str):
-        raise _field_error(shown, where, record, field)
-    return value
-
-
-def _records(path: Path, shown: str, field: str) -> Iterator[tuple[str, int]]:
-    """The text field of every record of a ``.jsonl`` / ``.json`` file."""
-    with path.open("rb") as handle:
-        head = handle.read(4096).lstrip()
-    if path.suffix.lower() == ".json" and head.startswith(b"["):
-        try:
-            records = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as exc:
-            raise ValueError(f"--data: {shown} is not valid JSON ({exc})") from None
-        for i, record in enumerate(records):
-            yield _text_of(record, field, shown, f"record {i}"), 0
-        return
-    with path.open("rb") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as exc:
-                raise ValueError(
-                    f"--data: line {number} of {shown} is not JSON ({exc}); a .jsonl file "
-                    "holds one JSON object per line"
-                ) from None
-            yield _text_of(record, field, shown, f"line {number}"), len(line)
-
-
-def _parquet_rows(path: Path, shown: str, field: str) -> Iterator[tuple[str, int]]:
-    """The text column of every row of a parquet file, one record batch at a time."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise ValueError(
-            f"--data: reading {shown} needs pyarrow: pip install 'dmuon[hf]' (or pyarrow)"
-        ) from None
-    try:
-        parquet = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as exc:
-        raise ValueError(f"--data: {shown} is not a parquet file ({exc})") from None
-    schema = parquet.schema_arrow
-    if field not in schema.names:
-        raise ValueError(
-            f"--data: {shown} has no column {field!r} (its columns: "
-            f"{', '.join(schema.names[:10])}); pass --text-field with the column that holds "
-            "the text"
-        )
-    kind = schema.field(field).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
-        raise ValueError(
-            f"--data: column {field!r} of {shown} holds {kind}, not strings; pass "
-            "--text-field with a text column"
-        )
-    rows = max(1, parquet.metadata.num_rows)
-    per_row = path.stat().st_size / rows
-    row = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=[field]):
-        for value in batch.column(0).to_pylist():
-            row += 1
-            if value is None:
-                raise ValueError(
-                    f"--data: row {row} of {shown} has no {field!r} (null); drop such rows "
-                    "or fill them"
-                )
-            yield value, int(per_row)
-
-
-def _documents(
-    file: SourceFile, shown: str, field: str, raw_bytes: bool
-) -> Iterator[tuple[str | bytes, bool, int]]:
-    """``(text, starts a new document, bytes read)`` for every piece of ``file``."""
-    if file.kind == "text":
-        first = True
-        for piece, size in _text_pieces(file.path, raw_bytes):
-            yield piece, first, size
-            first = False
-        return
-    reader = _records if file.kind == "records" else _parquet_rows
-    for text, size in reader(file.path, shown, field):
-        yield (text.encode("utf-8") if raw_bytes else text), True, size
 
 
 # ----- the plan and the cache ------------------------------------------------------------
@@ -376,7 +261,7 @@ class CorpusPlan:
 
         for file in files:
             shown = str(file.path)
-            for text, new_document, size in _documents(file, shown, self.text_field, raw):
+            for text, new_document, size in read_documents(file, shown, self.text_field, raw):
                 pending.append((text, new_document))
                 pending_bytes += len(text)
                 bar.update(size)
@@ -442,7 +327,7 @@ class CorpusPlan:
         """
         records = [f for f in (*self.train, *self.val) if f.kind in ("records", "parquet")]
         for file in records[:limit]:
-            next(iter(_documents(file, str(file.path), self.text_field, True)), None)
+            next(iter(read_documents(file, str(file.path), self.text_field, True)), None)
 
     def wait(self, poll_s: float = 0.2) -> None:
         """Wait until another process has built the cache (or raise its error).
