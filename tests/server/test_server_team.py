@@ -233,3 +233,94 @@ def test_a_users_file_others_can_read_stops_the_server(tmp_path: Path) -> None:
     )  # fmt: skip
     assert out.returncode == 2
     assert "readable or writable by other users" in out.stderr and "chmod 600" in out.stderr
+
+
+def test_limits_and_turns_make_the_queue_fair(tmp_path: Path, data_dir: Path) -> None:
+    """ada queues many jobs first; bob's next job still starts within the next turn, each
+    user's running limit passes over their queued jobs without holding up the others', and
+    the users file's queue and priority limits refuse what goes beyond them."""
+    users = tmp_path / "users.json"
+    users.write_text(
+        json.dumps(
+            {
+                "users": [
+                    {"name": "ada", "token_sha256": _hash("t-ada")},
+                    {"name": "bob", "token_sha256": _hash("t-bob")},
+                    {"name": "root", "token_sha256": _hash("t-root"), "admin": True},
+                ],
+                "default_limits": {"queued_jobs": 4, "running_jobs": 1, "max_priority": 5},
+            }
+        )
+    )
+    os.chmod(users, 0o600)
+    env = fake_recipe_env(FAKE_STEP_SECONDS="0.2")
+    flags = ("--users-file", str(users), "--max-nproc", "2", "--max-concurrent-jobs", "2")
+    server = LiveServer(data_dir, *flags, env=env).start()
+    long = {"steps": 100_000}
+    try:
+        with _as(server, "ada") as ada, _as(server, "bob") as bob, _as(server, "root") as root:
+            first = ada.post("/v1/jobs", json=job_spec(1, "a0", **long)).json()["id"]
+            _state(ada, first, {"running"})  # the rest wait: ada may run 1 at a time
+            a = [ada.post("/v1/jobs", json=job_spec(1, f"a{i}", **long)) for i in range(1, 6)]
+            assert [r.status_code for r in a] == [201, 201, 201, 201, 429]
+            problem = a[4].json()
+            assert problem["type"].endswith("over-limit") and "4 jobs queued" in problem["detail"]
+            a_ids = [first] + [r.json()["id"] for r in a[:4]]
+            # ada runs 1 of her 1: her next job is passed over, saying why, and does not
+            # hold up bob's, which starts in the free slot.
+            waiting = _job(ada, a_ids[1])
+            assert waiting["state"] == "queued"
+            assert waiting["queue_reason"].startswith("ada has 1 of 1 jobs running (their limit)")
+            b1 = bob.post("/v1/jobs", json=job_spec(1, "b1", **long)).json()["id"]
+            _state(bob, b1, {"running"})
+            # Priority above the user's highest: refused; at it: accepted.
+            high = bob.post("/v1/jobs", json={**job_spec(1, "b2", **long), "priority": 6})
+            assert high.status_code == 403 and "above the highest you may give, 5" in high.text
+            # An admin has no default limits.
+            r = [root.post("/v1/jobs", json=job_spec(1, f"r{i}", **long)) for i in range(6)]
+            assert all(x.status_code == 201 for x in r)
+            for job_id in [*a_ids, b1, *(x.json()["id"] for x in r)]:
+                assert root.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
+    finally:
+        server.stop()
+        kill_job_processes(data_dir)
+
+
+def test_a_late_user_waits_one_turn_not_the_whole_queue(tmp_path: Path, data_dir: Path) -> None:
+    users = _users_file(tmp_path / "users.json", {"ada": False, "bob": False})
+    env = fake_recipe_env(FAKE_STEP_SECONDS="0.2")
+    flags = ("--users-file", str(users), "--max-nproc", "2", "--max-concurrent-jobs", "1")
+    server = LiveServer(data_dir, *flags, env=env).start()
+    long = {"steps": 100_000}
+    try:
+        with _as(server, "ada") as ada, _as(server, "bob") as bob:
+            a = [
+                ada.post("/v1/jobs", json=job_spec(1, f"a{i}", **long)).json()["id"]
+                for i in range(4)
+            ]
+            _state(ada, a[0], {"running"})
+            b1 = bob.post("/v1/jobs", json=job_spec(1, "b1", **long)).json()
+            # Queued: a1, a2, a3, then b1; in turns: a1, b1, a2, a3.
+            assert b1["queue_position"] == 2, b1["queue_reason"]
+            assert [_job(ada, i)["queue_position"] for i in a[1:]] == [1, 3, 4]
+            for job_id in [*a, b1["id"]]:
+                c = ada if job_id in a else bob
+                assert c.post(f"/v1/jobs/{job_id}/cancel").status_code in (200, 202)
+    finally:
+        server.stop()
+        kill_job_processes(data_dir)
+
+
+def test_users_take_turns_within_a_priority() -> None:
+    """The policy alone: every user's first job, then every user's second, by priority."""
+    from dmuon_server.queue_policy import Waiting, fair_order
+
+    users = ["ada", "ada", "ada", "bob", "cy", "bob"]
+    names = ["a1", "a2", "a3", "b1", "c1", "b2"]
+    queue = [Waiting(n, user=u) for n, u in zip(names, users, strict=True)]
+    assert [w.job_id for w in fair_order(queue)] == ["a1", "b1", "c1", "a2", "b2", "a3"]
+    ranked = [
+        Waiting("lo", user="ada"),
+        *[Waiting(f"x{i}", priority=3, user="ada") for i in range(2)],
+    ]
+    assert [w.job_id for w in fair_order(ranked)] == ["x0", "x1", "lo"]

@@ -31,6 +31,7 @@ ERROR_TEXT = {
     413: "Request body too large",
     415: "Unsupported media type",
     422: "Invalid request",
+    429: "Over the user's limit of queued jobs",
     500: "Internal server error",
     503: "Service unavailable",
 }

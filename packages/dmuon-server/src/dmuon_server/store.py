@@ -570,6 +570,22 @@ class Store:
         params.append(limit)
         return self._jobs(sql, params)
 
+    def job_by_key(self, user: str | None, idempotency_key: str) -> JobRecord | None:
+        """The job ``user`` bound to ``idempotency_key``, if any."""
+        rows = self._jobs(
+            "SELECT * FROM jobs WHERE idempotency_key = ? AND COALESCE(user, '') = ?",
+            [idempotency_key, user or ""],
+        )
+        return rows[0] if rows else None
+
+    def queued_count(self, user: str | None) -> int:
+        """How many jobs of ``user`` wait in the queue."""
+        rows = self._query(
+            "SELECT COUNT(*) AS n FROM jobs WHERE state = 'queued' AND COALESCE(user, '') = ?",
+            [user or ""],
+        )
+        return int(rows[0]["n"])
+
     def jobs_in_states(self, states: Iterable[str]) -> list[JobRecord]:
         """Return all jobs in the given states in queue order: higher priority first, then
         in the order they were last queued (submitted, or resumed), oldest first."""

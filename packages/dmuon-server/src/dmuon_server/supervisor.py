@@ -27,7 +27,7 @@ from dmuon_server.launchers.local import LocalLauncher
 from dmuon_server.launchers.slurm_jobs import SlurmLauncher
 from dmuon_server.lifecycle import move_job
 from dmuon_server.metrics import Hub, MetricsTailer
-from dmuon_server.queue_policy import Place, Plan, Waiting
+from dmuon_server.queue_policy import Holding, Place, Plan, Waiting
 from dmuon_server.records import JobRecord
 from dmuon_server.schemas import ACTIVE_STATES, TERMINAL_STATES
 from dmuon_server.store import Store, StoreFull
@@ -62,6 +62,7 @@ class Supervisor:
         """Create a supervisor over ``launcher`` (by default the one ``settings`` name,
         running jobs as ``identities`` say); :meth:`start` runs it."""
         identities = identities or JobIdentities(settings, Users(None))
+        self.identities = identities
         self.settings = settings
         self.store = store
         self.hub = hub
@@ -157,12 +158,28 @@ class Supervisor:
         queued = [j for j in self.store.jobs_in_states(["queued"]) if self.launcher.waiting(j)]
         active = self.store.jobs_in_states(ACTIVE_STATES)
         busy = [d for j in active for d in j.gpu_list]
+        holding: dict[str | None, Holding] = {}
+        for j in active:
+            had = holding.get(j.user, Holding())
+            holding[j.user] = Holding(had.jobs + 1, had.gpus + len(j.gpu_list))
+        users = self.identities.users
+        waiting = [
+            Waiting(
+                j.id,
+                gpus_per_node(self.settings, j.spec_model),
+                j.priority,
+                j.user,
+                users.limits_of(j.user),
+            )
+            for j in queued
+        ]
         plan = queue_policy.plan(
-            [Waiting(j.id, gpus_per_node(self.settings, j.spec_model)) for j in queued],
+            waiting,
             devices=self.settings.gpus,
             busy=busy,
             running=len(active),
             capacity=self.launcher.capacity,
+            holding=holding,
         )
         return plan, {j.id: j for j in queued}
 

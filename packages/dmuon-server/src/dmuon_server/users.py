@@ -3,10 +3,16 @@
 The users file holds SHA-256 hashes of tokens, never tokens::
 
     {"users": [{"name": "ada", "token_sha256": "9f86d0...", "admin": false,
-                "unix_user": "ada"}, ...]}
+                "unix_user": "ada", "limits": {"running_jobs": 2}}, ...],
+     "default_limits": {"queued_jobs": 20, "running_jobs": 1, "gpus": 4,
+                        "max_priority": 0}}
 
 (``printf %s "$TOKEN" | sha256sum`` gives the hash; ``unix_user``, optional, is the Unix
-account the user's jobs run as, see :mod:`dmuon_server.identity`). It must not be readable
+account the user's jobs run as, see :mod:`dmuon_server.identity`). ``limits`` (a user's
+own) or ``default_limits`` (everyone else but admins) bound what a user may hold:
+``queued_jobs`` waiting at once and ``max_priority`` (checked when a job is submitted),
+``running_jobs`` and ``gpus`` at once (the queue skips the user's next job until one
+ends); a limit left out is no limit (see :class:`Limits`). It must not be readable
 or writable by other users (``chmod 600`` or ``640``): whoever can write it can make
 themselves admin. It
 is read at start (a bad file stops the server) and again on SIGHUP (a bad file then keeps
@@ -24,7 +30,7 @@ import re
 import stat
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("dmuon_server.users")
@@ -34,13 +40,41 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 #: The user ``--token`` stands for.
 TOKEN_USER = "admin"
 _HASH = re.compile(r"^[0-9a-f]{64}$")
-_ENTRY_KEYS = {"name", "token_sha256", "admin", "unix_user"}
+_ENTRY_KEYS = {"name", "token_sha256", "admin", "unix_user", "limits"}
+_LIMIT_KEYS = ("queued_jobs", "running_jobs", "gpus", "max_priority")
+#: The priorities a job may have (the job spec's bounds).
+PRIORITY_RANGE = (-1000, 1000)
 #: What a Unix account name may be (the portable set ``useradd`` accepts).
 _UNIX_NAME = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}\$?$")
 
 
 class UsersFileError(ValueError):
     """A users file the server cannot use; the message names the file and the entry."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one user may hold at once (``None``: no limit)."""
+
+    #: Jobs waiting in the queue; a submission beyond it is refused with 429.
+    queued_jobs: int | None = None
+    #: Jobs starting or running; the queue passes over the user's next job until one ends.
+    running_jobs: int | None = None
+    #: GPUs the user's active jobs hold together; likewise.
+    gpus: int | None = None
+    #: The highest ``priority`` the user may give a job; a higher one is refused with 403.
+    max_priority: int | None = None
+
+
+def _limits(value: object, where: str) -> Limits:
+    if not isinstance(value, dict) or set(value) - set(_LIMIT_KEYS):
+        raise UsersFileError(f"{where}: limits may give {', '.join(_LIMIT_KEYS)}, as integers")
+    for key, number in value.items():
+        low = PRIORITY_RANGE[0] if key == "max_priority" else 0
+        high = PRIORITY_RANGE[1] if key == "max_priority" else 1_000_000
+        if not isinstance(number, int) or isinstance(number, bool) or not low <= number <= high:
+            raise UsersFileError(f"{where}: limits.{key} must be an integer from {low} to {high}")
+    return Limits(**value)
 
 
 @dataclass(frozen=True)
@@ -51,6 +85,8 @@ class User:
     admin: bool = False
     #: The Unix account this user's jobs run as (None: the server's ``--job-user``).
     unix_user: str | None = None
+    #: What the user may hold at once.
+    limits: Limits = field(default_factory=Limits)
 
 
 #: Who a request comes from on a server without tokens: nobody in particular, allowed all.
@@ -79,8 +115,11 @@ def read_users_file(path: Path) -> list[tuple[User, str]]:
     except ValueError as e:
         raise UsersFileError(f"the users file {path} is not JSON: {e}") from None
     entries = doc.get("users") if isinstance(doc, dict) else None
-    if not isinstance(entries, list):
-        raise UsersFileError(f'the users file {path} must be {{"users": [...]}}')
+    if not isinstance(entries, list) or set(doc) - {"users", "default_limits"}:
+        raise UsersFileError(
+            f'the users file {path} must be {{"users": [...]}}, with "default_limits" optionally'
+        )
+    defaults = _limits(doc.get("default_limits", {}), f"default_limits of {path}")
     out: list[tuple[User, str]] = []
     names: set[str] = set()
     hashes: set[str] = set()
@@ -88,7 +127,7 @@ def read_users_file(path: Path) -> list[tuple[User, str]]:
         where = f"users[{i}] of {path}"
         if not isinstance(entry, dict) or set(entry) - _ENTRY_KEYS:
             raise UsersFileError(
-                f"{where}: give name, token_sha256 and optionally admin and unix_user"
+                f"{where}: give name, token_sha256 and optionally admin, unix_user and limits"
             )
         name, digest, admin = (
             entry.get("name"),
@@ -117,7 +156,11 @@ def read_users_file(path: Path) -> list[tuple[User, str]]:
             raise UsersFileError(f"{where}: two users have the same token")
         names.add(name)
         hashes.add(digest)
-        out.append((User(name, admin, unix_user), digest))
+        if "limits" in entry:
+            limits = _limits(entry["limits"], where)
+        else:
+            limits = Limits() if admin else defaults
+        out.append((User(name, admin, unix_user, limits), digest))
     return out
 
 
@@ -204,6 +247,11 @@ class Users:
         user)."""
         with self._lock:
             return next((u.unix_user for u, _ in self._entries if u.name == name), None)
+
+    def limits_of(self, name: str | None) -> Limits:
+        """The limits of the user called ``name`` (none for an unknown or anonymous one)."""
+        with self._lock:
+            return next((u.limits for u, _ in self._entries if u.name == name), Limits())
 
     def unix_users(self) -> list[str]:
         """Every ``unix_user`` the file names."""

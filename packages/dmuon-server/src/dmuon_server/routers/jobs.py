@@ -56,7 +56,7 @@ from dmuon_server.schemas import (
 )
 from dmuon_server.store import IdempotencyConflict, Store, StoreFull
 from dmuon_server.supervisor import JobFinishing
-from dmuon_server.users import User
+from dmuon_server.users import Limits, User
 from dmuon_server.views import job_view, ts
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
@@ -111,6 +111,36 @@ def _accepted(
     return accepted
 
 
+def _check_limits(
+    limits: Limits, body: JobCreate, store: Store, user: User, key: str | None
+) -> None:
+    """Refuse a submission beyond the user's limits (the users file): a priority above
+    ``max_priority`` (403), or a new job beyond ``queued_jobs`` waiting (429). A retry of a
+    submission that created its job (same ``Idempotency-Key``) is not counted again."""
+    who = user_name(user)
+    if limits.max_priority is not None and body.priority > limits.max_priority:
+        raise ApiError(
+            403,
+            "Priority above your limit",
+            f"priority {body.priority} is above the highest you may give, "
+            f"{limits.max_priority} (your limits in the users file); submit with a lower one",
+            kind="over-limit",
+        )
+    if limits.queued_jobs is None:
+        return
+    if key is not None and store.job_by_key(who, key) is not None:
+        return  # a retry: the store answers it
+    waiting = store.queued_count(who)
+    if waiting >= limits.queued_jobs:
+        raise ApiError(
+            429,
+            "Queue limit reached",
+            f"you have {waiting} jobs queued, your limit (queued_jobs in the users file); "
+            "submit again when one has started, or cancel one",
+            kind="over-limit",
+        )
+
+
 @router.post(
     "",
     status_code=201,
@@ -123,7 +153,7 @@ def _accepted(
                 "Location": {"description": "URL of the job", "schema": {"type": "string"}}
             },
         },
-        **error_responses(401, 409, 413, 422),
+        **error_responses(401, 403, 409, 413, 422, 429),
     },
 )
 def create_job(
@@ -152,6 +182,7 @@ def create_job(
     `Idempotency-Key` is the submitting user's own.
     """
     accepted = _accepted(settings, store, identities, user, body)
+    _check_limits(identities.users.limits_of(user_name(user)), body, store, user, idempotency_key)
     body = with_recipe_defaults(body)  # the job record shows the values used
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     job_id = uuid.uuid4().hex
