@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -324,3 +325,33 @@ def test_users_take_turns_within_a_priority() -> None:
         *[Waiting(f"x{i}", priority=3, user="ada") for i in range(2)],
     ]
     assert [w.job_id for w in fair_order(ranked)] == ["x0", "x1", "lo"]
+
+
+def test_queue_places_are_computed_once_per_change_not_per_request(
+    client: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reading jobs of a long queue does not plan the queue again until something changes
+    (the planning rounds are counted)."""
+    supervisor = client.app.state.supervisor
+    spec = {**job_spec(1, "q", steps=100_000), "gpus_per_node": 0}
+    ids = [client.post("/v1/jobs", json=spec).json()["id"] for _ in range(30)]
+    real = supervisor._plan
+    rounds = []  # those made for requests (the scheduling thread plans on its own)
+    scheduler = supervisor._thread
+
+    def counted() -> Any:
+        if threading.current_thread() is not scheduler:
+            rounds.append(1)
+        return real()
+
+    monkeypatch.setattr(supervisor, "_plan", counted)
+    supervisor.wake = lambda: None  # no scheduling round in between
+    supervisor._cached_places = None
+    first = [client.get(f"/v1/jobs/{i}").json()["queue_position"] for i in ids[-3:]]
+    client.get("/v1/jobs")
+    assert len(rounds) == 1 and all(p is not None for p in first)
+    client.post(f"/v1/jobs/{ids[-1]}/cancel")  # a change: the next read plans again
+    assert client.get(f"/v1/jobs/{ids[-2]}").json()["queue_position"] == first[1]
+    assert len(rounds) == 2
+    for job_id in ids:
+        client.post(f"/v1/jobs/{job_id}/cancel")

@@ -305,6 +305,10 @@ class Store:
         """
         self.path = path
         self._lock = threading.RLock()
+        #: Counts committed writes: what derived views (the queue's places) are cached
+        #: under. Read it before computing from the store, so that a write committed
+        #: meanwhile makes the next reader compute again.
+        self.version = 0
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
         self._readers_lock = threading.Lock()
@@ -443,6 +447,7 @@ class Store:
                     raise
                 try:
                     self._conn.execute("COMMIT")
+                    self.version += 1
                 except BaseException:
                     self._rollback()
                     raise

@@ -63,6 +63,7 @@ class Supervisor:
         running jobs as ``identities`` say); :meth:`start` runs it."""
         identities = identities or JobIdentities(settings, Users(None))
         self.identities = identities
+        self._cached_places: tuple[tuple[int, int], dict[str, Place]] | None = None
         self.settings = settings
         self.store = store
         self.hub = hub
@@ -197,8 +198,17 @@ class Supervisor:
 
     def queue_places(self) -> dict[str, Place]:
         """Where each job waiting in the service's queue stands, and why (as the next
-        round would see it)."""
-        return self._plan()[0].places
+        round would see it).
+
+        Computed once per change of the store or the users (their limits), not per
+        request: a thousand queued jobs cost a request a dictionary lookup."""
+        key = (self.store.version, self.identities.users.generation)
+        cached = self._cached_places
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        places = self._plan()[0].places
+        self._cached_places = (key, places)
+        return places
 
     # --------------------------------------------------------------------- cancel
 
