@@ -355,3 +355,31 @@ def test_queue_places_are_computed_once_per_change_not_per_request(
     assert len(rounds) == 2
     for job_id in ids:
         client.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_users_charge_only_their_own_slurm_accounts(tmp_path: Path, data_dir: Path) -> None:
+    """The users file says which accounts each user may charge; the refusal is a field
+    error of ``account`` (here beside the local launcher's own: account is Slurm's)."""
+    users = tmp_path / "users.json"
+    entries = [
+        {"name": "ada", "token_sha256": _hash("t-ada"), "slurm_accounts": ["ml-team"]},
+        {"name": "bob", "token_sha256": _hash("t-bob")},
+        {"name": "root", "token_sha256": _hash("t-root"), "admin": True},
+    ]
+    users.write_text(json.dumps({"users": entries}))
+    os.chmod(users, 0o600)
+    server = LiveServer(data_dir, "--users-file", str(users), env=fake_recipe_env()).start()
+    try:
+
+        def refusals(name: str, account: str) -> str:
+            with _as(server, name) as c:
+                spec = {**job_spec(1, "x", steps=3), "account": account}
+                r = c.post("/v1/jobs:validate", json=spec)
+                assert r.status_code == 422  # this server has no Slurm either way
+                return " ".join(e["message"] for e in r.json()["errors"])
+
+        mine = "is not one you may charge"
+        assert mine in refusals("ada", "other-team") and mine in refusals("bob", "ml-team")
+        assert mine not in refusals("ada", "ml-team") and mine not in refusals("root", "any")
+    finally:
+        server.stop()

@@ -12,12 +12,14 @@ account the user's jobs run as, see :mod:`dmuon_server.identity`). ``limits`` (a
 own) or ``default_limits`` (everyone else but admins) bound what a user may hold:
 ``queued_jobs`` waiting at once and ``max_priority`` (checked when a job is submitted),
 ``running_jobs`` and ``gpus`` at once (the queue skips the user's next job until one
-ends); a limit left out is no limit (see :class:`Limits`). It must not be readable
-or writable by other users (``chmod 600`` or ``640``): whoever can write it can make
-themselves admin. It
-is read at start (a bad file stops the server) and again on SIGHUP (a bad file then keeps
-the users loaded before, and says why in the log). ``--token`` is one more user, the admin
-called ``admin``. A user sees and acts on their own jobs only; an admin on every job.
+ends); a limit left out is no limit (see :class:`Limits`). ``slurm_accounts`` lists the
+Slurm accounts a user's jobs may charge (``account``; admins may charge any).
+
+It must not be readable or writable by other users (``chmod 600`` or ``640``): whoever
+can write it can make themselves admin. It is read at start (a bad file stops the server)
+and again on SIGHUP (a bad file then keeps the users loaded before, and says why in the
+log). ``--token`` is one more user, the admin called ``admin``. A user sees and acts on
+their own jobs only; an admin on every job.
 """
 
 from __future__ import annotations
@@ -40,7 +42,9 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 #: The user ``--token`` stands for.
 TOKEN_USER = "admin"
 _HASH = re.compile(r"^[0-9a-f]{64}$")
-_ENTRY_KEYS = {"name", "token_sha256", "admin", "unix_user", "limits"}
+_ENTRY_KEYS = {"name", "token_sha256", "admin", "unix_user", "limits", "slurm_accounts"}
+#: What a Slurm account name may be (as the job spec's ``account``).
+_SLURM_ACCOUNT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _LIMIT_KEYS = ("queued_jobs", "running_jobs", "gpus", "max_priority")
 #: The priorities a job may have (the job spec's bounds).
 PRIORITY_RANGE = (-1000, 1000)
@@ -87,6 +91,9 @@ class User:
     unix_user: str | None = None
     #: What the user may hold at once.
     limits: Limits = field(default_factory=Limits)
+    #: The Slurm accounts the user's jobs may charge (``account``); empty: none but the
+    #: server's default. Admins may charge any.
+    slurm_accounts: tuple[str, ...] = ()
 
 
 #: Who a request comes from on a server without tokens: nobody in particular, allowed all.
@@ -160,7 +167,12 @@ def read_users_file(path: Path) -> list[tuple[User, str]]:
             limits = _limits(entry["limits"], where)
         else:
             limits = Limits() if admin else defaults
-        out.append((User(name, admin, unix_user, limits), digest))
+        accounts = entry.get("slurm_accounts", [])
+        if not isinstance(accounts, list) or not all(
+            isinstance(a, str) and _SLURM_ACCOUNT.match(a) for a in accounts
+        ):
+            raise UsersFileError(f"{where}: slurm_accounts must be a list of Slurm account names")
+        out.append((User(name, admin, unix_user, limits, tuple(accounts)), digest))
     return out
 
 
@@ -252,6 +264,15 @@ class Users:
         """The limits of the user called ``name`` (none for an unknown or anonymous one)."""
         with self._lock:
             return next((u.limits for u, _ in self._entries if u.name == name), Limits())
+
+    def may_charge(self, name: str | None, account: str) -> bool:
+        """Whether the user called ``name`` may charge the Slurm ``account``: an admin, a
+        user whose ``slurm_accounts`` lists it, or anyone on a server without users."""
+        if not self.enabled:
+            return True
+        with self._lock:
+            user = next((u for u, _ in self._entries if u.name == name), None)
+        return user is not None and (user.admin or account in user.slurm_accounts)
 
     def unix_users(self) -> list[str]:
         """Every ``unix_user`` the file names."""

@@ -99,6 +99,16 @@ def _accepted(
         return job is not None and may_see(user, job)
 
     accepted = review(settings, body, visible)
+    account = body.account
+    if account is not None and not identities.users.may_charge(user_name(user), account):
+        accepted.errors.append(
+            field_error(
+                ("body", "account"),
+                f"account {account!r} is not one you may charge: the users file lists your "
+                "Slurm accounts (slurm_accounts); leave account out for the server's default",
+                "value_error",
+            )
+        )
     refusal = identities.refusal(user_name(user) or "", script=body.script is not None)
     if refusal is not None:
         where = ("body", "script") if body.script is not None else ("body",)
