@@ -226,6 +226,63 @@ def test_artifacts_are_listed_and_served_without_leaving_the_job_folder(
     assert client.get("/v1/jobs/nope/artifacts").status_code == 404
 
 
+def test_listings_page_and_folders_download_as_one_tar(
+    client: TestClient, data_dir: Path, tmp_path: Path
+) -> None:
+    """Oracles: the files written (bytes, names) and the one-page listing; the archive is
+    read back with Python's tarfile."""
+    import io
+    import tarfile
+
+    from server_helpers import finish_all_jobs
+
+    job = client.post("/v1/jobs", json=job_spec(steps=2)).json()
+    finish_all_jobs(client)
+    job_dir = data_dir / "jobs" / job["id"]
+    written = {
+        f"checkpoints/step_{i:08d}/__0_0.distcp": bytes([i]) * (700 + i) for i in range(1, 40)
+    }
+    written["export/config.json"] = b'{"model_type": "llama"}'
+    written["export/sub/weights.bin"] = b"\1" * 3000
+    for rel, data in written.items():
+        (job_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+        (job_dir / rel).write_bytes(data)
+    (tmp_path / "secret").write_text("s")
+    (job_dir / "export" / "leak").symlink_to(tmp_path / "secret")
+    everything = client.get(f"/v1/jobs/{job['id']}/artifacts", params={"limit": 10000}).json()
+    assert everything["next"] is None
+    paged, after = [], None
+    while True:
+        params = {"limit": 7, **({"after": after} if after else {})}
+        page = client.get(f"/v1/jobs/{job['id']}/artifacts", params=params).json()
+        assert len(page["items"]) <= 7
+        paged += page["items"]
+        after = page["next"]
+        if after is None:
+            break
+    assert paged == everything["items"]  # every file once, in the same order
+    only = client.get(f"/v1/jobs/{job['id']}/artifacts", params={"under": "export"}).json()
+    assert [a["path"] for a in only["items"]] == ["export/config.json", "export/sub/weights.bin"]
+    paths = [a["path"] for a in paged]
+    assert paths == sorted(paths, key=lambda p: p.split("/")) and set(written) <= set(paths)
+    folders = {
+        "export": ["export/config.json", "export/sub/weights.bin"],
+        "checkpoints/step_00000007": ["step_00000007/__0_0.distcp"],
+    }
+    for folder, names in folders.items():
+        r = client.get(f"/v1/jobs/{job['id']}/archive/{folder}")
+        assert r.status_code == 200 and r.headers["content-type"] == "application/x-tar"
+        with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+            assert tar.getnames() == names  # no link, nothing outside the folder
+            for member in tar.getmembers():
+                source = (
+                    f"{folder.rsplit('/', 1)[0]}/{member.name}" if "/" in folder else member.name
+                )
+                assert tar.extractfile(member).read() == written[source]
+    for bad in ("spec.json", "%2e%2e", "export/%2e%2e", "nothing", "checkpoints/step_00000099"):
+        assert client.get(f"/v1/jobs/{job['id']}/archive/{bad}").status_code == 404, bad
+
+
 def test_real_hf_job_runs_streams_and_lists_its_export(
     tmp_path: Path, data_dir: Path, models: dict[str, Any]
 ) -> None:

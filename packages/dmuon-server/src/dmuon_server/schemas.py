@@ -855,9 +855,12 @@ class Artifact(BaseModel):
 
 
 class ArtifactList(BaseModel):
-    """A job's files, sorted by path."""
+    """A page of a job's files, in path order."""
 
     items: list[Artifact]
+    next: str | None = Field(
+        default=None, description="Pass as `after` for the next page; null at the end."
+    )
 
 
 class LogLines(BaseModel):

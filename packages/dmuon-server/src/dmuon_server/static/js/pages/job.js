@@ -370,11 +370,14 @@ export function renderJob(main, jobId) {
     }
     if (await hasRoute("/v1/jobs/{job_id}/artifacts")) {
       try {
-        const out = await api("GET", `${path}/artifacts`);
+        const out = await api("GET", `${path}/artifacts?under=export&limit=1000`);
         const exported = (out.items || []).filter((a) => a.kind === "export");
         artifacts.hidden = !exported.length;
+        const whole = h("a", { href: "#", id: "export-archive",
+          onclick: (event) => download(event, "export", "archive", `${jobId.slice(0, 8)}-export.tar`) },
+        t("job.export_tar"));
         artifacts.replaceChildren(h("h2", {}, t("job.export")),
-          h("p", { class: "muted" }, t("job.export_help")),
+          h("p", { class: "muted" }, t("job.export_help"), " ", whole),
           h("ul", { id: "export-files" }, exported.map((a) => h("li", {},
             h("a", { href: "#", dataset: { path: a.path }, onclick: (event) => download(event, a.path) }, a.path),
             ` (${fmtInt(a.bytes)} B)`))));
@@ -386,11 +389,11 @@ export function renderJob(main, jobId) {
   }
 
   /** Fetch an artifact with the token and hand it to the browser as a download. */
-  async function download(event, file) {
+  async function download(event, file, route = "artifacts", name = file.split("/").pop()) {
     event.preventDefault();
     try {
-      const blob = await api("GET", `${path}/artifacts/${file.split("/").map(encodeURIComponent).join("/")}`, { raw: true });
-      const link = h("a", { href: URL.createObjectURL(blob), download: file.split("/").pop() });
+      const blob = await api("GET", `${path}/${route}/${file.split("/").map(encodeURIComponent).join("/")}`, { raw: true });
+      const link = h("a", { href: URL.createObjectURL(blob), download: name });
       link.click();
       setTimeout(() => URL.revokeObjectURL(link.href), 10_000);
     } catch (err) {
