@@ -305,9 +305,10 @@ class Store:
         """
         self.path = path
         self._lock = threading.RLock()
-        #: Counts committed writes: what derived views (the queue's places) are cached
-        #: under. Read it before computing from the store, so that a write committed
-        #: meanwhile makes the next reader compute again.
+        #: Counts committed changes of the jobs table (a job created, changed, reopened,
+        #: deleted; not its metrics): what the queue's places are cached under. Read it
+        #: before computing from the store, so that a change committed meanwhile makes the
+        #: next reader compute again.
         self.version = 0
         self._local = threading.local()
         self._readers: list[sqlite3.Connection] = []
@@ -431,7 +432,7 @@ class Store:
             self._readers.clear()
 
     @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, jobs_changed: bool = False) -> Iterator[sqlite3.Connection]:
         """Run the body as one ``BEGIN IMMEDIATE`` transaction under the lock.
 
         SQLite's own errors (a full disk, an I/O error) leave nothing half-written and are
@@ -447,7 +448,8 @@ class Store:
                     raise
                 try:
                     self._conn.execute("COMMIT")
-                    self.version += 1
+                    if jobs_changed:
+                        self.version += 1
                 except BaseException:
                     self._rollback()
                     raise
@@ -501,7 +503,7 @@ class Store:
         when the key belongs to a job of the same user with another spec.
         """
         now = time.time()
-        with self._tx() as c:
+        with self._tx(jobs_changed=True) as c:
             if idempotency_key is not None:
                 row = c.execute(
                     "SELECT * FROM jobs WHERE idempotency_key = ? AND COALESCE(user, '') = ?",
@@ -626,7 +628,7 @@ class Store:
         ``from_states`` is given and the job is in none of them.
         """
         now = time.time()
-        with self._tx() as c:
+        with self._tx(jobs_changed=True) as c:
             row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None or row["state"] in TERMINAL_STATES:
                 return False
@@ -650,12 +652,12 @@ class Store:
         if not fields:
             return
         assignments = ", ".join(f"{k} = ?" for k in fields)
-        with self._tx() as c:
+        with self._tx(jobs_changed=True) as c:
             c.execute(f"UPDATE jobs SET {assignments} WHERE id = ?", (*fields.values(), job_id))
 
     def request_cancel(self, job_id: str) -> JobRecord | None:
         """Mark a job as cancel-requested (first request wins) and return it."""
-        with self._tx() as c:
+        with self._tx(jobs_changed=True) as c:
             c.execute(
                 "UPDATE jobs SET cancel_requested_at = ? WHERE id = ?"
                 " AND cancel_requested_at IS NULL",
@@ -666,7 +668,7 @@ class Store:
 
     def delete_job(self, job_id: str) -> bool:
         """Delete a finished job and everything stored about it; False if not finished."""
-        with self._tx() as c:
+        with self._tx(jobs_changed=True) as c:
             row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None or row["state"] not in TERMINAL_STATES:
                 return False
@@ -684,7 +686,7 @@ class Store:
         when the job is not (or no longer) finished.
         """
         now = time.time()
-        with self._tx() as c:
+        with self._tx(jobs_changed=True) as c:
             row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None or row["state"] not in TERMINAL_STATES:
                 return None
@@ -744,7 +746,7 @@ class Store:
 
     def set_attempt_slurm_job(self, job_id: str, number: int, slurm_job_id: str) -> None:
         """Record the Slurm job id of attempt ``number``, and on the job as its latest."""
-        with self._tx() as c:
+        with self._tx(jobs_changed=True) as c:
             c.execute(
                 "UPDATE attempts SET slurm_job_id = ? WHERE job_id = ? AND number = ?",
                 (slurm_job_id, job_id, number),
