@@ -174,12 +174,13 @@ class Muon(torch.optim.Optimizer):
             single matrix needs. `workspace_bytes` reports what is held.
         qk_clip: QK-clip's threshold ``tau`` (MuonClip, from the Kimi K2 report), or
             ``None`` (default) for none. Every training forward records each attention
-            head's largest logit ``q . k * scaling`` (through transformers'
-            ``AttentionInterface``, so the model must be a Hugging Face one with separate,
-            dedicated ``q_proj`` and ``k_proj``); after each step the maxima are agreed on
-            over every rank (one small MAX all-reduce per mesh dimension) and the heads
-            above ``tau`` have their query and key rows (and biases) scaled by
-            ``gamma = tau / max`` so their logits on that batch become ``tau``. See
+            head's largest logit ``q . k * scaling``: a Hugging Face model through
+            transformers' ``AttentionInterface``, a model of one's own by calling
+            ``dmuon.optim.record_attention_logits`` (attention modules with separate,
+            dedicated ``q_proj`` and ``k_proj``). ``step()`` agrees on the maxima over every
+            rank before it updates (one small MAX all-reduce per mesh dimension); after the
+            update the heads above ``tau`` have their query and key rows (and biases)
+            scaled by ``gamma = tau / max`` so their logits on that batch become ``tau``. See
             ``dmuon.optim._qk_clip`` for how ``gamma`` is shared between queries and keys
             (grouped-query attention, q/k norms). ``qk_clip_report`` holds the last step's
             maxima and the number of heads clipped.

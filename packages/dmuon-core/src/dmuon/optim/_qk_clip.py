@@ -68,9 +68,9 @@ class _Layer:
     k: DedicatedParam
     q_bias: nn.Parameter | None
     k_bias: nn.Parameter | None
-    #: ``(q_norm, k_norm, offset)``: norms after the projections, whose weights act as
-    #: ``offset + weight`` (Gemma's norms use ``1 + weight``).
-    norms: tuple[nn.Module, nn.Module, float] | None
+    #: ``((q_norm, offset), (k_norm, offset))``: norms after the projections, whose
+    #: weights act as ``offset + weight`` (Gemma's norms use ``1 + weight``).
+    norms: tuple[tuple[nn.Module, float], tuple[nn.Module, float]] | None
     head_dim: int
     heads: int
     kv_heads: int
@@ -138,21 +138,19 @@ class QKClip:
 
     def _scale(self, layer: _Layer, gamma: Tensor) -> None:
         if layer.norms is not None:
-            q_norm, k_norm, offset = layer.norms
+            (q_norm, q_offset), (k_norm, k_offset) = layer.norms
             smallest = float(gamma.min())
-            _scale_norm(q_norm, smallest**self.alpha, offset)
-            _scale_norm(k_norm, smallest ** (1.0 - self.alpha), offset)
+            _scale_norm(q_norm, smallest**self.alpha, q_offset)
+            _scale_norm(k_norm, smallest ** (1.0 - self.alpha), k_offset)
             return
-        if layer.kv_heads == layer.heads:
-            q_factor, k_factor = gamma**self.alpha, gamma ** (1.0 - self.alpha)
-        else:
-            q_factor, k_factor = gamma, torch.ones(layer.kv_heads)
-        q_rows = q_factor.repeat_interleave(layer.head_dim)
-        k_rows = k_factor.repeat_interleave(layer.head_dim)
+        shared_keys = layer.kv_heads < layer.heads  # the query heads take all of gamma
+        q_rows = (gamma if shared_keys else gamma**self.alpha).repeat_interleave(layer.head_dim)
         _scale_master_rows(layer.q, q_rows)
-        _scale_master_rows(layer.k, k_rows)
         _scale_vector(layer.q_bias, q_rows)
-        _scale_vector(layer.k_bias, k_rows)
+        if not shared_keys:
+            k_rows = (gamma ** (1.0 - self.alpha)).repeat_interleave(layer.head_dim)
+            _scale_master_rows(layer.k, k_rows)
+            _scale_vector(layer.k_bias, k_rows)
 
 
 def _find_layers(model: nn.Module, params: list[DedicatedParam]) -> list[_Layer]:
@@ -216,7 +214,9 @@ def _trainable(param: object) -> nn.Parameter | None:
     return param if isinstance(param, nn.Parameter) and param.requires_grad else None
 
 
-def _norms(module: nn.Module, head_dim: int) -> tuple[nn.Module, nn.Module, float] | None:
+def _norms(
+    module: nn.Module, head_dim: int
+) -> tuple[tuple[nn.Module, float], tuple[nn.Module, float]] | None:
     q_norm, k_norm = getattr(module, "q_norm", None), getattr(module, "k_norm", None)
     if not isinstance(q_norm, nn.Module) or not isinstance(k_norm, nn.Module):
         return None
@@ -227,7 +227,7 @@ def _norms(module: nn.Module, head_dim: int) -> tuple[nn.Module, nn.Module, floa
                 f"qk_clip scales a per-head q_norm/k_norm through its weight of head_dim "
                 f"({head_dim}) elements; {type(norm).__name__} has none of that size"
             )
-    return q_norm, k_norm, _weight_offset(q_norm, head_dim)
+    return (q_norm, _weight_offset(q_norm, head_dim)), (k_norm, _weight_offset(k_norm, head_dim))
 
 
 def _weight_offset(norm: nn.Module, head_dim: int) -> float:
@@ -248,11 +248,15 @@ def _weight_offset(norm: nn.Module, head_dim: int) -> float:
     return float(offset)
 
 
+def _out_dim(dp: DedicatedParam) -> int:
+    """The storage dimension of a projection's output rows (columns when transposed)."""
+    return 1 if dp.transposed else 0
+
+
 def _row_start(dp: DedicatedParam) -> int:
     """The first output row of this rank's share of a projection (tensor parallelism)."""
     tp = dp.tp
-    out_dim = 1 if dp.transposed else 0
-    if tp is None or tp.shard_dim != out_dim:
+    if tp is None or tp.shard_dim != _out_dim(dp):
         return 0
     return tp.bounds(tp.rank)[0]
 
@@ -262,7 +266,7 @@ def _scale_master_rows(dp: DedicatedParam, factors: Tensor) -> None:
     if not dp.updates_here:
         return
     master = dp.param.detach()
-    out_dim = 1 if dp.transposed else 0
+    out_dim = _out_dim(dp)
     start = _row_start(dp)
     local = factors[start : start + master.shape[out_dim]].to(master.device, master.dtype)
     master.mul_(local.unsqueeze(1) if out_dim == 0 else local.unsqueeze(0))

@@ -132,6 +132,7 @@ def install(model: nn.Module) -> str:
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if not is_hugging_face(model):
         raise ValueError(
@@ -146,7 +147,7 @@ def install(model: nn.Module) -> str:
             f"with one of {list(SUPPORTED_IMPLEMENTATIONS)} (sdpa is transformers' default)"
         )
     name = _PREFIX + inner
-    if name not in AttentionInterface._global_mapping:
+    if name not in ALL_ATTENTION_FUNCTIONS:
         AttentionInterface.register(name, _recording(inner))
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     if current != name:
