@@ -358,13 +358,15 @@ def test_a_late_prefill_never_overwrites_what_was_typed(page: Page, service: Ser
 def test_dmuon_vs_adamw_pair_and_compare(page: Page, service: Service) -> None:
     open_hash(page, service, "#/submit")
     expect(page.locator("#field-train-steps")).to_be_visible()
-    fill_form(page, tiny_spec("pair", steps=12))
+    # qk_clip is Muon's alone (marked so in the schema): the AdamW run goes without it.
+    fill_form(page, tiny_spec("pair", steps=12, qk_clip=1000))
     page.click("#submit-pair")
     page.wait_for_url("**/#/compare?ids=*")
     ids = page.url.split("ids=", 1)[1].split(",")
     assert len(ids) == 2
     jobs = [service.job(i) for i in ids]
     assert [j["train"]["optimizer"] for j in jobs] == ["dmuon", "adamw"]
+    assert [j["train"]["qk_clip"] for j in jobs] == [1000, None]
     assert [j["name"] for j in jobs] == ["pair dmuon", "pair adamw"]
     for job_id in ids:
         expect(page.locator(f"#compare-table tr[data-job-id='{job_id}'] .state")).to_have_attribute(

@@ -199,6 +199,8 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
         if spec_flag.kind == "int" and spec_flag.minimum is not None:
             assert [k["minimum"] for k in kinds if "minimum" in k] == [spec_flag.minimum]
         assert spec_flag.option in field["description"], spec_flag.dest
+    marked = {name for name, field in schema.items() if field.get("x-muon-only")}
+    assert marked == set(contract.MUON_ONLY_FLAGS)  # what the dashboard's pair drops
     left_out = JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny"}})
     argv = build_command(
         Settings(data_dir=tmp_path), left_out, tmp_path / "job", None

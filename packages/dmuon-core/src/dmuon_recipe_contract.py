@@ -43,6 +43,7 @@ __all__ = [
     "HF_CONFIG_FILE",
     "HF_SNAPSHOT_DIR",
     "METRIC_KEYS",
+    "MUON_ONLY_FLAGS",
     "OPTIONAL_METRIC_KEYS",
     "PARQUET_SUFFIXES",
     "PRESETS",
@@ -496,6 +497,10 @@ FLAGS: tuple[Flag, ...] = (
          _CKPT, metavar="DIR"),
 )  # fmt: skip
 """Every flag of ``dmuon-train``, in ``--help`` order."""
+
+MUON_ONLY_FLAGS = ("qk_clip", "split")
+"""Flags that change how DMuon's Muon matrices are updated: refused with ``--optimizer
+adamw`` (by the recipe, the job service and the dashboard's DMuon-vs-AdamW pair)."""
 
 _BY_DEST = {f.dest: f for f in FLAGS}
 

@@ -306,26 +306,38 @@ _FLOAT_BOUNDS: dict[str | None, dict[str, float]] = {
 }
 
 
+#: The OpenAPI key that marks a `train` field as one only the dmuon optimizer takes
+#: (`dmuon_recipe_contract.MUON_ONLY_FLAGS`).
+MUON_ONLY_KEY = "x-muon-only"
+
+
 def _generated_field(flag: contract.Flag) -> tuple[Any, Any]:
     """``(annotation, Field)`` of a spec field for a recipe flag, from its contract entry:
     its type, bounds and choices; left out, the recipe's default applies."""
     help_text = flag.help[0].upper() + flag.help[1:]
-    description = f"{help_text} (`{flag.option}`); {_default_text(flag.dest)}."
+    # The dashboard's DMuon-vs-AdamW pair leaves these out of the AdamW run.
+    extra = {MUON_ONLY_KEY: True} if flag.dest in contract.MUON_ONLY_FLAGS else None
+    described = {
+        "description": f"{help_text} (`{flag.option}`); {_default_text(flag.dest)}.",
+        "json_schema_extra": extra,
+    }
     if flag.kind == "bool":
-        return bool, Field(default=False, description=f"{help_text} (`{flag.option}`).")
+        return bool, Field(
+            default=False, **{**described, "description": f"{help_text} (`{flag.option}`)."}
+        )
     if flag.kind == "int":
         low = flag.minimum if flag.minimum is not None else -_GENERATED_MAX
-        return int | None, Field(default=None, ge=low, le=_GENERATED_MAX, description=description)
+        return int | None, Field(default=None, ge=low, le=_GENERATED_MAX, **described)
     if flag.kind == "float":
         bounds = _FLOAT_BOUNDS[flag.bound]
         number = Annotated[float, Field(allow_inf_nan=False, **bounds)]
-        return number | None, Field(default=None, description=description)
+        return number | None, Field(default=None, **described)
     if flag.kind == "choice":
-        return _choices(flag.dest) | None, Field(default=None, description=description)
+        return _choices(flag.dest) | None, Field(default=None, **described)
     if flag.kind == "str":
         pattern = _TEXT_PATTERNS.get(flag.dest, NAME_PATTERN)
         text = Annotated[str, Field(min_length=1, max_length=256, pattern=pattern)]
-        return text | None, Field(default=None, description=description)
+        return text | None, Field(default=None, **described)
     raise TypeError(f"recipe flag {flag.option} of kind {flag.kind!r} needs a hand-written field")
 
 
@@ -519,7 +531,7 @@ class JobCreate(_Strict):
         if t is not None and t.optimizer == "adamw":
             muon_only = [
                 name
-                for name in ("qk_clip", "split")
+                for name in contract.MUON_ONLY_FLAGS
                 if getattr(t, name, None) not in (None, contract.flag(name).default)
             ]
             if muon_only:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from dmuon_recipe_contract import ADAMW_LR, FLAGS, PRESETS, Flag, flag
+from dmuon_recipe_contract import ADAMW_LR, FLAGS, MUON_ONLY_FLAGS, PRESETS, Flag, flag
 
 from dmuon.train.checkpointing import CheckpointError, require_checkpoint
 from dmuon.train.trackers import resolve_report_to
@@ -257,12 +257,9 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         parser.error(f"argument --report-to: {error}")
     if namespace.optimizer == "adamw":
         given = [
-            option
-            for option, value, default in (
-                ("--qk-clip", namespace.qk_clip, None),
-                ("--split", namespace.split, "none"),
-            )
-            if value != default
+            flag(dest).option
+            for dest in MUON_ONLY_FLAGS
+            if getattr(namespace, dest) != flag(dest).default
         ]
         if given:
             parser.error(

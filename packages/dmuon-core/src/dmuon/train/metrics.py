@@ -47,6 +47,7 @@ __all__ = [
     "MetricsWriter",
     "ProgressReporter",
     "format_summary",
+    "point_step",
     "truncate_after",
 ]
 
@@ -124,6 +125,14 @@ class MetricsWriter:
             self._handle = None
 
 
+def point_step(record: Mapping[str, Any]) -> int | None:
+    """The step of a metrics line that is a metric point; ``None`` for an event line."""
+    step = record.get("step")
+    if contract.EVENT_KEY in record or isinstance(step, bool) or not isinstance(step, int):
+        return None
+    return step
+
+
 class ProgressReporter:
     """A tqdm bar on a terminal, plain lines otherwise; silent when disabled.
 
@@ -189,13 +198,12 @@ class ProgressReporter:
         """Show one metrics line, as `dmuon.train.reporting.Reporting` hands it to every
         reporter: a step's progress, a validation loss, a sample (other events are the
         trainer's to word)."""
-        step = record.get("step")
-        kind = record.get(contract.EVENT_KEY)
-        if kind == contract.SAMPLE_EVENT:
+        if record.get(contract.EVENT_KEY) == contract.SAMPLE_EVENT:
             text = f"{record.get('prompt') or ''}{record.get('text') or ''}"
-            self.message(f"step {step} sample: {text!r}")
+            self.message(f"step {record.get('step')} sample: {text!r}")
             return
-        if kind is not None or not isinstance(step, int):
+        step = point_step(record)
+        if step is None:
             return
         if isinstance(record.get("val_loss"), float):
             self.message(f"step {step} val_loss {record['val_loss']:.4f}")

@@ -41,6 +41,8 @@ from typing import Any, Protocol
 
 import dmuon_recipe_contract as contract
 
+from dmuon.train.metrics import point_step
+
 __all__ = [
     "EXTRA",
     "TRACKERS",
@@ -154,8 +156,8 @@ class TensorBoardTracker:
             self.writer.add_text("config", "| flag | value |\n|---|---|\n" + table, 0)
 
     def write(self, record: Mapping[str, Any]) -> None:
-        step = record.get("step")
-        if "event" in record or not isinstance(step, int):
+        step = point_step(record)
+        if step is None:
             return
         for key, value in scalars(record).items():
             self.writer.add_scalar(key, value, step)
@@ -215,8 +217,8 @@ class MlflowTracker:
     def write(self, record: Mapping[str, Any]) -> None:
         from mlflow.entities import Metric
 
-        step = record.get("step")
-        if "event" in record or not isinstance(step, int) or step <= self.logged_through:
+        step = point_step(record)
+        if step is None or step <= self.logged_through:
             return
         now = int(time.time() * 1000)
         metrics = [Metric(k, v, now, step) for k, v in scalars(record).items()]
@@ -267,8 +269,8 @@ class WandbTracker:
         self.rows: list[list[Any]] = []
 
     def write(self, record: Mapping[str, Any]) -> None:
-        step = record.get("step")
-        if "event" in record or not isinstance(step, int) or step <= self.logged_through:
+        step = point_step(record)
+        if step is None or step <= self.logged_through:
             return
         values = {k: v for k, v in scalars(record).items() if math.isfinite(v)}
         self.run.log(values, step=step)

@@ -15,9 +15,6 @@ function resolve(doc, schema) {
   return s;
 }
 
-/** Fields of `train` that only the dmuon optimizer takes (the server refuses them with adamw). */
-const MUON_ONLY = ["qk_clip", "split"];
-
 /** Describe the leaf fields of `schema` (an object schema), recursing into nested objects. */
 function leaves(doc, schema, prefix = []) {
   const out = [];
@@ -48,6 +45,8 @@ function leaves(doc, schema, prefix = []) {
       optional: !required.has(name) || variants.some((v) => v.type === "null") || Boolean(alternative),
       default: prop.default ?? raw.default,
       description: prop.description || raw.description || "",
+      // Only the dmuon optimizer takes it (the server refuses it with adamw).
+      muonOnly: Boolean(prop["x-muon-only"] || raw["x-muon-only"]),
     });
     out.push(...extra);
   }
@@ -353,7 +352,7 @@ export function renderSubmit(main, params) {
           for (const opt of ["dmuon", "adamw"]) {
             const train = { ...(base.train || {}), optimizer: opt };
             // Settings of Muon's matrices alone, which the AdamW run refuses.
-            if (opt === "adamw") for (const only of MUON_ONLY) delete train[only];
+            if (opt === "adamw") for (const f of fields) if (f.muonOnly && f.path[0] === "train") delete train[f.path[1]];
             const spec = { ...base, name: `${name} ${opt}`, train };
             ids.push((await submitOne(spec, `${key}-${opt}`)).id);
           }
