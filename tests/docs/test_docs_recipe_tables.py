@@ -139,5 +139,20 @@ def test_the_rates_and_knobs_the_training_page_states_are_the_codes(lang: str) -
         said += [f"in {demo['--steps']}.", f"{default('weight_decay')} by default"]
     else:
         said += [f"默认 {default('weight_decay')}"]
+    # Samples and trackers: their defaults, from the contract and the tracker modules.
+    from dmuon.train.reporting import DEFAULT_TRACKING_DIR
+    from dmuon.train.trackers import DEFAULT_EXPERIMENT
+
+    quoted = [
+        f"`{contract.flag('sample_prompt').default}`",
+        f"`./{DEFAULT_TRACKING_DIR}`",
+        f"`{DEFAULT_EXPERIMENT}`",
+    ]
+    if lang == "en":
+        said += [f"default {q})" for q in quoted]
+        said += [f"({contract.flag('sample_tokens').default} by default)"]
+    else:
+        said += [f"（默认 {q}）" for q in quoted]
+        said += [f"（默认 {contract.flag('sample_tokens').default}）"]
     for phrase in said:
         assert phrase in text, f"{lang} training.md does not say {phrase!r}"

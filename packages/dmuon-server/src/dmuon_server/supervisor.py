@@ -200,8 +200,8 @@ class Supervisor:
         """Where each job waiting in the service's queue stands, and why (as the next
         round would see it).
 
-        Computed once per change of the store or the users (their limits), not per
-        request: a thousand queued jobs cost a request a dictionary lookup."""
+        Computed once per change of the jobs table or the users (their limits), not per
+        request: a request between changes costs a dictionary lookup."""
         key = (self.store.version, self.identities.users.generation)
         cached = self._cached_places
         if cached is not None and cached[0] == key:
