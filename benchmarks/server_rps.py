@@ -24,12 +24,16 @@ import httpx
 from cli_types import positive_int
 
 
-def start_server(data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``dmuon-server --port 0`` and return it with its URL once /healthz answers."""
+def start_server(
+    data_dir: Path, flags: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``dmuon-server --port 0`` (with ``flags``) and return it with its URL once
+    /healthz answers."""
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "dmuon_server.cli", "--port", "0"),
             *("--data-dir", str(data_dir), "--allow-same-user-jobs", "--sandbox", "none"),
+            *(flags or []),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -14,6 +14,7 @@ from dmuon_server.config import Settings
 from dmuon_server.dashboard import mount_dashboard
 from dmuon_server.datadir import DataDirLock, StartupError, check_data_dir
 from dmuon_server.errors import install_error_handlers
+from dmuon_server.feeds import EventStreams
 from dmuon_server.fingerprint import PREFIX as FINGERPRINT_PREFIX
 from dmuon_server.fingerprint import stored_spec_fingerprint
 from dmuon_server.hosts import HostCheckMiddleware
@@ -72,6 +73,9 @@ def create_app(
         store, hub, lambda job_id, text: PublicPaths(settings, settings.job_dir(job_id)).text(text)
     )
     supervisor = Supervisor(settings, store, hub, tailer, identities=identities)
+    streams = EventStreams(
+        store, hub, supervisor.queue_places, lambda: users.generation, settings.heartbeat_s
+    )
     data_lock = lock or DataDirLock(settings.data_dir)
 
     @asynccontextmanager
@@ -102,6 +106,7 @@ def create_app(
     app.state.settings = settings
     app.state.store = store
     app.state.hub = hub
+    app.state.streams = streams
     app.state.supervisor = supervisor
     app.state.tailer = tailer
     app.state.users = users

@@ -9,6 +9,7 @@ from fastapi import Depends, Path, Request
 
 from dmuon_server.config import Settings
 from dmuon_server.errors import ApiError
+from dmuon_server.feeds import EventStreams
 from dmuon_server.identity import JobIdentities
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.records import JobRecord
@@ -34,6 +35,11 @@ def get_store(request: Request) -> Store:
 def get_hub(request: Request) -> Hub:
     """The app's stream hub."""
     return request.app.state.hub
+
+
+def get_streams(request: Request) -> EventStreams:
+    """The publishers of the jobs' event streams."""
+    return request.app.state.streams
 
 
 def get_supervisor(request: Request) -> Supervisor:
@@ -64,6 +70,7 @@ def get_user(request: Request) -> User:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[Store, Depends(get_store)]
 HubDep = Annotated[Hub, Depends(get_hub)]
+StreamsDep = Annotated[EventStreams, Depends(get_streams)]
 SupervisorDep = Annotated[Supervisor, Depends(get_supervisor)]
 TailerDep = Annotated[MetricsTailer, Depends(get_tailer)]
 UsersDep = Annotated[Users, Depends(get_users)]

@@ -39,25 +39,34 @@ Wire format (``text/event-stream``)::
 * Non-finite numbers are the strings ``"NaN"``, ``"Infinity"``, ``"-Infinity"``.
 * A comment line (``: heartbeat``) goes out when nothing else was sent for
   ``heartbeat_s`` seconds, to keep proxies from closing an idle connection.
+
+The streams of a job share one publisher (`dmuon_server.feeds`): an idle stream does no
+work of its own, and a change is read from the database once for all of them.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 import anyio
 
-from dmuon_server.metrics import Hub
-from dmuon_server.queue_policy import Place
-from dmuon_server.records import JobRecord
-from dmuon_server.schemas import TERMINAL_STATES
+from dmuon_server.feeds import (
+    POINTS_PAGE,
+    SHUTDOWN_REASON,
+    Cursor,
+    EventStreams,
+    Item,
+    Subscriber,
+    format_event,
+    read_points,
+    recipe_event_text,
+    state_text,
+)
 from dmuon_server.store import Store
-from dmuon_server.views import event_view, iso_utc
+
+__all__ = ["SHUTDOWN_REASON", "SSE_HEADERS", "format_event", "job_events"]
 
 #: Headers of an event stream, including the ones that stop proxies from buffering it.
 SSE_HEADERS = {
@@ -65,11 +74,6 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
     "Connection": "keep-alive",
 }
-_PAGE = 500
-#: ``reason`` of the ``end`` event sent to open streams when the server stops.
-SHUTDOWN_REASON = "server_shutdown"
-#: Longest wait between two looks at the database when no notification comes.
-_MAX_IDLE_WAIT_S = 1.0
 
 #: Why a stream ended when its token stopped being valid.
 REVOKED_REASON = (
@@ -78,137 +82,120 @@ REVOKED_REASON = (
 )
 
 
-def format_event(*, data: str, event: str | None = None, event_id: int | None = None) -> str:
-    """One SSE event; ``data`` must be a single line (compact JSON is)."""
-    out = ""
-    if event_id is not None:
-        out += f"id: {event_id}\n"
-    if event is not None:
-        out += f"event: {event}\n"
-    return out + f"data: {data}\n\n"
+class _Stream:
+    """What one connection has sent: its cursor over the job's rows and the feed's log."""
 
+    def __init__(self, store: Store, sub: Subscriber, after_step: int) -> None:
+        self.store = store
+        self.sub = sub
+        self.job_id = sub.feed.job_id
+        self.cursor = Cursor(step=after_step)
 
-def _state_data(t: dict[str, Any], row: JobRecord | None, place: Place | None = None) -> str:
-    payload: dict[str, Any] = {
-        "state": t["state"],
-        "reason": t["reason"],
-        "at": iso_utc(t["at"]),
-    }
-    if row is not None and t["state"] in TERMINAL_STATES:
-        payload["exit_code"] = row.exit_code
-    if t["state"] == "queued":
-        payload["queue_position"] = place.position if place else None
-        payload["queue_reason"] = place.reason if place else t["reason"]
-    return json.dumps(payload)
+    def sent(self) -> None:
+        self.sub.last_write = time.monotonic()
 
+    async def backlog(self, first: bool) -> AsyncIterator[str]:
+        """From the database, in stream order: the current state (the first time), the
+        points after the cursor, the transitions after it (later times), the events after
+        it. The feed's log is read from the entry current before these reads on, so nothing
+        falls between the two."""
+        feed = self.sub.feed
+        # A feed that published its end holds it last: read that one entry after these.
+        self.sub.seq = feed.seq - 1 if feed.finished else feed.seq
+        store, job_id, cursor = self.store, self.job_id, self.cursor
+        row = await anyio.to_thread.run_sync(store.get_job, job_id)
+        place = feed.place if row is not None and row.state == "queued" else None
+        history = await anyio.to_thread.run_sync(store.history, job_id)
+        if first and history:
+            yield state_text(history[-1], row, place)
+            cursor.transition, cursor.last_t = history[-1]["id"], history[-1]
+        while True:
+            page = await anyio.to_thread.run_sync(read_points, store, job_id, cursor)
+            for item in page:
+                yield item.text
+            if len(page) < POINTS_PAGE:
+                break
+        for t in history:
+            if t["id"] > cursor.transition:
+                cursor.transition, cursor.last_t = t["id"], t
+                yield state_text(t, row, place)
+        for e in await anyio.to_thread.run_sync(store.events, job_id, cursor.event):
+            cursor.event = e["id"]
+            yield recipe_event_text(e)
+        if row is None:
+            yield format_event(event="end", data=json.dumps({"state": None, "deleted": True}))
 
-Places = Callable[[], Mapping[str, Place]]
+    def unseen(self, item: Item) -> bool:
+        """Whether ``item`` of the log is news to this stream (and advance past it)."""
+        cursor = self.cursor
+        if item.kind == "metric":
+            if item.key <= cursor.step:
+                return False
+            cursor.step = item.key
+        elif item.kind == "state":
+            if item.key <= cursor.transition:
+                return False
+            cursor.transition = item.key
+        elif item.kind == "event":
+            if item.key <= cursor.event:
+                return False
+            cursor.event = item.key
+        return True
 
-
-def _event_data(row: dict[str, Any]) -> str:
-    return event_view(row).model_dump_json()
+    def end_text(self, item: Item) -> str:
+        end = dict(item.end or {})
+        if end.get("state") is not None:
+            end["last_step"] = self.cursor.step if self.cursor.step >= 0 else None
+        return format_event(event="end", data=json.dumps(end))
 
 
 async def job_events(
+    streams: EventStreams,
     store: Store,
-    hub: Hub,
     job_id: str,
     after_step: int,
     heartbeat_s: float,
-    places: Places = dict,
     still_allowed: Callable[[], bool] = lambda: True,
 ) -> AsyncIterator[str]:
-    """Yield the event stream of ``job_id``, starting after ``after_step``; ``places``
-    gives the queue's places (the supervisor's :meth:`queue_places`).
+    """Yield the event stream of ``job_id``, starting after ``after_step``.
 
-    ``still_allowed`` is asked on every wake-up (at least once a second): when it says no
-    (the token was removed or rotated by a reload of the users, or the user may no longer
-    see the job), the stream ends with an ``end`` event that says so."""
-    sub = hub.subscribe(job_id)
+    ``still_allowed`` is asked on every wake-up (the streams are woken after a reload of
+    the users): when it says no (the token was removed or rotated, or the user may no
+    longer see the job), the stream ends with an ``end`` event that says so."""
+    yield "retry: 3000\n\n"
+    sub = await streams.join(job_id)
+    stream = _Stream(store, sub, after_step)
     try:
-        yield "retry: 3000\n\n"
-        last_write = time.monotonic()
-        last_step = after_step
-        history = await anyio.to_thread.run_sync(store.history, job_id)
-        row = await anyio.to_thread.run_sync(store.get_job, job_id)
-        last_tid = 0
-        last_t: dict[str, Any] | None = None
-        place: Place | None = None
-        if history:
-            last_tid = history[-1]["id"]
-            last_t = history[-1]
-            if row is not None and row.state == "queued":
-                place = (await anyio.to_thread.run_sync(places)).get(job_id)
-            yield format_event(event="state", data=_state_data(history[-1], row, place))
-        last_eid = 0
+        first = True
         while True:
-            sub.event.clear()
-            if not still_allowed():
-                yield format_event(event="end", data=json.dumps({"reason": REVOKED_REASON}))
+            ended = False
+            async for text in stream.backlog(first):
+                ended = text.startswith("event: end")
+                yield text
+                stream.sent()
+            if ended:
                 return
+            first = False
             while True:
-                rows = await anyio.to_thread.run_sync(store.metrics_after, job_id, last_step, _PAGE)
-                for r in rows:
-                    yield format_event(event="metric", event_id=r["step"], data=r["data"])
-                    last_step = r["step"]
-                    last_write = time.monotonic()
-                if len(rows) < _PAGE:
+                items = sub.feed.items_after(sub.seq)
+                if items is None:  # fell behind the log: read the database again
                     break
-            row = await anyio.to_thread.run_sync(store.get_job, job_id)
-            transitions = await anyio.to_thread.run_sync(store.transitions_after, job_id, last_tid)
-            now_place = None
-            if row is not None and row.state == "queued":
-                now_place = (await anyio.to_thread.run_sync(places)).get(job_id)
-            for t in transitions:
-                last_tid, last_t = t["id"], t
-                yield format_event(event="state", data=_state_data(t, row, now_place))
-                last_write = time.monotonic()
-            if not transitions and last_t is not None and now_place != place:
-                yield format_event(event="state", data=_state_data(last_t, row, now_place))
-                last_write = time.monotonic()
-            place = now_place
-            for e in await anyio.to_thread.run_sync(store.events, job_id, last_eid):
-                last_eid = e["id"]
-                yield format_event(event=e["level"], data=_event_data(e))
-                last_write = time.monotonic()
-            if row is None:
-                yield format_event(event="end", data=json.dumps({"state": None, "deleted": True}))
-                return
-            if hub.closing and row.state not in TERMINAL_STATES:
-                end = {
-                    "state": row.state,
-                    "exit_code": None,
-                    "reason": SHUTDOWN_REASON,
-                    "last_step": last_step if last_step >= 0 else None,
-                }
-                yield format_event(event="end", data=json.dumps(end))
-                return
-            if row.state in TERMINAL_STATES:
-                # The supervisor stores a job's last points before its final state, but a
-                # point may have landed between the two reads above: read once more.
-                rows = await anyio.to_thread.run_sync(
-                    store.metrics_after, job_id, last_step, 1 << 30
-                )
-                for r in rows:
-                    yield format_event(event="metric", event_id=r["step"], data=r["data"])
-                    last_step = r["step"]
-                for e in await anyio.to_thread.run_sync(store.events, job_id, last_eid):
-                    last_eid = e["id"]
-                    yield format_event(event=e["level"], data=_event_data(e))
-                end = {
-                    "state": row.state,
-                    "exit_code": row.exit_code,
-                    "reason": row.reason,
-                    "last_step": last_step if last_step >= 0 else None,
-                }
-                yield format_event(event="end", data=json.dumps(end))
-                return
-            wait = min(_MAX_IDLE_WAIT_S, max(0.0, heartbeat_s - (time.monotonic() - last_write)))
-            # asyncio.TimeoutError: Python 3.10 raises that one, not the builtin.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(sub.event.wait(), timeout=wait)
-            if time.monotonic() - last_write >= heartbeat_s:
-                yield ": heartbeat\n\n"
-                last_write = time.monotonic()
+                sub.seq = sub.feed.seq
+                for item in items:
+                    if item.kind == "end":
+                        yield stream.end_text(item)
+                        return
+                    if stream.unseen(item):
+                        yield item.text
+                        stream.sent()
+                if not still_allowed():
+                    yield format_event(event="end", data=json.dumps({"reason": REVOKED_REASON}))
+                    return
+                if time.monotonic() - sub.last_write >= heartbeat_s:
+                    yield ": heartbeat\n\n"
+                    stream.sent()
+                sub.wake.clear()
+                if sub.feed.items_after(sub.seq) == []:
+                    await sub.wake.wait()
     finally:
-        hub.unsubscribe(sub)
+        streams.leave(sub)

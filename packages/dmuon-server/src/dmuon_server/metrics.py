@@ -169,17 +169,16 @@ def parse_lines(buf: bytes, *, final: bool) -> ParsedChunk:
 
 
 class Hub:
-    """Wakes up the event streams of a job when something about it changed.
+    """Wakes up the publisher of a job's event streams when something about it changed.
 
-    Thread-safe: the supervisor thread calls :meth:`notify`; each stream owns an
-    :class:`asyncio.Event` on its own loop.
+    Thread-safe: the supervisor thread calls :meth:`notify`; each publisher
+    (`dmuon_server.feeds.JobFeed`) owns an :class:`asyncio.Event` on its own loop.
     """
 
     def __init__(self) -> None:
         """Create an empty hub."""
         self._lock = threading.Lock()
         self._subs: dict[str, set[_Subscription]] = {}
-        self.active_streams = 0
         self.closing = False
 
     def subscribe(self, job_id: str) -> _Subscription:
@@ -187,7 +186,6 @@ class Hub:
         sub = _Subscription(job_id, asyncio.get_running_loop(), asyncio.Event())
         with self._lock:
             self._subs.setdefault(job_id, set()).add(sub)
-            self.active_streams += 1
         return sub
 
     def unsubscribe(self, sub: _Subscription) -> None:
@@ -196,7 +194,6 @@ class Hub:
             subs = self._subs.get(sub.job_id)
             if subs is not None and sub in subs:
                 subs.discard(sub)
-                self.active_streams -= 1
                 if not subs:
                     del self._subs[sub.job_id]
 

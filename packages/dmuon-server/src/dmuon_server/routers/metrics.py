@@ -9,11 +9,10 @@ from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from dmuon_server.dependencies import (
-    HubDep,
     JobDep,
     SettingsDep,
     StoreDep,
-    SupervisorDep,
+    StreamsDep,
     UserDep,
     UsersDep,
 )
@@ -65,8 +64,7 @@ async def get_events(
     user: UserDep,
     settings: SettingsDep,
     store: StoreDep,
-    hub: HubDep,
-    supervisor: SupervisorDep,
+    streams: StreamsDep,
     after_step: Annotated[
         int, Query(ge=-1, le=2**62, description="Start after this step (-1: everything).")
     ] = -1,
@@ -88,12 +86,11 @@ async def get_events(
             return Response(status_code=204)
     return StreamingResponse(
         job_events(
+            streams,
             store,
-            hub,
             job_id,
             start,
             settings.heartbeat_s,
-            supervisor.queue_places,
             users.watch(getattr(request.state, "token", None), user),
         ),
         media_type="text/event-stream; charset=utf-8",

@@ -8,9 +8,9 @@ from fastapi.responses import PlainTextResponse
 from dmuon_server import __version__
 from dmuon_server.dependencies import (
     AdminDep,
-    HubDep,
     SettingsDep,
     StoreDep,
+    StreamsDep,
     SupervisorDep,
     TailerDep,
     UserDep,
@@ -55,7 +55,7 @@ def users(admin: AdminDep, known: UsersDep, store: StoreDep) -> UserList:
 def prometheus(
     settings: SettingsDep,
     store: StoreDep,
-    hub: HubDep,
+    streams: StreamsDep,
     supervisor: SupervisorDep,
     tailer: TailerDep,
 ) -> PlainTextResponse:
@@ -71,7 +71,7 @@ def prometheus(
         f"dmuon_queue_depth {counts.get('queued', 0)}",
         "# HELP dmuon_active_streams Open event streams.",
         "# TYPE dmuon_active_streams gauge",
-        f"dmuon_active_streams {hub.active_streams}",
+        f"dmuon_active_streams {streams.open}",
         "# HELP dmuon_max_concurrent_jobs Jobs that may run at the same time.",
         "# TYPE dmuon_max_concurrent_jobs gauge",
         f"dmuon_max_concurrent_jobs {settings.job_slots}",
