@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -62,6 +63,11 @@ KINDS = ("browser", "site_build", "live_server", "multi_process", "subprocess", 
 def _kind(item: pytest.Item) -> str:
     module = getattr(item, "module", None)
     names = set(vars(module)) if module is not None else set()
+    # A test made in another module (the docs' per-page examples) uses what that one does.
+    function = getattr(item, "function", None)
+    defining = sys.modules.get(getattr(function, "__module__", ""))
+    if defining is not None and defining is not module:
+        names |= set(vars(defining))
     fixtures = set(getattr(item, "fixturenames", ()))
     path = str(item.path)
     if "browser" in path or "browser" in fixtures:

@@ -1,0 +1,5 @@
+"""The runnable examples of ``docs/trainers.md`` (see ``docs_examples``)."""
+
+from docs_examples import page_example_tests
+
+test_example_runs = page_example_tests("trainers.md")
