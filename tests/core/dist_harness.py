@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from collectives import recorded_collectives
 from tiny_llama import TinyLlama
 
 # The naive FSDP2 + Muon baseline lives with the benchmarks that compare against it.
@@ -262,74 +263,15 @@ def _memory_report(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-_PYTHON_COLLECTIVES = (
-    "broadcast",
-    "reduce",
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "reduce_scatter_tensor",
-)
-
-
-#: Functional-collective ops that move data (``wait_tensor`` and wrappers do not).
-_FUNCTIONAL_OPS = frozenset(
-    {
-        "all_gather_into_tensor",
-        "all_gather_into_tensor_coalesced",
-        "reduce_scatter_tensor",
-        "reduce_scatter_tensor_coalesced",
-        "all_reduce",
-        "all_reduce_coalesced",
-        "broadcast",
-        "all_to_all_single",
-    }
-)
-
-
 @contextmanager
 def count_collectives() -> Iterator[list[tuple[str, int]]]:
-    """Record every collective issued inside the block as ``(name, elements)``.
-
-    Both doors are watched: the ``torch.distributed`` functions (what DMuon's `comm`
-    uses) and the functional-collective ops that DTensor and FSDP2 dispatch. This is an
-    independent count: it does not read any audit.
-    """
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    seen: list[tuple[str, int]] = []
-
-    class _Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            name = str(func.overloadpacket.__name__)
-            if func.namespace in ("_c10d_functional", "c10d") and name in _FUNCTIONAL_OPS:
-                first = args[0] if args else None
-                if isinstance(first, (list, tuple)):
-                    first = first[0] if first else None
-                numel = first.numel() if isinstance(first, torch.Tensor) else 0
-                seen.append((name, numel))
-            return func(*args, **(kwargs or {}))
-
-    # Older torch releases lack some of these (torch 2.11 has no ``all_gather_single``).
-    originals = {name: getattr(dist, name) for name in _PYTHON_COLLECTIVES if hasattr(dist, name)}
-
-    def counting(name: str) -> Callable[..., Any]:
-        def call(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            target = args[0] if name in ("all_gather_into_tensor", "all_gather_single") else tensor
-            seen.append((name, target.numel() if isinstance(target, torch.Tensor) else 0))
-            return originals[name](tensor, *args, **kwargs)
-
-        return call
-
-    for name in originals:
-        setattr(dist, name, counting(name))
-    try:
-        with _Ops():
-            yield seen
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
+    """Record every collective issued inside the block as ``(name, elements)``, read once
+    the block is left (see `collectives.recorded_collectives`: an independent count, not
+    any audit)."""
+    pairs: list[tuple[str, int]] = []
+    with recorded_collectives(functional=True) as seen:
+        yield pairs
+    pairs.extend((kind, numel) for _, kind, numel, _ in seen)
 
 
 def run_scenario(

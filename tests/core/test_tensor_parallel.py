@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_harness import count_collectives, reference_train, run_in_order, spawn_ranks
+from collectives import recorded_collectives
+from dist_harness import reference_train, run_in_order, spawn_ranks
 from hf_models import config_of
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -202,7 +203,7 @@ def train_steps(model: nn.Module, optimizer: dmuon.Muon, mesh: Any, steps: range
     issued = []
     for step in steps:
         mine = global_batch(step).chunk(dp)[dp_rank]
-        with count_collectives() as seen:
+        with recorded_collectives() as seen:
             for micro, chunk in enumerate(mine.chunk(ACCUM)):
                 with dmuon.no_sync(model) if micro + 1 < ACCUM else nullcontext():
                     (loss_of(model, chunk) / ACCUM).backward()
@@ -332,9 +333,21 @@ def test_tp_traffic_per_mesh_dimension(runs, kind: str, mode: str) -> None:
 
 @pytest.mark.parametrize(("kind", "mode"), CASES)
 def test_tp_collectives_are_the_same_on_every_rank(runs, kind: str, mode: str) -> None:
-    issued = [result["issued"] for result in _ok(runs["trained"], (kind, mode))]
-    assert all(seq == issued[0] for seq in issued[1:])
-    assert issued[0][0], "nothing was counted"
+    """Each process group's ranks issue the same collectives in the same order (counted
+    independently of the audit, by `collectives.recorded_collectives`)."""
+    per_rank = [result["issued"] for result in _ok(runs["trained"], (kind, mode))]
+    assert all(steps[0] for steps in per_rank), "nothing was counted"
+    for step in range(STEPS):
+        by_group: dict[tuple[int, ...], dict[int, list[Any]]] = {}
+        for rank, steps in enumerate(per_rank):
+            for ranks, name, numel, root in steps[step]:
+                by_group.setdefault(tuple(ranks), {}).setdefault(rank, []).append(
+                    (name, numel, root)
+                )
+        for ranks, seqs in by_group.items():
+            assert set(seqs) == set(ranks), f"step {step}: only {sorted(seqs)} of {ranks} issued"
+            first = seqs[ranks[0]]
+            assert all(seqs[r] == first for r in ranks), f"step {step}, group {ranks} differ"
 
 
 @pytest.mark.parametrize("kind", list(MODELS))

@@ -18,14 +18,12 @@ same sequence on it.
 
 from __future__ import annotations
 
-import inspect
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
+from collectives import Collective, recorded_collectives
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -179,104 +177,6 @@ def other_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         grads[name] = grad.detach().clone()
     return grads
-
-
-# ----- the collectives -----------------------------------------------------------------------
-_PYTHON_COLLECTIVES = (
-    "broadcast",
-    "reduce",
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "scatter",
-    "gather",
-)
-#: The argument whose size a collective is recorded with (the first one present).
-_SIZE_ARGUMENTS = ("input_tensor", "input", "tensor")
-_ROOT_ARGUMENTS = ("src", "dst")
-_FUNCTIONAL = frozenset(
-    {
-        "all_gather_into_tensor",
-        "all_gather_into_tensor_coalesced",
-        "reduce_scatter_tensor",
-        "reduce_scatter_tensor_coalesced",
-        "all_reduce",
-        "all_reduce_coalesced",
-        "broadcast",
-        "all_to_all_single",
-    }
-)
-
-#: One recorded collective: (global ranks of its group, kind, elements, root or -1).
-Collective = tuple[tuple[int, ...], str, int, int]
-
-
-def _ranks_of(group: Any) -> tuple[int, ...]:
-    if group is None:
-        group = dist.group.WORLD
-    if isinstance(group, str):
-        from torch.distributed.distributed_c10d import _resolve_process_group
-
-        group = _resolve_process_group(group)
-    return tuple(dist.get_process_group_ranks(group))
-
-
-class _FunctionalCollectives:
-    """A dispatch mode recording the functional-collective ops DTensor issues."""
-
-    def __init__(self, seen: list[Collective]) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-                name = str(func.overloadpacket.__name__)
-                if func.namespace == "_c10d_functional" and name in _FUNCTIONAL:
-                    first = args[0] if args else None
-                    if isinstance(first, (list, tuple)):
-                        first = first[0] if first else None
-                    group = next(a for a in reversed(args) if isinstance(a, str))
-                    numel = first.numel() if isinstance(first, torch.Tensor) else 0
-                    seen.append((_ranks_of(group), name, numel, -1))
-                return func(*args, **(kwargs or {}))
-
-        self.mode = Mode()
-
-
-@contextmanager
-def recorded_collectives(functional: bool) -> Iterator[list[Collective]]:
-    """Record every collective inside the block (see `Collective`).
-
-    The ``torch.distributed`` functions (DMuon's, FSDP2's, DDP-independent ones) always;
-    with ``functional`` also the functional-collective ops DTensor dispatches (tensor
-    parallelism), through a dispatch mode that every op passes (slower, so only there).
-    """
-    seen: list[Collective] = []
-    originals = {n: getattr(dist, n) for n in _PYTHON_COLLECTIVES}
-
-    def counting(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs).arguments
-            tensor = next((bound[a] for a in _SIZE_ARGUMENTS if a in bound), None)
-            root = next((bound[a] for a in _ROOT_ARGUMENTS if bound.get(a) is not None), -1)
-            numel = tensor.numel() if isinstance(tensor, torch.Tensor) else 0
-            seen.append((_ranks_of(bound.get("group")), name, numel, root))
-            return original(*args, **kwargs)
-
-        return call
-
-    for name, original in originals.items():
-        setattr(dist, name, counting(name, original))
-    try:
-        with _FunctionalCollectives(seen).mode if functional else nullcontext():
-            yield seen
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 # ----- what a phase reports -----------------------------------------------------------------
