@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
+from fake_launcher import FakeLauncher
 from fastapi.testclient import TestClient
 from server_helpers import (
     SERVER_TESTS,
@@ -42,9 +43,27 @@ def data_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 @pytest.fixture
-def client(tmp_path: Path, data_dir: Path, fake_env: None) -> Iterator[TestClient]:
-    """A client of an in-process app (lifespan running) whose jobs run ``fake_train``."""
+def client(real_client: TestClient) -> TestClient:
+    """A client of an in-process app (lifespan running) whose jobs run ``fake_train``
+    (a module may override it with `fake_client`)."""
+    return real_client
+
+
+@pytest.fixture
+def real_client(tmp_path: Path, data_dir: Path, fake_env: None) -> Iterator[TestClient]:
+    """A client of an in-process app (lifespan running) whose jobs run ``fake_train``
+    under torchrun: their files, logs and the recipe's summary are real."""
     app = create_app(make_settings(tmp_path, data_dir=data_dir))
+    with TestClient(app, raise_server_exceptions=False) as c:
+        yield c
+        finish_all_jobs(c)
+
+
+@pytest.fixture
+def fake_client(tmp_path: Path, data_dir: Path) -> Iterator[TestClient]:
+    """A client of an in-process app whose jobs run no process (`fake_launcher`): for
+    routes that need jobs, their points and their ends, but not a real run."""
+    app = create_app(make_settings(tmp_path, data_dir=data_dir), make_launcher=FakeLauncher)
     with TestClient(app, raise_server_exceptions=False) as c:
         yield c
         finish_all_jobs(c)

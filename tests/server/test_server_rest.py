@@ -1,4 +1,6 @@
-"""REST API against the in-process app (httpx via TestClient): specs, errors, auth, paging."""
+"""REST API against the in-process app (httpx via TestClient): specs, errors, auth, paging.
+
+Jobs here run no process (`fake_launcher`), except where a test says it needs a real one."""
 
 from __future__ import annotations
 
@@ -15,6 +17,12 @@ from server_helpers import TERMINAL, job_spec, make_settings, wait_until
 from dmuon_server.app import create_app
 
 PROBLEM = "application/problem+json"
+
+
+@pytest.fixture
+def client(fake_client: TestClient) -> TestClient:
+    """This module's routes need jobs, not real runs."""
+    return fake_client
 
 
 def _problem(r: httpx.Response, status: int) -> dict:
@@ -103,17 +111,17 @@ def test_validate_is_a_dry_run_with_exact_argv(client: TestClient) -> None:
     assert client.get("/v1/jobs").json()["items"] == []
 
 
-def test_create_get_list_and_location(client: TestClient) -> None:
-    r = client.post("/v1/jobs", json=job_spec(name="first", steps=5))
+def test_create_get_list_and_location(real_client: TestClient) -> None:
+    r = real_client.post("/v1/jobs", json=job_spec(name="first", steps=5))
     assert r.status_code == 201, r.text
     job = r.json()
     assert r.headers["location"] == f"/v1/jobs/{job['id']}"
     assert job["state"] in {"queued", "starting"}
     assert job["name"] == "first" and job["train"]["steps"] == 5 and job["created_at"]
-    got = client.get(r.headers["location"]).json()
+    got = real_client.get(r.headers["location"]).json()
     assert got["id"] == job["id"]
     assert got["history"][0]["state"] == "queued" and got["history"][0]["reason"]
-    done = _finished(client, job["id"])
+    done = _finished(real_client, job["id"])
     assert done["state"] == "succeeded", done
     assert done["exit_code"] == 0
     assert [h["state"] for h in done["history"]] == ["queued", "starting", "running", "succeeded"]
@@ -235,21 +243,21 @@ def test_unknown_job_ids_are_404(client: TestClient) -> None:
     _problem(client.get("/v1/jobs/" + "x" * 65), 422)
 
 
-def test_delete_only_finished_jobs(client: TestClient, data_dir: Path) -> None:
-    job = client.post("/v1/jobs", json=job_spec(steps=10_000)).json()
+def test_delete_only_finished_jobs(real_client: TestClient, data_dir: Path) -> None:
+    job = real_client.post("/v1/jobs", json=job_spec(steps=10_000)).json()
     wait_until(
-        lambda: client.get(f"/v1/jobs/{job['id']}").json()["state"] == "running", 60, "running"
+        lambda: real_client.get(f"/v1/jobs/{job['id']}").json()["state"] == "running", 60, "running"
     )
-    _problem(client.delete(f"/v1/jobs/{job['id']}"), 409)
-    assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
-    assert _finished(client, job["id"])["state"] == "cancelled"
+    _problem(real_client.delete(f"/v1/jobs/{job['id']}"), 409)
+    assert real_client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
+    assert _finished(real_client, job["id"])["state"] == "cancelled"
     # Cancelling again is fine (idempotent), cancelling a deleted job is not.
-    assert client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
+    assert real_client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
     assert (data_dir / "jobs" / job["id"]).is_dir()
-    assert client.delete(f"/v1/jobs/{job['id']}").status_code == 204
+    assert real_client.delete(f"/v1/jobs/{job['id']}").status_code == 204
     assert not (data_dir / "jobs" / job["id"]).exists()
-    _problem(client.get(f"/v1/jobs/{job['id']}"), 404)
-    _problem(client.get(f"/v1/jobs/{job['id']}/metrics"), 404)
+    _problem(real_client.get(f"/v1/jobs/{job['id']}"), 404)
+    _problem(real_client.get(f"/v1/jobs/{job['id']}/metrics"), 404)
 
 
 def test_cancel_of_a_succeeded_job_is_409(client: TestClient) -> None:
@@ -376,24 +384,24 @@ def test_prometheus_metrics(client: TestClient) -> None:
     assert 'dmuon_jobs{state="cancelled"} 2' in client.get("/metrics").text
 
 
-def test_logs_tail_is_bounded(client: TestClient) -> None:
-    job = client.post("/v1/jobs", json=job_spec(steps=40)).json()
-    _finished(client, job["id"])
-    logs = client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 3}).json()
+def test_logs_tail_is_bounded(real_client: TestClient) -> None:
+    job = real_client.post("/v1/jobs", json=job_spec(steps=40)).json()
+    _finished(real_client, job["id"])
+    logs = real_client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 3}).json()
     assert len(logs["lines"]) == 3 and logs["truncated"] is True
-    full = client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 10_000}).json()["lines"]
+    full = real_client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 10_000}).json()["lines"]
     assert any("step 40 loss" in line for line in full)
     assert any("[default1]" in line for line in full)  # every rank's output is there
-    _problem(client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 0}), 422)
-    _problem(client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 10_001}), 422)
+    _problem(real_client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 0}), 422)
+    _problem(real_client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 10_001}), 422)
 
 
-def test_metrics_pages_have_every_point(client: TestClient, data_dir: Path) -> None:
-    job = client.post("/v1/jobs", json=job_spec(steps=25, eval_every=10)).json()
-    _finished(client, job["id"])
+def test_metrics_pages_have_every_point(real_client: TestClient, data_dir: Path) -> None:
+    job = real_client.post("/v1/jobs", json=job_spec(steps=25, eval_every=10)).json()
+    _finished(real_client, job["id"])
     items, after = [], -1
     while True:
-        page = client.get(
+        page = real_client.get(
             f"/v1/jobs/{job['id']}/metrics", params={"after_step": after, "limit": 7}
         ).json()
         items += page["items"]
@@ -406,8 +414,8 @@ def test_metrics_pages_have_every_point(client: TestClient, data_dir: Path) -> N
     assert items == points  # the same objects, unknown keys included, in order
     assert [p["step"] for p in items] == list(range(26))
     assert items[10]["val_loss"] == pytest.approx(items[10]["loss"] + 0.05)
-    _problem(client.get(f"/v1/jobs/{job['id']}/metrics", params={"limit": 0}), 422)
-    _problem(client.get(f"/v1/jobs/{job['id']}/metrics", params={"after_step": -2}), 422)
+    _problem(real_client.get(f"/v1/jobs/{job['id']}/metrics", params={"limit": 0}), 422)
+    _problem(real_client.get(f"/v1/jobs/{job['id']}/metrics", params={"after_step": -2}), 422)
 
 
 def test_server_never_imports_torch_or_dmuon() -> None:

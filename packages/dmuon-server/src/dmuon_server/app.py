@@ -19,8 +19,11 @@ from dmuon_server.fingerprint import PREFIX as FINGERPRINT_PREFIX
 from dmuon_server.fingerprint import stored_spec_fingerprint
 from dmuon_server.hosts import HostCheckMiddleware
 from dmuon_server.identity import IdentityError, JobIdentities
+from dmuon_server.launchers import launcher_for
+from dmuon_server.launchers.base import LauncherFactory
 from dmuon_server.launchers.handover import check_launcher_matches
 from dmuon_server.launchers.slurm_jobs import check_slurm
+from dmuon_server.lifecycle import move_job
 from dmuon_server.limits import BodySizeLimitMiddleware
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.openapi import build_openapi
@@ -37,12 +40,15 @@ def create_app(
     *,
     lock: DataDirLock | None = None,
     users: Users | None = None,
+    make_launcher: LauncherFactory = launcher_for,
 ) -> FastAPI:
     """Build the application for ``settings`` (defaults from the environment).
 
     ``lock`` is the data directory's lock when the caller (the CLI) already holds it;
     otherwise the lifespan takes it. ``users`` are those the CLI loaded (it reloads them on
-    SIGHUP); by default they are read from ``settings``. Raises :class:`StartupError` for
+    SIGHUP); by default they are read from ``settings``. ``make_launcher`` builds where jobs
+    run (by default the launcher ``settings`` name), given the store, hub, metrics tailer,
+    the state-changing ``move`` and the job identities. Raises :class:`StartupError` for
     a data directory, database or users file the server cannot use.
     """
     settings = settings or Settings()
@@ -72,7 +78,12 @@ def create_app(
     tailer = MetricsTailer(
         store, hub, lambda job_id, text: PublicPaths(settings, settings.job_dir(job_id)).text(text)
     )
-    supervisor = Supervisor(settings, store, hub, tailer, identities=identities)
+
+    def move(job_id: str, state: str, reason: str, **kw: Any) -> bool:
+        return move_job(store, hub, job_id, state, reason, **kw)
+
+    launcher = make_launcher(settings, store, hub, tailer, move, identities)
+    supervisor = Supervisor(settings, store, hub, tailer, launcher, identities=identities)
     streams = EventStreams(
         store, hub, supervisor.queue_places, lambda: users.generation, settings.heartbeat_s
     )

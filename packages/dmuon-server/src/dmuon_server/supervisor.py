@@ -16,22 +16,18 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 from dmuon_server import queue_policy
 from dmuon_server.config import Settings
 from dmuon_server.identity import JobIdentities
 from dmuon_server.launch import gpus_per_node
 from dmuon_server.launchers.base import Launcher
-from dmuon_server.launchers.local import LocalLauncher
-from dmuon_server.launchers.slurm_jobs import SlurmLauncher
 from dmuon_server.lifecycle import move_job
 from dmuon_server.metrics import Hub, MetricsTailer
 from dmuon_server.queue_policy import Holding, Place, Plan, Waiting
 from dmuon_server.records import JobRecord
 from dmuon_server.schemas import ACTIVE_STATES, TERMINAL_STATES
 from dmuon_server.store import Store, StoreFull
-from dmuon_server.users import Users
 
 log = logging.getLogger("dmuon_server.supervisor")
 
@@ -55,24 +51,19 @@ class Supervisor:
         store: Store,
         hub: Hub,
         tailer: MetricsTailer,
-        launcher: Launcher | None = None,
+        launcher: Launcher,
         *,
-        identities: JobIdentities | None = None,
+        identities: JobIdentities,
     ) -> None:
-        """Create a supervisor over ``launcher`` (by default the one ``settings`` name,
-        running jobs as ``identities`` say); :meth:`start` runs it."""
-        identities = identities or JobIdentities(settings, Users(None))
+        """Create a supervisor over ``launcher`` (jobs run as ``identities`` say);
+        :meth:`start` runs it."""
         self.identities = identities
         self._cached_places: tuple[tuple[int, int], dict[str, Place]] | None = None
         self.settings = settings
         self.store = store
         self.hub = hub
         self.tailer = tailer
-        self.launcher: Launcher = launcher or (
-            SlurmLauncher(settings, store, hub, tailer, self._move, identities)
-            if settings.launcher == "slurm"
-            else LocalLauncher(settings, store, hub, tailer, self._move, identities)
-        )
+        self.launcher = launcher
         self._lock = threading.RLock()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -85,9 +76,6 @@ class Supervisor:
     def launched_total(self) -> int:
         """Attempts launched by this server process."""
         return self.launcher.launched_total
-
-    def _move(self, job_id: str, state: str, reason: str, **kw: Any) -> bool:
-        return move_job(self.store, self.hub, job_id, state, reason, **kw)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -232,7 +220,14 @@ class Supervisor:
             job = self.store.request_cancel(job_id)
             assert job is not None
             if job.state == "queued" and self.launcher.waiting(job):
-                self._move(job_id, "cancelled", "cancelled while queued", from_states=["queued"])
+                move_job(
+                    self.store,
+                    self.hub,
+                    job_id,
+                    "cancelled",
+                    "cancelled while queued",
+                    from_states=["queued"],
+                )
             else:
                 self.launcher.cancel(job)
         self.wake()

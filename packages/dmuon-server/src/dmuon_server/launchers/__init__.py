@@ -1,2 +1,31 @@
 """Where jobs run: the local host (:mod:`.local`) or a Slurm cluster (:mod:`.slurm_jobs`),
-behind one interface (:class:`.base.Launcher`) the supervisor schedules over."""
+behind one interface (:class:`.base.Launcher`) the supervisor schedules over.
+
+:func:`launcher_for` builds the one the settings name; the app gives it to the supervisor
+(tests give it one of their own)."""
+
+from __future__ import annotations
+
+from dmuon_server.config import Settings
+from dmuon_server.identity import JobIdentities
+from dmuon_server.launchers.base import Launcher, Move
+from dmuon_server.metrics import Hub, MetricsTailer
+from dmuon_server.store import Store
+
+
+def launcher_for(
+    settings: Settings,
+    store: Store,
+    hub: Hub,
+    tailer: MetricsTailer,
+    move: Move,
+    identities: JobIdentities,
+) -> Launcher:
+    """The launcher ``settings.launcher`` names: Slurm's or the local host's."""
+    if settings.launcher == "slurm":
+        from dmuon_server.launchers.slurm_jobs import SlurmLauncher
+
+        return SlurmLauncher(settings, store, hub, tailer, move, identities)
+    from dmuon_server.launchers.local import LocalLauncher
+
+    return LocalLauncher(settings, store, hub, tailer, move, identities)

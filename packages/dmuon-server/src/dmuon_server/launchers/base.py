@@ -8,6 +8,10 @@ from typing import Protocol
 
 from dmuon_server.records import JobRecord
 
+#: ``move(job_id, state, reason, from_states=..., **fields)``: the one way a launcher
+#: changes a job's state (`dmuon_server.lifecycle.move_job`); whether it changed.
+Move = Callable[..., bool]
+
 #: ``isolated(job_id)``: a context in which one job's round runs, so that its error is
 #: logged and does not stop the round of the others.
 Isolated = Callable[[str | None], AbstractContextManager[None]]
@@ -41,3 +45,7 @@ class Launcher(Protocol):
 
     def cancel(self, job: JobRecord) -> None:
         """Stop a launched job (its cancel request is recorded already)."""
+
+
+#: Builds a launcher: ``(settings, store, hub, tailer, move, identities)``.
+LauncherFactory = Callable[..., Launcher]
