@@ -2,7 +2,7 @@
 
 For each point count (1k, 100k, 500k by default) one job's metrics file is written and
 ingested into a fresh data directory by the server's own tailer
-(:class:`dmuon_server.metrics.MetricsTailer`, the code a running server uses), then a
+(:class:`dmuon_server.streams.metrics.MetricsTailer`, the code a running server uses), then a
 ``dmuon-server`` process is started on that directory and timed through HTTP:
 
 * ``GET /v1/jobs/{id}`` and ``GET /v1/jobs`` (the dashboard's views of a job);
@@ -87,9 +87,9 @@ def make_job(data_dir: Path, points: int, pad: int) -> tuple[str, float, int, in
     Returns the job id, the ingest rate (points per second), the metrics file's size and
     the database's size after a WAL checkpoint.
     """
-    from dmuon_server.metrics import Hub, MetricsTailer
     from dmuon_server.schemas import JobCreate
-    from dmuon_server.store import Store
+    from dmuon_server.storage.store import Store
+    from dmuon_server.streams.metrics import Hub, MetricsTailer
 
     data_dir.mkdir(parents=True)
     job_id = uuid.uuid4().hex  # as the server names jobs

@@ -14,14 +14,14 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from dmuon_server import attempts
 from dmuon_server.config import Settings
-from dmuon_server.identity import JobIdentities
-from dmuon_server.launchers.base import Isolated, Move
-from dmuon_server.metrics import Hub, MetricsTailer
-from dmuon_server.records import JobRecord
+from dmuon_server.launching import attempts
+from dmuon_server.launching.identity import JobIdentities
+from dmuon_server.launching.protocol import Isolated, Move
 from dmuon_server.schemas import ACTIVE_STATES
-from dmuon_server.store import Store
+from dmuon_server.storage.records import JobRecord
+from dmuon_server.storage.store import Store
+from dmuon_server.streams.metrics import Hub, MetricsTailer
 
 
 @dataclass

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dmuon_server.identity import closed_ancestor
+from dmuon_server.launching.identity import closed_ancestor
 
 #: The accounts the tests create (system accounts, no home, no login shell).
 ALICE, BOB, JOBS = "dmuon-t-alice", "dmuon-t-bob", "dmuon-t-jobs"

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from server_helpers import finish_all_jobs, make_settings
 
 from dmuon_server.app import create_app
-from dmuon_server.dashboard import STATIC_DIR
+from dmuon_server.http.dashboard import STATIC_DIR
 
 TOKEN = "t0ken"
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from dmuon_server.config import Settings
-from dmuon_server.identity import JobIdentities
+from dmuon_server.launching.identity import JobIdentities
 from dmuon_server.users import Users, UsersFileError
 
 

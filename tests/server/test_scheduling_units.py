@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmuon_server import gpus, queue_policy
-from dmuon_server.queue_policy import Place, Waiting
+from dmuon_server.scheduling import gpus, queue_policy
+from dmuon_server.scheduling.queue_policy import Place, Waiting
 from dmuon_server.users import TOKEN_USER, User, Users, UsersFileError
 
 # ----------------------------------------------------------------------------- GPUs

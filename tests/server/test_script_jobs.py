@@ -25,8 +25,8 @@ from server_helpers import (
     wait_until,
 )
 
-from dmuon_server.metrics import parse_lines
 from dmuon_server.schemas import MetricPoint
+from dmuon_server.streams.metrics import parse_lines
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "job-service.md"
 

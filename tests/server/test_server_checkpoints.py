@@ -21,7 +21,7 @@ from server_helpers import TERMINAL, job_spec, make_settings, wait_until
 
 from dmuon_server.app import create_app
 from dmuon_server.cli import build_parser
-from dmuon_server.metrics import parse_lines
+from dmuon_server.streams.metrics import parse_lines
 
 
 def _weight(seed: int, steps: int) -> float:

@@ -37,7 +37,7 @@ from server_helpers import (
     wait_until,
 )
 
-from dmuon_server.datadir import RESERVE_FILE, free_bytes
+from dmuon_server.storage.datadir import RESERVE_FILE, free_bytes
 
 pytestmark = pytest.mark.usefixtures("checkpointing_recipe")
 

@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from server_helpers import TERMINAL, iter_sse, job_spec, make_settings, processes_of_job, wait_until
 
-from dmuon_server.admission import RECIPE_MODELS
 from dmuon_server.app import create_app
+from dmuon_server.recipe.admission import RECIPE_MODELS
 
 PROBLEM = "application/problem+json"
 

@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 from server_helpers import LiveServer, iter_sse, job_processes, job_spec, make_settings
 
 from dmuon_server.app import create_app
-from dmuon_server.hf_models import read_model_dir, tokenizer_vocab
+from dmuon_server.recipe.hf_models import read_model_dir, tokenizer_vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "core"))
 import hf_models as h

@@ -4,7 +4,7 @@ A 2-process job (``collective_timeout`` 20 s, ``max_restarts`` 1) has rank 1 sto
 SIGSTOP after step 3: rank 0 waits in a collective, fails after the timeout with the
 recipe's ``StepFailed``; torchrun sends the stopped rank SIGTERM, on which it cannot act
 until continued, and would wait 30 s before its SIGKILL: the job's runner kills it at
-once (`dmuon_server.procs.kill_stopped_ranks`), and the attempt ends as a failure that
+once (`dmuon_server.launching.procs.kill_stopped_ranks`), and the attempt ends as a failure that
 ``max_restarts`` covers.
 The restarted attempt resumes from the last checkpoint and the job succeeds with every
 step once. The seconds from SIGSTOP to the job leaving ``running`` are printed
@@ -112,7 +112,7 @@ def test_only_a_stopped_process_told_to_end_is_killed() -> None:
     import subprocess
     import sys
 
-    from dmuon_server.procs import kill_stopped_ranks, stopped_and_told_to_end
+    from dmuon_server.launching.procs import kill_stopped_ranks, stopped_and_told_to_end
 
     parent = psutil.Process()
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])

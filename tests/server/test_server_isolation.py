@@ -40,7 +40,7 @@ from server_helpers import (
     wait_until,
 )
 
-from dmuon_server import sandbox
+from dmuon_server.launching import sandbox
 
 pytestmark = pytest.mark.usefixtures("root_and_accounts")
 

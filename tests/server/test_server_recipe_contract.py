@@ -16,17 +16,18 @@ from pathlib import Path
 
 import pytest
 
-from dmuon_server.admission import RECIPE_MODELS
-from dmuon_server.jobfiles import describe_failure, read_exit_report
-from dmuon_server.metrics import parse_lines
+from dmuon_server.recipe.admission import RECIPE_MODELS
 from dmuon_server.schemas import MetricPoint
+from dmuon_server.storage.jobfiles import describe_failure, read_exit_report
+from dmuon_server.streams.metrics import parse_lines
 
 train = pytest.importorskip("dmuon.train", reason="dmuon.train (the real recipe) is not installed")
 
 
 def test_the_contract_module_imports_no_torch() -> None:
     code = (
-        "import sys, dmuon_recipe_contract, dmuon_server.launch, dmuon_server.admission; "
+        "import sys, dmuon_recipe_contract, dmuon_server.launching.command, "
+        "dmuon_server.recipe.admission; "
         "bad = [m for m in ('torch', 'dmuon', 'transformers') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -65,9 +66,9 @@ def test_the_servers_spec_and_command_are_built_from_the_contract(tmp_path: Path
 
     from dmuon.train.checkpointing import checkpoint_name as recipe_checkpoint_name
     from dmuon_server.config import Settings
-    from dmuon_server.jobfiles import checkpoint_name
-    from dmuon_server.launch import build_command
+    from dmuon_server.launching.command import build_command
     from dmuon_server.schemas import JobCreate, TrainSpec
+    from dmuon_server.storage.jobfiles import checkpoint_name
 
     dests = {f.dest for f in contract.FLAGS}
     assert set(TrainSpec.model_fields) <= dests, set(TrainSpec.model_fields) - dests
@@ -167,7 +168,7 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
     import dmuon_recipe_contract as contract
 
     from dmuon_server.config import Settings
-    from dmuon_server.launch import build_command
+    from dmuon_server.launching.command import build_command
     from dmuon_server.schemas import GENERATED_FLAGS, SERVER_SET_FLAGS, JobCreate, TrainSpec
 
     dests = {f.dest for f in contract.FLAGS}

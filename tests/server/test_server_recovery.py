@@ -16,7 +16,7 @@ from server_helpers import SERVER_TESTS, job_spec, make_settings, processes_of_j
 
 from dmuon_server.app import create_app
 from dmuon_server.schemas import JobCreate
-from dmuon_server.store import Store
+from dmuon_server.storage.store import Store
 
 
 def _insert(store: Store, state: str, **cols: object) -> str:

@@ -287,7 +287,7 @@ def test_idempotency_key_survives_an_upgrade_that_adds_spec_fields(
     import hashlib
 
     from dmuon_server.schemas import JobCreate
-    from dmuon_server.store import Store
+    from dmuon_server.storage.store import Store
 
     body = job_spec(steps=3)
     settings = make_settings(tmp_path, data_dir=data_dir)
@@ -420,7 +420,7 @@ def test_metrics_pages_have_every_point(real_client: TestClient, data_dir: Path)
 
 def test_server_never_imports_torch_or_dmuon() -> None:
     code = (
-        "import sys, dmuon_server.app, dmuon_server.cli, dmuon_server.supervisor;"
+        "import sys, dmuon_server.app, dmuon_server.cli, dmuon_server.scheduling.supervisor;"
         "bad = [m for m in sys.modules if m == 'torch' or m.split('.')[0] == 'dmuon'];"
         "assert not bad, bad"
     )

@@ -33,8 +33,8 @@ from server_helpers import (
     wait_until,
 )
 
-from dmuon_server.datadir import RESERVE_FILE
-from dmuon_server.launchers.slurm import SlurmClient
+from dmuon_server.launching.slurm import SlurmClient
+from dmuon_server.storage.datadir import RESERVE_FILE
 
 pytestmark = pytest.mark.usefixtures("slurm_cluster")
 
@@ -218,9 +218,9 @@ def test_slurm_jobs_fail_survive_a_restart_cancel_and_stream_to_the_end(
 def test_a_submission_the_server_did_not_record_is_adopted_not_repeated(tmp_path: Path) -> None:
     """A server that stopped between ``sbatch`` and recording the Slurm job id: the next
     one finds the job by its Slurm job name instead of submitting it again."""
-    from dmuon_server.launchers.slurm_jobs import SlurmLauncher, job_name
-    from dmuon_server.metrics import Hub, MetricsTailer
-    from dmuon_server.store import Store
+    from dmuon_server.launching.slurm_jobs import SlurmLauncher, job_name
+    from dmuon_server.storage.store import Store
+    from dmuon_server.streams.metrics import Hub, MetricsTailer
 
     store = Store(tmp_path / "db.sqlite3")
     store.create_job(

@@ -24,7 +24,7 @@ from server_helpers import (
 )
 
 from dmuon_server.app import create_app
-from dmuon_server.metrics import parse_lines
+from dmuon_server.streams.metrics import parse_lines
 
 
 def _job(c: TestClient, job_id: str) -> dict:

@@ -314,7 +314,7 @@ def test_a_late_user_waits_one_turn_not_the_whole_queue(tmp_path: Path, data_dir
 
 def test_users_take_turns_within_a_priority() -> None:
     """The policy alone: every user's first job, then every user's second, by priority."""
-    from dmuon_server.queue_policy import Waiting, fair_order
+    from dmuon_server.scheduling.queue_policy import Waiting, fair_order
 
     users = ["ada", "ada", "ada", "bob", "cy", "bob"]
     names = ["a1", "a2", "a3", "b1", "c1", "b2"]

@@ -15,8 +15,8 @@ import pytest
 from pydantic import ValidationError
 from server_helpers import job_spec, make_settings
 
-from dmuon_server.launch import plan_view, program_of, review
-from dmuon_server.launchers.slurm import (
+from dmuon_server.launching.command import plan_view, program_of, review
+from dmuon_server.launching.slurm import (
     BatchOptions,
     SlurmJob,
     batch_script,
@@ -25,7 +25,7 @@ from dmuon_server.launchers.slurm import (
     parse_scontrol,
     service_state,
 )
-from dmuon_server.launchers.slurm_jobs import write_batch_script
+from dmuon_server.launching.slurm_jobs import write_batch_script
 from dmuon_server.schemas import JobCreate
 
 # The table of the job-service documentation, written out independently of the code.
@@ -211,7 +211,7 @@ def _store_with(tmp_path: Path, **launched: str) -> tuple[Path, dict[str, str]]:
     ``name=slurm`` (running in Slurm), ``name=local`` (running on the host) or
     ``name=queued`` (waiting in the service's queue). Returns the settings' data dir and
     the job ids by name."""
-    from dmuon_server.store import Store
+    from dmuon_server.storage.store import Store
 
     settings = make_settings(tmp_path)
     settings.jobs_dir.mkdir(parents=True)
@@ -244,8 +244,8 @@ def test_a_data_dir_with_slurm_jobs_is_not_reopened_by_the_local_launcher(
     tmp_path: Path,
 ) -> None:
     from dmuon_server.app import create_app
-    from dmuon_server.datadir import StartupError
-    from dmuon_server.store import Store
+    from dmuon_server.storage.datadir import StartupError
+    from dmuon_server.storage.store import Store
 
     data_dir, ids = _store_with(tmp_path, a="slurm", b="queued", c="slurm")
     settings = make_settings(tmp_path, data_dir=data_dir, launcher="local")
@@ -264,9 +264,9 @@ def test_a_data_dir_with_slurm_jobs_is_not_reopened_by_the_local_launcher(
 
 
 def test_local_jobs_block_the_slurm_launcher(tmp_path: Path) -> None:
-    from dmuon_server.datadir import StartupError
-    from dmuon_server.launchers.handover import check_launcher_matches
-    from dmuon_server.store import Store
+    from dmuon_server.launching.handover import check_launcher_matches
+    from dmuon_server.storage.datadir import StartupError
+    from dmuon_server.storage.store import Store
 
     data_dir, ids = _store_with(tmp_path, here="local", waiting="queued")
     store = Store(make_settings(tmp_path, data_dir=data_dir).db_path)

@@ -12,7 +12,7 @@ import dmuon_recipe_contract as contract
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dmuon_server.store import EventRecord, Store
+from dmuon_server.storage.store import EventRecord, Store
 
 _SPEC = "{}"
 

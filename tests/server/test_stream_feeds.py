@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from dmuon_server import feeds
-from dmuon_server.events import job_events
-from dmuon_server.feeds import EventStreams
-from dmuon_server.metrics import Hub
-from dmuon_server.store import Store
+from dmuon_server.storage.store import Store
+from dmuon_server.streams import feeds
+from dmuon_server.streams.events import job_events
+from dmuon_server.streams.feeds import EventStreams
+from dmuon_server.streams.metrics import Hub
 
 
 class CountingStore(Store):

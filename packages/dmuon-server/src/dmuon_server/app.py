@@ -1,4 +1,4 @@
-"""The FastAPI application: wiring and lifespan. Routes live in :mod:`dmuon_server.routers`."""
+"""The FastAPI application: wiring and lifespan. Routes live in :mod:`dmuon_server.http.routes`."""
 
 from __future__ import annotations
 
@@ -9,29 +9,29 @@ from typing import Any
 from fastapi import FastAPI
 
 from dmuon_server import __version__
-from dmuon_server.auth import BearerAuthMiddleware
 from dmuon_server.config import Settings
-from dmuon_server.dashboard import mount_dashboard
-from dmuon_server.datadir import DataDirLock, StartupError, check_data_dir
-from dmuon_server.errors import install_error_handlers
-from dmuon_server.feeds import EventStreams
-from dmuon_server.fingerprint import PREFIX as FINGERPRINT_PREFIX
-from dmuon_server.fingerprint import stored_spec_fingerprint
-from dmuon_server.hosts import HostCheckMiddleware
-from dmuon_server.identity import IdentityError, JobIdentities
-from dmuon_server.launchers import launcher_for
-from dmuon_server.launchers.base import LauncherFactory
-from dmuon_server.launchers.handover import check_launcher_matches
-from dmuon_server.launchers.slurm_jobs import check_slurm
-from dmuon_server.lifecycle import move_job
-from dmuon_server.limits import BodySizeLimitMiddleware
-from dmuon_server.metrics import Hub, MetricsTailer
-from dmuon_server.openapi import build_openapi
-from dmuon_server.paths import PublicPaths
-from dmuon_server.protocol import HeadMiddleware, JsonBodyMiddleware
-from dmuon_server.routers import artifacts, jobs, metrics, service
-from dmuon_server.store import Store, StoreError
-from dmuon_server.supervisor import Supervisor
+from dmuon_server.http.auth import BearerAuthMiddleware
+from dmuon_server.http.dashboard import mount_dashboard
+from dmuon_server.http.errors import install_error_handlers
+from dmuon_server.http.hosts import HostCheckMiddleware
+from dmuon_server.http.limits import BodySizeLimitMiddleware
+from dmuon_server.http.openapi import build_openapi
+from dmuon_server.http.protocol import HeadMiddleware, JsonBodyMiddleware
+from dmuon_server.http.routes import artifacts, jobs, metrics, service
+from dmuon_server.launching.factory import launcher_for
+from dmuon_server.launching.handover import check_launcher_matches
+from dmuon_server.launching.identity import IdentityError, JobIdentities
+from dmuon_server.launching.protocol import LauncherFactory
+from dmuon_server.launching.slurm_jobs import check_slurm
+from dmuon_server.recipe.fingerprint import PREFIX as FINGERPRINT_PREFIX
+from dmuon_server.recipe.fingerprint import stored_spec_fingerprint
+from dmuon_server.scheduling.lifecycle import move_job
+from dmuon_server.scheduling.supervisor import Supervisor
+from dmuon_server.storage.datadir import DataDirLock, StartupError, check_data_dir
+from dmuon_server.storage.paths import PublicPaths
+from dmuon_server.storage.store import Store, StoreError
+from dmuon_server.streams.feeds import EventStreams
+from dmuon_server.streams.metrics import Hub, MetricsTailer
 from dmuon_server.users import Users, UsersFileError
 
 

@@ -28,8 +28,7 @@ import socket
 import sys
 from pathlib import Path
 
-from dmuon_server import __version__, sandbox
-from dmuon_server.auth import TokenError, check_token, read_token_file
+from dmuon_server import __version__
 from dmuon_server.config import (
     DEFAULT_JOB_MEMORY_FRACTION,
     DEFAULT_MAX_BODY_BYTES,
@@ -38,11 +37,13 @@ from dmuon_server.config import (
     default_max_job_memory,
     usable_cpus,
 )
-from dmuon_server.datadir import DataDirLock, StartupError, write_server_info
-from dmuon_server.gpus import GpuSpecError
-from dmuon_server.gpus import parse as parse_gpus
-from dmuon_server.hosts import LOOPBACK_NAMES
-from dmuon_server.identity import IdentityError, JobIdentities
+from dmuon_server.http.auth import TokenError, check_token, read_token_file
+from dmuon_server.http.hosts import LOOPBACK_NAMES
+from dmuon_server.launching import sandbox
+from dmuon_server.launching.identity import IdentityError, JobIdentities
+from dmuon_server.scheduling.gpus import GpuSpecError
+from dmuon_server.scheduling.gpus import parse as parse_gpus
+from dmuon_server.storage.datadir import DataDirLock, StartupError, write_server_info
 from dmuon_server.users import Users, UsersFileError
 
 log = logging.getLogger("dmuon_server.cli")

@@ -61,7 +61,7 @@ class Settings:
             recipe finishes its step and saves a checkpoint in that time.
         poll_interval_s: How often the supervisor looks at running jobs and their metrics.
         disk_reserve_bytes: Space the server sets aside in the data directory
-            (:class:`dmuon_server.datadir.SpaceReserve`) and gives back when the disk fills,
+            (:class:`dmuon_server.storage.datadir.SpaceReserve`) and gives back when the disk fills,
             so that it can still record how the jobs ended; 0 sets none aside.
         log_tail_lines: How many log lines a failure report carries.
         max_body_bytes: Largest request body; larger ones get 413 before they are read.
@@ -79,15 +79,15 @@ class Settings:
             none by default: script jobs are refused.
         users_file: The users and their token hashes (``--users-file``), or None.
         job_user: The Unix account jobs run as (``--job-user``) when their user has no
-            ``unix_user``; None: the server's own (see :mod:`dmuon_server.identity`).
+            ``unix_user``; None: the server's own (see :mod:`dmuon_server.launching.identity`).
         allow_same_user_jobs: Whether script jobs may run as the server's own account, and
             a root server may run jobs as root (``--allow-same-user-jobs``).
         sandbox: ``bwrap``: each local job runs in a bubblewrap sandbox that shows it only
             its folder, its code, the data and model roots and a private ``/proc``
-            (:mod:`dmuon_server.sandbox`); ``none``: no sandbox. The CLI's ``auto`` becomes
-            one of them at start-up.
+            (:mod:`dmuon_server.launching.sandbox`); ``none``: no sandbox. The CLI's
+            ``auto`` becomes one of them at start-up.
         allowed_hosts: Host names requests may name besides the loopback ones
-            (``--allowed-host``); see :mod:`dmuon_server.hosts`. Given, they turn the
+            (``--allowed-host``); see :mod:`dmuon_server.http.hosts`. Given, they turn the
             ``Host`` and ``Origin`` checks on for a server with a token too.
     """
 
@@ -153,7 +153,7 @@ class Settings:
     def host_check(self) -> tuple[str, ...] | None:
         """The host names requests may name, or None when ``Host`` is not checked (a
         server with tokens and no ``--allowed-host``)."""
-        from dmuon_server.hosts import LOOPBACK_NAMES
+        from dmuon_server.http.hosts import LOOPBACK_NAMES
 
         if (self.token or self.users_file) and not self.allowed_hosts:
             return None

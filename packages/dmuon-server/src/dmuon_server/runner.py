@@ -19,7 +19,7 @@ generic message (and ``error_type`` is null).
 
 While torchrun runs, the runner also kills, at once, a rank that is stopped (SIGSTOP, a
 debugger) while torchrun tells it to end because another rank failed
-(:func:`dmuon_server.procs.kill_stopped_ranks`); torchrun itself would wait 30 s before
+(:func:`dmuon_server.launching.procs.kill_stopped_ranks`); torchrun itself would wait 30 s before
 its SIGKILL. The runner is the job's process on every node, so this holds under every
 launcher (the local host, each node of a Slurm allocation).
 
@@ -124,7 +124,7 @@ def _kill_stopped_ranks_until(done: threading.Event) -> None:
     while told to end, each named on stderr (the job's log)."""
     import psutil
 
-    from dmuon_server.procs import kill_stopped_ranks
+    from dmuon_server.launching.procs import kill_stopped_ranks
 
     me = psutil.Process()
     while not done.wait(STOPPED_RANK_POLL_S):

@@ -8,7 +8,7 @@ The users file holds SHA-256 hashes of tokens, never tokens::
                         "max_priority": 0}}
 
 (``printf %s "$TOKEN" | sha256sum`` gives the hash; ``unix_user``, optional, is the Unix
-account the user's jobs run as, see :mod:`dmuon_server.identity`). ``limits`` (a user's
+account the user's jobs run as, see :mod:`dmuon_server.launching.identity`). ``limits`` (a user's
 own) or ``default_limits`` (everyone else but admins) bound what a user may hold:
 ``queued_jobs`` waiting at once and ``max_priority`` (checked when a job is submitted),
 ``running_jobs`` and ``gpus`` at once (the queue skips the user's next job until one

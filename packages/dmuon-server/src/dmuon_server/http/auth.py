@@ -1,0 +1,99 @@
+"""Bearer-token authentication: the middleware (who a request comes from), and checks of
+a ``--token`` itself. Users and their token hashes are :mod:`dmuon_server.users`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from dmuon_server.http.errors import ERROR_TEXT, problem_response
+from dmuon_server.users import Users
+
+
+class TokenError(ValueError):
+    """A token no client could send (empty, whitespace, control characters)."""
+
+
+def check_token(token: str, source: str) -> str:
+    """Return ``token`` if a client can send it in an ``Authorization`` header.
+
+    A bearer token must be visible ASCII without spaces (RFC 6750 ``b64token`` and then
+    some); anything else would be accepted at start and then fail every request.
+    ``source`` names where the token came from, for the message.
+    """
+    if not token.strip():
+        raise TokenError(f"the token from {source} is empty or only whitespace; set a real one")
+    bad = sorted({c for c in token if not "\x21" <= c <= "\x7e"})
+    if bad:
+        shown = ", ".join(repr(c) for c in bad)
+        raise TokenError(
+            f"the token from {source} contains {shown}; a bearer token must be visible "
+            "ASCII without spaces or line breaks (check for a trailing newline)"
+        )
+    return token
+
+
+def read_token_file(path: Path) -> str:
+    """Read a token file: its content without one trailing line break, then checked."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TokenError(f"cannot read the token file {path}: {e}") from None
+    if text.endswith("\r\n"):
+        text = text[:-2]
+    elif text.endswith("\n"):
+        text = text[:-1]
+    return check_token(text, f"the file {path}")
+
+
+class BearerAuthMiddleware:
+    """Requires ``Authorization: Bearer <token>`` of a known user everywhere but
+    ``/healthz``, and tells the routes who it is (``request.state.user``).
+
+    Tokens are compared as SHA-256 hashes, in constant time, against every user
+    (:meth:`dmuon_server.users.Users.authenticate`).
+    """
+
+    def __init__(self, app: ASGIApp, users: Users) -> None:
+        """Wrap ``app``."""
+        self.app = app
+        self.users = users
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Let authorised requests (and health checks) through, answer 401 otherwise."""
+        if scope["type"] != "http" or scope.get("path") == "/healthz":
+            await self.app(scope, receive, send)
+            return
+        auth = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                auth = value
+                break
+        scheme, _, credentials = auth.partition(b" ")
+        user = None
+        if scheme.lower() == b"bearer":
+            user = self.users.authenticate(credentials.strip().decode("latin-1"))
+        if user is not None:
+            state = scope.setdefault("state", {})
+            state["user"] = user
+            # Long requests (event streams) check it again after a reload of the users.
+            state["token"] = credentials.strip().decode("latin-1")
+            await self.app(scope, receive, send)
+            return
+        detail = (
+            "send the header 'Authorization: Bearer <token>' with your token"
+            if not auth
+            else "the bearer token is not one this server knows; use your own token"
+        )
+        response = problem_response(
+            401,
+            ERROR_TEXT[401],
+            detail,
+            kind="unauthorized",
+            headers={
+                "WWW-Authenticate": 'Bearer realm="dmuon-server"'
+                + (', error="invalid_token"' if auth else "")
+            },
+        )
+        await response(scope, receive, send)

@@ -1,0 +1,459 @@
+"""Admission control: can the recipe run a job spec on this host?
+
+The server never imports the recipe: it knows the presets from the recipe's torch-free
+contract (``dmuon_recipe_contract.PRESETS``), counts a Hugging Face model's parameters from
+its ``config.json`` (:mod:`dmuon_server.recipe.hf_models`), and estimates what a job needs from
+the spec alone.
+
+Memory per rank (bytes; float32 parameters and activations, int64 token windows)::
+
+    parameters  = 16 * P                     weights, gradients, two optimizer states
+    activations = 4 * B * T * (L * (12*d + 4*f) + 2*d + 3*V)
+    batch       = 8 * (T + 1) * (A * B + ceil(64 / N))
+    corpus      = 3 * min(C, 4 MiB)          tokenization's batch of text and its ids
+    runtime     = 512 MiB                    interpreter, torch, gloo, allocator slack
+
+with ``P`` parameters, micro-batch ``B``, sequence length ``T``, ``L`` layers of width
+``d`` and MLP width ``f`` (for a mixture of experts, one expert's width times the experts
+each token goes to), vocabulary ``V``, accumulation ``A``, ``N`` ranks, and ``C``
+bytes of data to tokenize (the recipe streams it to a memory-mapped cache, a batch of
+``TOKENIZE_BATCH_BYTES`` at a time; token files are not tokenized, ``C`` = 0). The
+parameter term ignores sharding (every rank builds the whole model before FSDP2 shards
+it), the activation term counts what autograd keeps per token and layer (norm inputs and
+outputs, q/k/v, attention output, SwiGLU's four tensors) plus the logits, their
+log-softmax and gradient; attention itself is the fused kernel, linear in ``T``. The job
+needs ``N`` times the per-rank figure.
+
+The data is checked the way the recipe reads it (`dmuon_recipe_contract.data_kind`): a
+file, or every non-hidden, non-empty file of a folder (binary text files skipped, token
+files' sidecars not counted); a symbolic link out of the folder, a token file without
+its sidecar, or a vocabulary that does not fit the model is refused with the recipe's
+message. The validation split is the last 5 % of a single file's tokens, or the
+``ceil(5 % of the files)`` files of a folder, and both splits need at least ``T + 1``
+tokens: exact for raw bytes and token files, estimated at 4 bytes per token for a
+tokenizer (then only a warning).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import dmuon_recipe_contract as contract
+import psutil
+
+from dmuon_server.recipe.hf_models import HFModel
+from dmuon_server.schemas import Admission, DataEstimate, MemoryEstimate, TrainSpec
+
+#: Validation share of the recipe (``--val-fraction`` default; the server does not set it).
+VAL_FRACTION = contract.flag("val_fraction").default
+#: Validation windows of the recipe (``--eval-sequences`` default).
+EVAL_SEQUENCES = contract.flag("eval_sequences").default
+#: Memory of one rank before the model: interpreter, torch, gloo, allocator slack.
+RUNTIME_BYTES = 512 << 20
+#: Folder entries the data check looks at before it stops counting file sizes.
+MAX_FILES_SCANNED = 20_000
+#: Folder entries the symbolic-link check looks at; a larger folder is refused.
+MAX_ENTRIES_CHECKED = 1_000_000
+#: Links outside the data roots a refusal names.
+MAX_ESCAPES_REPORTED = 3
+#: Bytes per token the estimates assume for a tokenizer (raw bytes: 1).
+BYTES_PER_TOKEN = 4
+_BINARY_SNIFF_BYTES = 8192
+
+#: The recipe's presets (``dmuon_recipe_contract.PRESETS``).
+ModelShape = contract.PresetShape
+RECIPE_MODELS: dict[str, ModelShape] = contract.PRESETS
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """What the memory estimate needs of a model: a preset's or a model directory's."""
+
+    num_params: int
+    n_layers: int
+    dim: int
+    active_ffn_dim: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, model: ModelShape | HFModel) -> Sizes:
+        """The sizes of a preset or of an `HFModel`."""
+        return cls(model.num_params, model.n_layers, model.dim, model.active_ffn_dim,
+                   model.vocab_size)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A reason the recipe cannot run a spec, tied to the field to change."""
+
+    loc: tuple[str, ...]
+    message: str
+
+
+@dataclass(frozen=True)
+class DataFiles:
+    """What `scan_data` found: sizes by kind, token counts of token files, problems."""
+
+    text_sizes: list[int]
+    token_counts: list[int]
+    token_vocab: int
+    complete: bool
+    problem: str | None = None
+    token_bytes: int = 0
+
+    @property
+    def format(self) -> str:
+        """``text``, ``tokens`` or ``mixed`` (records and parquet count as text here)."""
+        if self.token_counts and self.text_sizes:
+            return "mixed"
+        return "tokens" if self.token_counts else "text"
+
+
+def _is_binary(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return b"\0" in f.read(_BINARY_SNIFF_BYTES)
+    except OSError:
+        return True
+
+
+def _token_file(path: Path, shown: str) -> tuple[int, int] | str:
+    """``(tokens, vocab_size)`` of a token file, or the recipe's message about it."""
+    sidecar = contract.sidecar_path(path)
+    if not sidecar.is_file():
+        return contract.sidecar_message(shown)
+    try:
+        meta = json.loads(sidecar.read_text(encoding="utf-8"))
+        width = contract.TOKEN_DTYPES[meta["dtype"]]
+        vocab = int(meta["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return (
+            f'--data: sidecar {sidecar.name} of {shown} must be a JSON object with "dtype" '
+            f'({", ".join(contract.TOKEN_DTYPES)}) and a positive integer "vocab_size"'
+        )
+    return path.stat().st_size // width, vocab
+
+
+def _inside(path: str, roots: tuple[Path, ...]) -> bool:
+    real = Path(os.path.realpath(path))
+    return any(real == r or real.is_relative_to(r) for r in roots)
+
+
+@dataclass
+class _Walk:
+    """The files of a folder the recipe would read, and the links that leave the roots."""
+
+    files: list[Path] = field(default_factory=list)
+    complete: bool = True
+    escapes: list[str] = field(default_factory=list)
+    unchecked: bool = False
+
+
+def _walk(path: Path, roots: tuple[Path, ...]) -> _Walk:
+    """Every entry under the folder ``path``, hidden ones too (``lstat`` only, so the count
+    of files does not limit the link check); a link is followed only to see where it ends:
+    what the recipe would reach through a link must lie inside a data root, as ``path``
+    itself must. Hidden entries and linked folders are not entered (the recipe skips them).
+    """
+    out = _Walk()
+    stack = [path]
+    seen = 0
+    while stack:
+        folder = stack.pop()
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in entries:
+            seen += 1
+            if seen > MAX_ENTRIES_CHECKED:
+                out.unchecked = True
+                return out
+            try:
+                if entry.is_symlink() and not _inside(entry.path, roots):
+                    if len(out.escapes) < MAX_ESCAPES_REPORTED:
+                        out.escapes.append(Path(entry.path).relative_to(path).as_posix())
+                    continue
+                if entry.name.startswith("."):
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(Path(entry.path))
+                elif entry.is_symlink() and entry.is_dir():
+                    continue
+                elif seen > MAX_FILES_SCANNED:
+                    out.complete = False
+                else:
+                    out.files.append(Path(entry.path))
+            except OSError:
+                continue
+    out.files.sort()
+    return out
+
+
+def _refused(problem: str) -> DataFiles:
+    return DataFiles([], [], 0, True, problem)
+
+
+def scan_data(path: Path, shown: str, roots: tuple[Path, ...] = ()) -> DataFiles:
+    """The files the recipe would read from ``path`` (``shown`` as the client named it),
+    inside the data ``roots``; a link anywhere in a folder must resolve inside one of them.
+    """
+    if path.is_file():
+        if contract.data_kind(path) == "tokens":
+            found = _token_file(path, shown)
+            if isinstance(found, str):
+                return _refused(found)
+            return DataFiles([], [found[0]], found[1], True, None, path.stat().st_size)
+        return DataFiles([path.stat().st_size], [], 0, True)
+    walk = _walk(path, roots)
+    if walk.escapes:
+        listed = ", ".join(repr(e) for e in walk.escapes)
+        return _refused(
+            f"{shown} holds symbolic links that lead outside the data roots ({listed}); the "
+            "recipe would read what they point to. Remove the links, or copy their files "
+            "into a data root"
+        )
+    if walk.unchecked:
+        return _refused(
+            f"{shown} has more than {MAX_ENTRIES_CHECKED:,} entries, more than the server "
+            "checks for links leading outside the data roots; point train.data at a smaller "
+            "folder"
+        )
+    sizes: list[int] = []
+    tokens: list[int] = []
+    vocab = token_bytes = 0
+    entries = walk.files
+    sidecars = {contract.sidecar_path(f) for f in entries if contract.data_kind(f) == "tokens"}
+    for f in entries:
+        try:
+            if f in sidecars or not f.is_file() or f.stat().st_size == 0:
+                continue
+            kind = contract.data_kind(f)
+            if kind == "tokens":
+                found = _token_file(f, f.relative_to(path).as_posix())
+                if isinstance(found, str):
+                    return _refused(found)
+                tokens.append(found[0])
+                vocab = max(vocab, found[1])
+                token_bytes += f.stat().st_size
+            elif kind != "text" or not _is_binary(f):
+                sizes.append(f.stat().st_size)
+        except OSError:
+            continue
+    return DataFiles(sizes, tokens, vocab, walk.complete, None, token_bytes)
+
+
+@functools.lru_cache(maxsize=1)
+def builtin_corpus() -> tuple[int, int]:
+    """Files and bytes of the recipe's default corpus: the standard library's ``*.py``."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = total = 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages")]
+        for name in filenames:
+            if name.endswith(".py"):
+                try:
+                    total += (Path(dirpath) / name).stat().st_size
+                    files += 1
+                except OSError:
+                    continue
+    return files, total
+
+
+def split_tokens(sizes: list[int]) -> tuple[int, int]:
+    """Train and validation tokens the recipe makes of files of these sizes.
+
+    Exact for one file; for a folder the validation files are a hashed choice, so the
+    figures assume files of average size.
+    """
+    total = sum(sizes)
+    if len(sizes) <= 1:
+        val = max(1, round(total * VAL_FRACTION)) if total else 0
+        return total - val, val
+    n_val = min(len(sizes) - 1, max(1, math.ceil(VAL_FRACTION * len(sizes))))
+    joined = total + len(sizes) - 2  # one newline between files, within each split
+    val = round(joined * n_val / len(sizes))
+    return joined - val, val
+
+
+def estimate_memory(
+    sizes: Sizes, train: TrainSpec, nproc: int, corpus_bytes: int, limit: int
+) -> MemoryEstimate:
+    """Memory a job needs per rank and in all (see the module docstring for the formula)."""
+    b, t = train.micro_batch_size, train.seq_len
+    params = 16 * sizes.num_params
+    per_token = sizes.n_layers * (12 * sizes.dim + 4 * sizes.active_ffn_dim) + 2 * sizes.dim
+    activations = 4 * b * t * (per_token + 3 * sizes.vocab_size)
+    batch = 8 * (t + 1) * (train.accum_steps * b + math.ceil(EVAL_SEQUENCES / nproc))
+    corpus = 3 * min(corpus_bytes, contract.TOKENIZE_BATCH_BYTES)
+    per_rank = params + activations + batch + corpus + RUNTIME_BYTES
+    vm = psutil.virtual_memory()
+    return MemoryEstimate(
+        parameters_bytes=params,
+        activations_bytes=activations,
+        batch_bytes=batch,
+        corpus_bytes=corpus,
+        runtime_bytes=RUNTIME_BYTES,
+        per_rank_bytes=per_rank,
+        job_bytes=per_rank * nproc,
+        limit_bytes=limit,
+        host_total_bytes=vm.total,
+        host_available_bytes=vm.available,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The model side of a spec, resolved by :func:`dmuon_server.launching.command.review`.
+
+    ``hf`` is None for a preset; ``label`` is how clients see the model; ``vocab`` is the
+    tokenizer's vocabulary (256 for raw bytes, None when unknown).
+    """
+
+    label: str
+    hf: HFModel | None
+    vocab: int | None
+
+
+def assess(
+    train: TrainSpec,
+    nproc: int,
+    data_path: Path | None,
+    data_label: str | None,
+    limit: int,
+    model: ModelInputs | None = None,
+    roots: tuple[Path, ...] = (),
+) -> tuple[Admission, list[Refusal], list[str]]:
+    """Estimate what a job needs; return the figures, the refusals and the warnings.
+
+    ``data_path`` is the resolved ``train.data`` (None: the built-in corpus), inside one
+    of the data ``roots``, and ``data_label`` how clients see it; ``model`` the resolved
+    model (None: the preset).
+    """
+    preset = train.preset
+    model = model or ModelInputs(str(preset), None, 256)
+    shape: ModelShape | HFModel = RECIPE_MODELS[preset] if preset is not None else model.hf  # type: ignore[assignment]
+    refusals: list[Refusal] = []
+    warnings: list[str] = []
+    t = train.seq_len
+    max_len = shape.max_seq_len if isinstance(shape, ModelShape) else shape.max_positions
+    if max_len is not None and t > max_len:
+        message = (
+            f"{t} is longer than the maximum sequence length of the {preset} model "
+            f"({max_len}); use seq_len <= {max_len}"
+            if preset is not None
+            else contract.positions_message(t, max_len, model.label)
+        )
+        refusals.append(Refusal(("body", "train", "seq_len"), message))
+    if model.hf is not None and not model.hf.exact:
+        warnings.append(
+            f"model_type {model.hf.model_type!r}: its parameters are counted as a Llama-like "
+            "decoder's (an estimate)"
+        )
+    data_loc = ("body", "train", "data")
+    if data_path is None:
+        files, total = builtin_corpus()
+        found = DataFiles([total // max(files, 1)] * files, [], 0, True)
+        data = DataEstimate(source="built-in", files=files, bytes=total, complete=True)
+    else:
+        found = scan_data(data_path, data_label or "", roots)
+        data = DataEstimate(
+            source=data_label or "",
+            files=len(found.text_sizes) + len(found.token_counts),
+            bytes=sum(found.text_sizes) + found.token_bytes,
+            complete=found.complete,
+            format=found.format,  # type: ignore[arg-type]
+        )
+        if found.problem is not None:
+            refusals.append(Refusal(data_loc, found.problem))
+    if found.token_counts and found.token_vocab > shape.vocab_size:
+        refusals.append(Refusal(data_loc, contract.vocab_message(
+            found.token_vocab, shape.vocab_size, f"token data {data.source}", model.label
+        )))  # fmt: skip
+    bytes_per_token = 1 if model.vocab == 256 and model.hf is None else BYTES_PER_TOKEN
+    if found.token_counts:
+        units = list(found.token_counts)
+        exact = True
+    else:
+        units = [max(1, n // bytes_per_token) for n in found.text_sizes]
+        exact = bytes_per_token == 1
+    data.tokens_exact = exact
+    train_tokens, val_tokens = split_tokens(units)
+    data.train_tokens, data.val_tokens = train_tokens, val_tokens
+    exact_split = exact and (len(units) <= 1 or sum(units) < t + 1)
+    if data_path is not None and not units and found.problem is None:
+        refusals.append(
+            Refusal(
+                data_loc,
+                f"{data.source} holds no non-empty file to read (hidden and binary files are "
+                "skipped); put text, .jsonl, .parquet or .bin files in it",
+            )
+        )
+    elif units:
+        for what, n in (("training", train_tokens), ("validation", val_tokens)):
+            if n >= t + 1:
+                continue
+            message = (
+                f"the {what} split of {data.source} has {'' if exact_split else 'about '}{n} "
+                f"tokens, fewer than seq_len + 1 = {t + 1}; use a shorter seq_len or more text"
+            )
+            if exact_split and found.complete:
+                refusals.append(Refusal(data_loc, message))
+            else:
+                warnings.append(message)
+    tokens_per_step = train.micro_batch_size * train.accum_steps * nproc * t
+    if train_tokens and tokens_per_step > train_tokens:
+        warnings.append(
+            f"one step samples {tokens_per_step} tokens, {tokens_per_step / train_tokens:.1f}x "
+            "the training split: the run sees the same text many times over"
+        )
+    to_tokenize = sum(found.text_sizes)
+    memory = estimate_memory(Sizes.of(shape), train, nproc, to_tokenize, limit)
+    mem_loc = ("body", "train", "micro_batch_size")
+    need = f"{_gib(memory.job_bytes)} ({_gib(memory.per_rank_bytes)} per rank x {nproc})"
+    if memory.job_bytes > limit:
+        refusals.append(
+            Refusal(
+                mem_loc,
+                f"the job needs an estimated {need}, more than this server allows per job "
+                f"({_gib(limit)}, --max-job-memory); lower micro_batch_size, seq_len or "
+                "nproc_per_node",
+            )
+        )
+    elif memory.job_bytes > memory.host_total_bytes:
+        refusals.append(
+            Refusal(
+                mem_loc,
+                f"the job needs an estimated {need}, more than the host's RAM "
+                f"({_gib(memory.host_total_bytes)}); lower micro_batch_size, seq_len or "
+                "nproc_per_node",
+            )
+        )
+    elif memory.job_bytes > memory.host_available_bytes:
+        warnings.append(
+            f"the job needs an estimated {need}, more than the host has free right now "
+            f"({_gib(memory.host_available_bytes)})"
+        )
+    admission = Admission(
+        model=model.label,
+        model_type=None if model.hf is None else model.hf.model_type,
+        model_params=shape.num_params,
+        params_exact=True if model.hf is None else model.hf.exact,
+        max_seq_len=max_len,
+        tokenizer_vocab=model.vocab,
+        tokens_per_step=tokens_per_step,
+        memory=memory,
+        data=data,
+    )
+    return admission, refusals, warnings
