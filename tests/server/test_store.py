@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import dmuon_recipe_contract as contract
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,7 +84,7 @@ def test_summary_follows_every_ingest(
     assert {k: getattr(got, k) for k in _expected(stored)} == _expected(stored)
     assert got.rejected_lines == len(batches)  # dropping points keeps the count
     rows = store.metrics_after("j", -1, 1000)
-    assert [r["step"] for r in rows] == sorted(stored)
+    assert [r.step for r in rows] == sorted(stored)
     store.close()
 
 
@@ -144,7 +145,7 @@ def test_a_version_1_database_is_migrated(tmp_path: Path) -> None:
     assert (got.points, got.first_step, got.last_step, got.last_loss) == (5, 1, 5, 1.0)
     assert (got.first_val_loss, got.last_val_loss) == (1.5, 1.5)
     assert (got.first_received_at, got.last_received_at) == (101.0, 105.0)
-    assert [r["step"] for r in store.metrics_after("old", -1, 10)] == [1, 2, 3, 4, 5]
+    assert [r.step for r in store.metrics_after("old", -1, 10)] == [1, 2, 3, 4, 5]
     assert [j.id for j in store.jobs_in_states(["queued"])] == ["old", "new"]  # queue order
     # Idempotency keys became per user: the old key stays bound for its (unnamed) user.
     again, created = store.create_job(
@@ -185,3 +186,45 @@ def test_a_skipped_checkpoint_corrects_the_step_an_attempt_resumed_from(tmp_path
     store.ingest("j", "m2", 20, [], events=[other])
     steps = {a.number: a.resumed_from_step for a in store.attempts("j")}
     assert steps == {first: None, second: 4, third: None}
+
+
+def test_every_move_follows_the_one_transition_table(tmp_path: Path) -> None:
+    """From each state a job can be in, each state it may move to is accepted and every
+    other one raises (a finished job does not move at all: only a resume queues it)."""
+    from dmuon_server.storage.states import (
+        ALL_STATES,
+        TERMINAL_STATES,
+        TRANSITIONS,
+        IllegalTransition,
+        JobState,
+    )
+
+    store = Store(tmp_path / "db.sqlite3")
+    ways_in = {
+        JobState.QUEUED: [],
+        JobState.STARTING: [JobState.STARTING],
+        JobState.RUNNING: [JobState.STARTING, JobState.RUNNING],
+    }
+    for current in ALL_STATES:
+        for new in ALL_STATES:
+            job_id = f"{current}-{new}"
+            _new_job(store, job_id)
+            for step in ways_in.get(current, [current]):
+                assert store.transition(job_id, step, "set up")
+            if current in TERMINAL_STATES:
+                assert store.transition(job_id, new, "after the end") is False
+                assert store.get_job(job_id).state == current
+            elif new in TRANSITIONS[current]:
+                assert store.transition(job_id, new, "allowed"), (current, new)
+                assert store.get_job(job_id).state == new
+            else:
+                with pytest.raises(IllegalTransition, match=f"a {current} job cannot move"):
+                    store.transition(job_id, new, "not allowed")
+                assert store.get_job(job_id).state == current  # nothing was written
+    # The pairs the table refuses, written out: a start before the queue, a step back.
+    refused = {(c, n) for c in ways_in for n in ALL_STATES if n not in TRANSITIONS[c]}
+    assert refused == {
+        (JobState.STARTING, JobState.QUEUED),
+        (JobState.RUNNING, JobState.RUNNING),
+    }
+    store.close()

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from dmuon_server.storage.records import PointRecord, TransitionRecord
 from dmuon_server.storage.store import Store
 from dmuon_server.streams import feeds
 from dmuon_server.streams.events import job_events
@@ -29,11 +30,11 @@ class CountingStore(Store):
         self.reads = 0
         self.histories = 0
 
-    def history(self, job_id: str) -> list[dict[str, Any]]:
+    def history(self, job_id: str) -> list[TransitionRecord]:
         self.histories += 1
         return super().history(job_id)
 
-    def metrics_after(self, job_id: str, after_step: int, limit: int) -> list[dict[str, Any]]:
+    def metrics_after(self, job_id: str, after_step: int, limit: int) -> list[PointRecord]:
         self.reads += 1
         return super().metrics_after(job_id, after_step, limit)
 

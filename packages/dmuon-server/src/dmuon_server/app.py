@@ -29,6 +29,7 @@ from dmuon_server.scheduling.lifecycle import move_job
 from dmuon_server.scheduling.supervisor import Supervisor
 from dmuon_server.storage.datadir import DataDirLock, StartupError, check_data_dir
 from dmuon_server.storage.paths import PublicPaths
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store, StoreError
 from dmuon_server.streams.feeds import EventStreams
 from dmuon_server.streams.metrics import Hub, MetricsTailer
@@ -79,7 +80,7 @@ def create_app(
         store, hub, lambda job_id, text: PublicPaths(settings, settings.job_dir(job_id)).text(text)
     )
 
-    def move(job_id: str, state: str, reason: str, **kw: Any) -> bool:
+    def move(job_id: str, state: JobState, reason: str, **kw: Any) -> bool:
         return move_job(store, hub, job_id, state, reason, **kw)
 
     launcher = make_launcher(settings, store, hub, tailer, move, identities)

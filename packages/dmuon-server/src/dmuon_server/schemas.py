@@ -25,12 +25,9 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-JobState = Literal["queued", "starting", "running", "succeeded", "failed", "cancelled"]
-#: States of a finished job; only ``POST /v1/jobs/{id}/resume`` takes a job out of one.
-TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
-#: States in which a job has (or is about to have) processes.
-ACTIVE_STATES: frozenset[str] = frozenset({"starting", "running"})
-ALL_STATES: tuple[str, ...] = ("queued", "starting", "running", "succeeded", "failed", "cancelled")
+from dmuon_server.storage.states import ACTIVE_STATES, ALL_STATES, TERMINAL_STATES, JobState
+
+__all__ = ["ACTIVE_STATES", "ALL_STATES", "TERMINAL_STATES", "JobState"]
 
 NonFinite = Literal["NaN", "Infinity", "-Infinity"]
 #: A float that may be non-finite, encoded as in the module docstring.

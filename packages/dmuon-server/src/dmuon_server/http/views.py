@@ -21,7 +21,8 @@ from dmuon_server.schemas import (
     MetricPoint,
     Transition,
 )
-from dmuon_server.storage.records import JobRecord
+from dmuon_server.storage.records import JobRecord, StoredEvent
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
 
 
@@ -64,7 +65,7 @@ def summarize(store: Store, job: JobRecord) -> JobSummary:
     if job.started_at is not None:
         elapsed = max(0.0, (job.finished_at or now) - job.started_at)
     eta = None
-    if job.state == "succeeded":
+    if job.state == JobState.SUCCEEDED:
         eta = 0.0
     elif job.state not in TERMINAL_STATES and last_step is not None and steps is not None:
         d_step = last_step - (stats.first_step if stats.first_step is not None else last_step)
@@ -99,7 +100,7 @@ def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = 
     the queue, its place there (``places``, from the supervisor)."""
     spec = job.spec_model
     history = [
-        Transition(state=h["state"], reason=h["reason"], at=ts(h["at"]))  # type: ignore[arg-type]
+        Transition(state=h.state, reason=h.reason, at=ts(h.at))  # type: ignore[arg-type]
         for h in store.history(job.id)
     ]
     attempts = [
@@ -118,8 +119,8 @@ def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = 
     events = [event_view(e) for e in store.events(job.id)]
     failure = FailureInfo(**json.loads(job.failure)) if job.failure else None
     recipe_summary = json.loads(job.recipe_summary) if job.recipe_summary else None
-    place = (places or {}).get(job.id) if job.state == "queued" else None
-    queue_reason = place.reason if place else (job.reason if job.state == "queued" else None)
+    place = (places or {}).get(job.id) if job.state == JobState.QUEUED else None
+    queue_reason = place.reason if place else (job.reason if job.state == JobState.QUEUED else None)
     return Job(
         id=job.id,
         name=job.name,
@@ -155,15 +156,15 @@ def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = 
     )
 
 
-def event_view(row: Mapping[str, Any]) -> JobEvent:
-    """A stored recipe event (a row of :meth:`Store.events`) as the API shows it."""
+def event_view(event: StoredEvent) -> JobEvent:
+    """A stored recipe event (one of :meth:`Store.events`) as the API shows it."""
     return JobEvent(
-        kind=row["kind"],
-        level=row["level"],
-        message=row["message"],
-        step=row["step"],
-        attempt=row["attempt"],
-        at=ts(row["at"]),  # type: ignore[arg-type]
+        kind=event.kind,
+        level=event.level,
+        message=event.message,
+        step=event.step,
+        attempt=event.attempt,
+        at=ts(event.at),  # type: ignore[arg-type]
     )
 
 

@@ -37,6 +37,7 @@ from dmuon_server.storage.jobfiles import (
 from dmuon_server.storage.paths import PublicPaths
 from dmuon_server.storage.records import JobRecord
 from dmuon_server.storage.safefiles import open_in
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
 from dmuon_server.streams.metrics import MetricsTailer, metrics_stream
 
@@ -118,11 +119,16 @@ def open_job_log(job_dir: Path, account: Account | None) -> int:
 
 
 def fail_to_start(
-    store: Store, move: Move, job_id: str, number: int, why: str, from_states: Iterable[str]
+    store: Store,
+    move: Move,
+    job_id: str,
+    number: int,
+    why: str,
+    from_states: Iterable[JobState],
 ) -> None:
     """Conclude an attempt that could not be launched: the job fails with ``why``."""
     store.finish_attempt(job_id, number, None, why)
-    move(job_id, "failed", why, from_states=list(from_states))
+    move(job_id, JobState.FAILED, why, from_states=list(from_states))
 
 
 def final_poll(settings: Settings, tailer: MetricsTailer, job: JobRecord, number: int) -> None:
@@ -143,7 +149,7 @@ class Outcome:
         retry: Whether a failed attempt is worth relaunching (``max_restarts``).
     """
 
-    state: str
+    state: JobState
     reason: str
     exit_code: int | None
     failure: dict[str, Any] | None = None
@@ -155,7 +161,7 @@ class SchedulerEnd:
     """What a cluster scheduler said about a finished attempt (Slurm): the service state
     it maps to and its reason."""
 
-    state: str
+    state: JobState
     reason: str
 
 
@@ -188,22 +194,22 @@ def conclude(
         reason = f"trained all {steps} steps and saved the last checkpoint; the cancel came after"
         if scheduler is not None:
             reason += f" ({scheduler.reason})"
-        return Outcome("succeeded", reason, rc)
+        return Outcome(JobState.SUCCEEDED, reason, rc)
     if scheduler is not None:
         state, reason = scheduler.state, scheduler.reason
     elif cancelled_at is not None:
-        state, reason = "cancelled", "cancelled on request"
+        state, reason = JobState.CANCELLED, "cancelled on request"
     elif report and rc == 0:
-        state, reason = "succeeded", "torchrun exited with code 0"
+        state, reason = JobState.SUCCEEDED, "torchrun exited with code 0"
     else:
-        state, reason = "failed", ""
+        state, reason = JobState.FAILED, ""
     killed = cancelled_at is not None and time.time() >= cancelled_at + settings.cancel_grace_s
-    if state == "cancelled" and rc is None and killed:
+    if state == JobState.CANCELLED and rc is None and killed:
         # Killed after the grace period (by this server or the one before it, which is
         # then nobody's parent to learn the status).
         rc = -signal.SIGKILL
         reason += "; SIGKILL after the grace period"
-    if state != "failed":
+    if state != JobState.FAILED:
         return Outcome(state, reason, rc)
     failure = describe_failure(
         job_dir, report, launcher_rc, settings.log_tail_lines, disk_full=disk_full
@@ -218,7 +224,7 @@ def conclude(
     elif report is not None or disk_full:  # the runner knows which rank failed and why,
         reason = f"{reason}: {detail}"  # or the full disk is why it could not say
     retry = restartable(report, launcher_rc) and not disk_full
-    return Outcome("failed", reason, failure["exit_code"], failure, retry)
+    return Outcome(JobState.FAILED, reason, failure["exit_code"], failure, retry)
 
 
 def record(
@@ -227,7 +233,7 @@ def record(
     job_id: str,
     number: int,
     outcome: Outcome,
-    from_states: Iterable[str],
+    from_states: Iterable[JobState],
 ) -> bool:
     """Record the end of attempt ``number`` and the job's final state; whether it moved."""
     store.finish_attempt(job_id, number, outcome.exit_code, outcome.reason)

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from dmuon_server.storage.datadir import StartupError
 from dmuon_server.storage.records import JobRecord
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
 
 #: The job states a launcher follows (a Slurm job waiting in Slurm's queue is ``queued``).
-_ACTIVE_STATES = ("queued", "starting", "running")
+_ACTIVE_STATES = (JobState.QUEUED, JobState.STARTING, JobState.RUNNING)
 
 
 def _started_by(job: JobRecord) -> str | None:

@@ -53,6 +53,7 @@ from dmuon_server.schemas import ACTIVE_STATES
 from dmuon_server.storage.datadir import disk_full
 from dmuon_server.storage.jobfiles import DISK_FULL_TEXT, metrics_file, read_exit_report
 from dmuon_server.storage.records import JobRecord
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
 from dmuon_server.streams.metrics import Hub, MetricsTailer, metrics_stream
 
@@ -107,7 +108,7 @@ class LocalLauncher:
                     kill_and_reap(find_job_processes(job.id), signal.SIGKILL)
                     self._move(
                         job.id,
-                        "failed",
+                        JobState.FAILED,
                         "the server stopped while launching the job; submit it again",
                         from_states=ACTIVE_STATES,
                     )
@@ -130,7 +131,7 @@ class LocalLauncher:
     def start(self, job: JobRecord, gpus: list[int]) -> None:
         """Start a queued job: its first attempt, or a resumed one."""
         cause = attempts.next_cause(self.store, job)
-        self._spawn(job, cause, "launching torchrun", gpus, from_states=["queued"])
+        self._spawn(job, cause, "launching torchrun", gpus, from_states=[JobState.QUEUED])
 
     def _spawn(
         self,
@@ -139,7 +140,7 @@ class LocalLauncher:
         reason: str,
         gpus: list[int],
         *,
-        from_states: list[str],
+        from_states: list[JobState],
         started_at: float | None = None,
     ) -> None:
         """Move the job to ``starting``, record a new attempt and spawn its runner."""
@@ -148,7 +149,7 @@ class LocalLauncher:
         # environment marker on restart instead of launching it a second time.
         if not self._move(
             job.id,
-            "starting",
+            JobState.STARTING,
             reason,
             from_states=from_states,
             pid=None,
@@ -244,7 +245,7 @@ class LocalLauncher:
             else:
                 self._move(
                     job.id,
-                    "failed",
+                    JobState.FAILED,
                     "the job could not be launched (the server's writes failed"
                     + (f": {DISK_FULL_TEXT})" if disk_full(self.settings.jobs_dir) else ")"),
                     from_states=ACTIVE_STATES,
@@ -258,11 +259,14 @@ class LocalLauncher:
         )
         # A relaunched attempt keeps the points of the steps before its checkpoint: only
         # this attempt's own file tells that it runs.
-        if job.state == "starting" and (
+        if job.state == JobState.STARTING and (
             polled or self.store.get_offset(job.id, metrics_stream(attempt)) > 0
         ):
             self._move(
-                job.id, "running", "the first metric point arrived", from_states=["starting"]
+                job.id,
+                JobState.RUNNING,
+                "the first metric point arrived",
+                from_states=[JobState.STARTING],
             )
         child = self._children.get(job.id)
         if child is not None:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dmuon_server.launching.identity import Account, drop_privileges
+from dmuon_server.storage.states import JobState
 
 #: The commands the backend runs; all must be on the server's PATH.
 SLURM_COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sacct")
@@ -79,7 +80,7 @@ class SlurmJob:
 class ServiceState:
     """A Slurm state as the service shows it: its state and the ``reason`` text."""
 
-    state: str
+    state: JobState
     reason: str
 
 
@@ -95,16 +96,16 @@ def service_state(job: SlurmJob, *, cancel_requested: bool = False) -> ServiceSt
     tag = f"Slurm job {job.job_id}"
     why = f": {job.reason}" if job.reason and job.reason != "None" else ""
     if job.state in PENDING_STATES:
-        return ServiceState("queued", f"{tag} is {job.state}{why}")
+        return ServiceState(JobState.QUEUED, f"{tag} is {job.state}{why}")
     if job.state in RUNNING_STATES:
-        return ServiceState("running", f"{tag} is {job.state}{why}")
+        return ServiceState(JobState.RUNNING, f"{tag} is {job.state}{why}")
     ended = f"{tag} ended {job.state}"
     if cancel_requested:
-        return ServiceState("cancelled", f"cancelled on request ({ended})")
+        return ServiceState(JobState.CANCELLED, f"cancelled on request ({ended})")
     if job.state == "COMPLETED":
-        return ServiceState("succeeded", f"{ended} (exit code 0)")
+        return ServiceState(JobState.SUCCEEDED, f"{ended} (exit code 0)")
     if job.state == "CANCELLED":
-        return ServiceState("cancelled", f"{ended} (scancel outside the service){why}")
+        return ServiceState(JobState.CANCELLED, f"{ended} (scancel outside the service){why}")
     detail = []
     if job.exit_code is not None:
         detail.append(f"exit code {job.exit_code}")
@@ -112,7 +113,7 @@ def service_state(job: SlurmJob, *, cancel_requested: bool = False) -> ServiceSt
         detail.append(f"signal {job.signal}")
     if job.reason and job.reason != "None":
         detail.append(job.reason)
-    return ServiceState("failed", ended + (f" ({', '.join(detail)})" if detail else ""))
+    return ServiceState(JobState.FAILED, ended + (f" ({', '.join(detail)})" if detail else ""))
 
 
 def is_final(job: SlurmJob) -> bool:

@@ -42,6 +42,7 @@ from dmuon_server.schemas import JobCreate
 from dmuon_server.storage.datadir import StartupError
 from dmuon_server.storage.jobfiles import LOG_FILE, TORCHRUN_LOG_DIR, metrics_file, read_exit_report
 from dmuon_server.storage.records import JobRecord
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
 from dmuon_server.streams.metrics import Hub, MetricsTailer, metrics_stream
 from dmuon_server.users import Users
@@ -49,7 +50,7 @@ from dmuon_server.users import Users
 log = logging.getLogger("dmuon_server.slurm")
 
 #: Service states of a job Slurm may hold (``queued`` once it has a Slurm job id).
-SLURM_HELD_STATES = ("queued", "starting", "running")
+SLURM_HELD_STATES = (JobState.QUEUED, JobState.STARTING, JobState.RUNNING)
 #: torchrun's signals other than SIGTERM, which the ranks get from Slurm directly.
 _TORCHRUN_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"
 
@@ -218,15 +219,15 @@ class SlurmLauncher:
             why = f"could not submit the job to Slurm: {e}"
             if number is None:
                 number = self.store.current_attempt(job_id)
-            attempts.fail_to_start(self.store, self._move, job_id, number, why, ["queued"])
+            attempts.fail_to_start(self.store, self._move, job_id, number, why, [JobState.QUEUED])
             return
         self.store.set_attempt_slurm_job(job_id, number, slurm_id)
         self.launched_total += 1
         self._move(
             job_id,
-            "queued",
+            JobState.QUEUED,
             f"submitted to Slurm as job {slurm_id}",
-            from_states=["queued"],
+            from_states=[JobState.QUEUED],
             pid=None,
             pgid=None,
             create_time=None,
@@ -275,9 +276,9 @@ class SlurmLauncher:
             # A pending job shows each new Slurm reason (Priority, Resources, ...); a
             # running one changes only when it starts.
             if mapped.state != job.state or (
-                mapped.state == "queued" and mapped.reason != job.reason
+                mapped.state == JobState.QUEUED and mapped.reason != job.reason
             ):
-                fields = {"started_at": time.time()} if mapped.state == "running" else {}
+                fields = {"started_at": time.time()} if mapped.state == JobState.RUNNING else {}
                 self._move(job_id, mapped.state, mapped.reason, **fields)
             return
         self._finish(job, attempt, sj)
@@ -313,7 +314,7 @@ class SlurmLauncher:
         slurm_id = job.slurm_job_id
         if job_id in self._cancel_deadline or slurm_id is None:
             return
-        if job.state == "queued":
+        if job.state == JobState.QUEUED:
             self._cancel_deadline[job_id] = float("inf")
             self._scancel(slurm_id)
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
 from dmuon_server.streams.metrics import Hub
 
@@ -13,10 +14,10 @@ def move_job(
     store: Store,
     hub: Hub,
     job_id: str,
-    state: str,
+    state: JobState,
     reason: str,
     *,
-    from_states: Iterable[str] | None = None,
+    from_states: Iterable[JobState] | None = None,
     **fields: Any,
 ) -> bool:
     """Move a job to ``state`` (see :meth:`Store.transition`) and notify its event streams.

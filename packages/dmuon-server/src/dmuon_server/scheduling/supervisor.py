@@ -26,6 +26,7 @@ from dmuon_server.scheduling.lifecycle import move_job
 from dmuon_server.scheduling.queue_policy import Holding, Place, Plan, Waiting
 from dmuon_server.schemas import ACTIVE_STATES, TERMINAL_STATES
 from dmuon_server.storage.records import JobRecord
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store, StoreFull
 from dmuon_server.streams.metrics import Hub, MetricsTailer
 
@@ -144,7 +145,9 @@ class Supervisor:
     # ------------------------------------------------------------------ scheduling
 
     def _plan(self) -> tuple[Plan, dict[str, JobRecord]]:
-        queued = [j for j in self.store.jobs_in_states(["queued"]) if self.launcher.waiting(j)]
+        queued = [
+            j for j in self.store.jobs_in_states([JobState.QUEUED]) if self.launcher.waiting(j)
+        ]
         active = self.store.jobs_in_states(ACTIVE_STATES)
         busy = [d for j in active for d in j.gpu_list]
         holding: dict[str | None, Holding] = {}
@@ -219,14 +222,14 @@ class Supervisor:
                     raise JobFinishing(job_id, steps)
             job = self.store.request_cancel(job_id)
             assert job is not None
-            if job.state == "queued" and self.launcher.waiting(job):
+            if job.state == JobState.QUEUED and self.launcher.waiting(job):
                 move_job(
                     self.store,
                     self.hub,
                     job_id,
-                    "cancelled",
+                    JobState.CANCELLED,
                     "cancelled while queued",
-                    from_states=["queued"],
+                    from_states=[JobState.QUEUED],
                 )
             else:
                 self.launcher.cancel(job)

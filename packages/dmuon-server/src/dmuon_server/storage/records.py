@@ -1,4 +1,5 @@
-"""Typed rows of the store: a job and one of its attempts, as every module reads them."""
+"""Typed rows of the store, as every module reads them: a job, one of its attempts, one of
+its transitions, one of the recipe's events, one metric point."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from functools import cached_property, lru_cache
 from typing import Any
 
 from dmuon_server.schemas import JobCreate
+from dmuon_server.storage.states import JobState
 
 
 @lru_cache(maxsize=4096)
@@ -27,7 +29,7 @@ class JobRecord:
         seq: Insertion order (the key of its metric points).
         id: The job's id.
         name: Its label, or None.
-        state: One of :data:`dmuon_server.schemas.ALL_STATES`.
+        state: Where it stands.
         nproc: Processes per node.
         spec: The accepted spec as canonical JSON (:attr:`spec_model` parses it).
         spec_hash: What its idempotency key binds.
@@ -50,7 +52,7 @@ class JobRecord:
     seq: int
     id: str
     name: str | None
-    state: str
+    state: JobState
     nproc: int
     spec: str
     spec_hash: str
@@ -77,7 +79,8 @@ class JobRecord:
     def from_row(cls, row: sqlite3.Row | dict[str, Any]) -> JobRecord:
         """The record of a ``jobs`` row (its columns by name)."""
         keys = row.keys()
-        return cls(**{f.name: row[f.name] if f.name in keys else None for f in fields(cls)})
+        values = {f.name: row[f.name] if f.name in keys else None for f in fields(cls)}
+        return cls(**{**values, "state": JobState(values["state"])})
 
     @cached_property
     def spec_model(self) -> JobCreate:
@@ -118,3 +121,47 @@ class AttemptRecord:
     def from_row(cls, row: sqlite3.Row | dict[str, Any]) -> AttemptRecord:
         """The record of an ``attempts`` row."""
         return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class TransitionRecord:
+    """One move of a job: its new state, why, and when (a Unix time); ``id`` grows."""
+
+    id: int
+    state: JobState
+    reason: str
+    at: float
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row | dict[str, Any]) -> TransitionRecord:
+        """The record of a ``transitions`` row."""
+        return cls(row["id"], JobState(row["state"]), row["reason"], row["at"])
+
+
+@dataclass(frozen=True)
+class StoredEvent:
+    """One of the recipe's events as the job keeps it (see `dmuon_server.storage.points`);
+    ``id`` grows, ``at`` is when it was stored."""
+
+    id: int
+    attempt: int
+    kind: str
+    level: str
+    message: str
+    step: int | None
+    at: float
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row | dict[str, Any]) -> StoredEvent:
+        """The record of an ``events`` row."""
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True)
+class PointRecord:
+    """One stored metric point: its step, its line of the metrics file (strict JSON) and
+    when it was received."""
+
+    step: int
+    data: str
+    received_at: float

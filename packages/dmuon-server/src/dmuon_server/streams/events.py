@@ -52,6 +52,7 @@ from collections.abc import AsyncIterator, Callable
 
 import anyio
 
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
 from dmuon_server.streams.feeds import (
     POINTS_PAGE,
@@ -104,11 +105,11 @@ class _Stream:
         self.sub.seq = feed.seq - 1 if feed.finished else feed.seq
         store, job_id, cursor = self.store, self.job_id, self.cursor
         row = await anyio.to_thread.run_sync(store.get_job, job_id)
-        place = feed.place if row is not None and row.state == "queued" else None
+        place = feed.place if row is not None and row.state == JobState.QUEUED else None
         history = await anyio.to_thread.run_sync(store.history, job_id)
         if first and history:
             yield state_text(history[-1], row, place)
-            cursor.transition, cursor.last_t = history[-1]["id"], history[-1]
+            cursor.transition, cursor.last_t = history[-1].id, history[-1]
         while True:
             page = await anyio.to_thread.run_sync(read_points, store, job_id, cursor)
             for item in page:
@@ -116,11 +117,11 @@ class _Stream:
             if len(page) < POINTS_PAGE:
                 break
         for t in history:
-            if t["id"] > cursor.transition:
-                cursor.transition, cursor.last_t = t["id"], t
+            if t.id > cursor.transition:
+                cursor.transition, cursor.last_t = t.id, t
                 yield state_text(t, row, place)
         for e in await anyio.to_thread.run_sync(store.events, job_id, cursor.event):
-            cursor.event = e["id"]
+            cursor.event = e.id
             yield recipe_event_text(e)
         if row is None:
             yield format_event(event="end", data=json.dumps({"state": None, "deleted": True}))

@@ -34,7 +34,8 @@ import anyio
 from dmuon_server.http.views import event_view, iso_utc
 from dmuon_server.scheduling.queue_policy import Place
 from dmuon_server.schemas import TERMINAL_STATES
-from dmuon_server.storage.records import JobRecord
+from dmuon_server.storage.records import JobRecord, PointRecord, StoredEvent, TransitionRecord
+from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
 from dmuon_server.streams.metrics import Hub
 
@@ -61,25 +62,25 @@ def format_event(*, data: str, event: str | None = None, event_id: int | None = 
     return out + f"data: {data}\n\n"
 
 
-def state_text(t: Mapping[str, Any], row: JobRecord | None, place: Place | None) -> str:
+def state_text(t: TransitionRecord, row: JobRecord | None, place: Place | None) -> str:
     """The ``state`` event of transition ``t`` of the job ``row`` (queued: at ``place``)."""
-    payload: dict[str, Any] = {"state": t["state"], "reason": t["reason"], "at": iso_utc(t["at"])}
-    if row is not None and t["state"] in TERMINAL_STATES:
+    payload: dict[str, Any] = {"state": t.state, "reason": t.reason, "at": iso_utc(t.at)}
+    if row is not None and t.state in TERMINAL_STATES:
         payload["exit_code"] = row.exit_code
-    if t["state"] == "queued":
+    if t.state == JobState.QUEUED:
         payload["queue_position"] = place.position if place else None
-        payload["queue_reason"] = place.reason if place else t["reason"]
+        payload["queue_reason"] = place.reason if place else t.reason
     return format_event(event="state", data=json.dumps(payload))
 
 
-def metric_text(row: Mapping[str, Any]) -> str:
+def metric_text(point: PointRecord) -> str:
     """The ``metric`` event of a stored point (its ``id`` is the step)."""
-    return format_event(event="metric", event_id=row["step"], data=row["data"])
+    return format_event(event="metric", event_id=point.step, data=point.data)
 
 
-def recipe_event_text(row: Mapping[str, Any]) -> str:
+def recipe_event_text(event: StoredEvent) -> str:
     """The ``warning`` or ``info`` event of a stored recipe event."""
-    return format_event(event=row["level"], data=event_view(row).model_dump_json())
+    return format_event(event=event.level, data=event_view(event).model_dump_json())
 
 
 @dataclass(frozen=True)
@@ -100,15 +101,15 @@ class Cursor:
     step: int = -1
     transition: int = 0
     event: int = 0
-    last_t: dict[str, Any] | None = None
+    last_t: TransitionRecord | None = None
 
 
 def read_points(store: Store, job_id: str, cursor: Cursor) -> list[Item]:
     """Up to `POINTS_PAGE` points after ``cursor`` (advanced past them)."""
     items = []
-    for r in store.metrics_after(job_id, cursor.step, POINTS_PAGE):
-        items.append(Item("metric", r["step"], metric_text(r)))
-        cursor.step = r["step"]
+    for point in store.metrics_after(job_id, cursor.step, POINTS_PAGE):
+        items.append(Item("metric", point.step, metric_text(point)))
+        cursor.step = point.step
     return items
 
 
@@ -132,18 +133,18 @@ def read_news(
 
     points()
     row = store.get_job(job_id)
-    place = places().get(job_id) if row is not None and row.state == "queued" else None
+    place = places().get(job_id) if row is not None and row.state == JobState.QUEUED else None
     transitions = store.transitions_after(job_id, cursor.transition)
     for t in transitions:
-        cursor.transition, cursor.last_t = t["id"], t
-        items.append(Item("state", t["id"], state_text(t, row, place)))
+        cursor.transition, cursor.last_t = t.id, t
+        items.append(Item("state", t.id, state_text(t, row, place)))
     if not transitions and place != last_place and cursor.last_t is not None:
         items.append(Item("place", cursor.transition, state_text(cursor.last_t, row, place)))
     if row is not None and row.state in TERMINAL_STATES:
         points()
     for e in store.events(job_id, cursor.event):
-        cursor.event = e["id"]
-        items.append(Item("event", e["id"], recipe_event_text(e)))
+        cursor.event = e.id
+        items.append(Item("event", e.id, recipe_event_text(e)))
     return items, row, place
 
 
@@ -188,7 +189,7 @@ class JobFeed:
     async def start(self) -> None:
         """Start where the database stands now; the publisher then reads only news."""
         self._cursor, row = await anyio.to_thread.run_sync(self._current)
-        self.queued = row is not None and row.state == "queued"
+        self.queued = row is not None and row.state == JobState.QUEUED
         self._task = asyncio.create_task(self._publish(), name=f"feed {self.job_id}")
         self.ready.set()
 
@@ -198,12 +199,12 @@ class JobFeed:
         last_step = self.store.metric_summary(self.job_id).last_step
         cursor = Cursor(
             step=-1 if last_step is None else last_step,
-            transition=history[-1]["id"] if history else 0,
-            event=events[-1]["id"] if events else 0,
+            transition=history[-1].id if history else 0,
+            event=events[-1].id if events else 0,
             last_t=history[-1] if history else None,
         )
         row = self.store.get_job(self.job_id)
-        if row is not None and row.state == "queued":
+        if row is not None and row.state == JobState.QUEUED:
             self.place = self.places().get(self.job_id)
         return cursor, row
 
@@ -242,7 +243,7 @@ class JobFeed:
         items, row, self.place = read_news(
             self.store, self.job_id, self._cursor, self.places, self.place
         )
-        self.queued = row is not None and row.state == "queued"
+        self.queued = row is not None and row.state == JobState.QUEUED
         if row is None:
             items.append(Item("end", 0, end={"state": None, "deleted": True}))
         elif row.state in TERMINAL_STATES:

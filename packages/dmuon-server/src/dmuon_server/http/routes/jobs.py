@@ -261,7 +261,7 @@ def validate_job(
     server would refuse.
     """
     accepted = _accepted(settings, store, identities, user, body)
-    ahead = len(store.jobs_in_states(["queued", "starting", "running"]))
+    ahead = len(store.jobs_in_states([JobState.QUEUED, JobState.STARTING, JobState.RUNNING]))
     return plan_view(settings, body, accepted, ahead)
 
 
@@ -335,7 +335,7 @@ def cancel_job(job: JobDep, store: StoreDep, supervisor: SupervisorDep) -> Job:
             "that work",
             kind="job-finishing",
         ) from None
-    if row.state in ("succeeded", "failed"):
+    if row.state in (JobState.SUCCEEDED, JobState.FAILED):
         raise ApiError(
             409,
             "Job already finished",

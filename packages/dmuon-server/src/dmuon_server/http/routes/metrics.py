@@ -41,8 +41,8 @@ def get_metrics(
     """Stored metric points in step order; follow `next` until it is null."""
     rows = store.metrics_after(job.id, after_step, limit + 1)
     page = rows[:limit]
-    nxt = page[-1]["step"] if len(rows) > limit else None
-    return MetricPage(items=[metric_point(r["data"]) for r in page], next=nxt)
+    nxt = page[-1].step if len(rows) > limit else None
+    return MetricPage(items=[metric_point(r.data) for r in page], next=nxt)
 
 
 @router.get(
