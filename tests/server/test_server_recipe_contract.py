@@ -67,6 +67,7 @@ def test_the_servers_spec_and_command_are_built_from_the_contract(tmp_path: Path
     from dmuon.train.checkpointing import checkpoint_name as recipe_checkpoint_name
     from dmuon_server.config import Settings
     from dmuon_server.launching.command import build_command
+    from dmuon_server.recipe.review import review
     from dmuon_server.schemas import JobCreate, TrainSpec
     from dmuon_server.storage.jobfiles import checkpoint_name
 
@@ -81,7 +82,8 @@ def test_the_servers_spec_and_command_are_built_from_the_contract(tmp_path: Path
         {"nproc_per_node": 1, "train": {"model": "tiny", "steps": 3, "micro_batch_size": 1,
                                         "accum_steps": 1, "seq_len": 8, "compile": True}}
     )  # fmt: skip
-    argv = build_command(Settings(data_dir=tmp_path), spec, tmp_path / "job", None).torchrun_argv
+    settings = Settings(data_dir=tmp_path)
+    argv = build_command(settings, tmp_path / "job", review(settings, spec)).torchrun_argv
     recipe = argv[argv.index("dmuon.train") + 1 :]
     parsed = train.parse_args(recipe)  # the recipe accepts the server's command line
     assert parsed.compile and parsed.lr == contract.flag("lr").default and parsed.steps == 3
@@ -169,6 +171,7 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
 
     from dmuon_server.config import Settings
     from dmuon_server.launching.command import build_command
+    from dmuon_server.recipe.review import review
     from dmuon_server.schemas import GENERATED_FLAGS, SERVER_SET_FLAGS, JobCreate, TrainSpec
 
     dests = {f.dest for f in contract.FLAGS}
@@ -185,7 +188,8 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
     }  # fmt: skip
     assert set(chosen) == set(GENERATED_FLAGS)
     spec = JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny", **chosen}})
-    argv = build_command(Settings(data_dir=tmp_path), spec, tmp_path / "job", None).torchrun_argv
+    settings = Settings(data_dir=tmp_path)
+    argv = build_command(settings, tmp_path / "job", review(settings, spec)).torchrun_argv
     parsed = train.parse_args(argv[argv.index("dmuon.train") + 1 :])
     assert {dest: getattr(parsed, dest) for dest in chosen} == chosen
     # The OpenAPI schema says what --help says: each field's choices and lower bound.
@@ -203,9 +207,7 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
     marked = {name for name, field in schema.items() if field.get("x-muon-only")}
     assert marked == set(contract.MUON_ONLY_FLAGS)  # what the dashboard's pair drops
     left_out = JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny"}})
-    argv = build_command(
-        Settings(data_dir=tmp_path), left_out, tmp_path / "job", None
-    ).torchrun_argv
+    argv = build_command(settings, tmp_path / "job", review(settings, left_out)).torchrun_argv
     assert not {f"--{d.replace('_', '-')}" for d in GENERATED_FLAGS} & set(argv)
 
 

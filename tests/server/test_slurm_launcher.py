@@ -15,7 +15,7 @@ import pytest
 from pydantic import ValidationError
 from server_helpers import job_spec, make_settings
 
-from dmuon_server.launching.command import plan_view, program_of, review
+from dmuon_server.launching.command import plan_view, program_of
 from dmuon_server.launching.slurm import (
     BatchOptions,
     SlurmJob,
@@ -26,6 +26,7 @@ from dmuon_server.launching.slurm import (
     service_state,
 )
 from dmuon_server.launching.slurm_jobs import write_batch_script
+from dmuon_server.recipe.review import review
 from dmuon_server.schemas import JobCreate
 
 # The table of the job-service documentation, written out independently of the code.
@@ -202,7 +203,7 @@ def test_each_launcher_refuses_what_it_cannot_do(tmp_path: Path) -> None:
     assert "resume" in slurm["body.max_restarts"]
     ok = make_settings(tmp_path, launcher="slurm")
     spec = JobCreate.model_validate({**job_spec(1), "nnodes": 2, "partition": "debug"})
-    plan = plan_view(ok, spec, review(ok, spec), 0)
+    plan = plan_view(ok, review(ok, spec), 0)
     assert plan.world_size == 2 and any("sbatch" in w for w in plan.warnings)
 
 

@@ -315,7 +315,7 @@ def _gib(n: int) -> str:
 
 @dataclass(frozen=True)
 class ModelInputs:
-    """The model side of a spec, resolved by :func:`dmuon_server.launching.command.review`.
+    """The model side of a spec, resolved by :func:`dmuon_server.recipe.review.review`.
 
     ``hf`` is None for a preset; ``label`` is how clients see the model; ``vocab`` is the
     tokenizer's vocabulary (256 for raw bytes, None when unknown).

@@ -18,9 +18,9 @@ import threading
 from collections.abc import Iterator
 
 from dmuon_server.config import Settings
-from dmuon_server.launching.command import gpus_per_node
 from dmuon_server.launching.identity import JobIdentities
 from dmuon_server.launching.protocol import Launcher
+from dmuon_server.recipe.review import gpus_per_node
 from dmuon_server.scheduling import queue_policy
 from dmuon_server.scheduling.lifecycle import move_job
 from dmuon_server.scheduling.queue_policy import Holding, Place, Plan, Waiting

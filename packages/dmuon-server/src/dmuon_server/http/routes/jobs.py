@@ -24,16 +24,10 @@ from dmuon_server.http.dependencies import (
 )
 from dmuon_server.http.errors import ApiError, error_responses, field_error, invalid_request
 from dmuon_server.http.views import job_view, ts
-from dmuon_server.launching.command import (
-    Review,
-    build_command,
-    init_path,
-    plan_view,
-    review,
-    with_recipe_defaults,
-)
+from dmuon_server.launching.command import build_command, init_path, plan_view
 from dmuon_server.launching.identity import JobIdentities
 from dmuon_server.recipe.fingerprint import spec_fingerprint
+from dmuon_server.recipe.review import Review, review
 from dmuon_server.scheduling.supervisor import JobFinishing
 from dmuon_server.schemas import (
     TERMINAL_STATES,
@@ -193,12 +187,13 @@ def create_job(
     """
     accepted = _accepted(settings, store, identities, user, body)
     _check_limits(identities.users.limits_of(user_name(user)), body, store, user, idempotency_key)
-    body = with_recipe_defaults(body)  # the job record shows the values used
+    body = accepted.spec  # with the recipe's defaults: the job record shows the values used
+    assert body is not None
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     job_id = uuid.uuid4().hex
     job_dir = settings.job_dir(job_id)
     init = accepted.init_checkpoint
-    command = build_command(settings, body, job_dir, accepted)
+    command = build_command(settings, job_dir, accepted)
     if init is not None:
         # The job gets its own (hard-linked) copy before it exists in the store, so the
         # source job may prune or delete its checkpoint while this one waits in the queue.
@@ -262,7 +257,7 @@ def validate_job(
     """
     accepted = _accepted(settings, store, identities, user, body)
     ahead = len(store.jobs_in_states([JobState.QUEUED, JobState.STARTING, JobState.RUNNING]))
-    return plan_view(settings, body, accepted, ahead)
+    return plan_view(settings, accepted, ahead)
 
 
 @router.get("", response_model=JobList, responses=error_responses(401, 422))
