@@ -7,6 +7,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from dmuon_server.scheduling import gpus, queue_policy
 from dmuon_server.scheduling.queue_policy import Place, Waiting
+from dmuon_server.storage.states import JobState
 from dmuon_server.users import TOKEN_USER, User, Users, UsersFileError
 
 # ----------------------------------------------------------------------------- GPUs
@@ -171,3 +173,86 @@ def test_a_reload_keeps_the_old_users_when_the_new_file_is_bad(tmp_path: Path) -
     assert users.authenticate("t-bob") == User("bob")  # the users loaded before stay
     with pytest.raises(UsersFileError, match="called 'admin'"):
         Users(_write(f, [{"name": "admin", "token_sha256": _h("z")}]), token="t")
+
+
+# ------------------------------------------------------- the supervisor over a Slurm-like launcher
+
+
+class _SubmittingLauncher:
+    """Stands for Slurm's launcher: starting a job submits it (it stays ``queued``, no
+    longer waiting in the service's queue, with no local devices)."""
+
+    capacity = None
+    launched_total = 0
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.started: list[tuple[str, list[int]]] = []
+
+    def recover(self) -> None:
+        pass
+
+    def tick(self, isolated: Any) -> None:
+        pass
+
+    def waiting(self, job: Any) -> bool:
+        return job.slurm_job_id is None
+
+    def start(self, job: Any, gpus: list[int]) -> None:
+        self.started.append((job.id, gpus))
+        self.store.update_job(job.id, slurm_job_id=str(len(self.started)))
+
+    def cancel(self, job: Any) -> None:
+        pass
+
+
+def test_under_slurm_submitted_jobs_count_against_the_gpu_limit(tmp_path: Path) -> None:
+    """A user's ``gpus`` limit counts GPUs per node x nodes of the jobs submitted to Slurm
+    (pending there or running); the server's own devices play no part."""
+    from server_helpers import job_spec, make_settings
+
+    from dmuon_server.launching.identity import JobIdentities
+    from dmuon_server.scheduling.supervisor import Supervisor
+    from dmuon_server.schemas import JobCreate
+    from dmuon_server.storage.store import Store
+    from dmuon_server.streams.metrics import Hub, MetricsTailer
+
+    settings = make_settings(tmp_path, launcher="slurm")
+    users_file = _write(
+        tmp_path / "users.json",
+        [{"name": "ada", "token_sha256": _h("a" * 32), "limits": {"gpus": 8}}],
+    )
+    users = Users(users_file)
+    store = Store(settings.db_path)
+    hub = Hub()
+    launcher = _SubmittingLauncher(store)
+    supervisor = Supervisor(
+        settings,
+        store,
+        hub,
+        MetricsTailer(store, hub),
+        launcher,  # type: ignore[arg-type]
+        identities=JobIdentities(settings, users),
+    )
+    for i, (per_node, nodes) in enumerate([(2, 2), (4, 1), (1, 1)]):
+        spec = JobCreate.model_validate({**job_spec(1), "gpus_per_node": per_node, "nnodes": nodes})
+        store.create_job(
+            job_id=f"j{i}",
+            name=None,
+            nproc=1,
+            spec=spec.model_dump_json(),
+            spec_hash=str(i),
+            idempotency_key=None,
+            argv=[],
+            user="ada",
+        )
+    supervisor.tick()
+    # 2 x 2 + 4 = 8 GPUs submitted, no local device given; the third would make 9.
+    assert launcher.started == [("j0", []), ("j1", [])]
+    places = supervisor.queue_places()
+    assert places["j2"].reason == "ada holds 8 of 8 GPUs and this job needs 1 (their limit)"
+    store.transition("j0", JobState.RUNNING, "Slurm started it")
+    store.transition("j0", JobState.SUCCEEDED, "done", exit_code=0)
+    supervisor.tick()
+    assert launcher.started[-1] == ("j2", [])
+    store.close()

@@ -248,6 +248,12 @@ def gpus_per_node(settings: Settings, spec: JobCreate) -> int:
     return spec.nproc_per_node if settings.launcher == "local" and settings.gpus else 0
 
 
+def gpus_of_job(settings: Settings, spec: JobCreate) -> int:
+    """The GPUs a job uses in all: its GPUs per node times its nodes (what a user's
+    ``gpus`` limit counts)."""
+    return gpus_per_node(settings, spec) * spec.nnodes
+
+
 def gpu_refusals(settings: Settings, spec: JobCreate) -> list[FieldError]:
     """Why the local launcher cannot give the job the GPUs it asks for, if it cannot."""
     if settings.launcher != "local" or spec.gpus_per_node in (None, 0):

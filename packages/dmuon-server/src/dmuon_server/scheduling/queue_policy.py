@@ -24,19 +24,28 @@ from dmuon_server.users import Limits
 
 @dataclass(frozen=True)
 class Waiting:
-    """A queued job as the policy sees it: its id, the GPUs it needs (0: none), its
-    priority, its user and that user's limits."""
+    """A queued job as the policy sees it: its id, the GPUs it uses (0: none; what its
+    user's ``gpus`` limit counts), its priority, its user and that user's limits, and the
+    devices of this server it takes (None: as many as its GPUs; 0 under Slurm, which
+    picks the devices itself)."""
 
     job_id: str
     gpus: int = 0
     priority: int = 0
     user: str | None = None
     limits: Limits = field(default_factory=Limits)
+    devices: int | None = None
+
+    @property
+    def local_devices(self) -> int:
+        """The devices of this server it takes."""
+        return self.gpus if self.devices is None else self.devices
 
 
 @dataclass(frozen=True)
 class Holding:
-    """What one user's active jobs hold."""
+    """What one user's launched jobs hold: active ones, and under Slurm also those
+    submitted and pending there."""
 
     jobs: int = 0
     gpus: int = 0
@@ -119,7 +128,7 @@ def plan(
             blocked.append(job)
             continue
         if not held_up and (slots is None or slots > 0):
-            got = allocate(devices, taken, job.gpus)
+            got = allocate(devices, taken, job.local_devices)
             if got is not None:
                 out.starts.append((job.job_id, got))
                 taken.update(got)
@@ -139,13 +148,14 @@ def plan(
             clauses = [passed[job.job_id]]  # the user's limit, whatever else holds
         else:
             clauses = []
-            if job.gpus > len(devices):
+            need = job.local_devices
+            if need > len(devices):
                 clauses.append(
-                    f"needs {_n(job.gpus, 'GPU')}, more than this server has "
+                    f"needs {_n(need, 'GPU')}, more than this server has "
                     f"({len(devices)}, --gpus); cancel it"
                 )
-            elif job.gpus > free:
-                clauses.append(f"waiting for {_n(job.gpus, 'GPU')}: {free} free")
+            elif need > free:
+                clauses.append(f"waiting for {_n(need, 'GPU')}: {free} free")
             if slots is not None and slots <= 0:
                 clauses.append(f"{active} of {capacity} running (--max-concurrent-jobs)")
         if ahead:

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dmuon_server.config import Settings
 from dmuon_server.launching.identity import JobIdentities
 from dmuon_server.launching.protocol import Launcher
-from dmuon_server.recipe.review import gpus_per_node
+from dmuon_server.recipe.review import gpus_of_job, gpus_per_node
 from dmuon_server.scheduling import queue_policy
 from dmuon_server.scheduling.lifecycle import move_job
 from dmuon_server.scheduling.queue_policy import Holding, Place, Plan, Waiting
@@ -145,23 +145,28 @@ class Supervisor:
     # ------------------------------------------------------------------ scheduling
 
     def _plan(self) -> tuple[Plan, dict[str, JobRecord]]:
-        queued = [
-            j for j in self.store.jobs_in_states([JobState.QUEUED]) if self.launcher.waiting(j)
-        ]
+        in_queue = self.store.jobs_in_states([JobState.QUEUED])
+        queued = [j for j in in_queue if self.launcher.waiting(j)]
         active = self.store.jobs_in_states(ACTIVE_STATES)
         busy = [d for j in active for d in j.gpu_list]
+        # What each user holds: their active jobs, and the queued ones the launcher has
+        # already handed on (submitted to Slurm, which picks their devices).
+        launched = active + [j for j in in_queue if not self.launcher.waiting(j)]
         holding: dict[str | None, Holding] = {}
-        for j in active:
+        for j in launched:
             had = holding.get(j.user, Holding())
-            holding[j.user] = Holding(had.jobs + 1, had.gpus + len(j.gpu_list))
+            used = len(j.gpu_list) or gpus_of_job(self.settings, j.spec_model)
+            holding[j.user] = Holding(had.jobs + 1, had.gpus + used)
         users = self.identities.users
+        local = self.settings.launcher == "local"
         waiting = [
             Waiting(
                 j.id,
-                gpus_per_node(self.settings, j.spec_model),
+                gpus_of_job(self.settings, j.spec_model),
                 j.priority,
                 j.user,
                 users.limits_of(j.user),
+                devices=gpus_per_node(self.settings, j.spec_model) if local else 0,
             )
             for j in queued
         ]
@@ -169,7 +174,7 @@ class Supervisor:
             waiting,
             devices=self.settings.gpus,
             busy=busy,
-            running=len(active),
+            running=len(launched),
             capacity=self.launcher.capacity,
             holding=holding,
         )
