@@ -35,7 +35,6 @@ from dmuon._clip import reduction_groups, total_grad_norm
 from dmuon._ownership.fsdp_integration import verify_not_sharded
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.state import DedicationState, get_dedication, unwrap
-from dmuon._ownership.wrappers import check_wrapped
 from dmuon.optim._adamw_step import adamw_step
 from dmuon.optim._groups import build_param_groups
 from dmuon.optim._muon_update import (
@@ -43,6 +42,7 @@ from dmuon.optim._muon_update import (
     Workspaces,
     apply_muon_update,
     init_missing_state,
+    owned_gradients,
     zero_second_moment,
 )
 from dmuon.optim._nonfinite import NonFiniteGradientError, finite_only
@@ -58,6 +58,7 @@ from dmuon.optim._validation import (
     NONFINITE_POLICIES,
     adjust_lr_ratio,
     check_max_workspace_bytes,
+    check_params_are_the_models,
     group_defaults,
     validate_adamw_group,
     validate_muon_group,
@@ -386,32 +387,7 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _check_params_are_the_models(self) -> None:
-        """Raise if the model's parameters were replaced after this optimizer was built.
-
-        ``fully_shard`` (or anything else) replacing parameters after ``dmuon.Muon`` would
-        leave the AdamW groups stepping tensors the model no longer uses: embeddings and
-        norms would silently never train.
-        """
-        current = {id(p) for p in self._model.parameters()}
-        stale = [
-            p
-            for group in self.param_groups
-            if group["algorithm"] == "adamw"
-            for p in group["params"]
-            if id(p) not in current
-        ]
-        if stale:
-            raise ValueError(
-                f"{len(stale)} parameters of this optimizer's AdamW groups are no longer the "
-                "model's (shapes "
-                f"{[tuple(p.shape) for p in stale[:3]]}): the model's parameters were replaced "
-                "after dmuon.Muon was created, typically by fully_shard. Create the optimizer "
-                "last: dmuon.dedicate_params, then fully_shard (or DistributedDataParallel), "
-                "then dmuon.Muon."
-            )
-        state = get_dedication(self._model)
-        if state is not None:  # subclasses without dedication (the naive baseline) skip it
-            check_wrapped(self._model, state)
+        check_params_are_the_models(self.param_groups, self._model)
         self._params_checked = True
 
     def _step_finished(self) -> None:
@@ -422,25 +398,7 @@ class Muon(torch.optim.Optimizer):
         """Step the owned matrices of a Muon group that have an averaged gradient here."""
         triples = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         runtime = self._dedication().runtime
-        pairs: list[tuple[DedicatedParam, Tensor]] = []
-        for p in group["params"]:
-            dp = dedicated.get(id(p))
-            if dp is None:
-                raise ValueError(
-                    "a parameter in the Muon group is not dedicated; only parameters "
-                    "dedicated by dmuon.dedicate_params can be stepped with Muon"
-                )
-            if not dp.updates_here:
-                continue
-            grad = runtime.reduced_grad(dp)
-            if grad is None:
-                continue
-            if grad.shape != p.shape or grad.dim() not in (2, 3):
-                raise ValueError(
-                    f"the reduced gradient of {dp.fqn!r} has shape {tuple(grad.shape)}, "
-                    f"expected the full tensor {tuple(p.shape)}"
-                )
-            pairs.append((dp, grad))
+        pairs = owned_gradients(group["params"], dedicated, runtime)
         normuon = group["variant"] == "normuon"
         params: list[Tensor] = []
         grads: list[Tensor] = []

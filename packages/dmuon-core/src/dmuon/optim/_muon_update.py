@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dmuon._comm import Communicator
 from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.runtime import DedicationRuntime
 from dmuon.optim._adamw_step import new_adamw_state
 from dmuon.optim._blocks import Arena
 from dmuon.optim._normuon import SECOND_MOMENT, normalize_rows_, second_moment_shape
@@ -211,6 +212,33 @@ def _tensor_parallel_step(
     )
     for (_, p, _, _), update in zip(members, updates, strict=True):
         p.add_(update.to(p.dtype), alpha=-group["lr"])
+
+
+def owned_gradients(
+    params: list[Tensor], dedicated: dict[int, DedicatedParam], runtime: DedicationRuntime
+) -> list[tuple[DedicatedParam, Tensor]]:
+    """The matrices of a Muon group this rank steps, with their averaged gradients (those
+    no rank had a gradient for are left out, as torch leaves a ``None`` ``.grad``)."""
+    pairs: list[tuple[DedicatedParam, Tensor]] = []
+    for p in params:
+        dp = dedicated.get(id(p))
+        if dp is None:
+            raise ValueError(
+                "a parameter in the Muon group is not dedicated; only parameters "
+                "dedicated by dmuon.dedicate_params can be stepped with Muon"
+            )
+        if not dp.updates_here:
+            continue
+        grad = runtime.reduced_grad(dp)
+        if grad is None:
+            continue
+        if grad.shape != p.shape or grad.dim() not in (2, 3):
+            raise ValueError(
+                f"the reduced gradient of {dp.fqn!r} has shape {tuple(grad.shape)}, "
+                f"expected the full tensor {tuple(p.shape)}"
+            )
+        pairs.append((dp, grad))
+    return pairs
 
 
 def zero_second_moment(dp: DedicatedParam) -> Tensor:

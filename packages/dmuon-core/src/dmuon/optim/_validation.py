@@ -7,7 +7,10 @@ import numbers
 from typing import Any
 
 import torch
+from torch import nn
 
+from dmuon._ownership.state import get_dedication
+from dmuon._ownership.wrappers import check_wrapped
 from dmuon.optim._normuon import VARIANTS
 from dmuon.optim._orthogonalize import Coefficients, _check_dtype, _is_real, resolve_coefficients
 
@@ -164,3 +167,32 @@ def check_max_workspace_bytes(value: object) -> None:
             "max_workspace_bytes must be a positive number of bytes, such as 2**31 "
             f"(2 GiB), got {value!r}"
         )
+
+
+def check_params_are_the_models(param_groups: list[dict[str, Any]], model: nn.Module) -> None:
+    """Raise if the model's parameters were replaced after the optimizer was built.
+
+    ``fully_shard`` (or anything else) replacing parameters after ``dmuon.Muon`` would
+    leave the AdamW groups stepping tensors the model no longer uses: embeddings and
+    norms would silently never train.
+    """
+    current = {id(p) for p in model.parameters()}
+    stale = [
+        p
+        for group in param_groups
+        if group["algorithm"] == "adamw"
+        for p in group["params"]
+        if id(p) not in current
+    ]
+    if stale:
+        raise ValueError(
+            f"{len(stale)} parameters of this optimizer's AdamW groups are no longer the "
+            "model's (shapes "
+            f"{[tuple(p.shape) for p in stale[:3]]}): the model's parameters were replaced "
+            "after dmuon.Muon was created, typically by fully_shard. Create the optimizer "
+            "last: dmuon.dedicate_params, then fully_shard (or DistributedDataParallel), "
+            "then dmuon.Muon."
+        )
+    state = get_dedication(model)
+    if state is not None:  # subclasses without dedication (the naive baseline) skip it
+        check_wrapped(model, state)
