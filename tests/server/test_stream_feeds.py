@@ -202,3 +202,41 @@ def test_the_streams_benchmark_runs_and_reports_its_figures(tmp_path: Path) -> N
     assert 0 <= figures["idle_cpu_no_streams"] < 1 and 0 <= figures["idle_cpu_streams"] < 1
     assert 0 < figures["p50_ms"] <= figures["p99_ms"] <= figures["max_ms"]
     assert "REST with 10 streams open: 20 requests" in done.stdout
+
+
+def test_a_failing_database_stalls_the_streams_and_loses_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of the store that fails (a full disk, an I/O error) halfway through is
+    retried: no point it had read is skipped, and the streams go on to the end."""
+    monkeypatch.setattr(feeds, "RETRY_S", 0.05)
+    store, hub = _store(tmp_path), Hub()
+    failures = {"left": 0}
+    transitions_after = store.transitions_after
+
+    def flaky(job_id: str, after_id: int) -> Any:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise OSError("disk I/O error")
+        return transitions_after(job_id, after_id)
+
+    monkeypatch.setattr(store, "transitions_after", flaky)
+
+    async def run() -> list[str]:
+        streams = EventStreams(store, hub)
+        follower = asyncio.create_task(_follow(streams, store))
+        await asyncio.sleep(0.05)
+        failures["left"] = 2  # after the points were read, twice
+        _ingest(store, hub, range(0, 10))
+        await asyncio.sleep(0.3)
+        _ingest(store, hub, range(10, 15))
+        store.transition("j", "succeeded", "done", exit_code=0)
+        hub.notify("j")
+        return await asyncio.wait_for(follower, 10)
+
+    events = asyncio.run(run())
+    assert _metric_steps(events) == list(range(15))
+    assert events[-2:] == [
+        "state:succeeded",
+        'end:{"state": "succeeded", "exit_code": 0, "reason": "done", "last_step": 14}',
+    ]

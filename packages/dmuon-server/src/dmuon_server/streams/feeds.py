@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -39,8 +41,13 @@ from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
 from dmuon_server.streams.metrics import Hub
 
-#: Items a feed keeps for subscribers that are behind (a slower one reads the database).
-LOG_SIZE = 2048
+log = logging.getLogger("dmuon_server.streams")
+
+#: Items a feed keeps for subscribers that are behind (a slower one reads the database):
+#: about 0.5 MB for points of 1 KB, per job with open streams.
+LOG_SIZE = 512
+#: Seconds a publisher waits before reading again after the database failed.
+RETRY_S = 1.0
 #: Points read from the database at once.
 POINTS_PAGE = 500
 #: Longest pause of the ticker (heartbeats due sooner make it tick sooner).
@@ -181,6 +188,7 @@ class JobFeed:
         self.place: Place | None = None
         self._hub_sub = hub.subscribe(job_id)
         self._task: asyncio.Task[None] | None = None
+        self._failing = False
 
     def wake(self) -> None:
         """Make the publisher read the database again."""
@@ -229,7 +237,18 @@ class JobFeed:
         while not self.finished:
             await self._hub_sub.event.wait()
             self._hub_sub.event.clear()
-            items = await anyio.to_thread.run_sync(self._read)
+            try:
+                items = await anyio.to_thread.run_sync(self._read)
+            except Exception as e:  # the database failed: the streams wait, then read again
+                if not self._failing:
+                    log.warning(
+                        "event streams of job %s: reading the store failed: %s", self.job_id, e
+                    )
+                self._failing = True
+                await asyncio.sleep(RETRY_S)
+                self._hub_sub.event.set()
+                continue
+            self._failing = False
             if items:
                 for item in items:
                     self.seq += 1
@@ -240,9 +259,9 @@ class JobFeed:
                 self.close()
 
     def _read(self) -> list[Item]:
-        items, row, self.place = read_news(
-            self.store, self.job_id, self._cursor, self.places, self.place
-        )
+        cursor = dataclasses.replace(self._cursor)  # kept only when the whole read succeeds
+        items, row, place = read_news(self.store, self.job_id, cursor, self.places, self.place)
+        self._cursor, self.place = cursor, place
         self.queued = row is not None and row.state == JobState.QUEUED
         if row is None:
             items.append(Item("end", 0, end={"state": None, "deleted": True}))
@@ -287,11 +306,14 @@ class EventStreams:
                 await feed.start()
             except BaseException:
                 self._drop(loop, feed)
+                feed.ready.set()  # streams waiting for this start try again
                 raise
             if loop not in self._tickers:
                 self._tickers[loop] = asyncio.create_task(self._tick(loop), name="stream ticker")
         else:
             await feed.ready.wait()
+            if feed.finished and not feed.log:  # its start failed: start one again
+                return await self.join(job_id)
         sub = Subscriber(feed, seq=feed.seq)
         feed.subscribers.add(sub)
         self.open += 1
