@@ -251,8 +251,16 @@ def test_under_slurm_submitted_jobs_count_against_the_gpu_limit(tmp_path: Path) 
     assert launcher.started == [("j0", []), ("j1", [])]
     places = supervisor.queue_places()
     assert places["j2"].reason == "ada holds 8 of 8 GPUs and this job needs 1 (their limit)"
+    # Rounds with nothing changed do not plan again (planning costs O(queue)): the round
+    # after the one that started jobs plans once more, then none until something changes.
+    rounds: list[int] = []
+    plan = supervisor._plan
+    supervisor._plan = lambda: (rounds.append(1), plan())[1]  # type: ignore[method-assign]
+    for _ in range(5):
+        supervisor.tick()
+    assert rounds == [1] and len(launcher.started) == 2
     store.transition("j0", JobState.RUNNING, "Slurm started it")
     store.transition("j0", JobState.SUCCEEDED, "done", exit_code=0)
     supervisor.tick()
-    assert launcher.started[-1] == ("j2", [])
+    assert launcher.started[-1] == ("j2", []) and rounds == [1, 1]
     store.close()

@@ -72,6 +72,8 @@ class Supervisor:
         self.errors_total = 0
         self._last_error: dict[str | None, str] = {}
         self._places: dict[str, Place] = {}
+        #: (store version, users generation) of the last round that started nothing.
+        self._idle_key: tuple[int, int] | None = None
 
     @property
     def launched_total(self) -> int:
@@ -181,7 +183,14 @@ class Supervisor:
         return plan, {j.id: j for j in queued}
 
     def _schedule(self) -> None:
+        # What the plan depends on changes only with the jobs table or the users: a round
+        # after one that started nothing, with neither changed, has nothing to do (planning
+        # costs O(queue) a round, several times a second).
+        key = (self.store.version, self.identities.users.generation)
+        if key == self._idle_key:
+            return
         plan, queued = self._plan()
+        self._idle_key = None if plan.starts else key
         for job_id, gpus in plan.starts:
             with self._isolated(job_id):
                 self.launcher.start(queued[job_id], gpus)
