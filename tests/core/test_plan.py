@@ -133,6 +133,8 @@ def test_text_output_states_every_assumption(
         (["--world", "4", "--max-workspace-bytes", "-5"], "max_workspace_bytes must be a positive"),
         (["--world", "4", "--hardware", "tpu"], "neither one of ['b200', 'h100', 'h200']"),
         (["--world", "4", "--tokens-per-step", "lots"], "not a positive count"),
+        (["--world", "4", "--tp", "3"], "tensor-parallel size 3 must divide the world size 4"),
+        (["--world", "8", "--tp", "2", "--shard-size", "3"], "divide the 4 data-parallel ranks"),
     ],
 )
 def test_bad_input_says_what_to_pass(
@@ -142,6 +144,33 @@ def test_bad_input_says_what_to_pass(
         main(["--model", str(tiny_dir), *argv])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_tensor_parallel_splits_the_planned_matrices_by_the_configs_tp_plan(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With ``--tp 2`` each rank holds half of every matrix Llama's tp plan splits (all
+    seven per layer), the tp group gathers and scatters each matrix its owner steps, and
+    the Newton-Schulz work of the whole world is the same as without tensor parallelism
+    (each matrix is orthogonalized once, by one rank of its tp group)."""
+    flat = json.loads(_run(capsys, "--model", str(tiny_dir), "--world", "2", "--json"))
+    split = json.loads(
+        _run(capsys, "--model", str(tiny_dir), "--world", "4", "--tp", "2", "--json")
+    )
+    assert [(r["rank"], r["shard"], r["tp"]) for r in split["ranks"]] == [
+        (0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1),
+    ]  # fmt: skip
+    by_shard = {r["shard"]: r for r in flat["ranks"]}
+    for rank in split["ranks"]:
+        whole = by_shard[rank["shard"]]
+        assert rank["master_bytes"] * 2 == whole["master_bytes"]
+        gathers = rank["tensor_collectives"]["gather"]
+        assert gathers == rank["tensor_collectives"]["scatter"]
+        assert gathers["elements"] * 4 == whole["master_bytes"]  # every owned matrix, whole
+    assert sum(r["ns_flops"] for r in split["ranks"]) == sum(r["ns_flops"] for r in flat["ranks"])
+    assert "x tensor parallel 2" in _run(
+        capsys, "--model", str(tiny_dir), "--world", "4", "--tp", "2"
+    )
 
 
 def test_a_folder_without_config_is_refused(tmp_path: Path) -> None:

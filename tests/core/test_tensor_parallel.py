@@ -197,7 +197,17 @@ def build(kind: str, shape: tuple[int, int], mode: str) -> tuple[nn.Module, dmuo
     return model, optimizer, mesh
 
 
-def train_steps(model: nn.Module, optimizer: dmuon.Muon, mesh: Any, steps: range) -> list[Any]:
+def train_steps(
+    model: nn.Module,
+    optimizer: dmuon.Muon,
+    mesh: Any,
+    steps: range,
+    flops: list[int] | None = None,
+) -> list[Any]:
+    """Train ``steps``; the collectives each issued, and in ``flops`` what
+    `FlopCounterMode` counted inside each ``optimizer.step()``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     dp = mesh["dp"].size()
     dp_rank = mesh["dp"].get_local_rank()
     issued = []
@@ -207,7 +217,10 @@ def train_steps(model: nn.Module, optimizer: dmuon.Muon, mesh: Any, steps: range
             for micro, chunk in enumerate(mine.chunk(ACCUM)):
                 with dmuon.no_sync(model) if micro + 1 < ACCUM else nullcontext():
                     (loss_of(model, chunk) / ACCUM).backward()
-            optimizer.step()
+            with FlopCounterMode(display=False) as counter:
+                optimizer.step()
+            if flops is not None:
+                flops.append(counter.get_total_flops())
         optimizer.zero_grad()
         issued.append(seen)
     return issued
@@ -223,9 +236,15 @@ def run_case(kind: str, mode: str, rank: int, world: int, root: str) -> dict[str
     import torch.distributed.checkpoint as dcp
 
     model, optimizer, mesh = build(kind, (2, 2), mode)
-    issued = train_steps(model, optimizer, mesh, range(STEPS))
+    flops: list[int] = []
+    issued = train_steps(model, optimizer, mesh, range(STEPS), flops)
     audit = dmuon.comm_audit(model).last_step().as_dict()
-    result: dict[str, Any] = {"issued": issued, "audit": audit, "trained": full_weights(model)}
+    result: dict[str, Any] = {
+        "issued": issued,
+        "audit": audit,
+        "trained": full_weights(model),
+        "step_flops": flops,
+    }
     if mode == "z2":  # a checkpoint, then the uninterrupted run goes on
         model_sd, optim_sd = dmuon.get_state_dict(model, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, kind))
@@ -348,6 +367,42 @@ def test_tp_collectives_are_the_same_on_every_rank(runs, kind: str, mode: str) -
             assert set(seqs) == set(ranks), f"step {step}: only {sorted(seqs)} of {ranks} issued"
             first = seqs[ranks[0]]
             assert all(seqs[r] == first for r in ranks), f"step {step}, group {ranks} differ"
+
+
+@pytest.mark.parametrize("mode", ["z2", "z3"])
+def test_the_cluster_plan_predicts_the_tp_audit_and_the_flops(runs, mode: str) -> None:
+    """`dmuon.plan.plan_cluster` with ``tp=2`` and the Llama config's own tp plan, rank by
+    rank against the 2 x 2 (dp, tp) runs: the dp group's broadcasts and reduces and the tp
+    group's gathers and scatters (count and elements) equal what the comm audit recorded,
+    and the Newton-Schulz FLOPs what `FlopCounterMode` counted in ``optimizer.step()``."""
+    from dmuon.plan import plan_cluster
+
+    plan = plan_cluster(
+        hf_llama(),
+        4,
+        tp=2,
+        mode=mode,
+        accum=ACCUM,
+        no_sync=True,
+        ns_dtype=torch.float32,
+        device_type="cpu",
+    )
+
+    def tallies(collectives: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        return {kind: (t["count"], t["elements"]) for kind, t in collectives.items()}
+
+    def predicted(by_kind: dict[str, Any]) -> dict[str, tuple[int, int]]:
+        return {kind: (t.count, t.elements) for kind, t in by_kind.items()}
+
+    results = _ok(runs["trained"], ("hf_llama", mode))
+    assert [r.rank for r in plan.ranks] == list(range(4))
+    for rank, (result, expected) in enumerate(zip(results, plan.ranks, strict=True)):
+        assert result["step_flops"] == [expected.ns_flops] * STEPS, rank
+        audit = result["audit"]
+        assert tallies(audit["collectives"]) == predicted(expected.shard_collectives), rank
+        tensor = audit.get("dimensions", {}).get("tensor", {}).get("collectives", {})
+        assert tallies(tensor) == predicted(expected.tensor_collectives), rank
+    assert sum(r.ns_flops for r in plan.ranks) > 0
 
 
 @pytest.mark.parametrize("kind", list(MODELS))

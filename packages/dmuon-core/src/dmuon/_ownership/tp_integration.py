@@ -35,7 +35,14 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from dmuon._ownership.planner import newton_schulz_cost
 
-__all__ = ["TensorParallel", "assign_workers", "leaf_for", "local_grad", "tensor_parallel_of"]
+__all__ = [
+    "TensorParallel",
+    "assign_workers",
+    "leaf_for",
+    "local_grad",
+    "spread_over_tp",
+    "tensor_parallel_of",
+]
 
 
 @dataclass(eq=False)
@@ -150,23 +157,31 @@ def local_grad(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     return grad.to_local()
 
 
+def spread_over_tp(costs: Sequence[int], size: int) -> list[int]:
+    """The tp rank that orthogonalizes each of one owner's tp-sharded matrices (their
+    Newton-Schulz ``costs`` in dedication order): largest first, each to the least-loaded
+    tp rank (ties: the lowest). `assign_workers` and the cluster planner use it."""
+    loads = [0] * size
+    workers = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        worker = min(range(size), key=lambda r: (loads[r], r))
+        workers[index] = worker
+        loads[worker] += costs[index]
+    return workers
+
+
 def assign_workers(layouts: Sequence[tuple[TensorParallel, int]]) -> None:
     """Give each tp-sharded matrix the tp rank that orthogonalizes it.
 
     ``layouts`` lists ``(layout, owner)`` in dedication order. For each owner,
     its matrices go, largest Newton-Schulz cost first, to the least-loaded tp rank; every
-    rank computes the same assignment from the same list.
+    rank computes the same assignment from the same list (`spread_over_tp`).
     """
     by_owner: dict[int, list[TensorParallel]] = {}
     for tp, owner in layouts:
         if tp.shard_dim is not None:
             by_owner.setdefault(owner, []).append(tp)
     for items in by_owner.values():
-        loads = [0] * items[0].size
-        order = sorted(
-            range(len(items)), key=lambda i: (-newton_schulz_cost(items[i].global_shape), i)
-        )
-        for index in order:
-            worker = min(range(len(loads)), key=lambda r: (loads[r], r))
-            items[index].worker = worker
-            loads[worker] += newton_schulz_cost(items[index].global_shape)
+        costs = [newton_schulz_cost(item.global_shape) for item in items]
+        for item, worker in zip(items, spread_over_tp(costs, items[0].size), strict=True):
+            item.worker = worker

@@ -29,8 +29,15 @@ def _parser() -> argparse.ArgumentParser:
         "--shard-size",
         type=int,
         default=None,
-        help="ranks per replica of an HSDP mesh (world / shard-size replicas); default: the "
-        "world (a 1-D mesh)",
+        help="data-parallel ranks per replica of an HSDP mesh (world / tp / shard-size "
+        "replicas); default: every data-parallel rank (a 1-D mesh)",
+    )
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel size (the world counts every rank, data-parallel x tp); the "
+        "matrices the config's base_model_tp_plan splits are dedicated per shard",
     )
     parser.add_argument(
         "--tokens-per-step", default="4M", help="tokens per optimizer step (4M = 4,000,000)"
@@ -72,11 +79,12 @@ def _row(
 
 def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> str:
     """The plan as text: assumptions, totals, per-rank ranges, warnings."""
+    tp = plan.world // (plan.replicas * plan.shard_size)
     layout = (
         f"{plan.replicas} replicas x {plan.shard_size} shard ranks (HSDP)"
         if plan.replicas > 1
-        else f"a 1-D mesh of {plan.world} ranks"
-    )
+        else f"a 1-D mesh of {plan.shard_size} ranks"
+    ) + (f" x tensor parallel {tp} (data-parallel ranks x tp)" if tp > 1 else "")
     sync = " under dmuon.no_sync" if plan.no_sync and plan.accum > 1 else ""
     busiest = plan.busiest
     lines = [
@@ -120,6 +128,7 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
     for dim, pick in (
         ("shard", lambda r: r.shard_collectives),
         ("replicate", lambda r: r.replicate_collectives),
+        ("tensor", lambda r: r.tensor_collectives),
     ):
         kinds = sorted({kind for r in ranks for kind in pick(r)})
         for kind in kinds:
@@ -142,12 +151,13 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
     if per_rank:
         lines += [
             "",
-            "  rank replica shard  masters GiB  momentum GiB  workspace GiB  NS ms  calls",
+            "  rank replica shard tp  masters GiB  momentum GiB  workspace GiB  NS ms  calls",
         ]
         for r in ranks:
             lines.append(
-                f"  {r.rank:>4} {r.replica:>7} {r.shard:>5} {r.master_bytes / gib:>12.2f} "
-                f"{r.momentum_bytes / gib:>13.2f} {r.workspace_bytes / gib:>14.2f} "
+                f"  {r.rank:>4} {r.replica:>7} {r.shard:>5} {r.tp:>2} "
+                f"{r.master_bytes / gib:>12.2f} {r.momentum_bytes / gib:>13.2f} "
+                f"{r.workspace_bytes / gib:>14.2f} "
                 f"{r.ns_seconds * 1e3:>6.2f} {r.calls:>6}"
             )
     for warning in plan.warnings:
@@ -182,6 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             active_parameters=active_parameters(model, config),
             ns_steps=args.ns_steps,
             param_bytes=2 if args.param_dtype == "bfloat16" else 4,
+            tp=args.tp,
             **kwargs,
         )
     except ValueError as error:

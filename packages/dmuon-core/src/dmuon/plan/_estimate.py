@@ -20,6 +20,7 @@ same code) and from the library's own rules:
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import math
 from collections import defaultdict
@@ -30,9 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon._ownership.planner import OwnerPlan, SplitStacks, range_name
+from dmuon._ownership.planner import OwnerPlan, SplitStacks, newton_schulz_cost, range_name
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.selection import plan_dedication
+from dmuon._ownership.tp_integration import spread_over_tp
 from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
 from dmuon.optim._validation import check_max_workspace_bytes
 from dmuon.plan._hardware import Hardware, parse_hardware
@@ -72,6 +74,11 @@ class RankPlan:
     reduce_buffer_bytes: int
     shard_collectives: dict[str, Tally] = field(default_factory=dict)
     replicate_collectives: dict[str, Tally] = field(default_factory=dict)
+    #: Position in its tensor-parallel group (0 without tensor parallelism).
+    tp: int = 0
+    #: Collectives over the tensor-parallel group per step (a gather and a scatter of
+    #: each tp-sharded matrix the rank's owner steps).
+    tensor_collectives: dict[str, Tally] = field(default_factory=dict)
 
     @property
     def added_bytes(self) -> int:
@@ -87,8 +94,12 @@ class RankPlan:
 
     @property
     def calls(self) -> int:
-        """Collective calls per optimizer step, both dimensions."""
-        tallies = [*self.shard_collectives.values(), *self.replicate_collectives.values()]
+        """Collective calls per optimizer step, every dimension."""
+        tallies = [
+            *self.shard_collectives.values(),
+            *self.replicate_collectives.values(),
+            *self.tensor_collectives.values(),
+        ]
         return sum(t.count for t in tallies)
 
 
@@ -225,6 +236,47 @@ def _items(shapes: Mapping[str, Sequence[int]], plan: OwnerPlan) -> dict[str, tu
     return items
 
 
+def _item_cost(shape: tuple[int, int, int]) -> int:
+    """Multiply-adds of one iteration over a plan item (a stack counts each matrix)."""
+    matrices, rows, cols = shape
+    return matrices * newton_schulz_cost((rows, cols))
+
+
+#: Hugging Face tp-plan styles that split a weight by rows (0) or by columns (1).
+_TP_STYLES = {"colwise": 0, "colwise_rep": 0, "local_colwise": 0, "rowwise": 1,
+              "rowwise_rep": 1, "local_rowwise": 1}  # fmt: skip
+
+
+def _tp_split_dims(
+    model: nn.Module,
+    shapes: Mapping[str, Sequence[int]],
+    tp: int,
+    tp_plan: Mapping[str, str] | None,
+) -> dict[str, int]:
+    """``{fqn: dim}`` of the dedicated matrices a tp plan splits (rows 0, columns 1)."""
+    if tp == 1:
+        return {}
+    if tp_plan is None:
+        config = getattr(model, "config", None)
+        tp_plan = getattr(config, "base_model_tp_plan", None) or {}
+        if not tp_plan:
+            raise ValueError(
+                "tensor parallelism needs a tp plan: the model's config has no "
+                "base_model_tp_plan; pass tp_plan={module pattern: 'colwise' | 'rowwise'}"
+            )
+    dims: dict[str, int] = {}
+    for fqn, shape in shapes.items():
+        module = fqn.rsplit(".", 1)[0]
+        for pattern, style in tp_plan.items():
+            if len(shape) == 2 and (
+                fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module, "*." + pattern)
+            ):
+                if style in _TP_STYLES:
+                    dims[fqn] = _TP_STYLES[style]
+                break
+    return dims
+
+
 def _workspace(
     items: list[tuple[int, int, int]],
     dtype: torch.dtype,
@@ -263,6 +315,8 @@ def plan_cluster(
     param_bytes: int = FLOAT32,
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
     split_expert_stacks: SplitStacks = "auto",
+    tp: int = 1,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> ClusterPlan:
     """Plan ``model`` (built on the meta device, or a real one: nothing is changed) on a
     cluster of ``world`` ranks: per rank, what DMuon adds in memory, Newton-Schulz work and
@@ -270,9 +324,9 @@ def plan_cluster(
 
     Args:
         model: The model, before `dmuon.dedicate_params` (its default predicate selects).
-        world: Ranks in all.
-        shard_size: Ranks per replica of an HSDP mesh (``world / shard_size`` replicas);
-            ``None`` or ``world``: a 1-D mesh.
+        world: Ranks in all (data-parallel ranks x ``tp``).
+        shard_size: Data-parallel ranks per replica of an HSDP mesh (``world / tp /
+            shard_size`` replicas); ``None``: every data-parallel rank (a 1-D mesh).
         tokens_per_step: Tokens of one optimizer step over the whole cluster.
         mode: ``"z2"`` or ``"z3"`` (``dedicate_params(reshard_after_forward=...)``).
         accum: Micro-batches per optimizer step.
@@ -288,6 +342,14 @@ def plan_cluster(
             ``param_dtype=torch.bfloat16``).
         max_workspace_bytes: `dmuon.Muon`'s cap on the Newton-Schulz workspace.
         split_expert_stacks: As for `dmuon.dedicate_params`.
+        tp: Tensor-parallel size: each data-parallel rank is a group of ``tp`` ranks, and
+            the matrices ``tp_plan`` shards are dedicated per shard (see
+            `dmuon._ownership.tp_integration`). Ranks are numbered
+            ``(replica * shard_size + shard) * tp + tp_rank``.
+        tp_plan: ``{module pattern: style}`` as in a Hugging Face config's
+            ``base_model_tp_plan`` (``"layers.*.self_attn.q_proj": "colwise"``); a
+            ``colwise`` weight is split by rows, a ``rowwise`` one by columns, others stay
+            whole. ``None`` with ``tp > 1``: the model config's ``base_model_tp_plan``.
 
     Returns:
         The `ClusterPlan`.
@@ -300,12 +362,16 @@ def plan_cluster(
         raise ValueError(f"the world size must be at least 1 rank, got {world}")
     if ns_steps < 1:
         raise ValueError(f"ns_steps must be at least 1 (5 is usual), got {ns_steps}")
+    if tp < 1 or world % tp:
+        raise ValueError(f"the tensor-parallel size {tp} must divide the world size {world}")
     check_max_workspace_bytes(max_workspace_bytes)
-    shard = world if shard_size is None else shard_size
-    if shard < 1 or world % shard:
+    dp_world = world // tp
+    shard = dp_world if shard_size is None else shard_size
+    if shard < 1 or dp_world % shard:
+        ranks = f"world size {world}" if tp == 1 else f"{dp_world} data-parallel ranks"
         raise ValueError(
-            f"the shard size {shard} must divide the world size {world} (HSDP runs "
-            "world / shard-size replicas; a 1-D mesh has shard size = world)"
+            f"the shard size {shard} must divide the {ranks} (HSDP runs world / tp / "
+            "shard-size replicas; a 1-D mesh has shard size = world / tp)"
         )
     if mode not in ("z2", "z3"):
         raise ValueError(f"mode must be 'z2' or 'z3', got {mode!r}")
@@ -313,80 +379,121 @@ def plan_cluster(
         raise ValueError(f"accum must be at least 1, got {accum}")
     if isinstance(hardware, str):
         hardware = parse_hardware(hardware)
-    replicas = world // shard
+    replicas = dp_world // shard
     selected, boundaries, plan = plan_dedication(
         model, shard, replicas, split_expert_stacks=split_expert_stacks
     )
     shapes = {fqn: tuple(int(d) for d in p.shape) for fqn, _, _, p, _, _ in selected}
+    split_dims = _tp_split_dims(model, shapes, tp, tp_plan)
     p_m = sum(math.prod(s) for s in shapes.values())
     spans = _spans(shapes, boundaries, plan)
     synced = 1 if no_sync else accum
     rounds = 1 if mode == "z2" else 2 * accum  # broadcasts of every span per step
     all_spans = [span for boundary in spans.values() for span in boundary]
-    shard_tallies: dict[str, Tally] = {}
-    if shard > 1:
-        shard_tallies = {
-            "broadcast": Tally(len(all_spans) * rounds, p_m * rounds),
-            "reduce": Tally(len(all_spans) * synced, p_m * synced),
-        }
-    boundary_elements = [sum(s.elements for s in spans[b]) for b in spans]
-    if mode == "z2":
-        buffer_bytes = p_m * param_bytes
-    else:  # the boundary running and the one prefetched
-        pairs = [a + b for a, b in itertools.pairwise(boundary_elements)]
-        buffer_bytes = max(pairs or boundary_elements or [0]) * param_bytes
-    accumulator = p_m * FLOAT32 if no_sync and accum > 1 else 0
-    window = REDUCES_IN_FLIGHT + 2  # boundaries whose float32 reduce inputs are alive
-    reduce_window = max(
-        (sum(boundary_elements[i : i + window]) for i in range(len(boundary_elements))),
-        default=0,
-    )
+    item_shapes = _items(shapes, plan)
     device = torch.device(device_type)
     parameters = sum(p.numel() for p in model.parameters())
     active = parameters if active_parameters is None else active_parameters
     forward_backward = (
         6 * active * tokens_per_step / (hardware.mfu * hardware.peak_tflops * 1e12 * world)
     )
-    items_of: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-    elements_owned = plan.owned_elements()
-    item_shapes = _items(shapes, plan)
-    for name, owner in plan.owners.items():
-        items_of[plan.workers[name] * shard + owner].append(item_shapes[name])
+    # Each owner's tp-sharded matrices, spread over its tp group as the optimizer does.
+    tp_worker: dict[str, int] = {}
+    for position in range(shard):
+        sharded = [n for n in shapes if n in split_dims and plan.owners.get(n) == position]
+        costs = [newton_schulz_cost(shapes[n]) for n in sharded]
+        tp_worker.update(zip(sharded, spread_over_tp(costs, tp), strict=True))
+
+    def local(name: str, t: int) -> int:
+        """Elements of ``name``'s shard at tp position ``t`` (a plan item name or fqn)."""
+        fqn = name.split("[", 1)[0]
+        matrices, rows, cols = item_shapes[name]
+        dim = split_dims.get(fqn)
+        if dim is None:
+            return matrices * rows * cols
+        length = (rows, cols)[dim]
+        chunk = -(-length // tp)
+        part = max(0, min(chunk, length - t * chunk))
+        return matrices * part * ((cols, rows)[dim])
+
     ranks = []
-    for rank in range(world):
-        replica, position = divmod(rank, shard)
-        owned = [s for s in all_spans if s.owner == position]
-        stepped_by = {plan.workers[n] for s in owned for n in s.names}
-        replicate_tallies: dict[str, Tally] = {}
-        if replicas > 1 and owned:
-            elements = sum(s.elements for s in owned)
-            replicate_tallies = {
-                "reduce_scatter": Tally(len(owned) * synced, elements * synced),
-                "broadcast": Tally(len(stepped_by), elements),
+    for t in range(tp):
+        span_elements = [sum(local(n, t) for n in span.names) for span in all_spans]
+        local_p_m = sum(span_elements)
+        shard_tallies: dict[str, Tally] = {}
+        if shard > 1:
+            shard_tallies = {
+                "broadcast": Tally(len(all_spans) * rounds, local_p_m * rounds),
+                "reduce": Tally(len(all_spans) * synced, local_p_m * synced),
             }
-        flops = plan.loads[rank] * 2 * ns_steps
-        update = 0.0
-        if replicas > 1:
-            moved = elements_owned[position] * FLOAT32 * (replicas - 1) / replicas
-            update = moved / (hardware.network_gbps * 1e9)
-        ranks.append(
-            RankPlan(
-                rank=rank,
-                replica=replica,
-                shard=position,
-                ns_flops=flops,
-                ns_seconds=flops / (hardware.ns_tflops * 1e12),
-                update_seconds=update,
-                master_bytes=elements_owned[position] * FLOAT32,
-                momentum_bytes=plan.elements[rank] * FLOAT32,
-                workspace_bytes=_workspace(items_of[rank], ns_dtype, device, max_workspace_bytes),
-                buffer_bytes=buffer_bytes,
-                accumulator_bytes=accumulator,
-                reduce_buffer_bytes=reduce_window * FLOAT32,
-                shard_collectives=shard_tallies,
-                replicate_collectives=replicate_tallies,
-            )
+        boundary_elements = [
+            sum(local(n, t) for span in spans[b] for n in span.names) for b in spans
+        ]
+        if mode == "z2":
+            buffer_bytes = local_p_m * param_bytes
+        else:  # the boundary running and the one prefetched
+            pairs = [a + b for a, b in itertools.pairwise(boundary_elements)]
+            buffer_bytes = max(pairs or boundary_elements or [0]) * param_bytes
+        accumulator = local_p_m * FLOAT32 if no_sync and accum > 1 else 0
+        window = REDUCES_IN_FLIGHT + 2  # boundaries whose float32 reduce inputs are alive
+        reduce_window = max(
+            (sum(boundary_elements[i : i + window]) for i in range(len(boundary_elements))),
+            default=0,
         )
+        for dp_rank in range(dp_world):
+            replica, position = divmod(dp_rank, shard)
+            owned = [i for i, s in enumerate(all_spans) if s.owner == position]
+            owned_names = [n for i in owned for n in all_spans[i].names]
+            mine = [n for n in owned_names if plan.workers[n] == replica]
+            stepped_by = {plan.workers[n] for n in owned_names}
+            replicate_tallies: dict[str, Tally] = {}
+            owned_elements = sum(span_elements[i] for i in owned)
+            if replicas > 1 and owned:
+                replicate_tallies = {
+                    "reduce_scatter": Tally(len(owned) * synced, owned_elements * synced),
+                    "broadcast": Tally(len(stepped_by), owned_elements),
+                }
+            sharded_mine = [n for n in mine if n in tp_worker]
+            tensor_tallies: dict[str, Tally] = {}
+            if sharded_mine:
+                whole = sum(math.prod(item_shapes[n]) for n in sharded_mine)
+                tensor_tallies = {
+                    "gather": Tally(len(sharded_mine), whole),
+                    "scatter": Tally(len(sharded_mine), whole),
+                }
+            orthogonalized = [n for n in mine if tp_worker.get(n, t) == t]
+            cost = sum(_item_cost(item_shapes[n]) for n in orthogonalized)
+            flops = cost * 2 * ns_steps
+            update = 0.0
+            if replicas > 1:
+                moved = owned_elements * FLOAT32 * (replicas - 1) / replicas
+                update = moved / (hardware.network_gbps * 1e9)
+            ranks.append(
+                RankPlan(
+                    rank=dp_rank * tp + t,
+                    replica=replica,
+                    shard=position,
+                    ns_flops=flops,
+                    ns_seconds=flops / (hardware.ns_tflops * 1e12),
+                    update_seconds=update,
+                    master_bytes=owned_elements * FLOAT32,
+                    momentum_bytes=sum(local(n, t) for n in mine) * FLOAT32,
+                    workspace_bytes=_workspace(
+                        [item_shapes[n] for n in orthogonalized],
+                        ns_dtype,
+                        device,
+                        max_workspace_bytes,
+                    ),
+                    buffer_bytes=buffer_bytes,
+                    accumulator_bytes=accumulator,
+                    reduce_buffer_bytes=reduce_window * FLOAT32,
+                    shard_collectives=shard_tallies,
+                    replicate_collectives=replicate_tallies,
+                    tp=t,
+                    tensor_collectives=tensor_tallies,
+                )
+            )
+    ranks.sort(key=lambda r: r.rank)
     units = len(spans) + 1  # FSDP2: each hook boundary's layer and the root
     gathers = units * accum * (2 if mode == "z3" else 1)
     fsdp2_calls = gathers + units * synced + (units * synced if replicas > 1 else 0)
