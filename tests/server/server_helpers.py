@@ -104,6 +104,25 @@ def job_spec(nproc: int = 2, name: str | None = None, **train: Any) -> dict[str,
     return body
 
 
+def fault_spec(nproc: int = 2, *, max_restarts: int = 1, **train: Any) -> dict[str, Any]:
+    """A recipe job the fault tests provoke: the tiny preset, one micro-batch per step, no
+    evaluation, restarts allowed; ``train`` overrides recipe settings."""
+    body = job_spec(nproc, accum_steps=1, eval_every=0, **train)
+    body["max_restarts"] = max_restarts
+    return body
+
+
+def finished_job(c: Any, job_id: str, timeout: float = 60) -> dict[str, Any]:
+    """``GET /v1/jobs/{id}`` once the job is in a final state (fails after ``timeout`` s)."""
+    return wait_until(
+        lambda: (lambda j: j if j["state"] in TERMINAL else None)(
+            c.get(f"/v1/jobs/{job_id}").json()
+        ),
+        timeout,
+        f"job {job_id} to finish",
+    )
+
+
 def wait_until(fn: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll ``fn`` until it returns something truthy; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout

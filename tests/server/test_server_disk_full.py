@@ -32,6 +32,7 @@ import pytest
 from server_helpers import (
     TERMINAL,
     LiveServer,
+    fault_spec,
     fill_disk,
     metrics_file_steps,
     wait_until,
@@ -41,15 +42,7 @@ from dmuon_server.storage.datadir import RESERVE_FILE, free_bytes
 
 pytestmark = pytest.mark.usefixtures("checkpointing_recipe")
 
-TRAIN: dict[str, Any] = {
-    "model": "tiny",
-    "micro_batch_size": 2,
-    "accum_steps": 1,
-    "seq_len": 32,
-    "seed": 0,
-    "eval_every": 0,
-    "warmup_steps": 1,
-}
+TRAIN = fault_spec(1, warmup_steps=1)["train"]  # each test sets its steps
 
 
 def test_a_full_data_directory_fails_the_job_and_the_server_keeps_going(

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from server_helpers import (
     LiveServer,
+    fault_spec,
     iter_sse,
     metrics_file_steps,
     rank_process,
@@ -30,26 +31,7 @@ from server_helpers import (
 
 pytestmark = pytest.mark.usefixtures("checkpointing_recipe")
 
-SPEC: dict[str, Any] = {
-    "nproc_per_node": 2,
-    "max_restarts": 1,
-    "train": {
-        "model": "tiny",
-        "steps": 20,
-        "micro_batch_size": 2,
-        "accum_steps": 1,
-        "seq_len": 32,
-        "lr": 0.02,
-        "adamw_lr": 0.003,
-        "optimizer": "dmuon",
-        "mode": "z2",
-        "seed": 0,
-        "eval_every": 0,
-        "warmup_steps": 2,
-        "checkpoint_every": 5,
-        "keep_checkpoints": 0,
-    },
-}
+SPEC = fault_spec(steps=20, warmup_steps=2, checkpoint_every=5, keep_checkpoints=0)
 
 
 def _stream_steps(url: str, job_id: str, out: list[int]) -> None:

@@ -11,7 +11,15 @@ from pathlib import Path
 import psutil
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import TERMINAL, iter_sse, job_spec, make_settings, processes_of_job, wait_until
+from server_helpers import (
+    TERMINAL,
+    finished_job,
+    iter_sse,
+    job_spec,
+    make_settings,
+    processes_of_job,
+    wait_until,
+)
 
 from dmuon_server.app import create_app
 from dmuon_server.recipe.admission import RECIPE_MODELS
@@ -21,14 +29,6 @@ PROBLEM = "application/problem+json"
 
 def _job(c: TestClient, job_id: str) -> dict:
     return c.get(f"/v1/jobs/{job_id}").json()
-
-
-def _finished(c: TestClient, job_id: str) -> dict:
-    return wait_until(
-        lambda: (lambda j: j if j["state"] in TERMINAL else None)(_job(c, job_id)),
-        60,
-        f"job {job_id} to finish",
-    )
 
 
 def test_jobs_never_see_the_token_or_marked_secrets(
@@ -183,7 +183,7 @@ def test_no_server_paths_reach_clients(client: TestClient, data_dir: Path, tmp_p
     assert plan["argv"][0] == "python" and "<job-dir>/metrics.jsonl" in plan["argv"]
     assert plan["env"]["DMUON_SERVER_DATA_DIR"] == "<data-dir>"
     job = client.post("/v1/jobs", json=job_spec(steps=3)).json()
-    _finished(client, job["id"])
+    finished_job(client, job["id"])
     logs = client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 1000}).json()["lines"]
     assert any("<job-dir>/metrics.jsonl" in line for line in logs)  # fake_train prints it
     assert not any(str(data_dir) in line for line in logs)

@@ -26,6 +26,7 @@ import pytest
 from server_helpers import (
     TERMINAL,
     LiveServer,
+    fault_spec,
     metrics_file_steps,
     rank_process,
     wait_until,
@@ -36,22 +37,7 @@ pytestmark = pytest.mark.usefixtures("checkpointing_recipe")
 #: Long enough for every collective of a loaded 2-core machine (startup included): at
 #: 6 s, a load average of 14 timed out the start of both attempts.
 TIMEOUT_S = 20
-SPEC: dict[str, Any] = {
-    "nproc_per_node": 2,
-    "max_restarts": 1,
-    "train": {
-        "model": "tiny",
-        "steps": 8,
-        "micro_batch_size": 2,
-        "accum_steps": 1,
-        "seq_len": 32,
-        "seed": 0,
-        "eval_every": 0,
-        "warmup_steps": 1,
-        "checkpoint_every": 2,
-        "collective_timeout": TIMEOUT_S,
-    },
-}
+SPEC = fault_spec(steps=8, warmup_steps=1, checkpoint_every=2, collective_timeout=TIMEOUT_S)
 
 
 def test_a_stopped_rank_fails_the_attempt_and_the_restart_succeeds(data_dir: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from server_helpers import TERMINAL, job_spec, make_settings, wait_until
+from server_helpers import finished_job, job_spec, make_settings, wait_until
 
 from dmuon_server.app import create_app
 
@@ -35,16 +35,6 @@ def _problem(r: httpx.Response, status: int) -> dict:
 
 def _fields(body: dict) -> set[str]:
     return {e["field"] for e in body["errors"]}
-
-
-def _finished(c: TestClient, job_id: str, timeout: float = 60) -> dict:
-    return wait_until(
-        lambda: (lambda j: j if j["state"] in TERMINAL else None)(
-            c.get(f"/v1/jobs/{job_id}").json()
-        ),
-        timeout,
-        f"job {job_id} to finish",
-    )
 
 
 def test_healthz_and_openapi(client: TestClient) -> None:
@@ -121,7 +111,7 @@ def test_create_get_list_and_location(real_client: TestClient) -> None:
     got = real_client.get(r.headers["location"]).json()
     assert got["id"] == job["id"]
     assert got["history"][0]["state"] == "queued" and got["history"][0]["reason"]
-    done = _finished(real_client, job["id"])
+    done = finished_job(real_client, job["id"])
     assert done["state"] == "succeeded", done
     assert done["exit_code"] == 0
     assert [h["state"] for h in done["history"]] == ["queued", "starting", "running", "succeeded"]
@@ -151,7 +141,7 @@ def test_pagination_and_state_filter(client: TestClient) -> None:
         if cursor is None:
             break
     assert seen == ids[::-1] and pages == 3
-    _finished(client, ids[0])
+    finished_job(client, ids[0])
     cancelled = client.get("/v1/jobs", params={"state": "cancelled"}).json()["items"]
     assert {j["id"] for j in cancelled} == set(ids)
     assert client.get("/v1/jobs", params={"state": ["running", "queued"]}).json()["items"] == []
@@ -250,7 +240,7 @@ def test_delete_only_finished_jobs(real_client: TestClient, data_dir: Path) -> N
     )
     _problem(real_client.delete(f"/v1/jobs/{job['id']}"), 409)
     assert real_client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
-    assert _finished(real_client, job["id"])["state"] == "cancelled"
+    assert finished_job(real_client, job["id"])["state"] == "cancelled"
     # Cancelling again is fine (idempotent), cancelling a deleted job is not.
     assert real_client.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
     assert (data_dir / "jobs" / job["id"]).is_dir()
@@ -262,7 +252,7 @@ def test_delete_only_finished_jobs(real_client: TestClient, data_dir: Path) -> N
 
 def test_cancel_of_a_succeeded_job_is_409(client: TestClient) -> None:
     job = client.post("/v1/jobs", json=job_spec(steps=2)).json()
-    assert _finished(client, job["id"])["state"] == "succeeded"
+    assert finished_job(client, job["id"])["state"] == "succeeded"
     _problem(client.post(f"/v1/jobs/{job['id']}/cancel"), 409)
 
 
@@ -336,7 +326,7 @@ def test_concurrent_submissions_with_one_key_create_one_job(
         assert codes.count(201) == 1
         assert len({job_id for _, job_id in results}) == 1
         assert len(c.get("/v1/jobs").json()["items"]) == 1
-        _finished(c, results[0][1])
+        finished_job(c, results[0][1])
 
 
 def test_token_auth(tmp_path: Path, data_dir: Path, fake_env: None) -> None:
@@ -380,13 +370,13 @@ def test_prometheus_metrics(client: TestClient) -> None:
     for job in client.get("/v1/jobs").json()["items"]:
         client.post(f"/v1/jobs/{job['id']}/cancel")
     for job in client.get("/v1/jobs").json()["items"]:
-        _finished(client, job["id"])
+        finished_job(client, job["id"])
     assert 'dmuon_jobs{state="cancelled"} 2' in client.get("/metrics").text
 
 
 def test_logs_tail_is_bounded(real_client: TestClient) -> None:
     job = real_client.post("/v1/jobs", json=job_spec(steps=40)).json()
-    _finished(real_client, job["id"])
+    finished_job(real_client, job["id"])
     logs = real_client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 3}).json()
     assert len(logs["lines"]) == 3 and logs["truncated"] is True
     full = real_client.get(f"/v1/jobs/{job['id']}/logs", params={"tail": 10_000}).json()["lines"]
@@ -398,7 +388,7 @@ def test_logs_tail_is_bounded(real_client: TestClient) -> None:
 
 def test_metrics_pages_have_every_point(real_client: TestClient, data_dir: Path) -> None:
     job = real_client.post("/v1/jobs", json=job_spec(steps=25, eval_every=10)).json()
-    _finished(real_client, job["id"])
+    finished_job(real_client, job["id"])
     items, after = [], -1
     while True:
         page = real_client.get(
