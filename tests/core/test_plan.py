@@ -134,6 +134,7 @@ def test_text_output_states_every_assumption(
         (["--world", "4", "--hardware", "tpu"], "neither one of ['b200', 'h100', 'h200']"),
         (["--world", "4", "--tokens-per-step", "lots"], "not a positive count"),
         (["--world", "4", "--tp", "3"], "tensor-parallel size 3 must divide the world size 4"),
+        (["--world", "4", "--tp", "0"], "tensor-parallel size must be at least 1, got 0"),
         (["--world", "8", "--tp", "2", "--shard-size", "3"], "divide the 4 data-parallel ranks"),
     ],
 )

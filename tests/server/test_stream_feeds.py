@@ -58,7 +58,7 @@ async def _follow(streams: EventStreams, store: Store, after: int = -1, **kw: An
     """The stream's events as ``metric:<step>``, ``state:<state>``, ``end:<payload>``,
     ``heartbeat``."""
     seen: list[str] = []
-    async for text in job_events(streams, store, "j", after, kw.get("heartbeat_s", 60.0)):
+    async for text in job_events(streams, store, "j", after):
         if text.startswith(": heartbeat"):
             seen.append("heartbeat")
         elif text.startswith("id: "):
@@ -120,9 +120,7 @@ def test_idle_streams_read_nothing_and_get_their_heartbeats(tmp_path: Path) -> N
 
     async def run() -> list[list[str]]:
         streams = EventStreams(store, hub, heartbeat_s=0.2)
-        followers = [
-            asyncio.create_task(_follow(streams, store, heartbeat_s=0.2)) for _ in range(100)
-        ]
+        followers = [asyncio.create_task(_follow(streams, store)) for _ in range(100)]
         await asyncio.sleep(0.3)
         reads = store.reads
         await asyncio.sleep(1.0)

@@ -236,12 +236,6 @@ def _items(shapes: Mapping[str, Sequence[int]], plan: OwnerPlan) -> dict[str, tu
     return items
 
 
-def _item_cost(shape: tuple[int, int, int]) -> int:
-    """Multiply-adds of one iteration over a plan item (a stack counts each matrix)."""
-    matrices, rows, cols = shape
-    return matrices * newton_schulz_cost((rows, cols))
-
-
 #: Hugging Face tp-plan styles that split a weight by rows (0) or by columns (1).
 _TP_STYLES = {"colwise": 0, "colwise_rep": 0, "local_colwise": 0, "rowwise": 1,
               "rowwise_rep": 1, "local_rowwise": 1}  # fmt: skip
@@ -362,7 +356,9 @@ def plan_cluster(
         raise ValueError(f"the world size must be at least 1 rank, got {world}")
     if ns_steps < 1:
         raise ValueError(f"ns_steps must be at least 1 (5 is usual), got {ns_steps}")
-    if tp < 1 or world % tp:
+    if tp < 1:
+        raise ValueError(f"the tensor-parallel size must be at least 1, got {tp}")
+    if world % tp:
         raise ValueError(f"the tensor-parallel size {tp} must divide the world size {world}")
     check_max_workspace_bytes(max_workspace_bytes)
     dp_world = world // tp
@@ -462,7 +458,7 @@ def plan_cluster(
                     "scatter": Tally(len(sharded_mine), whole),
                 }
             orthogonalized = [n for n in mine if tp_worker.get(n, t) == t]
-            cost = sum(_item_cost(item_shapes[n]) for n in orthogonalized)
+            cost = sum(newton_schulz_cost(item_shapes[n]) for n in orthogonalized)
             flops = cost * 2 * ns_steps
             update = 0.0
             if replicas > 1:

@@ -1,5 +1,5 @@
 """Where jobs run: the local host (:mod:`.local`) or a Slurm cluster (:mod:`.slurm_jobs`),
-behind one interface (:class:`.base.Launcher`) the supervisor schedules over.
+behind one interface (:class:`.protocol.Launcher`) the supervisor schedules over.
 
 :func:`launcher_for` builds the one the settings name; the app gives it to the supervisor
 (tests give it one of their own)."""

@@ -233,6 +233,7 @@ class JobsTable(Database):
             row = c.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
             if row is None or row["state"] not in TERMINAL_STATES:
                 return None
+            check_transition(row["state"], JobState.QUEUED)
             c.execute(
                 "UPDATE jobs SET state = 'queued', reason = ?, spec = ?, finished_at = NULL,"
                 " exit_code = NULL, failure = NULL, cancel_requested_at = NULL, pid = NULL,"

@@ -29,17 +29,16 @@ ACTIVE_STATES: frozenset[JobState] = frozenset({JobState.STARTING, JobState.RUNN
 #: Every state, in the order a job goes through them.
 ALL_STATES: tuple[JobState, ...] = tuple(JobState)
 
-_ENDS = frozenset(TERMINAL_STATES)
-
 #: Every move a job may make. A queued job moves to ``queued`` again when only its reason
 #: changes (a Slurm job's pending reason) and straight to ``running`` under Slurm (which
 #: starts it); a launched job goes back to ``starting`` for a restart, and a running Slurm
 #: job back to ``queued`` when Slurm requeues it; a finished job is only queued again (a
 #: resume), through `dmuon_server.storage.jobs.JobsTable.reopen`.
 TRANSITIONS: Mapping[JobState, frozenset[JobState]] = {
-    JobState.QUEUED: frozenset({JobState.QUEUED, JobState.STARTING, JobState.RUNNING}) | _ENDS,
-    JobState.STARTING: frozenset({JobState.STARTING, JobState.RUNNING}) | _ENDS,
-    JobState.RUNNING: frozenset({JobState.QUEUED, JobState.STARTING}) | _ENDS,
+    JobState.QUEUED: frozenset({JobState.QUEUED, JobState.STARTING, JobState.RUNNING})
+    | TERMINAL_STATES,
+    JobState.STARTING: frozenset({JobState.STARTING, JobState.RUNNING}) | TERMINAL_STATES,
+    JobState.RUNNING: frozenset({JobState.QUEUED, JobState.STARTING}) | TERMINAL_STATES,
     **{end: frozenset({JobState.QUEUED}) for end in TERMINAL_STATES},
 }
 

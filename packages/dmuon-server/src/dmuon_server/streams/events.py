@@ -155,10 +155,10 @@ async def job_events(
     store: Store,
     job_id: str,
     after_step: int,
-    heartbeat_s: float,
     still_allowed: Callable[[], bool] = lambda: True,
 ) -> AsyncIterator[str]:
-    """Yield the event stream of ``job_id``, starting after ``after_step``.
+    """Yield the event stream of ``job_id``, starting after ``after_step``, with a heartbeat
+    when nothing was sent for ``streams.heartbeat_s`` seconds.
 
     ``still_allowed`` is asked on every wake-up (the streams are woken after a reload of
     the users): when it says no (the token was removed or rotated, or the user may no
@@ -192,7 +192,7 @@ async def job_events(
                 if not still_allowed():
                     yield format_event(event="end", data=json.dumps({"reason": REVOKED_REASON}))
                     return
-                if time.monotonic() - sub.last_write >= heartbeat_s:
+                if time.monotonic() - sub.last_write >= streams.heartbeat_s:
                     yield ": heartbeat\n\n"
                     stream.sent()
                 sub.wake.clear()

@@ -182,7 +182,6 @@ class JobFeed:
         self.seq = 0
         self.ready = asyncio.Event()
         self.finished = False
-        self.queued = False
         self._cursor = Cursor()
         #: The queue place the last ``state`` event published (a queued job's).
         self.place: Place | None = None
@@ -196,12 +195,11 @@ class JobFeed:
 
     async def start(self) -> None:
         """Start where the database stands now; the publisher then reads only news."""
-        self._cursor, row = await anyio.to_thread.run_sync(self._current)
-        self.queued = row is not None and row.state == JobState.QUEUED
+        self._cursor = await anyio.to_thread.run_sync(self._current)
         self._task = asyncio.create_task(self._publish(), name=f"feed {self.job_id}")
         self.ready.set()
 
-    def _current(self) -> tuple[Cursor, JobRecord | None]:
+    def _current(self) -> Cursor:
         history = self.store.history(self.job_id)
         events = self.store.events(self.job_id)
         last_step = self.store.metric_summary(self.job_id).last_step
@@ -214,7 +212,7 @@ class JobFeed:
         row = self.store.get_job(self.job_id)
         if row is not None and row.state == JobState.QUEUED:
             self.place = self.places().get(self.job_id)
-        return cursor, row
+        return cursor
 
     def items_after(self, seq: int) -> list[Item] | None:
         """The log's entries after ``seq``; None when the log no longer holds them all."""
@@ -262,7 +260,6 @@ class JobFeed:
         cursor = dataclasses.replace(self._cursor)  # kept only when the whole read succeeds
         items, row, place = read_news(self.store, self.job_id, cursor, self.places, self.place)
         self._cursor, self.place = cursor, place
-        self.queued = row is not None and row.state == JobState.QUEUED
         if row is None:
             items.append(Item("end", 0, end={"state": None, "deleted": True}))
         elif row.state in TERMINAL_STATES:
@@ -305,7 +302,7 @@ class EventStreams:
             try:
                 await feed.start()
             except BaseException:
-                self._drop(loop, feed)
+                self._drop(feed)
                 feed.ready.set()  # streams waiting for this start try again
                 raise
             if loop not in self._tickers:
@@ -326,12 +323,12 @@ class EventStreams:
             feed.subscribers.discard(sub)
             self.open -= 1
         if not feed.subscribers:
-            self._drop(feed.loop, feed)
+            self._drop(feed)
 
-    def _drop(self, loop: asyncio.AbstractEventLoop, feed: JobFeed) -> None:
+    def _drop(self, feed: JobFeed) -> None:
         feed.close()
-        if self._feeds.get((loop, feed.job_id)) is feed:
-            del self._feeds[(loop, feed.job_id)]
+        if self._feeds.get((feed.loop, feed.job_id)) is feed:
+            del self._feeds[(feed.loop, feed.job_id)]
 
     async def _tick(self, loop: asyncio.AbstractEventLoop) -> None:
         version, generation = self.store.version, self.users_generation()

@@ -10,7 +10,6 @@ from fastapi.responses import StreamingResponse
 
 from dmuon_server.http.dependencies import (
     JobDep,
-    SettingsDep,
     StoreDep,
     StreamsDep,
     UserDep,
@@ -62,7 +61,6 @@ async def get_events(
     job: JobDep,
     users: UsersDep,
     user: UserDep,
-    settings: SettingsDep,
     store: StoreDep,
     streams: StreamsDep,
     after_step: Annotated[
@@ -90,7 +88,6 @@ async def get_events(
             store,
             job_id,
             start,
-            settings.heartbeat_s,
             users.watch(getattr(request.state, "token", None), user),
         ),
         media_type="text/event-stream; charset=utf-8",
