@@ -70,12 +70,14 @@ _OPS: dict[str, tuple[Any, Callable[..., int]]] = {
     "all_gather": (dist, lambda out, t, *a, **k: _numel(t) * len(out)),
     "all_gather_into_tensor": (dist, lambda out, t, *a, **k: _numel(out)),
     "all_gather_single": (dist, lambda out, t, *a, **k: _numel(out)),
+    "reduce_scatter": (dist, lambda out, ts, *a, **k: sum(_numel(t) for t in ts)),
     "reduce_scatter_tensor": (dist, lambda out, t, *a, **k: _numel(t)),
     "reduce_scatter_single": (dist, lambda out, t, *a, **k: _numel(t)),
     # Every rank passes its equal piece; the full tensor is N pieces.
     "gather": (dist, lambda t, *a, **k: _numel(t) * _group_world(t, *a)),
     "scatter": (dist, lambda t, *a, **k: _numel(t) * _group_world(t, *a)),
-    "all_to_all_single": (dist, lambda out, t, *a, **k: _numel(t)),
+    # What the rank receives, as for the all-gathers (DMuon's uneven all-gather on gloo).
+    "all_to_all_single": (dist, lambda out, t, *a, **k: _numel(out)),
     "all_to_all": (dist, lambda outs, ts, *a, **k: sum(_numel(t) for t in ts)),
     "shard_dim_alltoall": (dtensor_collectives, lambda t, *a, **k: _numel(t)),
 }

@@ -24,13 +24,18 @@ PYTHON_COLLECTIVES = (
     "all_gather",
     "all_gather_into_tensor",
     "all_gather_single",
+    "reduce_scatter",
     "reduce_scatter_tensor",
     "reduce_scatter_single",
     "scatter",
     "gather",
+    "all_to_all_single",
 )
 #: The argument whose size a collective is recorded with (the first one present).
 SIZE_ARGUMENTS = ("input_tensor", "input", "tensor")
+#: Collectives whose pieces differ between ranks: recorded with their output, the same on
+#: every rank (an all-to-all of uneven pieces receives them all everywhere).
+SIZE_BY_OUTPUT = {"all_to_all_single": "output"}
 ROOT_ARGUMENTS = ("src", "dst")
 #: Functional-collective ops that move data (``wait_tensor`` and wrappers do not).
 FUNCTIONAL_OPS = frozenset(
@@ -90,7 +95,8 @@ def recorded_collectives(functional: bool = True) -> Iterator[list[Collective]]:
 
         def call(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs).arguments
-            tensor = next((bound[a] for a in SIZE_ARGUMENTS if a in bound), None)
+            names = (SIZE_BY_OUTPUT[name],) if name in SIZE_BY_OUTPUT else SIZE_ARGUMENTS
+            tensor = next((bound[a] for a in names if a in bound), None)
             root = next((bound[a] for a in ROOT_ARGUMENTS if bound.get(a) is not None), -1)
             numel = tensor.numel() if isinstance(tensor, torch.Tensor) else 0
             seen.append((_ranks_of(bound.get("group")), name, numel, root))

@@ -260,6 +260,10 @@ def _memory_report(model: torch.nn.Module) -> dict[str, Any]:
             if dp.is_owned
         ),
         "groups": len(groups),
+        # Per buffer: how many ranks own its matrices (one collective call per direction
+        # either way: a broadcast and a reduce for one owner, else an all-gather and a
+        # reduce-scatter).
+        "owners": [len({span.owner for span in g.spans}) for g in groups],
     }
 
 

@@ -66,7 +66,15 @@ def _train(rank: int, world: int, global_world: int) -> dict[str, Any]:
         "lora": {n: params[n] for n in trainable},
         "frozen_dedicated": sorted(n for n in owners if n not in trainable),
         "trainable_dedicated_elements": sum(shapes[n] for n in owners if n in trainable),
-        "reduced_elements": audit.by_kind["reduce"].elements if world > 1 else None,
+        "reduced_elements": (
+            sum(
+                audit.by_kind[k].elements
+                for k in ("reduce", "reduce_scatter")
+                if k in audit.by_kind
+            )
+            if world > 1
+            else None
+        ),
     }
 
 

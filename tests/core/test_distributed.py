@@ -116,17 +116,27 @@ def test_forward_after_training_uses_the_updated_weights(spawned, world: int, na
         assert result["eval_loss"] == pytest.approx(expected, abs=tolerance), f"rank {rank}"
 
 
-def _expected_comm(scenario: Scenario, groups: int) -> dict[str, float]:
+def _expected_comm(scenario: Scenario, owners: list[int]) -> dict[str, float]:
+    """Per step: each buffer (one per hook boundary) sends its values in one call per
+    forward pass (Z2: once) and sums its gradients in one call per synchronised backward,
+    a broadcast and a reduce when one rank owns it all, else an all-gather and a
+    reduce-scatter of the owners' pieces."""
     k = scenario.accum
-    forward_passes = k
-    broadcasts_per_pass = 1 if scenario.mode == "z2" else 2
-    broadcasts = groups * (1 if scenario.mode == "z2" else broadcasts_per_pass * forward_passes)
-    reduces = groups * (1 if scenario.use_no_sync or k == 1 else k)
+    rounds = 1 if scenario.mode == "z2" else 2 * k
+    synced = 1 if scenario.use_no_sync or k == 1 else k
+    single = sum(1 for n in owners if n == 1)
+    shared = len(owners) - single
     if scenario.mode == "z2":
         units = 1 + (1 if scenario.use_no_sync else k)
     else:
         units = 2 * k + (1 if scenario.use_no_sync else k)
-    return {"broadcast": broadcasts, "reduce": reduces, "units": units}
+    expected = {
+        "broadcast": single * rounds,
+        "all_gather": shared * rounds,
+        "reduce": single * synced,
+        "reduce_scatter": shared * synced,
+    }
+    return {kind: count for kind, count in expected.items() if count} | {"units": units}
 
 
 @pytest.mark.parametrize(("world", "name"), EQUIVALENCE_CASES)
@@ -134,15 +144,13 @@ def test_communication_per_optimizer_step(spawned, world: int, name: str) -> Non
     per_rank = _scenario_results(spawned, world, name)
     scenario = SCENARIOS[name]
     for result in per_rank:
-        groups = result["memory"]["groups"]
-        expected = _expected_comm(scenario, groups)
+        expected = _expected_comm(scenario, result["memory"]["owners"])
+        units = expected.pop("units")
         assert len(result["comm"]) == scenario.steps
         for step in result["comm"]:
-            collectives = step["collectives"]
-            assert collectives["broadcast"]["count"] == expected["broadcast"]
-            assert collectives["reduce"]["count"] == expected["reduce"]
-            assert set(collectives) == {"broadcast", "reduce"}
-            assert step["units"] == pytest.approx(expected["units"], abs=1e-12)
+            counts = {kind: tally["count"] for kind, tally in step["collectives"].items()}
+            assert counts == expected
+            assert step["units"] == pytest.approx(units, abs=1e-12)
         assert result["step_issued"] == [[]] * scenario.steps, "optimizer.step() communicated"
 
 

@@ -423,7 +423,7 @@ STALL_TIMEOUT_S = 4
 
 
 def _stalled_peer(rank: int, world: int) -> dict[str, Any]:
-    """Rank 1 stops before the forward; rank 0's first broadcast times out and says which
+    """Rank 1 stops before the forward; rank 0's first all-gather times out and says which
     collective of which boundary it was."""
     import datetime
     import time
@@ -451,6 +451,6 @@ def test_a_stalled_rank_is_a_clear_error_within_the_timeout() -> None:
     assert rank1 == {"stalled": True}
     assert "error" not in rank0, rank0
     message = rank0["message"]
-    assert "DMuon's broadcast" in message and "hook boundary 'layers.0'" in message
+    assert "DMuon's all_gather" in message and "hook boundary 'layers.0'" in message
     assert "init_process_group(..., timeout=" in message
     assert STALL_TIMEOUT_S - 1 <= rank0["seconds"] <= STALL_TIMEOUT_S + 30

@@ -17,10 +17,15 @@ all-gather of its signature (sequence number, kind, size, root), and every rank 
 same error at the first collective on which the ranks disagree, instead of mixing data or
 hanging. It costs one extra synchronous collective each, so it is for debugging.
 
-On a 2-D ``(replicate, shard)`` mesh (HSDP) the broadcasts and reduces run inside the
-shard group, and the owners of a matrix (one per replica, at the same shard rank) sum its
-gradient with one reduce-scatter over the replicate group, into the one replica that
-updates it, which broadcasts the new values back after the optimizer step. The audit keeps
+A hook boundary's matrices travel in one call per direction whatever the number of their
+owners (`Communicator.all_gather_pieces`, `Communicator.reduce_scatter_pieces`): each
+owner's pieces are one part of an all-gather or reduce-scatter of uneven parts, which NCCL
+runs as one group of broadcasts or reduces.
+
+On a 2-D ``(replicate, shard)`` mesh (HSDP) these run inside the shard group, and the
+owners of a matrix (one per replica, at the same shard rank) sum its gradient with one
+reduce-scatter over the replicate group, into the one replica that updates it, and
+all-gather the new values after the optimizer step. The audit keeps
 the two dimensions apart: `StepComm.by_kind` and `StepComm.units` describe the shard
 dimension (the whole traffic of a 1-D mesh), `StepComm.replicate` the replicate dimension.
 
@@ -32,7 +37,7 @@ audit: they move state between owners and state-dict layouts, not training traff
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -248,10 +253,13 @@ class Pending:
         work: dist.Work | None = None,
         recent: deque[dist.Work] | None = None,
         what: str = "collective",
+        then: Callable[[], None] | None = None,
     ):
         self._work = work
         self._recent = recent
         self.what = what
+        #: Runs once the collective is complete (copies received pieces into place).
+        self._then = then
 
     def wait(self) -> None:
         """Block (gloo) or order the current CUDA stream (NCCL) after the collective.
@@ -273,6 +281,37 @@ class Pending:
             if self._recent is not None:
                 self._recent.append(self._work)
             self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+def _joined(pieces: Sequence[torch.Tensor], copy_in: bool, like: torch.Tensor) -> torch.Tensor:
+    """``pieces`` as one flat tensor: the single piece itself, else a new one of ``like``'s
+    dtype and device (holding their values when ``copy_in``; empty for no piece)."""
+    if len(pieces) == 1:
+        return pieces[0].view(-1)
+    joined = torch.empty(sum(p.numel() for p in pieces), dtype=like.dtype, device=like.device)
+    if copy_in:
+        _concat_into(pieces, joined)
+    return joined
+
+
+def _concat_into(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """Copy ``pieces`` back to back into the start of ``out``."""
+    offset = 0
+    for piece in pieces:
+        out[offset : offset + piece.numel()].copy_(piece.reshape(-1))
+        offset += piece.numel()
+
+
+def _scatter_into(source: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
+    """Copy ``source``'s leading elements, back to back, into ``pieces`` (parameters too)."""
+    offset = 0
+    with torch.no_grad():
+        for piece in pieces:
+            piece.view(-1).copy_(source[offset : offset + piece.numel()])
+            offset += piece.numel()
 
 
 class CollectiveError(RuntimeError):
@@ -399,19 +438,21 @@ class Communicator:
         what: str = "",
         numel: int | None = None,
         group: dist.ProcessGroup | None = None,
+        then: Callable[[], None] | None = None,
     ) -> Pending:
         self._check_same_everywhere(kind, tensor, root, dim, numel, group)
         self.audit.record(kind, tensor, dim, numel)
         elements = tensor.numel() if numel is None else numel
-        label = f"{kind} of {elements} elements (root {root}, {dim} group{what})"
+        rooted = f"root {root}, " if root >= 0 else ""
+        label = f"{kind} of {elements} elements ({rooted}{dim} group{what})"
         if self._stream is None:
-            return Pending(call(), self._recent_work, label)
+            return Pending(call(), self._recent_work, label, then)
         ready = torch.cuda.Event()
         ready.record()
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             work = call()
-        return Pending(work, self._recent_work, label)
+        return Pending(work, self._recent_work, label, then)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str = "") -> Pending:
         """Broadcast ``tensor`` in place from group rank ``src`` to every rank.
@@ -442,6 +483,128 @@ class Communicator:
             what=what,
         )
 
+    def _group_of(self, dim: str) -> tuple[dist.ProcessGroup | None, int]:
+        """The process group of mesh dimension ``dim`` and this rank's place in it."""
+        if dim == SHARD:
+            return self.group, self.rank
+        return self.replicate_group, self.replica_rank
+
+    def all_gather_pieces(
+        self, pieces: Sequence[Sequence[torch.Tensor]], what: str = "", dim: str = SHARD
+    ) -> Pending:
+        """Every rank's pieces to every rank, in one collective call.
+
+        ``pieces[r]`` are the contiguous tensors rank ``r`` sends (on ``r``, their values;
+        elsewhere, where they land); every rank passes pieces of the same sizes. This is a
+        broadcast from every rank that has something to send: one ``broadcast`` when only
+        one rank has, else one all-gather of uneven pieces (NCCL runs it as one group of
+        broadcasts; gloo, which has none, as one all-to-all that moves the same elements).
+        Nothing is issued when no rank has anything to send.
+        """
+        group, me = self._group_of(dim)
+        sizes = [sum(p.numel() for p in part) for part in pieces]
+        senders = [r for r, n in enumerate(sizes) if n]
+        if len(pieces) == 1 or not senders:
+            return Pending()
+        if len(senders) == 1:
+            root = senders[0]
+            wire = _joined(pieces[root], me == root, pieces[root][0])
+            fill = None if len(pieces[root]) == 1 or me == root else (wire, pieces[root])
+            return self._issue(
+                "broadcast",
+                wire,
+                root,
+                lambda: dist.broadcast(
+                    wire, dist.get_global_rank(group, root), group=group, async_op=True
+                ),
+                dim=dim,
+                what=what,
+                then=None if fill is None else lambda: _scatter_into(*fill),
+            )
+        like = pieces[senders[0]][0]
+        if dist.get_backend(group) == "gloo":
+            # gloo has no uneven all-gather: an all-to-all in which each rank sends its
+            # pieces to every rank moves exactly the same elements.
+            mine = _joined(pieces[me], True, like)
+            send = mine.expand(len(pieces), -1).reshape(-1)
+            received = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
+            starts = [sum(sizes[:r]) for r in range(len(pieces))]
+            fills = [(received[starts[r] :], part) for r, part in enumerate(pieces) if r != me]
+
+            def call() -> dist.Work | None:
+                return dist.all_to_all_single(
+                    received,
+                    send,
+                    output_split_sizes=sizes,
+                    input_split_sizes=[sizes[me]] * len(pieces),
+                    group=group,
+                    async_op=True,
+                )
+
+        else:
+            outputs = [_joined(part, r == me, like) for r, part in enumerate(pieces)]
+            fills = [
+                (outputs[r], part) for r, part in enumerate(pieces) if r != me and len(part) > 1
+            ]
+            send = outputs[me]
+
+            def call() -> dist.Work | None:
+                return dist.all_gather(outputs, send, group=group, async_op=True)
+
+        def then() -> None:
+            for source, part in fills:
+                _scatter_into(source, part)
+
+        return self._issue(
+            "all_gather", send, -1, call, dim=dim, what=what, numel=sum(sizes), then=then
+        )
+
+    def reduce_scatter_pieces(
+        self, pieces: Sequence[Sequence[torch.Tensor]], what: str = ""
+    ) -> tuple[Pending, torch.Tensor | None]:
+        """Sum every rank's ``pieces[r]`` into rank ``r``, in one collective call.
+
+        ``pieces[r]`` are the contiguous tensors destined to rank ``r``; every rank passes
+        pieces of the same sizes. Returns the pending collective and the tensor that holds
+        this rank's sums (its pieces back to back) once it completes, or ``None`` when it
+        receives nothing. One ``reduce`` when only one rank receives (in place there, on a
+        single piece), else one reduce-scatter of uneven pieces (NCCL runs it as one group
+        of reduces).
+        """
+        sizes = [sum(p.numel() for p in part) for part in pieces]
+        receivers = [r for r, n in enumerate(sizes) if n]
+        if not receivers:
+            return Pending(), None
+        like = pieces[receivers[0]][0]
+        if len(pieces) == 1:
+            return Pending(), _joined(pieces[0], True, like)
+        if len(receivers) == 1:
+            root = receivers[0]
+            wire = _joined(pieces[root], True, like)
+            pending = self._issue(
+                "reduce",
+                wire,
+                root,
+                lambda: dist.reduce(
+                    wire, self._global(root), op=dist.ReduceOp.SUM, group=self.group, async_op=True
+                ),
+                what=what,
+            )
+            return pending, wire if self.rank == root else None
+        inputs = [_joined(mine, True, like) for mine in pieces]
+        output = torch.empty_like(inputs[self.rank])
+        pending = self._issue(
+            "reduce_scatter",
+            output,
+            -1,
+            lambda: dist.reduce_scatter(
+                output, inputs, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+            ),
+            what=what,
+            numel=sum(sizes),
+        )
+        return pending, output if sizes[self.rank] else None
+
     def reduce_scatter_replicas(
         self, output: torch.Tensor, inputs: list[torch.Tensor], what: str = ""
     ) -> Pending:
@@ -457,7 +620,7 @@ class Communicator:
         return self._issue(
             "reduce_scatter",
             output,
-            0,
+            -1,
             lambda: dist.reduce_scatter(
                 output, inputs, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True
             ),

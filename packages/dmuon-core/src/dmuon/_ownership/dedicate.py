@@ -195,16 +195,16 @@ def _records(
     return records
 
 
-def _flat_buffers(
+def _flat_buffer(
     records: list[DedicatedParam],
     dtype: torch.dtype,
     device: torch.device,
     comm: Communicator,
     reduce_dtype: torch.dtype,
     broadcast_dtype: torch.dtype | None,
-) -> list[FlatBuffer]:
-    """One boundary's buffers: one per owner of its whole matrices (a packed buffer), then
-    one per stack split by experts (its ranges in expert order), the same on every rank."""
+) -> FlatBuffer:
+    """One boundary's buffer, the same on every rank: its whole matrices grouped by owner,
+    then each stack split by experts (its ranges in expert order)."""
     by_owner: dict[int, list[DedicatedParam]] = defaultdict(list)
     by_stack: dict[str, list[DedicatedParam]] = defaultdict(list)
     for dp in records:
@@ -212,26 +212,22 @@ def _flat_buffers(
             by_stack[dp.fqn].append(dp)
         else:
             by_owner[dp.owner].append(dp)
-    buffers = []
+    ordered: list[DedicatedParam] = []
+    views = []
     for owner in sorted(by_owner):
-        packed = by_owner[owner]
-        views = [(dp.module, dp.attr, dp.param, [i], dp.fqn) for i, dp in enumerate(packed)]
-        buffers.append(
-            FlatBuffer.build(
-                packed, views, dtype, device, comm, _leaf, reduce_dtype, broadcast_dtype
-            )
-        )
+        for dp in by_owner[owner]:
+            views.append((dp.module, dp.attr, dp.param, [len(ordered)], dp.fqn))
+            ordered.append(dp)
     for ranges in by_stack.values():
         ranges = sorted(ranges, key=lambda dp: dp.experts or (0, 0))
         first = ranges[0]
         assert first.registered is not None
-        view = (first.module, first.attr, first.registered, list(range(len(ranges))), first.fqn)
-        buffers.append(
-            FlatBuffer.build(
-                ranges, [view], dtype, device, comm, _leaf, reduce_dtype, broadcast_dtype
-            )
-        )
-    return buffers
+        covered = list(range(len(ordered), len(ordered) + len(ranges)))
+        views.append((first.module, first.attr, first.registered, covered, first.fqn))
+        ordered += ranges
+    return FlatBuffer.build(
+        ordered, views, dtype, device, comm, _leaf, reduce_dtype, broadcast_dtype
+    )
 
 
 def _leaf(view: torch.Tensor, requires_grad: bool, record: DedicatedParam) -> nn.Parameter:
@@ -431,7 +427,7 @@ def dedicate_params(
             Boundary(
                 name,
                 model.get_submodule(name),
-                _flat_buffers(by_boundary[name], buffer_dtype, device, comm, *wire),
+                [_flat_buffer(by_boundary[name], buffer_dtype, device, comm, *wire)],
             )
         )
     runtime = DedicationRuntime(

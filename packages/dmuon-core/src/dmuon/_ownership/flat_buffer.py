@@ -1,22 +1,28 @@
-"""`FlatBuffer`: the one buffer type behind every dedicated matrix's forward and backward.
+"""`FlatBuffer`: the one buffer behind a hook boundary's dedicated matrices.
 
-A flat buffer holds, during forward and backward, the full values of some dedicated
+A flat buffer holds, during forward and backward, the full values of the dedicated
 records (`DedicatedParam`) of one hook boundary, and reduces their gradients. Its layout
 is described by three lists:
 
 - **entries**: one per record, its slice of the buffer (records are laid out back to back);
-- **spans**: the collective units, each a contiguous run of entries with one owner, who
-  broadcasts it in forward and receives its SUM-reduced gradient in backward;
+- **spans**: the runs of consecutive entries with one owner, who sends them in forward and
+  receives their SUM-reduced gradient in backward;
 - **views**: what the modules hold while the boundary runs, each a slice of the buffer
   covering one or more entries, registered on ``module.<attr>`` and held between forwards
   by the *holder* (the record's registered parameter).
 
-The two layouts the planner produces are two shapes of this one type:
+A boundary's whole matrices come first, grouped by owner (one span per owner, one view
+per record: the holder is the record's master on its owner, a placeholder elsewhere),
+then each stack split by experts, its ranges in expert order (one span per run of ranges
+with one owner, one view of the whole stack: the holder is the stack's placeholder).
 
-- a *packed group*: the records of one owner in one boundary; one span, one view per
-  record (the holder is the record's master on its owner, a placeholder elsewhere);
-- a *split expert stack*: one stack cut into ranges of experts with different owners; one
-  span per range, one view of the whole stack (the holder is the stack's placeholder).
+Whatever the number of owners, the buffer is **one collective call per direction**: in
+forward (and again before backward in Z3) every owner's spans reach every rank in one
+all-gather of uneven pieces (a broadcast when one rank owns them all), and in backward
+every rank's gradients are summed into their owners in one reduce-scatter of uneven
+pieces (a reduce for one owner); see `dmuon._comm.Communicator.all_gather_pieces`. So a
+step issues as many calls as FSDP2 issues for the same layers, however many ranks own
+them.
 
 The buffer's storage is allocated before use and freed after, while the views into it
 survive (as FSDP2 does for its unsharded parameters): autograd keeps references to the
@@ -155,12 +161,13 @@ class FlatBuffer:
         self._nbytes = self.numel * self.buffer.element_size()
         self.state = BufferState.STALE
         self.reduce_state = ReduceState.IDLE
-        self.owns_all = all(span.owner == comm.rank for span in spans)
         self._broadcasts: list[Pending] = []
         self._reduces: list[Pending] = []
         self._reduce_flat: torch.Tensor | None = None
-        #: Per owned span: the averaged values that landed here and the entries they hold,
-        #: back to back (the span itself on a 1-D mesh).
+        #: Where this rank's sums land (its spans back to back) once the reduce completes.
+        self._received: torch.Tensor | None = None
+        #: The averaged values that landed here and the entries they hold, back to back
+        #: (none, or one pair: this rank's records).
         self._landed: list[tuple[torch.Tensor, list[int]]] = []
         #: The reduce input's layout: where each entry that needs gradients starts, and
         #: each span's ``(lo, hi)`` (see `reduce_async`).
@@ -294,11 +301,22 @@ class FlatBuffer:
                 if record.is_owned:
                     wire[entry.lo : entry.hi].copy_(record.param.reshape(-1))
                     self._broadcast_versions[index] = record.param._version
+            ranges = [(span.lo, span.hi) for span in self.spans]
             self._broadcasts = [
-                self.comm.broadcast(wire[span.lo : span.hi], span.owner, self.label)
-                for span in self.spans
+                self.comm.all_gather_pieces(self._by_owner(wire, ranges), self.label)
             ]
         self.state = BufferState.UNSHARDING
+
+    def _by_owner(
+        self, flat: torch.Tensor, ranges: list[tuple[int, int]]
+    ) -> list[list[torch.Tensor]]:
+        """``flat[lo:hi]`` of each span's range, listed under the span's owner (per rank of
+        the group, in span order); empty ranges are left out."""
+        pieces: list[list[torch.Tensor]] = [[] for _ in range(self.comm.world_size)]
+        for span, (lo, hi) in zip(self.spans, ranges, strict=True):
+            if hi > lo:
+                pieces[span.owner].append(flat[lo:hi])
+        return pieces
 
     def wait_unshard(self) -> None:
         """Wait for the broadcasts issued by `unshard_async`."""
@@ -308,10 +326,11 @@ class FlatBuffer:
             pending, self._broadcasts = self._broadcasts, []
             staging, self._staging = self._staging, None
             self.state = BufferState.STALE
-            for each in pending:
-                each.wait()
-            if staging is not None:
-                with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.buffer):
+            # Completing a collective may copy received pieces into the buffer.
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.buffer):
+                for each in pending:
+                    each.wait()
+                if staging is not None:
                     self.buffer.copy_(staging)
             self.state = BufferState.VALID
 
@@ -354,7 +373,7 @@ class FlatBuffer:
                 gradients.accumulate(view.holder, grad)
 
     def reduce_async(self) -> None:
-        """Merge local and accumulated gradients; SUM-reduce each span to its owner.
+        """Merge local and accumulated gradients; SUM-reduce them to their owners.
 
         Only the entries of views that need gradients travel (frozen matrices, such as an
         adapter's base weights, cost nothing): they are packed back to back, span by span,
@@ -383,11 +402,10 @@ class FlatBuffer:
             if acc is not None:
                 piece.add_(acc.reshape(-1))
         self._reduce_flat = flat
-        self._reduces = [
-            self.comm.reduce_sum(flat[lo:hi], span.owner, self.label)
-            for span, (lo, hi) in zip(self.spans, self._packed_spans, strict=True)
-            if hi > lo
-        ]
+        pending, self._received = self.comm.reduce_scatter_pieces(
+            self._by_owner(flat, self._packed_spans), self.label
+        )
+        self._reduces = [pending]
         self.reduce_state = ReduceState.REDUCING
 
     def _live_entries(self) -> set[int]:
@@ -406,51 +424,68 @@ class FlatBuffer:
             self._packed_spans.append((start, offset))
         return live
 
-    def _packed_range(self, index: int) -> slice:
-        """Where entry ``index`` lies in the packed reduce input."""
-        lo = self._packed_lo[index]
-        return slice(lo, lo + self.entries[index].hi - self.entries[index].lo)
-
     def finish_reduce(self) -> None:
-        """Wait for the reduces; owners then start summing across replicas (HSDP).
+        """Wait for the reduce; on a 2-D (HSDP) mesh owners then start summing across
+        replicas.
 
-        Each owned span is reduce-scattered over the replicate group by record: every
-        record's sum lands on the owner in its ``update_replica`` alone (the one that
-        steps it). `finish_replica_reduce` completes the step; the split lets every
-        buffer's cross-replica reduce be in flight at once.
+        The sums of this rank's records are reduce-scattered over the replicate group by
+        record: every record's sum lands on the owner in its ``update_replica`` alone (the
+        one that steps it). `finish_replica_reduce` completes the step; the split lets
+        every boundary's cross-replica reduce be in flight at once.
         """
         if self.reduce_state is not ReduceState.REDUCING:
             return
         for pending in self._reduces:
             pending.wait()
-        flat = self._reduce_flat
-        assert flat is not None
-        self._landed = []
         self._reduces = []
-        for span, (lo, hi) in zip(self.spans, self._packed_spans, strict=True):
-            if span.owner != self.comm.rank or hi == lo:
-                continue
-            live = [i for i in span.entries if i in self._packed_lo]
-            if self.comm.replicas == 1:
-                self._landed.append((flat[lo:hi], live))
-                continue
+        received, self._received = self._received, None
+        mine = [
+            index
+            for span in self.spans
+            if span.owner == self.comm.rank
+            for index in span.entries
+            if index in self._packed_lo
+        ]
+        self._landed = []
+        if received is None or not mine:
+            self._release_reduce_flat(None)
+            self.reduce_state = ReduceState.IDLE
+            return
+        if self.comm.replicas == 1:
+            self._landed.append((received, mine))
+            self._release_reduce_flat(received)
+        else:
             by_replica: list[list[int]] = [[] for _ in range(self.comm.replicas)]
-            for index in live:
+            offsets, offset = {}, 0
+            for index in mine:
+                offsets[index] = offset
+                offset += self.entries[index].hi - self.entries[index].lo
                 by_replica[self.entries[index].record.update_replica].append(index)
+
+            def values(index: int) -> torch.Tensor:
+                lo = offsets[index]
+                return received[lo : lo + self.entries[index].hi - self.entries[index].lo]
+
             pieces = [
-                torch.cat([flat[self._packed_range(i)] for i in indices]) if indices else flat[:0]
+                torch.cat([values(i) for i in indices]) if indices else received[:0]
                 for indices in by_replica
             ]
-            mine = by_replica[self.comm.replica_rank]
+            here = by_replica[self.comm.replica_rank]
             landed = torch.empty_like(pieces[self.comm.replica_rank])
             self._reduces.append(self.comm.reduce_scatter_replicas(landed, pieces, self.label))
-            self._landed.append((landed, mine))
-        if self._landed:
-            self.reduce_state = ReduceState.AVERAGING
-        else:
-            release_reduce_input(flat)
-            self._reduce_flat = None
-            self.reduce_state = ReduceState.IDLE
+            self._landed.append((landed, here))
+            self._release_reduce_flat(None)
+        self.reduce_state = ReduceState.AVERAGING
+
+    def _release_reduce_flat(self, kept: torch.Tensor | None) -> None:
+        """Free the reduce input unless ``kept`` (the averages' future home) lies in it."""
+        flat, self._reduce_flat = self._reduce_flat, None
+        if flat is None:
+            return
+        if kept is not None and _same_storage(kept, flat):
+            self._reduce_flat = flat
+            return
+        release_reduce_input(flat)
 
     def finish_replica_reduce(self) -> None:
         """Wait for the cross-replica sums; the updating owners average into
@@ -460,18 +495,12 @@ class FlatBuffer:
         for pending in self._reduces:
             pending.wait()
         self._reduces = []
-        flat, self._reduce_flat = self._reduce_flat, None
-        assert flat is not None
         divisor = self.comm.world_size * self.comm.replicas
         holders = {index: view.holder for view in self.views for index in view.entries}
-        # On one replica the averages are views of the flat buffer, which keep all of it
-        # alive: kept as views only when all of it is ours (across replicas they landed in
-        # buffers of their own).
-        in_flat = self.comm.replicas == 1
-        keeps_flat = self.owns_all and in_flat
+        # The averages are views of what landed here: this rank's records alone, in a
+        # tensor of their own or in the reduce input of a buffer this rank owns whole.
         for values, indices in self._landed:
-            widened = values.dtype != torch.float32
-            if widened:  # summed in a narrower dtype on the wire, averaged in float32
+            if values.dtype != torch.float32:  # summed in a narrower dtype on the wire
                 values = values.float()
             values.div_(divisor)
             offset = 0
@@ -480,13 +509,19 @@ class FlatBuffer:
                 size = entry.hi - entry.lo
                 piece = values[offset : offset + size].view(entry.record.shape)
                 offset += size
-                if in_flat and not (keeps_flat or widened):
-                    piece = piece.clone()
                 gradients.add_reduced(entry.record.param, piece, holders[index])
+        landed = self._landed[0][0] if self._landed else None
         self._landed = []
-        if not keeps_flat or flat.dtype != torch.float32:
+        flat, self._reduce_flat = self._reduce_flat, None
+        if flat is not None and not (
+            landed is not None and landed.dtype == torch.float32 and _same_storage(landed, flat)
+        ):
             release_reduce_input(flat)  # the averages were copied out of it
         self.reduce_state = ReduceState.IDLE
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def release_reduce_input(flat: torch.Tensor | None) -> None:

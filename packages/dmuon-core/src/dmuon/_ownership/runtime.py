@@ -2,7 +2,8 @@
 
 Per hook boundary (usually one transformer layer):
 
-- forward pre-hook: broadcast each owner's packed buffer (prefetching the next boundary's),
+- forward pre-hook: gather the owners' matrices into the packed buffer, one collective
+  call (prefetching the next boundary's),
   register the full-matrix views on their modules, and route the boundary's inputs
   through an identity autograd function whose backward marks "this boundary's backward is
   done";
@@ -17,12 +18,12 @@ Per hook boundary (usually one transformer layer):
   add them to ``_accumulated_grad`` locally. On a 2-D (HSDP) mesh the reduce stays inside
   the shard group and, at the end of backward, the owners of the same matrices in the
   replicas reduce-scatter their sums by matrix, so each matrix's average lands on the one
-  owner that steps it (its ``update_replica``); after the step that owner broadcasts the
-  new values to the other replicas' owners (`dmuon._ownership.replica_updates`).
+  owner that steps it (its ``update_replica``); after the step the owners all-gather the
+  new values over the replicate group (`dmuon._ownership.replica_updates`).
 
-Each boundary drives a list of `FlatBuffer` objects: one per owner for the packed matrices,
-and one per expert stack split across owners (one stack-wide buffer, one broadcast and one
-reduce per range of experts, issued after the boundary's packed buffers).
+Each boundary drives its `FlatBuffer` (a list of one: every owner's matrices, then the
+expert stacks split across owners), which sends and reduces in one collective call per
+direction.
 
 A boundary's gradients are reduced once per backward, however many forwards of it the
 backward covers (two forwards of one loss, a reused layer): when the inputs of its last

@@ -6,11 +6,13 @@ same code) and from the library's own rules:
 - **Newton-Schulz FLOPs** of a rank: its plan load (`dmuon.plan_owners`'s multiply-adds
   per iteration) x 2 x the iteration count, what ``FlopCounterMode`` counts in
   ``optimizer.step()`` for the standard iteration;
-- **collectives**: one broadcast and one reduce per *span* (the matrices of one owner in one
-  hook boundary, or a run of one owner's ranges of a split expert stack), as many times as
-  Z2/Z3 and accumulation say; across replicas, one reduce-scatter per owned span per
-  synchronised backward and one broadcast per replica that steps some of the rank's
-  matrices, per step: what ``dmuon.comm_audit`` counts;
+- **collectives**: per hook boundary one call to send its matrices (an all-gather of its
+  owners' parts, a broadcast for one owner) and one to sum their gradients (a
+  reduce-scatter, a reduce for one owner), as many times as Z2/Z3 and accumulation say;
+  across replicas, one reduce-scatter per boundary the rank owns matrices of per
+  synchronised backward and, per step, one all-gather (a broadcast when one replica sends
+  all of it) per chunk of updated values (`update_chunks`): what ``dmuon.comm_audit``
+  counts;
 - **memory**: float32 masters of the matrices a shard position owns, momentum of those the
   rank steps, the Newton-Schulz workspace (`dmuon.optim.workspace_nbytes`, within the
   optimizer's cap), the packed buffers, the ``no_sync`` accumulator and the reduce buffers
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from dmuon._ownership.planner import OwnerPlan, SplitStacks, newton_schulz_cost, range_name
+from dmuon._ownership.replica_updates import update_chunks
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.selection import plan_dedication
 from dmuon._ownership.tp_integration import spread_over_tp
@@ -184,7 +187,7 @@ class ClusterPlan:
 
 @dataclass
 class _Span:
-    """One broadcast and one reduce: a boundary's matrices (or expert ranges) of one owner."""
+    """A boundary's matrices (or expert ranges) of one owner: its piece of the boundary's calls."""
 
     owner: int
     elements: int = 0
@@ -194,7 +197,7 @@ class _Span:
 def _spans(
     shapes: Mapping[str, Sequence[int]], boundaries: Mapping[str, str], plan: OwnerPlan
 ) -> dict[str, list[_Span]]:
-    """Each boundary's spans, as `dedicate_params` lays out its flat buffers: one per owner
+    """Each boundary's spans, as `dedicate_params` lays out its flat buffer: one per owner
     of its whole matrices, then per split stack one per run of ranges with one owner."""
     spans: dict[str, list[_Span]] = defaultdict(list)
     packed: dict[tuple[str, int], _Span] = {}
@@ -220,6 +223,42 @@ def _spans(
             runs[-1].names.append(name)
         spans[boundaries[fqn]].extend(runs)
     return spans
+
+
+def _add(tallies: dict[str, Tally], kind: str, count: int, elements: int) -> None:
+    if count:
+        old = tallies.get(kind, Tally())
+        tallies[kind] = Tally(old.count + count, old.elements + elements)
+
+
+def _boundary_calls(
+    boundaries: list[list[tuple[int, int]]], rounds: int, synced: int
+) -> dict[str, Tally]:
+    """The shard dimension's collectives: per boundary with elements (its spans as
+    ``(owner, elements)``), one call per forward round and one per synchronised backward,
+    a broadcast and a reduce when one rank owns them all, else an all-gather and a
+    reduce-scatter of the owners' pieces (see `dmuon._ownership.flat_buffer`)."""
+    tallies: dict[str, Tally] = {}
+    for spans in boundaries:
+        elements = sum(e for _, e in spans)
+        if not elements:
+            continue
+        one_owner = len({owner for owner, e in spans if e}) == 1
+        _add(tallies, "broadcast" if one_owner else "all_gather", rounds, elements * rounds)
+        _add(tallies, "reduce" if one_owner else "reduce_scatter", synced, elements * synced)
+    return tallies
+
+
+def _replica_update_calls(records: list[tuple[int, int]], replicas: int) -> dict[str, Tally]:
+    """The replicate dimension's collectives after a step: one per chunk of updated values
+    (`dmuon._ownership.replica_updates.update_chunks`), a broadcast when one replica
+    stepped the whole chunk, else an all-gather."""
+    tallies: dict[str, Tally] = {}
+    for chunk in update_chunks(records, replicas):
+        elements = sum(records[i][0] for part in chunk for i in part)
+        one_replica = sum(1 for part in chunk if part) == 1
+        _add(tallies, "broadcast" if one_replica else "all_gather", 1, elements)
+    return tallies
 
 
 def _items(shapes: Mapping[str, Sequence[int]], plan: OwnerPlan) -> dict[str, tuple[int, int, int]]:
@@ -418,10 +457,11 @@ def plan_cluster(
         local_p_m = sum(span_elements)
         shard_tallies: dict[str, Tally] = {}
         if shard > 1:
-            shard_tallies = {
-                "broadcast": Tally(len(all_spans) * rounds, local_p_m * rounds),
-                "reduce": Tally(len(all_spans) * synced, local_p_m * synced),
-            }
+            shard_tallies = _boundary_calls(
+                [[(s.owner, sum(local(n, t) for n in s.names)) for s in b] for b in spans.values()],
+                rounds,
+                synced,
+            )
         boundary_elements = [
             sum(local(n, t) for span in spans[b] for n in span.names) for b in spans
         ]
@@ -439,16 +479,19 @@ def plan_cluster(
         for dp_rank in range(dp_world):
             replica, position = divmod(dp_rank, shard)
             owned = [i for i, s in enumerate(all_spans) if s.owner == position]
-            owned_names = [n for i in owned for n in all_spans[i].names]
+            # In dedication order, as the optimizer's replica updates take them.
+            owned_names = [n for n in item_shapes if plan.owners[n] == position]
             mine = [n for n in owned_names if plan.workers[n] == replica]
-            stepped_by = {plan.workers[n] for n in owned_names}
             replicate_tallies: dict[str, Tally] = {}
             owned_elements = sum(span_elements[i] for i in owned)
             if replicas > 1 and owned:
-                replicate_tallies = {
-                    "reduce_scatter": Tally(len(owned) * synced, owned_elements * synced),
-                    "broadcast": Tally(len(stepped_by), owned_elements),
-                }
+                holding = sum(1 for b in spans.values() if any(s.owner == position for s in b))
+                replicate_tallies = _replica_update_calls(
+                    [(local(n, t), plan.workers[n]) for n in owned_names], replicas
+                )
+                replicate_tallies["reduce_scatter"] = Tally(
+                    holding * synced, owned_elements * synced
+                )
             sharded_mine = [n for n in mine if n in tp_worker]
             tensor_tallies: dict[str, Tally] = {}
             if sharded_mine:
