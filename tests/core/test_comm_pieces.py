@@ -99,7 +99,7 @@ def test_update_chunks_cut_by_replica_then_size() -> None:
         [[], [0]],
         [[], [2]],
     ]
-    assert update_chunks(records, 2) == [[[1, 3, 4], [0, 2]]]  # 1 GiB holds them all
+    assert update_chunks(records, 2) == [[[1, 3, 4], [0, 2]]]  # 256 MiB holds them all
     assert update_chunks([], 2) == []
 
 

@@ -297,6 +297,22 @@ def _joined(pieces: Sequence[torch.Tensor], copy_in: bool, like: torch.Tensor) -
     return joined
 
 
+def _adjacent(pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor | None:
+    """One 1-D view over every piece when they lie back to back in one storage, in rank
+    order (then in their order); else ``None``."""
+    flat = [piece for part in pieces for piece in part]
+    first = flat[0]
+    end = first.data_ptr()
+    for piece in flat:
+        if not piece.is_contiguous() or piece.data_ptr() != end:
+            return None
+        if piece.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
+            return None
+        end += piece.numel() * piece.element_size()
+    total = sum(piece.numel() for piece in flat)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,))
+
+
 def _concat_into(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
     """Copy ``pieces`` back to back into the start of ``out``."""
     offset = 0
@@ -527,9 +543,14 @@ class Communicator:
             # pieces to every rank moves exactly the same elements.
             mine = _joined(pieces[me], True, like)
             send = mine.expand(len(pieces), -1).reshape(-1)
-            received = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
-            starts = [sum(sizes[:r]) for r in range(len(pieces))]
-            fills = [(received[starts[r] :], part) for r, part in enumerate(pieces) if r != me]
+            # Pieces that lie back to back in rank order (a boundary without split
+            # stacks) receive in place; others through a buffer.
+            received = _adjacent(pieces)
+            fills = []
+            if received is None:
+                received = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
+                starts = [sum(sizes[:r]) for r in range(len(pieces))]
+                fills = [(received[starts[r] :], part) for r, part in enumerate(pieces) if r != me]
 
             def call() -> dist.Work | None:
                 return dist.all_to_all_single(

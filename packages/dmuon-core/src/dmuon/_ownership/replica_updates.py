@@ -24,8 +24,8 @@ from dmuon._ownership.param import DedicatedParam
 #: Chunks of updated values in flight at once (each with its staging buffer).
 IN_FLIGHT = 2
 
-#: Elements of float32 values per chunk (1 GiB).
-CHUNK_ELEMENTS = 2**28
+#: Elements of float32 values per chunk (256 MiB): at most `IN_FLIGHT` chunks of staging.
+CHUNK_ELEMENTS = 2**26
 
 
 def update_chunks(
