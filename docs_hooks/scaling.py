@@ -40,7 +40,7 @@ HEADERS = {
         "masters + momentum (GiB)",
         "workspace (GiB)",
         "calls per step (DMuon / FSDP2)",
-        "broadcasts between replicas",
+        "updates between replicas",
     ),
     "zh": (
         "GPU 数",
@@ -52,7 +52,7 @@ HEADERS = {
         "主副本 + 动量（GiB）",
         "工作区（GiB）",
         "每步调用数（DMuon / FSDP2）",
-        "副本间广播",
+        "副本间的更新",
     ),
 }
 MESH = {
