@@ -476,22 +476,29 @@ def plan_cluster(
             (sum(boundary_elements[i : i + window]) for i in range(len(boundary_elements))),
             default=0,
         )
+        # What a shard position owns is the same in every replica: worked out once each.
+        # Names in dedication order, as the optimizer's replica updates take them.
+        owned_by = [[n for n in item_shapes if plan.owners[n] == p] for p in range(shard)]
+        elements_by = [
+            sum(e for e, s in zip(span_elements, all_spans, strict=True) if s.owner == p)
+            for p in range(shard)
+        ]
+        replicate_by: list[dict[str, Tally]] = []
+        for position in range(shard):
+            if replicas == 1 or not owned_by[position]:
+                replicate_by.append({})
+                continue
+            tallies = _replica_update_calls(
+                [(local(n, t), plan.workers[n]) for n in owned_by[position]], replicas
+            )
+            holding = sum(1 for b in spans.values() if any(s.owner == position for s in b))
+            tallies["reduce_scatter"] = Tally(holding * synced, elements_by[position] * synced)
+            replicate_by.append(tallies)
         for dp_rank in range(dp_world):
             replica, position = divmod(dp_rank, shard)
-            owned = [i for i, s in enumerate(all_spans) if s.owner == position]
-            # In dedication order, as the optimizer's replica updates take them.
-            owned_names = [n for n in item_shapes if plan.owners[n] == position]
-            mine = [n for n in owned_names if plan.workers[n] == replica]
-            replicate_tallies: dict[str, Tally] = {}
-            owned_elements = sum(span_elements[i] for i in owned)
-            if replicas > 1 and owned:
-                holding = sum(1 for b in spans.values() if any(s.owner == position for s in b))
-                replicate_tallies = _replica_update_calls(
-                    [(local(n, t), plan.workers[n]) for n in owned_names], replicas
-                )
-                replicate_tallies["reduce_scatter"] = Tally(
-                    holding * synced, owned_elements * synced
-                )
+            mine = [n for n in owned_by[position] if plan.workers[n] == replica]
+            owned_elements = elements_by[position]
+            replicate_tallies = dict(replicate_by[position])
             sharded_mine = [n for n in mine if n in tp_worker]
             tensor_tallies: dict[str, Tally] = {}
             if sharded_mine:
