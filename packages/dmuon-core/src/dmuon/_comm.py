@@ -470,21 +470,6 @@ class Communicator:
             work = call()
         return Pending(work, self._recent_work, label, then)
 
-    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "") -> Pending:
-        """Broadcast ``tensor`` in place from group rank ``src`` to every rank.
-
-        ``what`` says what it is for (``", hook boundary 'layers.0'"``), in errors.
-        """
-        if self.world_size == 1:
-            return Pending()
-        return self._issue(
-            "broadcast",
-            tensor,
-            src,
-            lambda: dist.broadcast(tensor, self._global(src), group=self.group, async_op=True),
-            what=what,
-        )
-
     def reduce_sum(self, tensor: torch.Tensor, dst: int, what: str = "") -> Pending:
         """Sum ``tensor`` over ranks into group rank ``dst`` (in place there)."""
         if self.world_size == 1:
@@ -602,29 +587,28 @@ class Communicator:
         if len(receivers) == 1:
             root = receivers[0]
             wire = _joined(pieces[root], True, like)
-            pending = self._issue(
-                "reduce",
-                wire,
-                root,
-                lambda: dist.reduce(
-                    wire, self._global(root), op=dist.ReduceOp.SUM, group=self.group, async_op=True
-                ),
-                what=what,
-            )
-            return pending, wire if self.rank == root else None
+            return self.reduce_sum(wire, root, what), wire if self.rank == root else None
         inputs = [_joined(mine, True, like) for mine in pieces]
         output = torch.empty_like(inputs[self.rank])
-        pending = self._issue(
+        pending = self._reduce_scatter(output, inputs, SHARD, what)
+        return pending, output if sizes[self.rank] else None
+
+    def _reduce_scatter(
+        self, output: torch.Tensor, inputs: list[torch.Tensor], dim: str, what: str
+    ) -> Pending:
+        """SUM-reduce-scatter ``inputs`` (one per rank of ``dim``'s group) into ``output``."""
+        group, _ = self._group_of(dim)
+        return self._issue(
             "reduce_scatter",
             output,
             -1,
             lambda: dist.reduce_scatter(
-                output, inputs, op=dist.ReduceOp.SUM, group=self.group, async_op=True
+                output, inputs, op=dist.ReduceOp.SUM, group=group, async_op=True
             ),
+            dim=dim,
             what=what,
-            numel=sum(sizes),
+            numel=sum(piece.numel() for piece in inputs),
         )
-        return pending, output if sizes[self.rank] else None
 
     def reduce_scatter_replicas(
         self, output: torch.Tensor, inputs: list[torch.Tensor], what: str = ""
@@ -637,36 +621,7 @@ class Communicator:
         if self.replicas == 1:
             output.copy_(inputs[0])
             return Pending()
-        total = sum(piece.numel() for piece in inputs)
-        return self._issue(
-            "reduce_scatter",
-            output,
-            -1,
-            lambda: dist.reduce_scatter(
-                output, inputs, op=dist.ReduceOp.SUM, group=self.replicate_group, async_op=True
-            ),
-            dim=REPLICATE,
-            what=what,
-            numel=total,
-        )
-
-    def broadcast_replicas(self, tensor: torch.Tensor, src: int, what: str = "") -> Pending:
-        """Broadcast ``tensor`` in place over the replicate group from replica ``src``."""
-        if self.replicas == 1:
-            return Pending()
-        return self._issue(
-            "broadcast",
-            tensor,
-            src,
-            lambda: dist.broadcast(
-                tensor,
-                dist.get_global_rank(self.replicate_group, src),
-                group=self.replicate_group,
-                async_op=True,
-            ),
-            dim=REPLICATE,
-            what=what,
-        )
+        return self._reduce_scatter(output, inputs, REPLICATE, what)
 
     def all_reduce_control(
         self,
