@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
 
 from dmuon.plan import (
@@ -77,6 +78,8 @@ def test_help_names_every_flag(capsys: pytest.CaptureFixture[str]) -> None:
         "--accum",
         "--no-sync",
         "--hardware",
+        "--ns-dtype",
+        "--ns-gram",
         "--json",
     ):
         assert flag in text
@@ -244,3 +247,44 @@ def test_no_sync_accumulation_that_cannot_fit_is_warned_with_what_to_do() -> Non
     assert any("accumulate without dmuon.no_sync" in w for w in plan.warnings)
     quiet = plan_cluster(model, 64, 8, accum=8, no_sync=False, active_parameters=active)
     assert not any("no_sync" in w for w in quiet.warnings)
+
+
+@pytest.mark.parametrize("gram", [False, True])
+def test_the_gram_iterations_flops_are_what_a_flop_counter_counts(gram: bool) -> None:
+    """One process, float32 iteration: the plan's FLOPs against `FlopCounterMode` in
+    ``optimizer.step()``, with the Gram iteration on the matrices it applies to (the
+    4 x 1 and 1 x 3 aspect ratios) and the standard one on the square matrix."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import dmuon
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Module()
+        model.layers = nn.ModuleList(
+            nn.Sequential(
+                nn.Linear(64, 256, bias=False),
+                nn.Linear(256, 64, bias=False),
+                nn.Linear(64, 64, bias=False),
+                nn.Linear(64, 192, bias=False),
+            )
+            for _ in range(2)
+        )
+        return model
+
+    plan = plan_cluster(
+        build(), 1, tokens_per_step=1024, ns_dtype=torch.float32, ns_gram=gram, device_type="cpu"
+    )
+    model = build()
+    dmuon.dedicate_params(model)
+    optimizer = dmuon.Muon(model, ns_dtype=torch.float32, ns_gram=gram)
+    x = torch.randn(4, 64)
+    sum(layer(x).square().mean() for layer in model.layers).backward()
+    with FlopCounterMode(display=False) as counter:
+        optimizer.step()
+    assert plan.ranks[0].ns_flops == counter.get_total_flops() > 0
+    # The formula, by hand: 8 matrices, 5 iterations (m the short side, n the long one).
+    standard = [2 * m * m * n + m**3 for m, n in ((64, 256),) * 2 + ((64, 64), (64, 192))]
+    grams = [2 * m * m * n + 17 * m**3 for m, n in ((64, 256),) * 2 + ((64, 192),)]
+    by_hand = 2 * 2 * (sum(grams) + 5 * (64**3 * 3)) if gram else 2 * 2 * 5 * sum(standard)
+    assert plan.ranks[0].ns_flops == by_hand

@@ -8,6 +8,8 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 
+import torch
+
 from dmuon.plan._estimate import GIB, ClusterPlan, RankPlan, Tally, plan_cluster
 from dmuon.plan._hardware import HARDWARE, parse_hardware, parse_tokens
 from dmuon.plan._model import active_parameters, load_config, meta_model
@@ -53,6 +55,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
     parser.add_argument(
+        "--ns-dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="the iteration's dtype (dmuon.Muon(ns_dtype=...); bfloat16 on GPUs by default)",
+    )
+    parser.add_argument(
+        "--ns-gram",
+        action="store_true",
+        help="dmuon.Muon(ns_gram=True): the Gram iteration where it applies (float32)",
+    )
+    parser.add_argument(
         "--param-dtype",
         choices=("float32", "bfloat16"),
         default="float32",
@@ -96,7 +109,13 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
         f"micro-batch(es) per step{sync}",
         f"time model: {plan.hardware.describe()}; forward+backward = 6 x active parameters x "
         f"{plan.tokens_per_step:,} tokens per step; Newton-Schulz = 2 x {plan.ns_steps} "
-        "iterations x each matrix's 2 m^2 n + m^3 multiply-adds",
+        "iterations x each matrix's 2 m^2 n + m^3 multiply-adds"
+        + (
+            f" (Gram iteration where it applies: 2 x (2 m^2 n + {4 * plan.ns_steps - 3} m^3) "
+            "in all)"
+            if plan.ns_gram
+            else ""
+        ),
         f"forward+backward: {plan.forward_backward_seconds * 1e3:,.1f} ms per step per rank",
         f"optimizer-step overhead against forward+backward: Newton-Schulz "
         f"{plan.ns_overhead:.2%} (busiest rank {busiest.rank}: {busiest.ns_seconds * 1e3:,.2f} "
@@ -191,6 +210,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             hardware=hardware,
             active_parameters=active_parameters(model, config),
             ns_steps=args.ns_steps,
+            ns_dtype=torch.float32 if args.ns_dtype == "float32" else torch.bfloat16,
+            ns_gram=args.ns_gram,
             param_bytes=2 if args.param_dtype == "bfloat16" else 4,
             tp=args.tp,
             **kwargs,

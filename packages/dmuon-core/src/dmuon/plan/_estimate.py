@@ -33,12 +33,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon._ownership.planner import OwnerPlan, SplitStacks, newton_schulz_cost, range_name
+from dmuon._ownership.planner import (
+    OwnerPlan,
+    SplitStacks,
+    newton_schulz_cost,
+    newton_schulz_flops,
+    range_name,
+)
 from dmuon._ownership.replica_updates import update_chunks
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.selection import plan_dedication
 from dmuon._ownership.tp_integration import spread_over_tp
 from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
+from dmuon.optim._orthogonalize import uses_gram
 from dmuon.optim._validation import check_max_workspace_bytes
 from dmuon.plan._hardware import Hardware, parse_hardware
 
@@ -129,6 +136,8 @@ class ClusterPlan:
     ranks: list[RankPlan]
     owner_plan: OwnerPlan
     warnings: list[str]
+    #: The Gram iteration (``dmuon.Muon(ns_gram=True)``) where it applies.
+    ns_gram: bool = False
 
     @property
     def busiest(self) -> RankPlan:
@@ -168,6 +177,7 @@ class ClusterPlan:
             "no_sync": self.no_sync,
             "tokens_per_step": self.tokens_per_step,
             "ns_steps": self.ns_steps,
+            "ns_gram": self.ns_gram,
             "hardware": asdict(self.hardware),
             "matrices": self.matrices,
             "dedicated_elements": self.dedicated_elements,
@@ -315,6 +325,7 @@ def _workspace(
     dtype: torch.dtype,
     device: torch.device,
     cap: int,
+    gram: bool,
 ) -> int:
     """Bytes of the Newton-Schulz workspace `dmuon.Muon` keeps for these items: the largest
     bucket of one shape, run in chunks within ``cap``."""
@@ -323,10 +334,10 @@ def _workspace(
         counts[rows, cols] += matrices
     largest = 0
     for (rows, cols), count in counts.items():
-        one = workspace_nbytes(1, rows, cols, dtype, device, out_dtype=torch.float32)
+        one = workspace_nbytes(1, rows, cols, dtype, device, gram, torch.float32)
         batch = min(count, max(1, cap // one))
         largest = max(
-            largest, workspace_nbytes(batch, rows, cols, dtype, device, out_dtype=torch.float32)
+            largest, workspace_nbytes(batch, rows, cols, dtype, device, gram, torch.float32)
         )
     return largest
 
@@ -344,6 +355,7 @@ def plan_cluster(
     active_parameters: int | None = None,
     ns_steps: int = 5,
     ns_dtype: torch.dtype = torch.bfloat16,
+    ns_gram: bool = False,
     device_type: str = "cuda",
     param_bytes: int = FLOAT32,
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
@@ -369,6 +381,10 @@ def plan_cluster(
             6 x this x tokens); ``None``: every parameter of ``model``.
         ns_steps: Newton-Schulz iterations.
         ns_dtype: The iteration dtype (the workspace's); bfloat16 on GPUs by default.
+        ns_gram: ``dmuon.Muon(ns_gram=...)``: the Gram iteration, for the matrices
+            `dmuon.optim.uses_gram` gives it (float32 or wider, long side at least twice
+            the short one), with its own FLOP count (`dmuon.plan_owners` still balances
+            the standard iteration's cost).
         device_type: Where the iteration runs (``"cuda"``, or ``"cpu"``: the workspace's
             layout differs).
         param_bytes: Bytes per element of the packed buffers (4 for float32, 2 with
@@ -508,8 +524,14 @@ def plan_cluster(
                     "scatter": Tally(len(sharded_mine), whole),
                 }
             orthogonalized = [n for n in mine if tp_worker.get(n, t) == t]
-            cost = sum(newton_schulz_cost(item_shapes[n]) for n in orthogonalized)
-            flops = cost * 2 * ns_steps
+            flops = sum(
+                newton_schulz_flops(
+                    item_shapes[n],
+                    ns_steps,
+                    uses_gram(item_shapes[n][1], item_shapes[n][2], ns_gram, ns_dtype),
+                )
+                for n in orthogonalized
+            )
             update = 0.0
             if replicas > 1:
                 moved = owned_elements * FLOAT32 * (replicas - 1) / replicas
@@ -529,6 +551,7 @@ def plan_cluster(
                         ns_dtype,
                         device,
                         max_workspace_bytes,
+                        ns_gram,
                     ),
                     buffer_bytes=buffer_bytes,
                     accumulator_bytes=accumulator,
@@ -563,6 +586,7 @@ def plan_cluster(
         ranks=ranks,
         owner_plan=plan,
         warnings=[],
+        ns_gram=ns_gram,
     )
     result.warnings.extend(_warnings(result))
     return result
