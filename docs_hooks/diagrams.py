@@ -30,7 +30,7 @@ TEXT: dict[str, dict[str, str]] = {
         "ownership_title": "Ownership of the tiny preset on 3 ranks (dmuon.plan_owners)",
         "boundary": "hook boundary",
         "matrices": "dedicated matrices (width ∝ elements)",
-        "buffers": "one packed buffer per owner, broadcast to every rank in forward",
+        "buffers": "one buffer per layer, owners' parts side by side; one all-gather in forward",
         "rank": "rank",
         "owner_of": "owner: rank",
         "storage": "Each rank keeps float32 masters and Muon state only for the matrices it "
@@ -67,7 +67,7 @@ TEXT: dict[str, dict[str, str]] = {
         "ownership_title": "tiny 预设在 3 个 rank 上的所有权（dmuon.plan_owners）",
         "boundary": "钩子边界",
         "matrices": "专属矩阵（宽度与元素数成正比）",
-        "buffers": "每个所有者一个打包缓冲区，前向时广播给所有 rank",
+        "buffers": "每层一个打包缓冲区，各所有者的部分依次排列：前向时一次 all-gather",
         "rank": "rank",
         "owner_of": "所有者：rank",
         "storage": "每个 rank 只为自己拥有的矩阵保存 float32 主副本和 Muon 状态；"
