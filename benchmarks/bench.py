@@ -269,13 +269,19 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
         times: dict[str, list[float]] = {c: [] for c in built}
         optim_times: dict[str, list[float]] = {c: [] for c in built}
         traffic: dict[str, dict[str, int]] = {}
+        # Under HSDP the units count the shard dimension, as the formulas do: collectives
+        # over this rank's replicate group (the same shard position in every replica) are
+        # left out of the count.
+        shard = world // args.hsdp
+        replicate_ranks = tuple(range(rank % shard, world, shard)) if args.hsdp > 1 else None
         for round_index in range(1 + args.steps):
             for contender in list(built):
                 model, optimizer, _ = built[contender]
                 _sync(args.cuda)
                 counted = round_index == 1
                 try:
-                    with TrafficCounter() if counted else nullcontext() as counter:
+                    counter_ = TrafficCounter(replicate_ranks) if counted else nullcontext()
+                    with counter_ as counter:
                         start = time.perf_counter()
                         optim_elapsed = _train_step(model, optimizer, args, accum)
                         _sync(args.cuda)

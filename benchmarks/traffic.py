@@ -113,10 +113,26 @@ def _issuer() -> str:
     return "torch"
 
 
-class TrafficCounter:
-    """Context manager counting collective traffic: ``elements[(issuer, op)]`` and ``bytes``."""
+def _group_ranks(group: Any) -> tuple[int, ...] | None:
+    """The global ranks of a collective's group (``None`` when its form is not known)."""
+    if group is None:
+        return tuple(range(dist.get_world_size()))
+    if isinstance(group, dist.ProcessGroup):
+        return tuple(dist.get_process_group_ranks(group))
+    if isinstance(group, tuple) and len(group) == 2 and hasattr(group[0], "get_group"):
+        return tuple(dist.get_process_group_ranks(group[0].get_group(group[1])))
+    return None
 
-    def __init__(self) -> None:
+
+class TrafficCounter:
+    """Context manager counting collective traffic: ``elements[(issuer, op)]`` and ``bytes``.
+
+    ``ignored_group``: the global ranks of a group whose collectives are not counted (the
+    replicate dimension of an HSDP mesh, whose traffic the per-step formulas leave out).
+    """
+
+    def __init__(self, ignored_group: tuple[int, ...] | None = None) -> None:
+        self.ignored_group = ignored_group
         self.elements: dict[tuple[str, str], int] = defaultdict(int)
         self.bytes: dict[tuple[str, str], int] = defaultdict(int)
         self._saved: list[tuple[Any, str, Any]] = []
@@ -129,7 +145,15 @@ class TrafficCounter:
             if self._depth:  # called by another wrapped collective: counted there
                 return original(*args, **kwargs)
             key = (_issuer(), name)
-            bound = signature.bind(*args, **kwargs).args  # keywords to positions
+            binding = signature.bind(*args, **kwargs)
+            bound = binding.args  # keywords to positions
+            group = binding.arguments.get("group")
+            if self.ignored_group is not None and _group_ranks(group) == self.ignored_group:
+                self._depth += 1
+                try:
+                    return original(*args, **kwargs)
+                finally:
+                    self._depth -= 1
             n = cost(*bound)
             self.elements[key] += n
             first = bound[0] if bound else None

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from dist_harness import spawn_ranks
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
@@ -118,3 +119,34 @@ def test_dedicated_bytes_after_forward_match_the_formula(quick_result: dict) -> 
 def test_peak_memory_is_recorded_for_every_contender(quick_result: dict) -> None:
     for r in quick_result["rows"]:
         assert r["peak_memory_bytes"] > 0, r["contender"]
+
+
+def _count_with_the_replicate_group_ignored(rank: int, world: int) -> dict[str, int]:
+    import torch
+    import torch.distributed as dist
+
+    traffic = _import_traffic()
+    shard = dist.new_group([0, 1]), dist.new_group([2, 3])
+    replicate = dist.new_group([0, 2]), dist.new_group([1, 3])
+    mine = shard[rank // 2], replicate[rank % 2]
+    with traffic.TrafficCounter(ignored_group=(rank % 2, rank % 2 + 2)) as counter:
+        dist.broadcast(torch.ones(5), src=2 * (rank // 2), group=mine[0])
+        dist.all_reduce(torch.ones(7), group=mine[1])
+        dist.all_reduce(torch.ones(3))  # the whole world: counted
+    return dict(counter.elements)
+
+
+def _import_traffic() -> ModuleType:
+    sys.path.insert(0, str(BENCH_DIR))
+    try:
+        import traffic
+    finally:
+        sys.path.remove(str(BENCH_DIR))
+    return traffic
+
+
+def test_the_replicate_groups_collectives_are_left_out_under_hsdp() -> None:
+    """`bench.py --hsdp` counts the shard dimension only: the oracle is the elements each
+    call moves, written out here (a broadcast of 5, an all-reduce of 3 counted twice)."""
+    for counted in spawn_ranks(4, _count_with_the_replicate_group_ignored):
+        assert counted == {("torch", "broadcast"): 5, ("torch", "all_reduce"): 6}
