@@ -22,33 +22,37 @@ from dmuon._ownership.replica_updates import update_chunks
 SIZES = [[3, 2], [], [4]]
 
 
-def _values(rank: int, sizes: list[int], scale: float) -> list[torch.Tensor]:
+def _values(rank: int, sizes: list[int], scale: float, device: str = "cpu") -> list[torch.Tensor]:
     start = 100.0 * rank
     out = []
     for size in sizes:
-        out.append(scale * (torch.arange(size, dtype=torch.float32) + start))
+        out.append(scale * (torch.arange(size, dtype=torch.float32, device=device) + start))
         start += size
     return out
 
 
-def _exchange(rank: int, world: int) -> dict[str, Any]:
+def _exchange(rank: int, world: int, device: str = "cpu") -> dict[str, Any]:
     import torch.distributed as dist
 
     from dmuon._comm import CommAudit, Communicator
 
-    comm = Communicator(dist.group.WORLD, torch.device("cpu"), CommAudit(1))
+    comm = Communicator(dist.group.WORLD, torch.device(device), CommAudit(1))
     results: dict[str, Any] = {}
+
+    def filled(value: float, sizes: list[int]) -> list[torch.Tensor]:
+        return [torch.full((n,), value, device=device) for n in sizes]
+
     with count_collectives() as issued:
         # Several senders: rank r's pieces hold its values, the others' are overwritten.
         pieces = [
-            _values(r, sizes, 1.0) if r == rank else [torch.full((n,), -1.0) for n in sizes]
+            _values(r, sizes, 1.0, device) if r == rank else filled(-1.0, sizes)
             for r, sizes in enumerate(SIZES)
         ]
         comm.all_gather_pieces(pieces, ", test").wait()
         results["gathered"] = [[p.tolist() for p in part] for part in pieces]
         # One sender (rank 0, two pieces): a broadcast.
         lone = [
-            _values(0, SIZES[0], 1.0) if rank == 0 else [torch.zeros(n) for n in SIZES[0]],
+            _values(0, SIZES[0], 1.0, device) if rank == 0 else filled(0.0, SIZES[0]),
             [],
             [],
         ]
@@ -56,13 +60,13 @@ def _exchange(rank: int, world: int) -> dict[str, Any]:
         results["broadcast"] = [p.tolist() for p in lone[0]]
         # Sums: every rank contributes (rank + 1) x the destination's values.
         pending, mine = comm.reduce_scatter_pieces(
-            [_values(r, sizes, rank + 1.0) for r, sizes in enumerate(SIZES)], ", test"
+            [_values(r, sizes, rank + 1.0, device) for r, sizes in enumerate(SIZES)], ", test"
         )
         pending.wait()
         results["summed"] = None if mine is None else mine.tolist()
         # One receiver (rank 2): a reduce, in place.
         pending, mine = comm.reduce_scatter_pieces(
-            [[], [], _values(2, SIZES[2], rank + 1.0)], ", test"
+            [[], [], _values(2, SIZES[2], rank + 1.0, device)], ", test"
         )
         pending.wait()
         results["reduced"] = None if mine is None else mine.tolist()
@@ -72,7 +76,18 @@ def _exchange(rank: int, world: int) -> dict[str, Any]:
 
 
 def test_pieces_travel_in_one_call_each() -> None:
-    per_rank = spawn_ranks(3, _exchange)
+    _check_exchange(spawn_ranks(3, _exchange), "all_to_all_single")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="needs 3 CUDA GPUs with NCCL")
+def test_pieces_travel_in_one_call_each_over_nccl() -> None:
+    """NCCL's uneven all-gather and reduce-scatter (each one group of broadcasts or
+    reduces inside torch)."""
+    _check_exchange(spawn_ranks(3, _exchange, "cuda", device_type="cuda"), "all_gather")
+
+
+def _check_exchange(per_rank: list[dict[str, Any]], gathered_by: str) -> None:
     expected = [[p.tolist() for p in _values(r, sizes, 1.0)] for r, sizes in enumerate(SIZES)]
     sums = [torch.cat(_values(r, sizes, 6.0)).tolist() if sizes else None
             for r, sizes in enumerate(SIZES)]  # fmt: skip
@@ -81,8 +96,8 @@ def test_pieces_travel_in_one_call_each() -> None:
         assert result["broadcast"] == expected[0], rank
         assert result["summed"] == sums[rank], rank
         assert result["reduced"] == (sums[2] if rank == 2 else None), rank
-        # gloo has no uneven all-gather: one all-to-all stands for it.
-        assert result["issued"] == ["all_to_all_single", "broadcast", "reduce_scatter", "reduce"]
+        # gloo has no uneven all-gather: one all-to-all stands for it there.
+        assert result["issued"] == [gathered_by, "broadcast", "reduce_scatter", "reduce"]
         assert result["audit"] == {
             "all_gather": 1,
             "broadcast": 1,
