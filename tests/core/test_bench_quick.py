@@ -10,6 +10,7 @@ printed by the benchmark but never asserted.
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -20,18 +21,18 @@ from dist_harness import spawn_ranks
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _import_bench() -> ModuleType:
+def _import_benchmark(name: str) -> ModuleType:
+    """A module of ``benchmarks/`` (``bench``, ``traffic``), imported from its folder."""
     sys.path.insert(0, str(BENCH_DIR))
     try:
-        import bench
+        return importlib.import_module(name)
     finally:
         sys.path.remove(str(BENCH_DIR))
-    return bench
 
 
 @pytest.fixture(scope="module")
 def quick_result() -> dict:
-    bench = _import_bench()
+    bench = _import_benchmark("bench")
     # DMuon's own contenders only: the peers' traffic is checked by `make bench-quick`.
     return bench.run(bench.parse_args(["--quick", "--contenders", *bench.OWN]))
 
@@ -48,7 +49,7 @@ def quick_result() -> dict:
 def test_a_count_below_one_is_refused_naming_the_flag(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench = _import_bench()
+    bench = _import_benchmark("bench")
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(flags)
     assert exit_info.value.code == 2
@@ -125,7 +126,7 @@ def _count_with_the_replicate_group_ignored(rank: int, world: int) -> dict[str, 
     import torch
     import torch.distributed as dist
 
-    traffic = _import_traffic()
+    traffic = _import_benchmark("traffic")
     shard = dist.new_group([0, 1]), dist.new_group([2, 3])
     replicate = dist.new_group([0, 2]), dist.new_group([1, 3])
     mine = shard[rank // 2], replicate[rank % 2]
@@ -134,15 +135,6 @@ def _count_with_the_replicate_group_ignored(rank: int, world: int) -> dict[str, 
         dist.all_reduce(torch.ones(7), group=mine[1])
         dist.all_reduce(torch.ones(3))  # the whole world: counted
     return dict(counter.elements)
-
-
-def _import_traffic() -> ModuleType:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        import traffic
-    finally:
-        sys.path.remove(str(BENCH_DIR))
-    return traffic
 
 
 def test_the_replicate_groups_collectives_are_left_out_under_hsdp() -> None:

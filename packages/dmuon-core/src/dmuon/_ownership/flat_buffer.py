@@ -512,11 +512,11 @@ class FlatBuffer:
                 gradients.add_reduced(entry.record.param, piece, holders[index])
         landed = self._landed[0][0] if self._landed else None
         self._landed = []
-        flat, self._reduce_flat = self._reduce_flat, None
-        if flat is not None and not (
-            landed is not None and landed.dtype == torch.float32 and _same_storage(landed, flat)
-        ):
-            release_reduce_input(flat)  # the averages were copied out of it
+        # Widened averages were copied out of the reduce input; float32 ones may be views
+        # of it, which then hold its memory themselves.
+        kept = landed if landed is not None and landed.dtype == torch.float32 else None
+        self._release_reduce_flat(kept)
+        self._reduce_flat = None
         self.reduce_state = ReduceState.IDLE
 
 

@@ -81,10 +81,10 @@ def newton_schulz_flops(shape: Sequence[int], steps: int, gram: bool = False) ->
     ``4 m³`` for each later one) and applies the result to ``X`` once (``m² n``):
     ``2 m² n + (4 steps - 3) m³`` multiply-adds per matrix.
     """
-    count = int(shape[0]) if len(shape) == 3 else 1
-    m, n = sorted((int(shape[-2]), int(shape[-1])))
     if not gram:
         return 2 * steps * newton_schulz_cost(shape)
+    count = int(shape[0]) if len(shape) == 3 else 1
+    m, n = sorted((int(shape[-2]), int(shape[-1])))
     return 2 * count * (2 * m * m * n + (4 * steps - 3) * m**3)
 
 

@@ -473,10 +473,9 @@ def plan_cluster(
         local_p_m = sum(span_elements)
         shard_tallies: dict[str, Tally] = {}
         if shard > 1:
+            elements = iter(span_elements)  # all_spans is spans' lists back to back
             shard_tallies = _boundary_calls(
-                [[(s.owner, sum(local(n, t) for n in s.names)) for s in b] for b in spans.values()],
-                rounds,
-                synced,
+                [[(s.owner, next(elements)) for s in b] for b in spans.values()], rounds, synced
             )
         boundary_elements = [
             sum(local(n, t) for span in spans[b] for n in span.names) for b in spans
