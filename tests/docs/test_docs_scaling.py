@@ -88,3 +88,15 @@ def test_the_reduce_window_on_the_z2_z3_page_is_the_runtimes() -> None:
         assert f"`REDUCES_IN_FLIGHT = {REDUCES_IN_FLIGHT}`" in text
     assert f"at most {en_word} hook boundaries' worth" in en
     assert f"至多保留{zh_word}个钩子边界" in zh
+
+
+@pytest.mark.parametrize("page", ["communication.md", "hsdp.md", "scaling.md"])
+@pytest.mark.parametrize("root", [DOCS, ZH], ids=["en", "zh"])
+def test_the_chunk_of_updated_values_is_the_codes(root: Path, page: str) -> None:
+    """The pages' chunk of updated values between replicas is `CHUNK_ELEMENTS` float32
+    values, and no other size is stated for it."""
+    from dmuon._ownership.replica_updates import CHUNK_ELEMENTS
+
+    text = (root / page).read_text()
+    assert f"{CHUNK_ELEMENTS * 4 // 2**20} MiB" in text
+    assert "1 GiB of float32" not in text and "1 GiB 的 float32" not in text
