@@ -210,8 +210,11 @@ def test_submit_through_form_and_watch_it_run(page: Page, service: Service) -> N
     expect(page.locator("#token-dialog")).to_be_visible()
     page.keyboard.type(TOKEN)
     page.keyboard.press("Enter")
+    expect(page.locator("#token-dialog")).to_be_hidden()
+    # The dialog's "close" event, which keeps the token, is a task of its own after the
+    # dialog hides: wait for it rather than read the storage at once.
+    page.wait_for_function("t => sessionStorage.getItem('dmuon.token') === t", arg=TOKEN)
     expect(page.locator("#jobs-table")).to_be_visible()
-    assert page.evaluate("sessionStorage.getItem('dmuon.token')") == TOKEN
 
     page.click("a[data-nav=submit]")
     expect(page.locator("#field-train-steps")).to_be_visible()

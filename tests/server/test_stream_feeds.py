@@ -54,10 +54,16 @@ def _ingest(store: Store, hub: Hub, steps: range) -> None:
     hub.notify("j")
 
 
-async def _follow(streams: EventStreams, store: Store, after: int = -1, **kw: Any) -> list[str]:
+async def _follow(
+    streams: EventStreams,
+    store: Store,
+    after: int = -1,
+    seen: list[str] | None = None,
+    **kw: Any,
+) -> list[str]:
     """The stream's events as ``metric:<step>``, ``state:<state>``, ``end:<payload>``,
-    ``heartbeat``."""
-    seen: list[str] = []
+    ``heartbeat``, appended to ``seen`` (a new list by default) as they arrive."""
+    seen = [] if seen is None else seen
     async for text in job_events(streams, store, "j", after):
         if text.startswith(": heartbeat"):
             seen.append("heartbeat")
@@ -143,12 +149,17 @@ def test_a_stream_behind_the_log_reads_the_rest_from_the_database(
     async def run() -> tuple[list[str], list[str]]:
         streams = EventStreams(store, hub)
         gate = asyncio.Event()
+        quick_seen: list[str] = []
         slow = asyncio.create_task(_follow(streams, store, slow=gate))
-        quick = asyncio.create_task(_follow(streams, store))
+        quick = asyncio.create_task(_follow(streams, store, seen=quick_seen))
         await asyncio.sleep(0.05)
         for start in range(0, 200, 5):  # 40 changes of 5 points: far more than 8 entries
             _ingest(store, hub, range(start, start + 5))
-            await asyncio.sleep(0.005)
+            # The quick stream keeps up however slow the machine: the next change comes
+            # only once it has this one (the publisher reads in a worker thread).
+            async with asyncio.timeout(10):
+                while len(_metric_steps(quick_seen)) < start + 5:
+                    await asyncio.sleep(0.001)
         gate.set()
         store.transition("j", "failed", "exit 1", exit_code=1)
         hub.notify("j")
