@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dmuon._comm import CommAudit
+from dmuon._comm_audit import CommAudit
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.planner import ParamPredicate, default_predicate
 from dmuon.optim._muon import Muon, adjust_lr_ratio

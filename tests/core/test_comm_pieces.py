@@ -34,7 +34,8 @@ def _values(rank: int, sizes: list[int], scale: float, device: str = "cpu") -> l
 def _exchange(rank: int, world: int, device: str = "cpu") -> dict[str, Any]:
     import torch.distributed as dist
 
-    from dmuon._comm import CommAudit, Communicator
+    from dmuon._comm import Communicator
+    from dmuon._comm_audit import CommAudit
 
     comm = Communicator(dist.group.WORLD, torch.device(device), CommAudit(1))
     results: dict[str, Any] = {}

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from dist_harness import spawn_ranks
 from torch import nn
 
-from dmuon._comm import CommAudit, Communicator
+from dmuon._comm import Communicator
+from dmuon._comm_audit import CommAudit
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.runtime import DedicationRuntime
 from dmuon._ownership.state import STATE_ATTR, DedicationState, get_dedication

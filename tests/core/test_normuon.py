@@ -28,7 +28,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import dmuon
-from dmuon._comm import CommAudit, Communicator
+from dmuon._comm import Communicator
+from dmuon._comm_audit import CommAudit
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.runtime import DedicationRuntime
 from dmuon._ownership.state import STATE_ATTR, DedicationState, get_dedication

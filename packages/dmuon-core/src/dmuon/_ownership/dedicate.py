@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from dmuon._comm import CommAudit, Communicator
+from dmuon._comm import Communicator
+from dmuon._comm_audit import CommAudit
 from dmuon._ownership.ddp_integration import keep_out_of_ddp
 from dmuon._ownership.experts import fused_gate_up_parts
 from dmuon._ownership.flat_buffer import FlatBuffer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from dmuon._comm import CommAudit
+from dmuon._comm_audit import CommAudit
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.planner import OwnerPlan
 from dmuon._ownership.state import require_dedication as _require_state

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from dmuon._comm import REPLICATE, Communicator, Pending
+from dmuon._comm import Communicator, Pending
+from dmuon._comm_audit import REPLICATE
 from dmuon._ownership.param import DedicatedParam
 
 #: Chunks of updated values in flight at once (each with its staging buffer).

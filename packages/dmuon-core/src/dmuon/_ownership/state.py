@@ -17,7 +17,7 @@ from dmuon._ownership.param import DedicatedParam
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from dmuon._comm import CommAudit
+    from dmuon._comm_audit import CommAudit
     from dmuon._ownership.planner import OwnerPlan
     from dmuon._ownership.runtime import DedicationRuntime
 

@@ -23,7 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon._comm import TENSOR, Communicator
+from dmuon._comm import Communicator
+from dmuon._comm_audit import TENSOR
 from dmuon._ownership.param import DedicatedParam
 from dmuon.optim._orthogonalize import (
     CoefficientTriple,
