@@ -7,11 +7,13 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from docs_md import REPO
+from filelock import FileLock
 
 
 @dataclass(frozen=True)
@@ -59,18 +61,66 @@ def docs_env() -> dict[str, str]:
     return env
 
 
+#: How long a test waits for the site's build before failing.
+BUILD_TIMEOUT_S = 300
+
+
+def _build_root(config: pytest.Config) -> Path:
+    """The folder all processes of this run share: pytest's base temporary folder (under
+    pytest-xdist, the parent of each worker's). ``_tmp_path_factory`` is the object behind
+    the ``tmp_path_factory`` fixture, which hooks cannot request."""
+    base = config._tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the one build of the site the run's tests share, in the background, as soon
+    as a collected test needs it: the workers run other tests meanwhile."""
+    if session.config.option.collectonly:
+        return
+    if any({"site", "build"} & set(getattr(item, "fixturenames", ())) for item in session.items):
+        _start_build(_build_root(session.config))
+
+
+def _start_build(root: Path) -> None:
+    """Start ``mkdocs build --strict`` into ``root/site`` unless another process of this
+    run has; its output goes to ``root/site-build.log``, its exit status to
+    ``root/site-build.rc`` when it ends (written whole: renamed into place)."""
+    with FileLock(root / "site-build.lock"):
+        log, status = root / "site-build.log", root / "site-build.rc"
+        if log.exists():
+            return
+        command = [sys.executable, "-m", "mkdocs", "build", "--strict"]
+        command += ["--site-dir", str(root / "site")]
+        # Detached (the shell returns at once; init reaps the build): no test process is
+        # left with a child of its own, which the job service's tests would see.
+        detached = '("$@"; echo $? > "$0.tmp"; mv "$0.tmp" "$0") < /dev/null &'
+        with log.open("w") as out:
+            subprocess.run(
+                ["sh", "-c", detached, str(status), *command],
+                cwd=REPO,
+                env=docs_env(),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                check=True,
+            )
+
+
 @pytest.fixture(scope="session")
-def build(tmp_path_factory: pytest.TempPathFactory) -> Build:
-    site = tmp_path_factory.mktemp("site")
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=REPO,
-        env=docs_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return Build(site=site, returncode=proc.returncode, log=proc.stdout + proc.stderr)
+def build(request: pytest.FixtureRequest) -> Build:
+    """The run's build of the site, once it has ended (started at collection)."""
+    root = _build_root(request.config)
+    _start_build(root)  # a no-op unless collection did not start it
+    status = root / "site-build.rc"
+    deadline = time.monotonic() + BUILD_TIMEOUT_S
+    while not status.exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"mkdocs build did not end within {BUILD_TIMEOUT_S} s")
+        time.sleep(0.2)
+    returncode = int(status.read_text())
+    log = (root / "site-build.log").read_text()
+    return Build(site=root / "site", returncode=returncode, log=log)
 
 
 @pytest.fixture(scope="session")
