@@ -29,6 +29,7 @@ from dmuon.train import TrainConfig, run
 from dmuon.train import checkpointing as ckpt
 from dmuon.train.__main__ import main
 from dmuon.train.data import load_corpus
+from dmuon.train.loop import StepFailed, Trainer
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +210,52 @@ def _worker_of_rank(launcher: psutil.Process, rank: int) -> psutil.Process:
                 continue
         time.sleep(0.2)
     raise AssertionError(f"no worker of rank {rank} under torchrun")
+
+
+#: Each phase after an optimizer step that runs collectives: the settings that run it at
+#: step 2 (the export: after the last step), the name the error gives it, and the steps
+#: the metrics file holds (a step's line is written after its evaluation, before the rest).
+PHASES = {
+    "evaluate": ({"eval_every": 2}, "the evaluation of step 2", [1]),
+    "sample": ({"sample_every": 2}, "the sample of step 2", [1, 2]),
+    "save_checkpoint": ({"checkpoint_every": 2}, "the checkpoint of step 2", [1, 2]),
+    "export_hf": ({}, "the export after step 4", [1, 2, 3, 4]),
+}
+
+
+@pytest.mark.parametrize("phase", sorted(PHASES))
+def test_a_failure_after_the_step_names_its_phase_step_and_rank(
+    base: TrainConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, phase: str
+) -> None:
+    """A collective that fails in an evaluation, a sample, a checkpoint or the export (a
+    rank that stalled there, say) ends the run as one in the optimizer step does: a
+    `StepFailed` naming the phase, its step and the rank, the backend's error after it."""
+    settings, name, written = PHASES[phase]
+    original = getattr(Trainer, phase)
+    calls: list[int] = []
+
+    def failing_at_step_2(self: Trainer, *args: Any) -> Any:
+        calls.append(1)
+        if phase == "evaluate" and len(calls) == 1:  # the evaluation of step 0 passes
+            return original(self, *args)
+        raise RuntimeError("Application timeout caused pair closure")
+
+    monkeypatch.setattr(Trainer, phase, failing_at_step_2)
+    metrics = tmp_path / "m.jsonl"
+    cfg = replace(
+        base,
+        metrics_file=str(metrics),
+        checkpoint_dir=str(tmp_path / "ckpt"),
+        export_hf=str(tmp_path / "hf"),
+        **settings,
+    )
+    with pytest.raises(StepFailed) as error:
+        run(cfg)
+    assert str(error.value) == (
+        f"{name} failed on rank 0 of 1: RuntimeError: Application timeout caused pair closure"
+    )
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("grad_norm") is not None] == written
 
 
 def test_a_stalled_rank_fails_the_run_within_the_collective_timeout(

@@ -347,10 +347,10 @@ class Trainer(TrainingSteps):
         try:
             with self.stop:
                 if cfg.eval_every > 0 and self.start_step == 0:
-                    start_val = end_val = self.evaluate()
+                    start_val = end_val = self._guarded("the evaluation of step 0", self.evaluate)
                     writer.write({"step": 0, "time": elapsed(), "val_loss": start_val})
                 for step in range(self.start_step + 1, cfg.steps + 1):
-                    stats = self._guarded_step(step)
+                    stats = self._guarded(f"step {step}", self.train_step, step)
                     train_seconds += stats["seconds"]
                     loss = stats["loss"]
                     last_step = step
@@ -373,12 +373,12 @@ class Trainer(TrainingSteps):
                         achieved = self.flops_per_token * tokens_per_s
                         record["mfu"] = achieved / (self.peak_flops * self.world_size)
                     if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-                        end_val = self.evaluate()
+                        end_val = self._guarded(f"the evaluation of step {step}", self.evaluate)
                         record["val_loss"] = end_val
                     record["time"] = elapsed()
                     writer.write(record)
                     if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or step == cfg.steps):
-                        text = self.sample()
+                        text = self._guarded(f"the sample of step {step}", self.sample)
                         writer.write(
                             {
                                 contract.EVENT_KEY: contract.SAMPLE_EVENT,
@@ -393,7 +393,12 @@ class Trainer(TrainingSteps):
                         periodic or stopping or step == cfg.steps
                     ):
                         try:
-                            checkpoint = self.save_checkpoint(step, elapsed())
+                            checkpoint = self._guarded(
+                                f"the checkpoint of step {step}",
+                                self.save_checkpoint,
+                                step,
+                                elapsed(),
+                            )
                         except checkpointing.CheckpointWriteError as error:
                             writer.write(
                                 {
@@ -421,7 +426,9 @@ class Trainer(TrainingSteps):
                         stopped = True
                         break
                 if cfg.export_hf is not None and not stopped and last_step == cfg.steps:
-                    exported = self.export_hf(cfg.export_hf)
+                    exported = self._guarded(
+                        f"the export after step {last_step}", self.export_hf, cfg.export_hf
+                    )
                     writer.artifact(exported, "model")
                     progress.message(f"exported a Hugging Face model directory to {exported}")
         finally:

@@ -45,7 +45,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 class StepFailed(RuntimeError):
-    """An optimizer step failed on this rank; the message names the step and the rank."""
+    """A step of training failed on this rank: the optimizer step, or the evaluation,
+    sample, checkpoint or export that follows it (a collective that timed out, say). The
+    message names which, the step and the rank."""
 
 
 class TrainingDiverged(RuntimeError):

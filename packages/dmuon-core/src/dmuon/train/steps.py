@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ from dmuon.train.samples import greedy_continuation, prompt_ids
 from dmuon.train.setup import StepFailed, TrainingDiverged, peak_memory_bytes
 
 __all__ = ["TrainingSteps"]
+
+T = TypeVar("T")
 
 
 class TrainingSteps:
@@ -49,15 +52,16 @@ class TrainingSteps:
     _lr_factor: Any
     _autocast: bool
 
-    def _guarded_step(self, step: int) -> dict[str, Any]:
-        """`train_step`, with a failure (a collective that timed out because another process
-        died or stalled, say) raised as `StepFailed` naming the step, the rank and the timeout."""
+    def _guarded(self, what: str, phase: Callable[..., T], *args: Any) -> T:
+        """``phase(*args)``, with a failure (a collective that timed out because another
+        process died or stalled, say) raised as `StepFailed` naming ``what`` ("step 3",
+        "the checkpoint of step 4", ...), the rank and the timeout."""
         try:
-            return self.train_step(step)
+            return phase(*args)
         except (TrainingDiverged, StepFailed):
             raise
         except RuntimeError as error:
-            where = f"step {step} failed on rank {self.rank} of {self.world_size}"
+            where = f"{what} failed on rank {self.rank} of {self.world_size}"
             hint = ""
             if self.distributed:
                 hint = (
