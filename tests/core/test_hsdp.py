@@ -222,7 +222,7 @@ def _reduce_inputs_alive_in_backward(world: int) -> dict[str, Any]:
 
     def count(grad: torch.Tensor) -> torch.Tensor:
         boundaries = get_dedication(model).runtime.boundaries
-        alive.append(sum(any(b._reduce_flat is not None for b in x.buffers) for x in boundaries))
+        alive.append(sum(x.buffer._reduce_flat is not None for x in boundaries))
         return grad
 
     def watch(_module: Any, args: tuple[Any, ...]) -> None:

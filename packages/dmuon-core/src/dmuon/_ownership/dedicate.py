@@ -428,7 +428,7 @@ def dedicate_params(
             Boundary(
                 name,
                 model.get_submodule(name),
-                [_flat_buffer(by_boundary[name], buffer_dtype, device, comm, *wire)],
+                _flat_buffer(by_boundary[name], buffer_dtype, device, comm, *wire),
             )
         )
     runtime = DedicationRuntime(

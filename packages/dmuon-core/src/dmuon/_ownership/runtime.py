@@ -21,9 +21,8 @@ Per hook boundary (usually one transformer layer):
   owner that steps it (its ``update_replica``); after the step the owners all-gather the
   new values over the replicate group (`dmuon._ownership.replica_updates`).
 
-Each boundary drives its `FlatBuffer` (a list of one: every owner's matrices, then the
-expert stacks split across owners), which sends and reduces in one collective call per
-direction.
+Each boundary drives one `FlatBuffer` (every owner's matrices, then the expert stacks
+split across owners), which sends and reduces in one collective call per direction.
 
 A boundary's gradients are reduced once per backward, however many forwards of it the
 backward covers (two forwards of one loss, a reused layer): when the inputs of its last
@@ -181,12 +180,12 @@ class BoundaryState(Enum):
 
 
 class Boundary:
-    """One hook boundary: its module, its flat buffers and its backward bookkeeping."""
+    """One hook boundary: its module, its flat buffer and its backward bookkeeping."""
 
-    def __init__(self, name: str, module: nn.Module, buffers: list[FlatBuffer]) -> None:
+    def __init__(self, name: str, module: nn.Module, buffer: FlatBuffer) -> None:
         self.name = name
         self.module = module
-        self.buffers = buffers
+        self.buffer = buffer
         self.state = BoundaryState.IDLE
         # Forward passes of this backward whose gradients are not reduced yet; forwards
         # whose inputs carry no gradient are reduced at the end of backward instead.
@@ -201,8 +200,7 @@ class Boundary:
 
     def grad_leaves(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(fqn, full-tensor view) pairs whose gradients this boundary reduces."""
-        for buffer in self.buffers:
-            yield from buffer.grad_leaves()
+        yield from self.buffer.grad_leaves()
 
     def sync_requires_grad(self, on_grad: Any) -> bool:
         """Leaves follow their holders' ``requires_grad``; return whether any needs grads.
@@ -210,9 +208,7 @@ class Boundary:
         ``on_grad(fqn)`` becomes a post-accumulate-grad hook of each leaf the first time it
         needs gradients.
         """
-        needs = False
-        for buffer in self.buffers:
-            needs |= buffer.sync_requires_grad()
+        needs = self.buffer.sync_requires_grad()
         for fqn, leaf in self.grad_leaves():
             if leaf.requires_grad and id(leaf) not in self._hooked:
                 self._hooked.add(id(leaf))
@@ -221,15 +217,13 @@ class Boundary:
 
     def register_views(self) -> None:
         """Put the full-matrix views on their modules (forward and recomputation use them)."""
-        for buffer in self.buffers:
-            for module, attr, leaf in buffer.registered_views():
-                module._parameters[attr] = leaf
+        for module, attr, leaf in self.buffer.registered_views():
+            module._parameters[attr] = leaf
 
     def register_params(self) -> None:
         """Put the registered parameters (master / placeholder) back on their modules."""
-        for buffer in self.buffers:
-            for module, attr, param in buffer.placeholders():
-                module._parameters[attr] = param
+        for module, attr, param in self.buffer.placeholders():
+            module._parameters[attr] = param
 
     def covered_by_fsdp(self, root: nn.Module) -> bool:
         """Whether ``fully_shard`` wraps this boundary's module or one of its ancestors."""
@@ -346,13 +340,10 @@ class DedicationRuntime:
     # ----- forward -------------------------------------------------------------------------
     def _unshard(self, index: int, prefetch: int | None) -> None:
         boundary = self.boundaries[index]
-        for buffer in boundary.buffers:
-            buffer.unshard_async()
+        boundary.buffer.unshard_async()
         if prefetch is not None and 0 <= prefetch < len(self.boundaries):
-            for buffer in self.boundaries[prefetch].buffers:
-                buffer.unshard_async()
-        for buffer in boundary.buffers:
-            buffer.wait_unshard()
+            self.boundaries[prefetch].buffer.unshard_async()
+        boundary.buffer.wait_unshard()
 
     def _adopt_fsdp_policies(self) -> None:
         """Before the first forward: each boundary computes and reduces its dedicated
@@ -381,8 +372,8 @@ class DedicationRuntime:
                 )
             compute = self.param_dtype or policy.param_dtype
             reduce = self.reduce_dtype or policy.reduce_dtype or policy.param_dtype
-            for buffer in boundary.buffers:
-                buffer.retype(compute or buffer.dtype, reduce or torch.float32)
+            buffer = boundary.buffer
+            buffer.retype(compute or buffer.dtype, reduce or torch.float32)
 
     def _check_param_dtype(self) -> None:
         # Without FSDP2's mixed precision, the boundary's other parameters stay float32 and
@@ -406,7 +397,7 @@ class DedicationRuntime:
         # edited in place since then would silently not reach the other ranks. The first
         # boundary checks every owned matrix, so a stale one stops the forward before any
         # collective; the others check their own (edits between boundaries).
-        buffers = self.buffers() if index == 0 else iter(self.boundaries[index].buffers)
+        buffers = self.buffers() if index == 0 else [self.boundaries[index].buffer]
         stale = [name for buffer in buffers for name in buffer.changed_since_broadcast()]
         if stale:
             raise RuntimeError(
@@ -486,8 +477,7 @@ class DedicationRuntime:
             self._resident_until_backward_ends.append(boundary)
             return
         if self.reshard_after_forward:
-            for buffer in boundary.buffers:
-                buffer.free()
+            boundary.buffer.free()
 
     def _gradients_pass_through(self, output: Any) -> bool:
         """Whether backward will run through ``output``; if so, the end of that backward
@@ -503,8 +493,7 @@ class DedicationRuntime:
         """Free the buffers frozen boundaries kept for a backward (that backward ended, or
         never came before the next forward)."""
         for boundary in self._resident_until_backward_ends:
-            for buffer in boundary.buffers:
-                buffer.free()
+            boundary.buffer.free()
         self._resident_until_backward_ends.clear()
 
     # ----- backward ------------------------------------------------------------------------
@@ -544,13 +533,12 @@ class DedicationRuntime:
         boundary.pending_by_inputs = boundary.pending_at_end = 0
         boundary.state = BoundaryState.IDLE
         boundary.register_params()
-        for buffer in boundary.buffers:
-            if self.sync_grads:
-                buffer.reduce_async()
-            else:
-                buffer.accumulate_locally()
-            if self.reshard_after_forward:
-                buffer.free()
+        if self.sync_grads:
+            boundary.buffer.reduce_async()
+        else:
+            boundary.buffer.accumulate_locally()
+        if self.reshard_after_forward:
+            boundary.buffer.free()
         if self.sync_grads:
             self._reducing.append(boundary)
             self._bound_reduces_in_flight()
@@ -560,12 +548,10 @@ class DedicationRuntime:
         them, so their float32 reduce inputs are released during backward."""
         while len(self._reducing) > REDUCES_IN_FLIGHT + 1:
             oldest = self._reducing.popleft()
-            for buffer in oldest.buffers:
-                buffer.finish_reduce()
+            oldest.buffer.finish_reduce()
             self._averaging.append(oldest)
         while len(self._averaging) > 1:
-            for buffer in self._averaging.popleft().buffers:
-                buffer.finish_replica_reduce()
+            self._averaging.popleft().buffer.finish_replica_reduce()
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -575,9 +561,9 @@ class DedicationRuntime:
                 self._post_backward(boundary)
         # What this backward still has in flight, oldest first: every reduce-scatter between
         # replicas is issued before any is waited on.
-        for buffer in (b for boundary in self._averaging for b in boundary.buffers):
-            buffer.finish_replica_reduce()
-        reducing = [b for boundary in self._reducing for b in boundary.buffers]
+        for boundary in self._averaging:
+            boundary.buffer.finish_replica_reduce()
+        reducing = [boundary.buffer for boundary in self._reducing]
         for buffer in reducing:
             buffer.finish_reduce()
         for buffer in reducing:
@@ -645,4 +631,4 @@ class DedicationRuntime:
     def buffers(self) -> Iterator[FlatBuffer]:
         """Every flat buffer, boundary by boundary."""
         for boundary in self.boundaries:
-            yield from boundary.buffers
+            yield boundary.buffer
