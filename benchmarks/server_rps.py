@@ -27,13 +27,16 @@ from cli_types import positive_int
 def start_server(
     data_dir: Path, flags: list[str] | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start ``dmuon-server --port 0`` (with ``flags``) and return it with its URL once
-    /healthz answers."""
+    """Start ``dmuon-server --port 0`` (with ``flags``; ``--no-auth`` unless they give a
+    token or users) and return it with its URL once /healthz answers."""
+    flags = list(flags or [])
+    if not {"--token", "--token-file", "--users-file"} & set(flags):
+        flags.append("--no-auth")
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "dmuon_server.cli", "--port", "0"),
             *("--data-dir", str(data_dir), "--allow-same-user-jobs", "--sandbox", "none"),
-            *(flags or []),
+            *flags,
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

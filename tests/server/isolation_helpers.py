@@ -153,9 +153,10 @@ class World:
         return f"token-of-{user}"
 
 
-def make_world(users: dict[str, str | None]) -> World:
-    """A world for service users ``users`` (name -> unix_user or None): the accounts, a
-    0755 scratch folder in /tmp, a code root holding the scripts and a 0600 users file."""
+def make_world(users: dict[str, str | None], host_network: frozenset[str] = frozenset()) -> World:
+    """A world for service users ``users`` (name -> unix_user or None; those named in
+    ``host_network`` may use the host's network): the accounts, a 0755 scratch folder in
+    /tmp, a code root holding the scripts and a 0600 users file."""
     uids = {name: ensure_account(name) for name in (ALICE, BOB, JOBS)}
     root = Path(tempfile.mkdtemp(prefix="dmuon-isolation-", dir="/tmp"))
     root.chmod(0o755)
@@ -170,6 +171,8 @@ def make_world(users: dict[str, str | None]) -> World:
         entry: dict[str, object] = {"name": name, "token_sha256": token_hash(f"token-of-{name}")}
         if unix_user is not None:
             entry["unix_user"] = unix_user
+        if name in host_network:
+            entry["host_network"] = True
         doc["users"].append(entry)
     users_file = root / "users.json"
     users_file.write_text(json.dumps(doc))

@@ -275,16 +275,27 @@ class LiveServer:
         *extra: str,
         env: dict[str, str] | None = None,
         own_identity: bool = False,
+        default_auth: bool = False,
+        cwd: Path | None = None,
     ) -> None:
         """Remember how to start it; :meth:`start` does. Jobs run as the server's account
         without a sandbox (:data:`SAME_USER_JOBS`) unless ``own_identity``: then ``extra``
-        says how."""
+        says how. Without an auth flag in ``extra`` the server runs ``--no-auth`` unless
+        ``default_auth`` (it then makes a token of its own). ``cwd``: the folder it is
+        started from (the test's own by default)."""
+        self.cwd = cwd
         self.data_dir = data_dir
         self.own_identity = own_identity
         # Tests say which GPUs the server has: none unless they declare some (on a GPU host
         # `--gpus auto` would make jobs wait for devices the test does not know about).
         self.extra = list(extra) if "--gpus" in extra else [*extra, "--gpus", "none"]
         self.env = {**os.environ, **(env or {})}
+        # A server with no auth flag makes a token of its own: tests that are not about
+        # authentication run the explicit single-person mode instead.
+        auth_flags = ("--token", "--token-file", "--users-file", "--no-auth", "--token-fd")
+        given = any(a.split("=")[0] in auth_flags for a in extra)
+        if not (given or default_auth or self.env.get("DMUON_SERVER_TOKEN")):
+            self.extra.append("--no-auth")
         self.proc: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.log_path = data_dir.parent / f"server-{data_dir.name}.log"
@@ -310,6 +321,7 @@ class LiveServer:
                 env=self.env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                cwd=self.cwd,
             )
 
         def ready() -> bool:

@@ -239,6 +239,38 @@ def test_a_server_that_cannot_give_jobs_an_account_says_so(world: World) -> None
     assert "only when the server runs as root" in err
 
 
+#: Run as another local account against a default server: what it could do without the
+#: token, and whether it could read the token.
+OTHER_ACCOUNT_SCRIPT = r"""
+import json, sys, httpx
+url, token_file = sys.argv[1], sys.argv[2]
+out = {}
+with httpx.Client(base_url=url, timeout=30) as c:
+    out["list"] = c.get("/v1/jobs").status_code
+    out["submit"] = c.post("/v1/jobs", json={"train": {"model": "tiny"}}).status_code
+    out["cancel"] = c.post("/v1/jobs/0123456789abcdef0123456789abcdef/cancel").status_code
+try:
+    open(token_file).read()
+    out["read the token"] = "succeeded"
+except OSError as e:
+    out["read the token"] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def _another_account_is_refused(url: str, token_file: Path) -> None:
+    """alice, another local account, against bob's default server: 401 everywhere, and the
+    token file is out of her reach."""
+    out = subprocess.run(
+        ["setpriv", f"--reuid={ALICE}", f"--regid={ALICE}", "--clear-groups",
+         sys.executable, "-c", OTHER_ACCOUNT_SCRIPT, url, str(token_file)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got == {"list": 401, "submit": 401, "cancel": 401, "read the token": "PermissionError"}
+
+
 def test_a_server_running_as_its_users_account_refuses_script_jobs_unless_allowed(
     world: World,
 ) -> None:
@@ -265,7 +297,14 @@ def test_a_server_running_as_its_users_account_refuses_script_jobs_unless_allowe
                 60,
                 "the server to listen",
             )
-            with httpx.Client(base_url=info["url"], timeout=30) as c:
+            # No auth flag: the server made a token of its own, bob's alone (mode 600).
+            token_file = data / "token"
+            assert token_file.stat().st_uid == world.uids[BOB]
+            assert token_file.stat().st_mode & 0o777 == 0o600
+            if not allowed:
+                _another_account_is_refused(info["url"], token_file)
+            auth = {"Authorization": f"Bearer {token_file.read_text().strip()}"}
+            with httpx.Client(base_url=info["url"], timeout=30, headers=auth) as c:
                 r = c.post("/v1/jobs:validate", json=script_job("normal.py", name="s"))
                 if allowed:
                     assert r.status_code == 200, r.text

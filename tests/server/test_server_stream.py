@@ -161,10 +161,43 @@ def test_cli_refuses_public_address_without_token(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "DMUON_SERVER_TOKEN"}
     r = subprocess.run(
         [sys.executable, "-m", "dmuon_server.cli", "--host", "0.0.0.0", "--port", "0",
-         "--data-dir", str(tmp_path / "d")],
+         "--data-dir", str(tmp_path / "d"), "--no-auth"],
         capture_output=True, text=True, timeout=60, env=env,
     )  # fmt: skip
-    assert r.returncode == 2 and "without a token" in r.stderr
+    assert r.returncode == 2 and "without a token (--no-auth)" in r.stderr
+    r = _cli("--data-dir", str(tmp_path / "d"), "--no-auth", "--token", "t-1", env=env)
+    assert r.returncode == 2 and "--no-auth contradicts" in r.stderr
+
+
+def test_a_server_without_auth_flags_makes_a_token_and_requires_it(tmp_path: Path) -> None:
+    """The default: a token made once, kept mode 600 in the data directory, printed with
+    the dashboard's address, required on every address, and the same after a restart."""
+    data_dir = tmp_path / "d"
+    server = LiveServer(data_dir, default_auth=True)
+    tokens = []
+    for _ in range(2):
+        server.start()
+        try:
+            token_file = data_dir / "token"
+            assert token_file.stat().st_mode & 0o777 == 0o600
+            token = token_file.read_text().strip()
+            tokens.append(token)
+            assert len(token) >= 40
+            printed = server.log_path.read_text()
+            assert f"{server.url}/#token={token}" in printed
+            assert httpx.get(server.url + "/healthz").status_code == 200
+            for path in ("/v1/jobs", "/v1/me", "/v1/jobs/0123/events"):
+                assert httpx.get(server.url + path).status_code == 401, path
+            wrong = httpx.get(server.url + "/v1/jobs", headers={"Authorization": "Bearer x"})
+            assert wrong.status_code == 401
+            ok = httpx.get(server.url + "/v1/jobs", headers={"Authorization": f"Bearer {token}"})
+            assert ok.status_code == 200
+        finally:
+            server.stop()
+    assert tokens[0] == tokens[1]
+    (data_dir / "token").chmod(0o644)  # a token others could read is not used
+    r = _cli("--data-dir", str(data_dir))
+    assert r.returncode == 2 and "may be read by other accounts" in r.stderr
 
 
 def test_live_server_with_token(server_factory, tmp_path: Path) -> None:

@@ -287,6 +287,55 @@ def test_limits_and_turns_make_the_queue_fair(tmp_path: Path, data_dir: Path) ->
         kill_job_processes(data_dir)
 
 
+def test_resume_counts_against_the_queue_limit_like_a_submission(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """With ``queued_jobs: 2`` a resume that would make a third job wait is refused with 429,
+    whoever asks (the job's user or an admin); once a queued job left, it is accepted."""
+    users = tmp_path / "users.json"
+    users.write_text(
+        json.dumps(
+            {
+                "users": [
+                    {"name": "ada", "token_sha256": _hash("t-ada")},
+                    {"name": "root", "token_sha256": _hash("t-root"), "admin": True},
+                ],
+                "default_limits": {"queued_jobs": 2, "running_jobs": 1, "max_priority": 0},
+            }
+        )
+    )
+    os.chmod(users, 0o600)
+    env = fake_recipe_env(FAKE_STEP_SECONDS="0.05")
+    flags = ("--users-file", str(users), "--max-nproc", "2", "--max-concurrent-jobs", "2")
+    server = LiveServer(data_dir, *flags, env=env).start()
+    long = {"steps": 100_000}
+    try:
+        with _as(server, "ada") as ada, _as(server, "root") as root:
+            short = [ada.post("/v1/jobs", json=job_spec(1, f"s{i}", steps=2)) for i in range(2)]
+            done = [r.json()["id"] for r in short]
+            for job_id in done:
+                assert _state(ada, job_id, TERMINAL)["state"] == "succeeded"
+            running = ada.post("/v1/jobs", json=job_spec(1, "run", **long)).json()["id"]
+            _state(ada, running, {"running"})
+            queued = [ada.post("/v1/jobs", json=job_spec(1, f"q{i}", **long)) for i in range(2)]
+            assert [r.status_code for r in queued] == [201, 201]
+            for client in (ada, root):
+                r = client.post(f"/v1/jobs/{done[0]}/resume", json={"steps": 4})
+                assert r.status_code == 429, r.text
+                assert "2 jobs queued" in r.json()["detail"]
+            assert _job(ada, done[0])["state"] == "succeeded"  # nothing changed
+            assert ada.post(f"/v1/jobs/{queued[0].json()['id']}/cancel").status_code == 202
+            r = ada.post(f"/v1/jobs/{done[0]}/resume", json={"steps": 4})
+            assert r.status_code == 202, r.text
+            assert ada.post(f"/v1/jobs/{done[1]}/resume", json={"steps": 4}).status_code == 429
+            ids = [running, done[0], *(q.json()["id"] for q in queued)]
+            for job_id in ids:
+                root.post(f"/v1/jobs/{job_id}/cancel")
+    finally:
+        server.stop()
+        kill_job_processes(data_dir)
+
+
 def test_a_late_user_waits_one_turn_not_the_whole_queue(tmp_path: Path, data_dir: Path) -> None:
     users = _users_file(tmp_path / "users.json", {"ada": False, "bob": False})
     env = fake_recipe_env(FAKE_STEP_SECONDS="0.2")

@@ -1,7 +1,10 @@
 """``dmuon-server``: run the job service with uvicorn (one worker).
 
-Refuses to listen on a non-loopback address without a token. ``--port 0`` picks a free
-port; the address actually bound is printed and written to ``<data-dir>/server.json``.
+Authentication is on by default: without ``--token``, ``--token-file`` or
+``--users-file`` the server makes a token (kept in ``<data-dir>/token``, mode 600) and
+prints it with the dashboard's address, as Jupyter does; ``--no-auth`` turns it off, on a
+loopback address only. ``--port 0`` picks a free port; the address actually bound is
+printed and written to ``<data-dir>/server.json``.
 
 Start-up order: check the flags and the token, take the secrets out of the environment,
 choose the jobs' Unix accounts and sandbox, lock the data directory, check the data
@@ -20,11 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import logging
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -37,26 +38,21 @@ from dmuon_server.config import (
     default_max_job_memory,
     usable_cpus,
 )
-from dmuon_server.http.auth import TokenError, check_token, read_token_file
-from dmuon_server.http.hosts import LOOPBACK_NAMES
+from dmuon_server.http.auth import TokenError, check_token, generated_token, read_token_file
+from dmuon_server.http.hosts import LOOPBACK_NAMES, is_loopback, listening_socket
 from dmuon_server.launching import sandbox
 from dmuon_server.launching.identity import IdentityError, JobIdentities
 from dmuon_server.scheduling.gpus import GpuSpecError
 from dmuon_server.scheduling.gpus import parse as parse_gpus
-from dmuon_server.storage.datadir import DataDirLock, StartupError, write_server_info
+from dmuon_server.storage.datadir import (
+    DataDirLock,
+    StartupError,
+    ensure_dir,
+    write_server_info,
+)
 from dmuon_server.users import Users, UsersFileError
 
 log = logging.getLogger("dmuon_server.cli")
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback IP addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -92,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="read the bearer token from FILE (one trailing newline is dropped)",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="answer requests without a token, for one person on a machine of their own: "
+        "every local account could otherwise list, cancel and submit jobs that run as this "
+        "server's account. Without it (and without --token, --token-file or --users-file) "
+        "the server makes a token, keeps it in <data-dir>/token and prints it",
     )
     p.add_argument(
         "--allowed-host",
@@ -221,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
         "auto (bwrap where it works)",
     )
     p.add_argument("--token-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--job-network",
+        choices=["isolated", "host"],
+        default="isolated",
+        help="a sandboxed local job's network: isolated (loopback only, its own: no job "
+        "reaches another's rendezvous store, ports or sockets) or host (every job keeps the "
+        "host's network; for one person's server). Per user: host_network in the users file",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
@@ -262,26 +274,6 @@ def _allowed_hosts(args: argparse.Namespace, token: str | None) -> tuple[str, ..
     return tuple(names)
 
 
-def _listening_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port``.
-
-    The protocol is given as ``IPPROTO_TCP`` on purpose: asyncio sets ``TCP_NODELAY`` on
-    accepted connections only for sockets created that way, and without it every
-    response on a kept-alive connection waits for the client's delayed ACK (about 40 ms).
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(False)
-    return sock
-
-
 def _without_token_flag(argv: list[str]) -> list[str]:
     """``argv`` without ``--token VALUE`` / ``--token=VALUE``."""
     out: list[str] = []
@@ -317,20 +309,6 @@ def _exec_without_secrets(argv: list[str], token: str | None, secrets: list[str]
     os.execve(sys.executable, [sys.executable, "-m", "dmuon_server", *args], env)
 
 
-def _choose_sandbox(args: argparse.Namespace, identities: JobIdentities) -> str:
-    """``bwrap`` or ``none`` for ``--sandbox``; raises :class:`StartupError` when bwrap was
-    required and does not work."""
-    if args.sandbox == "none" or args.launcher != "local":
-        return "none"
-    why = sandbox.probe(identities.job_user)
-    if why is None:
-        return "bwrap"
-    if args.sandbox == "bwrap":
-        raise StartupError(f"--sandbox bwrap: {why}; install bubblewrap, or pass --sandbox none")
-    log.warning("jobs run without a sandbox: %s", why)
-    return "none"
-
-
 def _reload_users(users: Users) -> None:
     """SIGHUP: read the users file again, or say there is none and carry on."""
     if users.path is None:
@@ -352,11 +330,24 @@ def main(argv: list[str] | None = None) -> int:
         _exec_without_secrets(sys.argv[1:], token, secrets)
     for name in secrets:  # called in-process (argv given): at least out of os.environ
         os.environ.pop(name, None)
-    if not is_loopback(args.host) and not token and args.users_file is None:
+    if args.no_auth and (token is not None or args.users_file is not None):
+        return _error("--no-auth contradicts --token, --token-file, --users-file and "
+                      f"{TOKEN_ENV}; pass one or the other")  # fmt: skip
+    if not is_loopback(args.host) and args.no_auth:
         return _error(
-            f"refusing to listen on {args.host} without a token; pass --token-file or set "
-            f"{TOKEN_ENV} (or --users-file), or listen on 127.0.0.1"
+            f"refusing to listen on {args.host} without a token (--no-auth); drop --no-auth "
+            "(the server makes a token), pass --token-file or --users-file, or listen on "
+            "127.0.0.1"
         )
+    token_file = args.token_file
+    made_token = False
+    if token is None and args.users_file is None and not args.no_auth:
+        try:
+            ensure_dir(args.data_dir, "data directory")
+            token, token_file, _ = generated_token(args.data_dir)
+        except (StartupError, TokenError) as e:
+            return _error(str(e))
+        made_token = True
     for name, value in (
         ("--max-concurrent-jobs", args.max_concurrent_jobs),
         ("--max-nproc", args.max_nproc),
@@ -416,13 +407,18 @@ def main(argv: list[str] | None = None) -> int:
         users_file=args.users_file,
         job_user=args.job_user,
         allow_same_user_jobs=args.allow_same_user_jobs,
+        token_file=token_file,
+        host_network=args.job_network == "host",
     )
     try:
         identities = JobIdentities(settings, users)
         problem = identities.startup_problem()
         if problem is not None:
             return _error(problem)
-        settings = dataclasses.replace(settings, sandbox=_choose_sandbox(args, identities))
+        chosen, isolation = sandbox.choose(
+            args.sandbox, args.launcher, identities.job_user, args.job_network
+        )
+        settings = dataclasses.replace(settings, sandbox=chosen)
     except (IdentityError, StartupError) as e:
         return _error(str(e))
 
@@ -438,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e))
     host = args.host.strip("[]")
     try:
-        sock = _listening_socket(host, args.port)
+        sock = listening_socket(host, args.port)
     except OSError as e:
         return _error(f"cannot listen on {host}:{args.port}: {e.strerror or e}")
     port = sock.getsockname()[1]
@@ -450,6 +446,15 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"dmuon-server {__version__} listening on {url} (data dir {settings.data_dir})", flush=True
     )
+    print(f"    {isolation}", flush=True)
+    if made_token:
+        # As Jupyter does: the dashboard's address with the token, which stays in the
+        # fragment (browsers never send it), and the file clients can read it from.
+        print(
+            f"    open the dashboard at {url}/#token={token}\n"
+            f"    or send 'Authorization: Bearer <token>', the token being in {token_file}",
+            flush=True,
+        )
     config = uvicorn.Config(
         app,
         workers=1,

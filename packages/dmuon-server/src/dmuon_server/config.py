@@ -86,6 +86,13 @@ class Settings:
             its folder, its code, the data and model roots and a private ``/proc``
             (:mod:`dmuon_server.launching.sandbox`); ``none``: no sandbox. The CLI's
             ``auto`` becomes one of them at start-up.
+        token_file: The file the token was read from (``--token-file``) or generated in
+            (``<data-dir>/token``); hidden from jobs like the data directory.
+        host_network: Whether every local job keeps the host's network in the sandbox
+            (``--job-network host``); otherwise only the jobs of users with
+            ``host_network`` in the users file do, and the others get a loopback-only
+            network of their own.
+        working_dir: The folder the server was started from (hidden from jobs).
         allowed_hosts: Host names requests may name besides the loopback ones
             (``--allowed-host``); see :mod:`dmuon_server.http.hosts`. Given, they turn the
             ``Host`` and ``Origin`` checks on for a server with a token too.
@@ -118,6 +125,20 @@ class Settings:
     job_user: str | None = None
     allow_same_user_jobs: bool = False
     sandbox: Literal["bwrap", "none"] = "none"
+    token_file: Path | None = None
+    host_network: bool = False
+    working_dir: Path = field(default_factory=lambda: Path(os.getcwd()))
+
+    @property
+    def server_files(self) -> tuple[Path, ...]:
+        """What no job may see: the data directory, the users and token files and the
+        folder the server was started from (a sandbox masks them; see
+        :func:`dmuon_server.launching.sandbox.wrap`)."""
+        files = [self.data_dir, self.users_file, self.token_file]
+        roots = (*self.code_roots, *self.data_roots, *self.model_roots)
+        if not any(self.working_dir == r or r in self.working_dir.parents for r in roots):
+            files.append(self.working_dir)  # unless a root the operator gave is there
+        return tuple(Path(f) for f in files if f is not None)
 
     def __post_init__(self) -> None:
         """Normalise paths (absolute, symlinks resolved) and check the numbers."""
@@ -127,6 +148,9 @@ class Settings:
         object.__setattr__(self, "data_roots", tuple(Path(os.path.realpath(r)) for r in roots))
         models = self.model_roots or ()
         object.__setattr__(self, "model_roots", tuple(Path(os.path.realpath(r)) for r in models))
+        object.__setattr__(self, "working_dir", Path(os.path.realpath(self.working_dir)))
+        if self.token_file is not None:
+            object.__setattr__(self, "token_file", Path(os.path.realpath(self.token_file)))
         code = self.code_roots or ()
         object.__setattr__(self, "code_roots", tuple(Path(os.path.realpath(r)) for r in code))
         if self.max_concurrent_jobs is None:

@@ -28,6 +28,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
+from dmuon_server.http.auth import GENERATED_TOKEN_FILE
+
 #: Processes of the demo job (``dmuon.train.demo.DEMO_NPROC``).
 DEMO_NPROC = 2
 #: The demo job's recipe settings (``dmuon.train.demo.DEMO_ARGS``, its rates included).
@@ -116,9 +118,13 @@ def _fmt(x: Any) -> str:
     return f"{x:.4f}" if isinstance(x, float) else str(x)
 
 
-def run_demo(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    """Submit ``body``, follow its event stream with a bar, return the finished job."""
-    with httpx.Client(base_url=url, timeout=httpx.Timeout(30, read=120)) as c:
+def run_demo(url: str, body: dict[str, Any], token: str | None = None) -> dict[str, Any]:
+    """Submit ``body``, follow its event stream with a bar, return the finished job.
+
+    ``token`` is the server's (the one it keeps in ``<data-dir>/token``)."""
+    auth = {"Authorization": f"Bearer {token}"} if token else {}
+    timeout = httpx.Timeout(30, read=120)
+    with httpx.Client(base_url=url, timeout=timeout, headers=auth) as c:
         plan = c.post("/v1/jobs:validate", json=body)
         plan.raise_for_status()
         p = plan.json()
@@ -219,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"dmuon-server is up at {url} (data dir {data_dir})")
     ok = False
     try:
-        job = run_demo(url, body)
+        # The server made a token for itself; the demo runs as the same account.
+        token = (data_dir / GENERATED_TOKEN_FILE).read_text().strip()
+        job = run_demo(url, body, token)
         ok = print_summary(job, time.monotonic() - t0)
     except KeyboardInterrupt:
         print("\ninterrupted: cancelling the job")

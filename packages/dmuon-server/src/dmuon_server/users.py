@@ -8,7 +8,9 @@ The users file holds SHA-256 hashes of tokens, never tokens::
                         "max_priority": 0}}
 
 (``printf %s "$TOKEN" | sha256sum`` gives the hash; ``unix_user``, optional, is the Unix
-account the user's jobs run as, see :mod:`dmuon_server.launching.identity`). ``limits`` (a user's
+account the user's jobs run as, see :mod:`dmuon_server.launching.identity`;
+``host_network: true``, optional, lets the user's sandboxed jobs use the host's network
+instead of a loopback-only one of their own). ``limits`` (a user's
 own) or ``default_limits`` (everyone else but admins) bound what a user may hold:
 ``queued_jobs`` waiting at once and ``max_priority`` (checked when a job is submitted),
 ``running_jobs`` and ``gpus`` at once (the queue skips the user's next job until one
@@ -42,7 +44,15 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 #: The user ``--token`` stands for.
 TOKEN_USER = "admin"
 _HASH = re.compile(r"^[0-9a-f]{64}$")
-_ENTRY_KEYS = {"name", "token_sha256", "admin", "unix_user", "limits", "slurm_accounts"}
+_ENTRY_KEYS = {
+    "name",
+    "token_sha256",
+    "admin",
+    "unix_user",
+    "limits",
+    "slurm_accounts",
+    "host_network",
+}
 #: What a Slurm account name may be (as the job spec's ``account``).
 _SLURM_ACCOUNT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 _LIMIT_KEYS = ("queued_jobs", "running_jobs", "gpus", "max_priority")
@@ -94,6 +104,9 @@ class User:
     #: The Slurm accounts the user's jobs may charge (``account``); empty: none but the
     #: server's default. Admins may charge any.
     slurm_accounts: tuple[str, ...] = ()
+    #: Whether the user's local jobs keep the host's network in the sandbox (to reach a
+    #: tracking server, say) instead of a loopback-only network of their own.
+    host_network: bool = False
 
 
 #: Who a request comes from on a server without tokens: nobody in particular, allowed all.
@@ -134,7 +147,8 @@ def read_users_file(path: Path) -> list[tuple[User, str]]:
         where = f"users[{i}] of {path}"
         if not isinstance(entry, dict) or set(entry) - _ENTRY_KEYS:
             raise UsersFileError(
-                f"{where}: give name, token_sha256 and optionally admin, unix_user and limits"
+                f"{where}: give name, token_sha256 and optionally admin, unix_user, limits, "
+                "slurm_accounts and host_network"
             )
         name, digest, admin = (
             entry.get("name"),
@@ -172,7 +186,11 @@ def read_users_file(path: Path) -> list[tuple[User, str]]:
             isinstance(a, str) and _SLURM_ACCOUNT.match(a) for a in accounts
         ):
             raise UsersFileError(f"{where}: slurm_accounts must be a list of Slurm account names")
-        out.append((User(name, admin, unix_user, limits, tuple(accounts)), digest))
+        host_network = entry.get("host_network", False)
+        if not isinstance(host_network, bool):
+            raise UsersFileError(f"{where}: host_network must be true or false")
+        user = User(name, admin, unix_user, limits, tuple(accounts), host_network)
+        out.append((user, digest))
     return out
 
 
@@ -259,6 +277,12 @@ class Users:
         user)."""
         with self._lock:
             return next((u.unix_user for u, _ in self._entries if u.name == name), None)
+
+    def host_network_of(self, name: str) -> bool:
+        """Whether the jobs of the user called ``name`` keep the host's network (its
+        ``host_network`` in the users file; False for an unknown or anonymous user)."""
+        with self._lock:
+            return next((u.host_network for u, _ in self._entries if u.name == name), False)
 
     def limits_of(self, name: str | None) -> Limits:
         """The limits of the user called ``name`` (none for an unknown or anonymous one)."""

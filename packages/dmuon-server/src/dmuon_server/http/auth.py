@@ -3,6 +3,9 @@ a ``--token`` itself. Users and their token hashes are :mod:`dmuon_server.users`
 
 from __future__ import annotations
 
+import os
+import secrets
+import stat
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -45,6 +48,43 @@ def read_token_file(path: Path) -> str:
     elif text.endswith("\n"):
         text = text[:-1]
     return check_token(text, f"the file {path}")
+
+
+#: The file in the data directory holding the token a server generates for itself.
+GENERATED_TOKEN_FILE = "token"
+
+
+def generated_token(data_dir: Path) -> tuple[str, Path, bool]:
+    """The token of a server started without ``--token``, ``--token-file`` or
+    ``--users-file``: ``(token, file, created)``.
+
+    It is kept in ``<data_dir>/token`` (mode 600, the server's account's alone) and made
+    the first time (32 random bytes, URL-safe base64) in the existing folder ``data_dir``,
+    so clients keep working across
+    restarts; deleting the file makes a new one. A file that others may read, or that
+    belongs to another account, is refused (a :class:`TokenError` saying what to do).
+    """
+    path = data_dir / GENERATED_TOKEN_FILE
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        info = os.lstat(path)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+            raise TokenError(
+                f"the token file {path} is not a regular file of this account; remove it"
+            ) from None
+        if info.st_mode & 0o077:
+            raise TokenError(
+                f"the token file {path} may be read by other accounts (mode "
+                f"{stat.S_IMODE(info.st_mode):o}); remove it (a new token is made) or chmod 600"
+            ) from None
+        return read_token_file(path), path, False
+    except OSError as e:
+        raise TokenError(f"cannot create the token file {path}: {e.strerror or e}") from None
+    token = secrets.token_urlsafe(32)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token, path, True
 
 
 class BearerAuthMiddleware:

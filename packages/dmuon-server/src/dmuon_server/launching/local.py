@@ -186,6 +186,9 @@ class LocalLauncher:
                     env=start.env,
                     read_only=self._read_only_roots(),
                     gpus=bool(gpus),
+                    host_network=self.settings.host_network
+                    or self.identities.users.host_network_of(job.user or ""),
+                    hidden=self.settings.server_files,
                 )
             with os.fdopen(attempts.open_job_log(job_dir, start.account), "ab") as logf:
                 proc = subprocess.Popen(

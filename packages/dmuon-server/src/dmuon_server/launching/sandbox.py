@@ -10,11 +10,16 @@ wrapped so that the job sees, besides the operating system's read-only folders (
 * the data and model roots, read-only;
 * a private ``/proc`` (its own processes only: not the server's, not other jobs'), a fresh
   ``/dev`` (plus the GPU device nodes when the server has GPUs), an empty ``/tmp`` and
-  ``/dev/shm``.
+  ``/dev/shm``;
+* a network of its own: a network namespace with nothing but loopback, so its torchrun
+  rendezvous store, its ports and its abstract Unix sockets are its alone, and no other
+  job's are reachable. A job whose user may use the host's network (``host_network`` in
+  the users file, or ``--job-network host``) keeps it instead.
 
-The data directory, the server's files and every other job's folder are absent. The job
-keeps the host's network (torchrun's rendezvous and NCCL use it). ``bwrap`` runs as the
-job's account and needs unprivileged user namespaces; :func:`probe` tells whether it works.
+The data directory, the server's working directory, its users and token files and every
+other job's folder are absent: a code folder that holds one of them shows it empty. ``bwrap``
+runs as the job's account and needs unprivileged user namespaces; :func:`probe` tells
+whether it works.
 """
 
 from __future__ import annotations
@@ -27,8 +32,10 @@ import sys
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Literal
 
 from dmuon_server.launching.identity import Account, drop_privileges
+from dmuon_server.storage.datadir import StartupError
 
 #: Read-only system folders every job sees (a link, as ``/bin`` is on merged-/usr systems,
 #: stays a link).
@@ -53,17 +60,49 @@ def _system_binds() -> list[str]:
     return out
 
 
+def _server_path() -> list[str]:
+    """The server's ``sys.path`` without the folder it was started from: ``python -m``
+    puts the working directory first, and that folder holds no code a job needs (the
+    packages are installed) but may hold the server's own files."""
+    cwd = os.path.realpath(os.getcwd())
+    return [p for p in sys.path if p and os.path.realpath(p) != cwd]
+
+
 def _code_dirs(extra: Iterable[str]) -> list[str]:
     """Folders holding the code a job imports: the interpreter's installation and every
-    existing folder on ``sys.path`` and in ``extra`` (the job's ``PYTHONPATH``), outermost
-    first and without folders nested in others."""
-    candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, *extra}
+    existing folder on ``sys.path`` (but the server's working directory) and in ``extra``
+    (the job's ``PYTHONPATH``), outermost first and without folders nested in others."""
+    candidates = {sys.prefix, sys.base_prefix, sys.exec_prefix, *_server_path(), *extra}
     real = sorted({os.path.realpath(c) for c in candidates if c and os.path.isdir(c)})
     kept: list[str] = []
     for path in real:
         if not any(path == k or path.startswith(k.rstrip("/") + "/") for k in kept):
             kept.append(path)
     return [p for p in kept if not p.startswith(("/usr/", "/etc/", "/opt/")) and p != "/"]
+
+
+def _inside(path: str, folders: Iterable[str]) -> bool:
+    return any(path == d or path.startswith(d.rstrip("/") + "/") for d in folders)
+
+
+def _masks(hidden: Iterable[Path], shown: list[str], roots: list[str]) -> list[str]:
+    """bwrap arguments that hide each of ``hidden`` lying inside a folder of ``shown``: an
+    empty folder over a folder, an empty file over a file; then ``roots`` (folders the
+    job must see) that a masked folder covered, bound again."""
+    out: list[str] = []
+    masked: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in hidden}):  # a parent before its children
+        if not _inside(path, shown) or _inside(path, masked):
+            continue
+        if os.path.isdir(path):
+            out += ["--tmpfs", path]
+            masked.append(path)
+        elif os.path.lexists(path):
+            out += ["--ro-bind", "/dev/null", path]
+    for root in roots:
+        if _inside(root, masked) and root not in masked:
+            out += ["--ro-bind", root, root]
+    return out
 
 
 def wrap(
@@ -73,11 +112,16 @@ def wrap(
     env: dict[str, str],
     read_only: Iterable[Path],
     gpus: bool,
+    host_network: bool = False,
+    hidden: Iterable[Path] = (),
 ) -> list[str]:
     """``argv`` run inside the sandbox of a job (see the module docstring).
 
     ``read_only`` are the code, data and model roots; ``env`` is the job's environment
-    (its ``PYTHONPATH`` entries are bound read-only too).
+    (its ``PYTHONPATH`` entries are bound read-only too). ``host_network`` keeps the
+    host's network instead of a loopback-only one; ``hidden`` are the server's own files
+    and folders (data directory, users and token files, working directory), masked where a
+    bound folder holds them.
     """
     bwrap = bwrap_path()
     if bwrap is None:
@@ -89,6 +133,7 @@ def wrap(
         "--unshare-ipc",
         "--unshare-uts",
         "--unshare-cgroup-try",
+        *(() if host_network else ("--unshare-net",)),
         *_system_binds(),
         "--proc",
         "/proc",
@@ -106,12 +151,46 @@ def wrap(
         for node in sorted(glob.glob("/dev/nvidia*")):
             args += ["--dev-bind", node, node]
     pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    for d in _code_dirs(pythonpath):
+    shown = [*_code_dirs(pythonpath), *(os.path.realpath(r) for r in read_only)]
+    for d in shown:
         args += ["--ro-bind", d, d]
-    for root in read_only:
-        args += ["--ro-bind", str(root), str(root)]
+    system = [d for d in _SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
+    roots = [os.path.realpath(r) for r in read_only]
+    args += _masks(hidden, [*system, *shown], roots)
     args += ["--bind", str(job_dir), str(job_dir), "--chdir", str(job_dir), "--", *argv]
     return args
+
+
+#: What a server without a sandbox says at start-up.
+UNSANDBOXED = (
+    "every job shares the host's network, so a job can reach another job's torchrun "
+    "rendezvous store, ports and sockets (and, as the same account, its files); install "
+    "bubblewrap (Debian package bubblewrap) and pass --sandbox bwrap to keep jobs apart"
+)
+
+
+def choose(
+    mode: str, launcher: str, account: Account | None, network: str
+) -> tuple[Literal["bwrap", "none"], str]:
+    """``(sandbox, what the server says once listening)`` for ``--sandbox mode``
+    (``auto``, ``bwrap`` or ``none``), where jobs run as ``account``. Raises
+    :class:`~dmuon_server.storage.datadir.StartupError` when bwrap was required and does not
+    work."""
+    if launcher != "local":
+        return "none", "jobs run under Slurm, which keeps them apart"
+    if mode == "none":
+        return "none", f"WARNING: jobs run without a sandbox (--sandbox none): {UNSANDBOXED}"
+    why = probe(account)
+    if why is None:
+        kept = (
+            "the host's network (--job-network host)"
+            if network == "host"
+            else "a loopback-only network of their own (users with host_network keep the host's)"
+        )
+        return "bwrap", f"jobs run in a bubblewrap sandbox ({bwrap_path()}), with {kept}"
+    if mode == "bwrap":
+        raise StartupError(f"--sandbox bwrap: {why}; install bubblewrap, or pass --sandbox none")
+    return "none", f"WARNING: jobs run without a sandbox ({why}): {UNSANDBOXED}"
 
 
 def probe(account: Account | None) -> str | None:

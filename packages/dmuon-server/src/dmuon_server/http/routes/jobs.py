@@ -116,18 +116,18 @@ def _accepted(
 
 
 def _check_limits(
-    limits: Limits, body: JobCreate, store: Store, user: User, key: str | None
+    limits: Limits, priority: int, store: Store, who: str | None, key: str | None = None
 ) -> None:
-    """Refuse a submission beyond the user's limits (the users file): a priority above
-    ``max_priority`` (403), or a new job beyond ``queued_jobs`` waiting (429). A retry of a
-    submission that created its job (same ``Idempotency-Key``) is not counted again."""
-    who = user_name(user)
-    if limits.max_priority is not None and body.priority > limits.max_priority:
+    """Refuse to queue a job of ``who`` beyond their limits (the users file): a priority
+    above ``max_priority`` (403), or a job beyond ``queued_jobs`` waiting (429). Every path
+    that queues a job asks (a submission, a resume). A retry of a submission that created
+    its job (same ``Idempotency-Key``) is not counted again."""
+    if limits.max_priority is not None and priority > limits.max_priority:
         raise ApiError(
             403,
             "Priority above your limit",
-            f"priority {body.priority} is above the highest you may give, "
-            f"{limits.max_priority} (your limits in the users file); submit with a lower one",
+            f"priority {priority} is above the highest you may give, "
+            f"{limits.max_priority} (your limits in the users file); use a lower one",
             kind="over-limit",
         )
     if limits.queued_jobs is None:
@@ -140,7 +140,7 @@ def _check_limits(
             429,
             "Queue limit reached",
             f"you have {waiting} jobs queued, your limit (queued_jobs in the users file); "
-            "submit again when one has started, or cancel one",
+            "submit or resume again when one has started, or cancel one",
             kind="over-limit",
         )
 
@@ -186,7 +186,8 @@ def create_job(
     `Idempotency-Key` is the submitting user's own.
     """
     accepted = _accepted(settings, store, identities, user, body)
-    _check_limits(identities.users.limits_of(user_name(user)), body, store, user, idempotency_key)
+    who = user_name(user)
+    _check_limits(identities.users.limits_of(who), body.priority, store, who, idempotency_key)
     body = accepted.spec  # with the recipe's defaults: the job record shows the values used
     assert body is not None
     canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
@@ -413,20 +414,23 @@ def get_checkpoints(job: JobDep, settings: SettingsDep) -> CheckpointList:
     "/{job_id}/resume",
     status_code=202,
     response_model=Job,
-    responses=error_responses(401, 404, 409, 413, 422),
+    responses=error_responses(401, 403, 404, 409, 413, 422, 429),
 )
 def resume_job(
     job: JobDep,
     settings: SettingsDep,
     store: StoreDep,
     supervisor: SupervisorDep,
+    identities: IdentitiesDep,
     body: ResumeRequest | None = None,
 ) -> Job:
     """Continue a cancelled, failed or succeeded job from its latest checkpoint.
 
     The job is queued again as a new attempt (same id, same metrics series); `steps`
     raises its total number of steps. 409 while the job is queued or active, or when it
-    has no checkpoint or nothing left to train.
+    has no checkpoint or nothing left to train; 429 when its user already has
+    `queued_jobs` waiting and 403 when its priority is above their `max_priority`, as for
+    a submission.
     """
     job_id = job.id
     if job.state not in TERMINAL_STATES:
@@ -456,6 +460,7 @@ def resume_job(
             f"{steps} steps; pass a larger steps (more than {latest.step}) to train further",
             kind="nothing-to-resume",
         )
+    _check_limits(identities.users.limits_of(job.user), job.priority, store, job.user)
     new_spec = spec.with_steps(steps) if steps is not None else spec
     canonical = json.dumps(new_spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
     to = f"to step {steps}" if steps is not None else "on"

@@ -80,7 +80,17 @@ function route() {
   else cleanup = renderJobs(main, params);
 }
 
+/** `#token=...`, the address the server prints at start-up: keep the token for this tab
+ * and take it out of the address bar and the history. */
+function takeTokenFromAddress() {
+  const match = /^#token=([\x21-\x7e]+)$/.exec(location.hash);
+  if (!match) return;
+  setToken(decodeURIComponent(match[1]));
+  history.replaceState(null, "", location.pathname + location.search);
+}
+
 function start() {
+  takeTokenFromAddress();
   onTokenNeeded(askToken);
   applyLanguage();
   document.getElementById("lang-switch").addEventListener("click", () => {
