@@ -77,6 +77,10 @@ class Scenario:
     #: ``dedicate_params``'s communication dtypes (``None``: float32).
     reduce_dtype: torch.dtype | None = None
     broadcast_dtype: torch.dtype | None = None
+    #: Build the model on the meta device, dedicate and shard it there, then materialise
+    #: it (``to_empty``) and load rank 0's full state dict with ``broadcast_from_rank0``,
+    #: as torchtitan initialises large models.
+    meta_init: bool = False
 
 
 def make_model(scenario: Scenario) -> TinyLlama:
@@ -305,7 +309,16 @@ def run_scenario(
         )
         mesh = runs["replicate", "shard"]
         rank, world = rank % size, size
-    model = make_model(scenario).to(device_type)
+    if scenario.meta_init:
+        # Rank 0 holds the pretrained weights (here: the seeded model), as a checkpoint
+        # loaded on rank 0 only would; every rank builds the model itself on meta.
+        full = make_model(scenario).state_dict() if rank == 0 else {}
+        with torch.device("meta"):
+            model = make_model(scenario)
+        setup = _peak_cpu_bytes()
+        setup.__enter__()
+    else:
+        model = make_model(scenario).to(device_type)
     if not scenario.naive:
         dmuon.dedicate_params(
             model,
@@ -327,6 +340,15 @@ def run_scenario(
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
         fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    setup_memory: dict[str, int] = {}
+    if scenario.meta_init:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        model.to_empty(device=device_type)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        dmuon.set_model_state_dict(model, full, options=options)
+        setup.__exit__(None, None, None)
+        setup_memory = {"peak": setup.peak, **_share_bytes(model)}
     make_optimizer = NaiveMuon if scenario.naive else dmuon.Muon
     optimizer = make_optimizer(
         wrapped, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
@@ -374,6 +396,63 @@ def run_scenario(
         "leftover_grads": leftover,
         "owners": {dp.fqn: dp.owner for dp in _dedicated(model)},
         "first_grad_norm": first_grad_norm,
+        "setup_memory": setup_memory,
+    }
+
+
+class _peak_cpu_bytes:
+    """The most CPU memory allocated at once inside the block beyond what was there at its
+    start (torch.profiler's allocation and free events, in time order)."""
+
+    def __enter__(self) -> _peak_cpu_bytes:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profile.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._profile.__exit__(*exc)
+        changes = []
+        for event in self._profile.events():
+            if event.name == "[memory]":
+                change = event.cpu_memory_usage
+            else:
+                change = event.self_cpu_memory_usage
+            if change:
+                changes.append((event.time_range.start, change))
+        live = self.peak = 0
+        for _, change in sorted(changes):
+            live += change
+            self.peak = max(self.peak, live)
+
+
+def _share_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """What a rank holds after set-up: its FSDP2 shards, its owned float32 masters, the
+    largest boundary's buffer (allocated one at a time), the largest single tensor of the
+    model (what a load from rank 0 broadcasts at once) and the whole model, in bytes."""
+    from torch.distributed.tensor import DTensor
+
+    from dmuon._ownership.state import get_dedication
+
+    state = get_dedication(model)
+    assert state is not None and state.runtime is not None
+    shards = sum(
+        p.to_local().numel() * p.element_size()
+        for p in model.parameters()
+        if isinstance(p, DTensor)
+    )
+    masters = sum(dp.param.numel() * 4 for dp in state.params if dp.is_owned)
+    boundary = max(g.numel * g.buffer.element_size() for g in state.runtime.buffers())
+    full_sizes = [p.numel() for p in model.parameters() if isinstance(p, DTensor)]
+    largest = 4 * max(full_sizes + [dp.shape.numel() for dp in state.params])
+    whole = 4 * (sum(full_sizes) + sum(dp.shape.numel() for dp in state.params))
+    return {
+        "shards": shards,
+        "masters": masters,
+        "boundary": boundary,
+        "largest": largest,
+        "whole": whole,
     }
 
 

@@ -31,6 +31,9 @@ EQUIVALENCE = [
     Scenario("z3-accum4-no_sync", "z3", K, use_no_sync=True),
     Scenario("z2-accum4-sync", "z2", K, use_no_sync=False),
     Scenario("z3-accum4-sync", "z3", K, use_no_sync=False),
+    Scenario("z3-meta-init", "z3", 1, meta_init=True),
+    Scenario("z2-meta-init", "z2", 1, meta_init=True),
+    Scenario("z3-meta-init-deep", "z3", 1, meta_init=True, model_kwargs={"n_layers": 8}),
 ]
 FEATURES = [
     Scenario("z3-checkpoint", "z3", 2, checkpoint=True),
@@ -102,6 +105,30 @@ def test_parameters_match_single_process_global_batch(spawned, world: int, name:
     # The run must have moved the parameters, or the comparison proves nothing.
     moved = max((reference[n] - p).abs().max().item() for n, p in initial.items())
     assert moved > 1e-3
+
+
+#: Allocations of set-up that are not tensors of the model (the process groups' and
+#: FSDP2's bookkeeping, the load's scalars), in bytes.
+SETUP_SLACK = 4096
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", ["z3-meta-init", "z2-meta-init", "z3-meta-init-deep"])
+def test_a_model_built_on_meta_holds_its_share_during_set_up(
+    spawned, world: int, name: str
+) -> None:
+    """Built on the meta device, dedicated, sharded, materialised and loaded from rank 0
+    (it trains as one process: the test above), no rank allocated more during set-up than
+    what it keeps (its FSDP2 shards and owned masters) plus one boundary's buffer or one
+    whole tensor (what the load broadcasts at once), whichever is larger. On the 8-layer
+    model that bound is below the whole model, so allocating it whole fails the test."""
+    for rank, result in enumerate(_scenario_results(spawned, world, name)):
+        memory = result["setup_memory"]
+        kept = memory["shards"] + memory["masters"]
+        bound = kept + max(memory["boundary"], memory["largest"]) + SETUP_SLACK
+        assert kept <= memory["peak"] <= bound, f"rank {rank}: {memory}"
+        if name.endswith("deep"):
+            assert bound < memory["whole"], f"rank {rank}: {memory}"
 
 
 @pytest.mark.parametrize(("world", "name"), CASES)

@@ -86,16 +86,41 @@ def _resolve_group(
             return dist.group.WORLD, None, torch.device("cuda", torch.cuda.current_device())
         return dist.group.WORLD, None, torch.device("cpu")
     first = next(model.parameters(), None)
-    return None, None, (first.device if first is not None else torch.device("cpu"))
+    if first is None or first.is_meta:
+        # A model built on the meta device is materialised where it will run.
+        cuda = torch.cuda.is_available()
+        return (
+            None,
+            None,
+            torch.device("cuda", torch.cuda.current_device()) if cuda else (torch.device("cpu")),
+        )
+    return None, None, first.device
 
 
 def _master_data(
     data: torch.Tensor, is_owned: bool, device: torch.device, copy: bool = False
 ) -> torch.Tensor:
-    """The owner's float32 master values on ``device``; a 0-element placeholder elsewhere."""
+    """The owner's float32 master values on ``device``; a 0-element placeholder elsewhere.
+
+    From the meta device the owner's master is allocated, not initialised: ``to_empty``,
+    ``init_weights`` or a loaded state dict give it values, as for FSDP2's shards."""
     if is_owned:
+        if data.is_meta:
+            return torch.empty(data.shape, dtype=torch.float32, device=device)
         return data.detach().to(device=device, dtype=torch.float32, copy=copy)
     return torch.empty(0, dtype=torch.float32, device=device)
+
+
+def _hold(module: nn.Module, attr: str, param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """``param`` holding ``data`` from now on: the same parameter, or, for a parameter on
+    the meta device (whose data cannot change device), a new one registered in its place."""
+    if param.is_meta and not data.is_meta:
+        held = nn.Parameter(data, requires_grad=param.requires_grad)
+        module._parameters[attr] = held
+        return held
+    with torch.no_grad():
+        param.data = data
+    return param
 
 
 def _records(
@@ -162,9 +187,7 @@ def _records(
         is_owned = owner == comm_rank
         update_replica = replica_of(fqn if whole else range_name(fqn, start, stop))
         if whole:
-            with torch.no_grad():
-                param.data = _master_data(param.data, is_owned, device)
-            master = param
+            master = _hold(module, attr, param, _master_data(param.data, is_owned, device))
         else:
             # A copy: a view of the slice would keep the whole stack's storage alive.
             data = _master_data(param.data[start:stop], is_owned, device, copy=True)
@@ -190,9 +213,11 @@ def _records(
             )
         )
     if not whole:
-        with torch.no_grad():
-            param.data = torch.empty(0, dtype=torch.float32, device=device)
-    mark_dedicated(param, fqn)
+        placeholder = _hold(module, attr, param, torch.empty(0, dtype=torch.float32, device=device))
+        for record in records:
+            record.registered = placeholder
+        param = placeholder
+    mark_dedicated(records[0].param if whole else param, fqn)
     return records
 
 
@@ -251,9 +276,13 @@ def dedicate_params(
 ) -> dict[str, int]:
     """Give every Muon-target matrix of ``model`` to exactly one owner rank.
 
-    Call it on every rank, after moving the model to its device and before
-    ``fully_shard``. The owner keeps the full matrix as a float32 master; every other rank
-    keeps a 0-element placeholder. FSDP2 leaves dedicated parameters alone.
+    Call it on every rank, after moving the model to its device (or on a model built on
+    the meta device) and before ``fully_shard``. The owner keeps the full matrix as a
+    float32 master; every other rank keeps a 0-element placeholder. FSDP2 leaves
+    dedicated parameters alone. From the meta device the owner's master is allocated on
+    the mesh's device without values: ``to_empty`` then ``init_weights``, or a state dict
+    loaded with `dmuon.set_model_state_dict` (``broadcast_from_rank0`` included), give it
+    values, so no rank allocates the whole model.
 
     Args:
         model: The model; the same on every rank.

@@ -17,13 +17,17 @@ def gather_to_owners(
     value_of: Callable[[DedicatedParam], Any],
     broadcast_from_rank0: bool,
     what: str,
+    land: Callable[[DedicatedParam, torch.Tensor], bool] | None = None,
 ) -> dict[str, torch.Tensor | None]:
     """``{fqn: full tensor on the owner (None elsewhere)}`` for every matrix given anywhere.
 
     ``value_of(dp)`` is this rank's state-dict entry for ``dp`` (``None`` if absent). With
-    ``broadcast_from_rank0`` only rank 0's entries count. A matrix missing from the result
-    is missing from the state dict. Raises the same `ValueError` on every rank when the
-    entries have the wrong shape or ranks disagree on whether an entry is sharded.
+    ``broadcast_from_rank0`` only rank 0's entries count, and ``land(dp, value)``, given,
+    may put each received value where it belongs as it arrives (returning True; the
+    result then says ``None`` for it), so that an owner never holds more than one received
+    matrix at once. A matrix missing from the result is missing from the state dict.
+    Raises the same `ValueError` on every rank when the entries have the wrong shape or
+    ranks disagree on whether an entry is sharded.
     """
     comm = layout.comm
     if broadcast_from_rank0:
@@ -40,11 +44,15 @@ def gather_to_owners(
             present, bad = comm.broadcast_object_from_rank0((present, bad))  # type: ignore[misc]
         _raise_bad(bad, what)
         wanted = set(present or [])
-        return {
-            dp.fqn: layout.from_rank0(dp, value_of(dp) if comm.is_rank0 else None)
-            for dp in params
-            if dp.fqn in wanted
-        }
+        received: dict[str, torch.Tensor | None] = {}
+        for dp in params:
+            if dp.fqn not in wanted:
+                continue
+            value = layout.from_rank0(dp, value_of(dp) if comm.is_rank0 else None)
+            if value is not None and land is not None and land(dp, value):
+                value = None  # in place on its owner already
+            received[dp.fqn] = value
+        return received
     codes = layout.agree([layout.classify(dp, value_of(dp)) for dp in params])
     bad = []
     for i, dp in enumerate(params):

@@ -12,6 +12,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.modules.module import _IncompatibleKeys
 
+from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.state import DedicationState
 from dmuon.checkpoint._dedicated_values import gather_to_owners
 from dmuon.checkpoint._layout import DedicatedLayout
@@ -80,12 +81,22 @@ def set_dedicated_model_state_dict(
     comm = layout.comm
     wanted = included(state, options)
     dedicated_names = {dp.fqn for dp in state.params}
+
+    def land(dp: DedicatedParam, value: torch.Tensor) -> bool:
+        """A whole matrix goes into its owner's master as soon as it arrives."""
+        if dp.is_range or not dp.is_owned:
+            return False
+        with torch.no_grad():
+            dp.param.copy_(value)
+        return True
+
     loaded = gather_to_owners(
         layout,
         wanted,
         lambda dp: remaining.get(dp.fqn),
         options.broadcast_from_rank0,
         "model",
+        land,
     )
     for name in dedicated_names:
         remaining.pop(name, None)

@@ -11,11 +11,12 @@ config.optimizer = dmuon_titan.DMuonOptimizers.Config(muon_kwargs={"lr": 8e-4})
 config.checkpoint = dmuon_titan.DMuonCheckpointManager.Config(enable=True)
 ```
 
-- `with_dedication`: the model spec's parallelize step first gives the meta-built model
-  its memory and weights, then runs `dmuon.dedicate_params` on the FSDP mesh, then
-  torchtitan's own parallelize function (``fully_shard`` leaves the dedicated matrices
-  alone). The trainer's ``to_empty`` and ``init_weights`` afterwards initialise the
-  owners' matrices in place.
+- `with_dedication`: the model spec's parallelize step runs `dmuon.dedicate_params` on
+  the meta-built model and the FSDP mesh (each owner allocates its matrices' masters,
+  nothing else is allocated), then torchtitan's own parallelize function (``fully_shard``
+  leaves the dedicated matrices alone). The trainer's ``to_empty`` and ``init_weights``
+  afterwards initialise the owners' matrices in place, and a seed checkpoint loads
+  through `DMuonCheckpointManager`; no rank ever holds the whole model.
 - `DMuonOptimizers`: torchtitan's optimizer container holding one `dmuon.Muon`; its state
   dict is DMuon's, flattened as torchtitan's checkpointer expects.
 - `DMuonCheckpointManager`: torchtitan's DCP checkpointer with the model's state dict
@@ -34,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.optim import Optimizer
@@ -56,19 +56,15 @@ def _fsdp_mesh(parallel_dims: Any) -> Any:
 def with_dedication(model_spec: Any, **dedicate_kwargs: Any) -> Any:
     """A copy of ``model_spec`` whose parallelize step dedicates before ``fully_shard``.
 
-    The model arrives on the meta device; dedication needs the owners' values, so the
-    model is first given memory on the current CUDA device and its weights (which
-    holds the whole model on every GPU for a moment: meant for models that fit one GPU
-    unsharded). ``dedicate_kwargs`` go to `dmuon.dedicate_params` (``mesh`` defaults to
+    The model arrives on the meta device and is dedicated there: each owner allocates
+    its matrices' float32 masters on the mesh's device, uninitialised, and the trainer's
+    ``to_empty`` and ``init_weights`` (or a checkpoint) fill them, as they fill FSDP2's
+    shards. ``dedicate_kwargs`` go to `dmuon.dedicate_params` (``mesh`` defaults to
     torchtitan's FSDP mesh).
     """
     parallelize = model_spec.parallelize_fn
 
     def parallelize_with_dedication(model: nn.Module, **kwargs: Any) -> nn.Module:
-        device = torch.device("cuda", torch.cuda.current_device())
-        model.to_empty(device=device)
-        with torch.no_grad():
-            model.init_weights(buffer_device=None)  # type: ignore[operator]
         options = dict(dedicate_kwargs)
         options.setdefault("mesh", _fsdp_mesh(kwargs["parallel_dims"]))
         dmuon.dedicate_params(model, **options)
