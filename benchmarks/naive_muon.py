@@ -36,17 +36,20 @@ def _full(tensor: Tensor) -> Tensor:
 
 
 def _local_slice(full: Tensor, like: Tensor) -> Tensor:
-    """This rank's piece of ``full`` for a parameter sharded like ``like``."""
+    """This rank's piece of ``full`` for a parameter sharded like ``like`` (on a 1-D mesh,
+    or on HSDP's (replicate, shard) mesh: every ``Shard`` dimension cut in turn)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if not isinstance(like, DTensor):
         return full
-    (placement,) = like.placements
-    if not isinstance(placement, Shard):
-        return full
-    rank = like.device_mesh.get_local_rank()
-    chunks = full.chunk(like.device_mesh.size(), dim=placement.dim)
-    return chunks[rank] if rank < len(chunks) else full.narrow(placement.dim, 0, 0)
+    piece = full
+    for mesh_dim, placement in enumerate(like.placements):
+        if not isinstance(placement, Shard):
+            continue
+        rank = like.device_mesh.get_local_rank(mesh_dim)
+        chunks = piece.chunk(like.device_mesh.size(mesh_dim), dim=placement.dim)
+        piece = chunks[rank] if rank < len(chunks) else piece.narrow(placement.dim, 0, 0)
+    return piece
 
 
 class NaiveMuon(Muon):

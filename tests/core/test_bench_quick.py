@@ -142,3 +142,13 @@ def test_the_replicate_groups_collectives_are_left_out_under_hsdp() -> None:
     call moves, written out here (a broadcast of 5, an all-reduce of 3 counted twice)."""
     for counted in spawn_ranks(4, _count_with_the_replicate_group_ignored):
         assert counted == {("torch", "broadcast"): 5, ("torch", "all_reduce"): 6}
+
+
+def test_the_naive_contender_runs_under_hsdp_at_its_traffic_formula() -> None:
+    """``--hsdp 2`` on 4 ranks: the naive baseline (which cut its update by one placement
+    and failed on the 2-D mesh) runs, and its counted traffic matches its formula."""
+    bench = _import_benchmark("bench")
+    flags = ["--quick", "--nproc", "4", "--hsdp", "2", "--accum", "1"]
+    result = bench.run(bench.parse_args([*flags, "--contenders", "naive-z3", "dmuon-z3"]))
+    assert [r["contender"] for r in result["rows"]].count("naive-z3") == 1, result["not_run"]
+    assert bench.check(result) == []
