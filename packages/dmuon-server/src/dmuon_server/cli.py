@@ -38,7 +38,14 @@ from dmuon_server.config import (
     default_max_job_memory,
     usable_cpus,
 )
-from dmuon_server.http.auth import TokenError, check_token, generated_token, read_token_file
+from dmuon_server.http.auth import (
+    TokenError,
+    check_token,
+    exec_without_secrets,
+    generated_token,
+    read_token_file,
+    secret_names,
+)
 from dmuon_server.http.hosts import LOOPBACK_NAMES, is_loopback, listening_socket
 from dmuon_server.launching import sandbox
 from dmuon_server.launching.identity import IdentityError, JobIdentities
@@ -168,8 +175,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="GIB",
         # argparse formats help with %: a percent sign must be doubled.
-        help="largest estimated memory of one job, in GiB; default: "
+        help="memory of one job, in GiB: a larger estimate is refused, and a local job that "
+        "uses more is stopped by the kernel (its cgroup); default: "
         f"{DEFAULT_JOB_MEMORY_FRACTION * 100:.0f}%% of the host's RAM",
+    )
+    p.add_argument(
+        "--max-job-pids",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="processes and threads a local job may run at once (its cgroup)",
+    )
+    p.add_argument(
+        "--max-job-cpus",
+        type=float,
+        default=None,
+        metavar="CPUS",
+        help="CPU time of a local job, in CPUs (its cgroup; default: no limit)",
     )
     p.add_argument(
         "--max-body-bytes",
@@ -274,41 +296,6 @@ def _allowed_hosts(args: argparse.Namespace, token: str | None) -> tuple[str, ..
     return tuple(names)
 
 
-def _without_token_flag(argv: list[str]) -> list[str]:
-    """``argv`` without ``--token VALUE`` / ``--token=VALUE``."""
-    out: list[str] = []
-    skip = False
-    for a in argv:
-        if skip:
-            skip = False
-        elif a == "--token":
-            skip = True
-        elif not a.startswith("--token="):
-            out.append(a)
-    return out
-
-
-def _secret_names(args: argparse.Namespace) -> list[str]:
-    """The secret variables present in this process's environment."""
-    return [n for n in (TOKEN_ENV, *args.secret_env) if n in os.environ]
-
-
-def _exec_without_secrets(argv: list[str], token: str | None, secrets: list[str]) -> None:
-    """Execute this server again without ``secrets`` in its environment nor the token on
-    its command line; the token travels through a pipe (it fits in the pipe's buffer)."""
-    env = {k: v for k, v in os.environ.items() if k not in secrets}
-    args = _without_token_flag(argv)
-    if token is not None:
-        read_end, write_end = os.pipe()
-        os.write(write_end, token.encode())
-        os.close(write_end)
-        os.set_inheritable(read_end, True)
-        args += ["--token-fd", str(read_end)]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "dmuon_server", *args], env)
-
-
 def _reload_users(users: Users) -> None:
     """SIGHUP: read the users file again, or say there is none and carry on."""
     if users.path is None:
@@ -325,9 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     except TokenError as e:
         return _error(str(e))
     os.umask(0o077)  # the database, server.json, logs: the server's alone
-    secrets = _secret_names(args)
+    secrets = secret_names(TOKEN_ENV, args.secret_env)
     if argv is None and (secrets or args.token is not None):
-        _exec_without_secrets(sys.argv[1:], token, secrets)
+        exec_without_secrets(sys.argv[1:], token, secrets)
     for name in secrets:  # called in-process (argv given): at least out of os.environ
         os.environ.pop(name, None)
     if args.no_auth and (token is not None or args.users_file is not None):
@@ -361,8 +348,12 @@ def main(argv: list[str] | None = None) -> int:
         return _error(str(e))
     if args.cancel_grace < 0 or args.heartbeat <= 0:
         return _error("--cancel-grace-s >= 0 and --heartbeat > 0")
-    if args.max_job_memory is not None and not args.max_job_memory > 0:
-        return _error("--max-job-memory must be a positive number of GiB")
+    for flag, number in (("--max-job-memory", args.max_job_memory),
+                         ("--max-job-cpus", args.max_job_cpus)):  # fmt: skip
+        if number is not None and not number > 0:
+            return _error(f"{flag} must be a positive number")
+    if args.max_job_pids < 16:
+        return _error("--max-job-pids must be at least 16 (torchrun and a rank need a few)")
     for flag, roots in (
         ("--data-root", args.data_root),
         ("--model-root", args.model_root),
@@ -399,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.max_job_memory is not None
             else default_max_job_memory()
         ),
+        max_job_pids=args.max_job_pids,
+        max_job_cpus=args.max_job_cpus,
         secret_env=tuple(args.secret_env),
         launcher=args.launcher,
         allowed_hosts=_allowed_hosts(args, token),

@@ -66,7 +66,8 @@ class Settings:
         log_tail_lines: How many log lines a failure report carries.
         max_body_bytes: Largest request body; larger ones get 413 before they are read.
         max_job_memory: Bytes a job (all its ranks) may be estimated to need; a larger
-            job is refused at submission. Half of the host's RAM by default.
+            job is refused at submission, and a local job that uses more is stopped by the
+            kernel (its cgroup's memory limit). Half of the host's RAM by default.
         secret_env: Names of environment variables that never reach a job, besides the
             token variable (always scrubbed).
         launcher: Where jobs run: ``local`` (torchrun on this host) or ``slurm`` (one
@@ -93,6 +94,10 @@ class Settings:
             ``host_network`` in the users file do, and the others get a loopback-only
             network of their own.
         working_dir: The folder the server was started from (hidden from jobs).
+        max_job_pids: Processes (threads included) a local job may run at once, held by
+            the job's cgroup (:mod:`dmuon_server.launching.cgroups`).
+        max_job_cpus: CPUs' worth of time a local job may use (its cgroup's CPU quota);
+            None: the usable CPUs. ``max_job_memory`` is the cgroup's memory limit.
         allowed_hosts: Host names requests may name besides the loopback ones
             (``--allowed-host``); see :mod:`dmuon_server.http.hosts`. Given, they turn the
             ``Host`` and ``Origin`` checks on for a server with a token too.
@@ -127,6 +132,8 @@ class Settings:
     sandbox: Literal["bwrap", "none"] = "none"
     token_file: Path | None = None
     host_network: bool = False
+    max_job_pids: int = 4096
+    max_job_cpus: float | None = None
     working_dir: Path = field(default_factory=lambda: Path(os.getcwd()))
 
     @property

@@ -1,11 +1,15 @@
-"""Bearer-token authentication: the middleware (who a request comes from), and checks of
-a ``--token`` itself. Users and their token hashes are :mod:`dmuon_server.users`."""
+"""Bearer-token authentication: the middleware (who a request comes from), checks of
+a ``--token`` itself, the token a server makes for itself, and how a token leaves the
+server's environment at start-up. Users and their token hashes are
+:mod:`dmuon_server.users`."""
 
 from __future__ import annotations
 
 import os
 import secrets
 import stat
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -85,6 +89,43 @@ def generated_token(data_dir: Path) -> tuple[str, Path, bool]:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return token, path, True
+
+
+def _without_token_flag(argv: list[str]) -> list[str]:
+    """``argv`` without ``--token VALUE`` / ``--token=VALUE``."""
+    out: list[str] = []
+    skip = False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--token":
+            skip = True
+        elif not a.startswith("--token="):
+            out.append(a)
+    return out
+
+
+def secret_names(*names: str | Iterable[str]) -> list[str]:
+    """The secret variables among ``names`` (strings or lists of them) present in this
+    process's environment."""
+    flat = [n for group in names for n in ([group] if isinstance(group, str) else group)]
+    return [n for n in flat if n in os.environ]
+
+
+def exec_without_secrets(argv: list[str], token: str | None, secrets: list[str]) -> None:
+    """Execute this server again without ``secrets`` in its environment nor the token on
+    its command line; the token travels through a pipe (it fits in the pipe's buffer)."""
+    env = {k: v for k, v in os.environ.items() if k not in secrets}
+    args = _without_token_flag(argv)
+    if token is not None:
+        read_end, write_end = os.pipe()
+        os.write(write_end, token.encode())
+        os.close(write_end)
+        os.set_inheritable(read_end, True)
+        args += ["--token-fd", str(read_end)]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-m", "dmuon_server", *args], env)
 
 
 class BearerAuthMiddleware:

@@ -25,6 +25,7 @@ How a job is launched is :mod:`dmuon_server.launching.command`, how its processe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +39,7 @@ import psutil
 from dmuon_server.config import Settings
 from dmuon_server.launching import attempts, sandbox
 from dmuon_server.launching.attempts import Move
+from dmuon_server.launching.cgroups import CgroupError, Cgroups, JobCgroup, JobLimits, limit_hit
 from dmuon_server.launching.full_disk import FullDisk
 from dmuon_server.launching.identity import IdentityError, JobIdentities, drop_privileges
 from dmuon_server.launching.procs import (
@@ -85,6 +87,12 @@ class LocalLauncher:
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._cancel_deadline: dict[str, float] = {}
         self.full_disk = FullDisk(settings)
+        self.cgroups, note = Cgroups.detect()
+        (log.info if self.cgroups is not None else log.warning)("%s", note)
+        self.limits = JobLimits(
+            settings.max_job_memory, settings.max_job_pids, settings.max_job_cpus
+        )
+        self._cgroup: dict[str, JobCgroup] = {}
 
     # ------------------------------------------------------------------- recovery
 
@@ -190,21 +198,30 @@ class LocalLauncher:
                     or self.identities.users.host_network_of(job.user or ""),
                     hidden=self.settings.server_files,
                 )
-            with os.fdopen(attempts.open_job_log(job_dir, start.account), "ab") as logf:
-                proc = subprocess.Popen(
-                    argv,
-                    cwd=job_dir,
-                    env=start.env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    close_fds=True,
-                    **drop_privileges(start.account),
-                )
+            cgroup = self._new_cgroup(job.id, start.number)
+            fds, enroll = cgroup.enroller() if cgroup is not None else ([], None)
+            try:
+                with os.fdopen(attempts.open_job_log(job_dir, start.account), "ab") as logf:
+                    proc = subprocess.Popen(
+                        argv,
+                        cwd=job_dir,
+                        env=start.env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=logf,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        close_fds=True,
+                        # Into the job's cgroup before it runs anything (see cgroups).
+                        preexec_fn=enroll,
+                        **drop_privileges(start.account),
+                    )
+            finally:
+                for fd in fds:
+                    os.close(fd)
         except OSError as e:
             why = f"could not start the job: {e.strerror or e}"
             attempts.fail_to_start(self.store, self._move, job.id, start.number, why, ACTIVE_STATES)
+            self._end_cgroup(job.id)
             return
         self._children[job.id] = proc
         try:
@@ -216,6 +233,37 @@ class LocalLauncher:
         log.info("job %s: attempt %d started pid %d on GPUs %s", job.id, start.number, proc.pid,
                  gpus or "none")  # fmt: skip
         self.hub.notify(job.id)
+
+    def _new_cgroup(self, job_id: str, attempt: int) -> JobCgroup | None:
+        """The cgroup of a new attempt (None where the machine has none to give)."""
+        if self.cgroups is None:
+            return None
+        self._end_cgroup(job_id)  # the previous attempt's, if a restart
+        try:
+            cgroup = self.cgroups.create(f"{job_id}-{attempt}", self.limits)
+        except CgroupError as e:
+            raise OSError(e.errno, f"{e.strerror} ({e.filename})") from None
+        self._cgroup[job_id] = cgroup
+        return cgroup
+
+    def _cgroup_of(self, job: JobRecord) -> JobCgroup | None:
+        """The cgroup of the job's current attempt (also one an earlier server made)."""
+        cgroup = self._cgroup.get(job.id)
+        if cgroup is None and self.cgroups is not None:
+            attempt = self.store.current_attempt(job.id)
+            cgroup = self.cgroups.existing(f"{job.id}-{attempt}")
+            if cgroup is not None:
+                self._cgroup[job.id] = cgroup
+        return cgroup
+
+    def _end_cgroup(self, job_id: str) -> None:
+        """Kill whatever is left in the job's cgroup, and remove it."""
+        cgroup = self._cgroup.pop(job_id, None)
+        if cgroup is not None:
+            left = cgroup.kill()
+            if left:
+                log.warning("job %s: killed %d process(es) left in its cgroup", job_id, left)
+            cgroup.remove()
 
     def _read_only_roots(self) -> list[Path]:
         """What a sandboxed job may read besides its code: the code, data and model roots."""
@@ -281,6 +329,8 @@ class LocalLauncher:
             if deadline is not None and time.time() >= deadline:
                 root = verified_process(job.pid, job.create_time)
                 n = signal_job(job, root, signal.SIGKILL)
+                cgroup = self._cgroup_of(job)
+                n += cgroup.kill() if cgroup is not None else 0
                 log.warning("job %s: grace period over, SIGKILL to %d process(es)", job.id, n)
                 self._cancel_deadline[job.id] = float("inf")
             return
@@ -297,11 +347,15 @@ class LocalLauncher:
     def _conclude(self, job: JobRecord, attempt: int, full: bool) -> None:
         job_dir = self.settings.job_dir(job.id)
         attempts.final_poll(self.settings, self.tailer, job, attempt)
-        # Whatever survived the runner is an orphan: end it (and wait for it) now.
+        # Whatever survived the runner is an orphan: end it (and wait for it) now, and
+        # everything in the job's cgroup (a process that left its session and environment).
         leftovers = find_job_processes(job.id)
         if leftovers:
             log.warning("job %s: killing %d leftover process(es)", job.id, len(leftovers))
             kill_and_reap(leftovers, signal.SIGKILL)
+        cgroup = self._cgroup_of(job)
+        stopped_by = limit_hit(cgroup, self.limits) if cgroup is not None else None
+        self._end_cgroup(job.id)
         # The child is forgotten only once the outcome is recorded: a round whose write
         # fails (a full disk) is repeated with its exit status.
         child = self._children.get(job.id)
@@ -310,6 +364,11 @@ class LocalLauncher:
         fresh = self.store.get_job(job.id) or job
         report = read_exit_report(job_dir)
         outcome = attempts.conclude(self.settings, fresh, report, child_rc, disk_full=full)
+        if stopped_by is not None and outcome.state == JobState.FAILED:
+            # The kernel's limit is the cause: say so first, and do not try again.
+            failure = {**(outcome.failure or {}), "limit": stopped_by}
+            reason = f"{stopped_by}; {outcome.reason}" if outcome.reason else stopped_by
+            outcome = dataclasses.replace(outcome, reason=reason, failure=failure, retry=False)
         if outcome.retry and self._restart(fresh, attempt, outcome):
             self.full_disk.forget(job.id)
             return

@@ -105,6 +105,11 @@ class FailureInfo(BaseModel):
         default=None, description="Log file the lines come from, relative to the job's folder."
     )
     log_tail: list[str] = Field(default_factory=list, description="Last lines of that log.")
+    limit: str | None = Field(
+        default=None,
+        description="The kernel limit that stopped the job (its memory or its number of "
+        "processes, from the job's cgroup), when one did.",
+    )
 
 
 class JobSummary(BaseModel):
