@@ -40,7 +40,8 @@ HEADERS = {
         "masters + momentum (GiB)",
         "workspace (GiB)",
         "calls per step (DMuon / FSDP2)",
-        "updates between replicas",
+        "exposed between replicas",
+        "step: DMuon / FSDP2 + AdamW",
     ),
     "zh": (
         "GPU 数",
@@ -52,7 +53,8 @@ HEADERS = {
         "主副本 + 动量（GiB）",
         "工作区（GiB）",
         "每步调用数（DMuon / FSDP2）",
-        "副本间的更新",
+        "副本间通信的暴露部分",
+        "每步时间：DMuon / FSDP2 + AdamW",
     ),
 }
 MESH = {
@@ -93,7 +95,8 @@ def _row(name: str, world: int, shard: int) -> tuple[str, ...]:
         f"{held:.1f}",
         f"{workspace:.2f}",
         f"{plan.calls:,} / {plan.fsdp2_calls:,}",
-        f"{plan.update_overhead:.1%}" if plan.replicas > 1 else "-",
+        f"{plan.update_overhead + plan.reduce_overhead:.1%}" if plan.replicas > 1 else "-",
+        f"{plan.step_ratio:.3f}",
     )
 
 

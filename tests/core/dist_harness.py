@@ -183,6 +183,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor on every rank (collective)."""
     from torch.distributed.tensor import DTensor
 
+    import dmuon
     from dmuon._ownership.state import get_dedication
 
     records: dict[str, list[Any]] = {}
@@ -190,6 +191,8 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         records.setdefault(dp.fqn, []).append(dp)  # a stack split by experts: its ranges
     state = get_dedication(model)
     group = state.runtime.comm.group if state is not None else None  # owners' shard group
+    if state is not None:
+        dmuon.wait_for_updates(model)  # it reads the masters itself
     full = {}
     for name, param in model.named_parameters():
         if name in records:

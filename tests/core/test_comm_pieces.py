@@ -107,13 +107,14 @@ def _check_exchange(per_rank: list[dict[str, Any]], gathered_by: str) -> None:
         }
 
 
-def test_update_chunks_cut_by_replica_then_size() -> None:
+def test_update_chunks_cut_in_dedication_order_by_size() -> None:
+    """Chunks follow dedication (forward) order, so the next forward's first boundaries
+    wait for the first chunks only."""
     records = [(5, 1), (3, 0), (4, 1), (2, 0), (10, 0)]
     assert update_chunks(records, 2, cap=8) == [
-        [[1, 3], []],
+        [[1], [0]],  # 5 + 3
+        [[3], [2]],  # 4 + 2
         [[4], []],  # larger than the cap: alone
-        [[], [0]],
-        [[], [2]],
     ]
     assert update_chunks(records, 2) == [[[1, 3, 4], [0, 2]]]  # 256 MiB holds them all
     assert update_chunks([], 2) == []

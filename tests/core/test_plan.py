@@ -288,3 +288,35 @@ def test_the_gram_iterations_flops_are_what_a_flop_counter_counts(gram: bool) ->
     grams = [2 * m * m * n + 17 * m**3 for m, n in ((64, 256),) * 2 + ((64, 192),)]
     by_hand = 2 * 2 * (sum(grams) + 5 * (64**3 * 3)) if gram else 2 * 2 * 5 * sum(standard)
     assert plan.ranks[0].ns_flops == by_hand
+
+
+@pytest.mark.parametrize("reduce_bytes", [4, 2])
+def test_the_step_against_fsdp2_and_adamw_follows_the_time_model(reduce_bytes: int) -> None:
+    """The figures beside FSDP2 + AdamW's, by hand from the model's sizes: FSDP2's
+    all-reduce between replicas (every parameter, 2 (R - 1)/R of the rank's shard) past
+    backward; DMuon's updated values past the next forward, its backward traffic (the
+    owned gradients' reduce-scatter and FSDP2's all-reduce of the rest) past backward."""
+    model, active = _model("qwen3-30b-a3b")
+    plan = plan_cluster(model, 1024, 8, active_parameters=active, reduce_bytes=reduce_bytes)
+    rate = plan.hardware.network_gbps * 1e9
+    share = (plan.replicas - 1) / plan.replicas
+    fb = plan.forward_backward_seconds
+    fsdp2 = 2 * share * plan.parameters / plan.shard_size * reduce_bytes / rate
+    assert plan.fsdp2_reduce_seconds == pytest.approx(fsdp2)
+    assert plan.fsdp2_overhead == pytest.approx(max(0.0, fsdp2 - 2 * fb / 3) / fb)
+    rest = (plan.parameters - plan.dedicated_elements) / plan.shard_size
+    worst_update = worst_reduce = 0.0
+    for rank in plan.ranks:
+        owned = rank.master_bytes / 4
+        assert rank.update_seconds == pytest.approx(owned * 4 * share / rate)
+        backward = (owned * share + 2 * share * rest) * reduce_bytes / rate
+        assert rank.replicate_reduce_seconds == pytest.approx(backward)
+        worst_update = max(worst_update, rank.update_seconds - fb / 3)
+        worst_reduce = max(worst_reduce, backward - 2 * fb / 3)
+    assert plan.update_overhead == pytest.approx(max(0.0, worst_update) / fb)
+    assert plan.reduce_overhead == pytest.approx(max(0.0, worst_reduce) / fb)
+    assert plan.reduce_overhead > 0  # the MoE's reduces outlast backward: they show
+    expected = (1 + plan.ns_overhead + plan.update_overhead + plan.reduce_overhead) / (
+        1 + plan.fsdp2_overhead
+    )
+    assert plan.step_ratio == pytest.approx(expected)

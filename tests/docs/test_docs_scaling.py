@@ -44,8 +44,10 @@ def test_three_models_are_planned_and_each_has_its_table_in_both_languages() -> 
 @pytest.mark.parametrize("lang", ["en", "zh"])
 def test_rendered_rows_are_the_planners(site: Path, lang: str) -> None:
     """Every row of the built tables against a plan made here: the Newton-Schulz overhead
-    (once per world, at most 2% everywhere) and the calls."""
-    tables = [t for t in html_tables(built_page(site, "scaling.md", lang)) if len(t[0]) == 10]
+    (once per world, at most 2% everywhere), the calls, and the step against FSDP2 +
+    AdamW's: at most 1.03x everywhere (the updates between replicas overlap the next
+    forward), and at most 1x where FSDP2's all-reduce outlasts backward."""
+    tables = [t for t in html_tables(built_page(site, "scaling.md", lang)) if len(t[0]) == 11]
     assert len(tables) == len(NAMES)
     order = ["llama-3-8b", "llama-3-70b", "qwen3-30b-a3b"]  # the page's order
     for name, table in zip(order, tables, strict=True):
@@ -59,6 +61,10 @@ def test_rendered_rows_are_the_planners(site: Path, lang: str) -> None:
             assert row[3] == f"{plan.ns_overhead:.2%}", (name, row)
             assert plan.ns_overhead <= 0.02
             assert row[8] == f"{plan.calls:,} / {plan.fsdp2_calls:,}"
+            assert row[10] == f"{plan.step_ratio:.3f}"
+            assert plan.step_ratio <= 1.03, (name, row)
+            if plan.fsdp2_overhead > 0:  # its all-reduce outlasts backward: DMuon's is smaller
+                assert plan.step_ratio <= 1.0, (name, row)
 
 
 def test_typed_figures_come_from_the_code() -> None:

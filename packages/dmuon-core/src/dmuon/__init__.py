@@ -17,7 +17,7 @@ from dmuon._ownership.dedicate import dedicate_params
 from dmuon._ownership.gradients import DedicatedGradientError
 from dmuon._ownership.introspection import comm_audit, dedicated_parameters, owner_plan
 from dmuon._ownership.planner import ExpertRange, OwnerPlan, default_predicate, plan_owners
-from dmuon._updates import parameters_updated
+from dmuon._updates import parameters_updated, wait_for_updates
 from dmuon.checkpoint import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -55,5 +55,6 @@ __all__ = [
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "set_state_dict",
+    "wait_for_updates",
     "weight_decay_groups",
 ]

@@ -1,4 +1,5 @@
-"""`parameters_updated`: tell DMuon that dedicated weights changed outside the optimizer."""
+"""`parameters_updated`: tell DMuon that dedicated weights changed outside the optimizer;
+`wait_for_updates`: wait until the last step's values reached every replica (HSDP)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,20 @@ def parameters_updated(model: nn.Module) -> None:
         ValueError: ``model`` was never passed to `dmuon.dedicate_params`.
     """
     require_dedication(model).runtime.invalidate_buffers()
+
+
+def wait_for_updates(model: nn.Module) -> None:
+    """Wait until every replica's dedicated weights hold the last step's values.
+
+    Under HSDP the values a step computed travel to the other replicas while the next
+    forward runs: each hook boundary waits for its own matrices before it uses them.
+    Everything DMuon offers that reads or writes the weights waits for all of them first
+    (the next step, state dicts and ``model.state_dict()``, loads, export,
+    `parameters_updated`; clipping reads gradients only); call this before reading or
+    writing ``p.data`` of a dedicated parameter yourself (an EMA of the weights, a custom
+    check). On a 1-D mesh there is nothing to wait for. Call it on every rank.
+
+    Raises:
+        ValueError: ``model`` was never passed to `dmuon.dedicate_params`.
+    """
+    require_dedication(model).runtime.wait_for_updates()

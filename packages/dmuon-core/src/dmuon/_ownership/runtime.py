@@ -257,7 +257,7 @@ class DedicationRuntime:
         self.params = params
         self.boundaries = boundaries
         self.comm = comm
-        self._replica_updates = ReplicaUpdates(params, comm)
+        self._replica_updates = ReplicaUpdates(params, comm, [b.name for b in boundaries])
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.sync_grads = True
@@ -305,6 +305,9 @@ class DedicationRuntime:
         stack split by experts every rank holds a placeholder; each range's owner copies
         its experts from the full tensor into its master.
         """
+        # Reading or loading the masters waits for the values still on their way (HSDP).
+        model.register_state_dict_pre_hook(lambda *_: self.wait_for_updates())
+        model.register_load_state_dict_pre_hook(lambda *_: self.wait_for_updates())
         by_module: dict[int, list[DedicatedParam]] = {}
         for dp in self.params:
             by_module.setdefault(id(dp.module), []).append(dp)
@@ -339,6 +342,9 @@ class DedicationRuntime:
 
     # ----- forward -------------------------------------------------------------------------
     def _unshard(self, index: int, prefetch: int | None) -> None:
+        # The masters this boundary and the prefetched one gather from must hold the
+        # last step's values on every replica.
+        self._replica_updates.wait_for_boundary(index if prefetch is None else prefetch)
         boundary = self.boundaries[index]
         boundary.buffer.unshard_async()
         if prefetch is not None and 0 <= prefetch < len(self.boundaries):
@@ -605,16 +611,23 @@ class DedicationRuntime:
         grads = (self.reduced_grad(dp) for dp in self.params if dp.is_owned)
         gradients.scale_reduced([g for g in grads if g is not None], scale)
 
+    def wait_for_updates(self) -> None:
+        """Wait until every replica's masters hold the last step's values (HSDP)."""
+        self._replica_updates.wait_all()
+
     def invalidate_buffers(self) -> None:
         """Owners changed their masters: the next forward broadcasts them again."""
+        self.wait_for_updates()
         for buffer in self.buffers():
             buffer.invalidate()
 
     def step_finished(self) -> None:
-        """An optimizer step changed the masters: bring every replica's masters up to date
-        (HSDP), invalidate buffers, close the audit step."""
+        """An optimizer step changed the masters: send the new values to the other
+        replicas (HSDP; waited for by the next forward, boundary by boundary), invalidate
+        buffers, close the audit step."""
+        for buffer in self.buffers():
+            buffer.invalidate()
         self._replica_updates.share()
-        self.invalidate_buffers()
         self.comm.audit.close_step()
 
     def _drop_cleared_gradients(self) -> None:

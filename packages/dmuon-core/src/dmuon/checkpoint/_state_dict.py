@@ -69,6 +69,8 @@ def get_model_state_dict(
     options = options or StateDictOptions()
     model = unwrap(model)
     state = get_dedication(model)
+    if state is not None:
+        state.runtime.wait_for_updates()  # HSDP: the last step's values everywhere
     if state is None:
         return torch_sd.get_model_state_dict(model, options=options)
     return get_dedicated_model_state_dict(model, state, options)
@@ -98,6 +100,8 @@ def set_model_state_dict(
     options = options or StateDictOptions()
     model = unwrap(model)
     state = get_dedication(model)
+    if state is not None:
+        state.runtime.wait_for_updates()  # HSDP: the last step's values everywhere
     if state is None:
         return torch_sd.set_model_state_dict(model, model_state_dict, options=options)
     return set_dedicated_model_state_dict(model, state, model_state_dict, options)
@@ -119,6 +123,8 @@ def get_optimizer_state_dict(
     options = options or StateDictOptions()
     model = unwrap(model)
     state = get_dedication(model)
+    if state is not None:
+        state.runtime.wait_for_updates()  # HSDP: the last step's values everywhere
     if state is None:
         return torch_sd.get_optimizer_state_dict(model, optimizers, options=options)
     return get_dedicated_optimizer_state_dict(model, state, as_tuple(optimizers), options)
@@ -141,6 +147,8 @@ def set_optimizer_state_dict(
     options = options or StateDictOptions()
     model = unwrap(model)
     state = get_dedication(model)
+    if state is not None:
+        state.runtime.wait_for_updates()  # HSDP: the last step's values everywhere
     if state is None:
         torch_sd.set_optimizer_state_dict(model, optimizers, optim_state_dict, options=options)
         return

@@ -368,6 +368,9 @@ class Muon(torch.optim.Optimizer):
         """
         if not self._params_checked:
             self._check_params_are_the_models()
+        state = get_dedication(self._model)
+        if state is not None:  # HSDP: the last step's values, before this one changes them
+            state.runtime.wait_for_updates()
         loss = None
         if closure is not None:
             with torch.enable_grad():

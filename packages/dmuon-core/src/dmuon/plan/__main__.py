@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
         help="dtype of the packed buffers (dedicate_params(param_dtype=...))",
     )
     parser.add_argument(
+        "--reduce-dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="dtype gradients are summed in between replicas, for DMuon and FSDP2 alike",
+    )
+    parser.add_argument(
         "--max-workspace-bytes",
         type=int,
         default=None,
@@ -121,10 +127,14 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
         f"{plan.ns_overhead:.2%} (busiest rank {busiest.rank}: {busiest.ns_seconds * 1e3:,.2f} "
         f"ms; imbalance {plan.owner_plan.imbalance:.2f})"
         + (
-            f"; broadcasts of updated values between replicas {plan.update_overhead:.2%}"
+            f"; exposed between replicas: updated values {plan.update_overhead:.2%} (they "
+            f"travel during the next forward), backward's reduces {plan.reduce_overhead:.2%}"
             if plan.replicas > 1
             else ""
         ),
+        f"step time against FSDP2 + AdamW on the same mesh: DMuon +{plan.step_overhead:.2%}, "
+        f"FSDP2 + AdamW +{plan.fsdp2_overhead:.2%} beyond forward+backward (its all-reduce "
+        f"between replicas past backward): ratio {plan.step_ratio:.3f}",
         f"collective calls per step: DMuon up to {plan.calls:,} per rank, FSDP2 "
         f"{plan.fsdp2_calls:,} for the same model and mesh",
         "",
@@ -213,6 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ns_dtype=torch.float32 if args.ns_dtype == "float32" else torch.bfloat16,
             ns_gram=args.ns_gram,
             param_bytes=2 if args.param_dtype == "bfloat16" else 4,
+            reduce_bytes=2 if args.reduce_dtype == "bfloat16" else 4,
             tp=args.tp,
             **kwargs,
         )

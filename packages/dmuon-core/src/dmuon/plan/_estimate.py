@@ -89,6 +89,10 @@ class RankPlan:
     #: Collectives over the tensor-parallel group per step (a gather and a scatter of
     #: each tp-sharded matrix the rank's owner steps).
     tensor_collectives: dict[str, Tally] = field(default_factory=dict)
+    #: Seconds the rank's traffic between replicas takes during backward (HSDP): the
+    #: reduce-scatter of its owned gradients and FSDP2's all-reduce of its shard of the
+    #: other parameters.
+    replicate_reduce_seconds: float = 0.0
 
     @property
     def added_bytes(self) -> int:
@@ -138,6 +142,10 @@ class ClusterPlan:
     warnings: list[str]
     #: The Gram iteration (``dmuon.Muon(ns_gram=True)``) where it applies.
     ns_gram: bool = False
+    #: Bytes per element of the gradients summed between replicas (both optimizers).
+    reduce_bytes: int = FLOAT32
+    #: Seconds FSDP2 + AdamW's all-reduce between replicas takes per step (HSDP).
+    fsdp2_reduce_seconds: float = 0.0
 
     @property
     def busiest(self) -> RankPlan:
@@ -151,9 +159,39 @@ class ClusterPlan:
 
     @property
     def update_overhead(self) -> float:
-        """The longest broadcast of updated values between replicas over forward+backward's
-        (0 on a 1-D mesh): exposed, after the step."""
-        return max(r.update_seconds for r in self.ranks) / self.forward_backward_seconds
+        """What the updated values between replicas leave exposed, over forward+backward
+        (0 on a 1-D mesh): they travel during the next step's first forward, so only the
+        part longer than that forward shows."""
+        window = self.forward_backward_seconds / 3 / self.accum
+        exposed = max(max(0.0, r.update_seconds - window) for r in self.ranks)
+        return exposed / self.forward_backward_seconds
+
+    @property
+    def reduce_overhead(self) -> float:
+        """What the traffic between replicas during backward leaves exposed, over
+        forward+backward (0 on a 1-D mesh): the part longer than backward."""
+        window = 2 * self.forward_backward_seconds / 3
+        exposed = max(max(0.0, r.replicate_reduce_seconds - window) for r in self.ranks)
+        return exposed / self.forward_backward_seconds
+
+    @property
+    def step_overhead(self) -> float:
+        """DMuon's step beyond forward+backward, over forward+backward: the busiest rank's
+        Newton-Schulz and the exposed traffic between replicas."""
+        return self.ns_overhead + self.update_overhead + self.reduce_overhead
+
+    @property
+    def fsdp2_overhead(self) -> float:
+        """FSDP2 + AdamW's step beyond forward+backward, over forward+backward, modelled
+        the same way: its all-reduce between replicas overlaps backward, and the part
+        longer than backward shows (AdamW's own step is taken as free)."""
+        window = 2 * self.forward_backward_seconds / 3
+        return max(0.0, self.fsdp2_reduce_seconds - window) / self.forward_backward_seconds
+
+    @property
+    def step_ratio(self) -> float:
+        """DMuon's step time over FSDP2 + AdamW's on the same model and mesh."""
+        return (1 + self.step_overhead) / (1 + self.fsdp2_overhead)
 
     @property
     def calls(self) -> int:
@@ -188,6 +226,11 @@ class ClusterPlan:
             "forward_backward_seconds": self.forward_backward_seconds,
             "ns_overhead": self.ns_overhead,
             "update_overhead": self.update_overhead,
+            "reduce_overhead": self.reduce_overhead,
+            "step_overhead": self.step_overhead,
+            "fsdp2_overhead": self.fsdp2_overhead,
+            "step_ratio": self.step_ratio,
+            "reduce_bytes": self.reduce_bytes,
             "calls": self.calls,
             "ns_imbalance": self.owner_plan.imbalance,
             "ranks": ranks,
@@ -362,6 +405,7 @@ def plan_cluster(
     split_expert_stacks: SplitStacks = "auto",
     tp: int = 1,
     tp_plan: Mapping[str, str] | None = None,
+    reduce_bytes: int = FLOAT32,
 ) -> ClusterPlan:
     """Plan ``model`` (built on the meta device, or a real one: nothing is changed) on a
     cluster of ``world`` ranks: per rank, what DMuon adds in memory, Newton-Schulz work and
@@ -399,6 +443,8 @@ def plan_cluster(
             ``base_model_tp_plan`` (``"layers.*.self_attn.q_proj": "colwise"``); a
             ``colwise`` weight is split by rows, a ``rowwise`` one by columns, others stay
             whole. ``None`` with ``tp > 1``: the model config's ``base_model_tp_plan``.
+        reduce_bytes: Bytes per element of the gradients summed between replicas, for
+            DMuon and FSDP2 + AdamW alike (4: float32; 2: ``reduce_dtype=torch.bfloat16``).
 
     Returns:
         The `ClusterPlan`.
@@ -531,10 +577,16 @@ def plan_cluster(
                 )
                 for n in orthogonalized
             )
-            update = 0.0
+            update = reduce = 0.0
             if replicas > 1:
-                moved = owned_elements * FLOAT32 * (replicas - 1) / replicas
-                update = moved / (hardware.network_gbps * 1e9)
+                share = (replicas - 1) / replicas
+                rate = hardware.network_gbps * 1e9
+                update = owned_elements * FLOAT32 * share / rate
+                # Backward: the owned gradients' reduce-scatter, and FSDP2's all-reduce of
+                # this rank's shard of the other parameters.
+                rest = (parameters - p_m) / (shard * tp)
+                moved = (owned_elements * share + 2 * share * rest) * reduce_bytes * synced
+                reduce = moved / rate
             ranks.append(
                 RankPlan(
                     rank=dp_rank * tp + t,
@@ -559,6 +611,7 @@ def plan_cluster(
                     replicate_collectives=replicate_tallies,
                     tp=t,
                     tensor_collectives=tensor_tallies,
+                    replicate_reduce_seconds=reduce,
                 )
             )
     ranks.sort(key=lambda r: r.rank)
@@ -586,6 +639,11 @@ def plan_cluster(
         owner_plan=plan,
         warnings=[],
         ns_gram=ns_gram,
+        reduce_bytes=reduce_bytes,
+        fsdp2_reduce_seconds=(
+            2 * (replicas - 1) / replicas * parameters / (shard * tp) * reduce_bytes * synced
+        )
+        / (hardware.network_gbps * 1e9),
     )
     result.warnings.extend(_warnings(result))
     return result
