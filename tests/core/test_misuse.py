@@ -13,7 +13,9 @@ Each case either matches its oracle or raises a clear error on every rank:
 - ``torch.nn.utils.clip_grad_norm_`` raises the same clear error on every rank;
 - ``dmuon.no_sync`` on an inner module covers the whole model (Z3 at accumulation 2: 5
   units, not 6);
-- a gradient of zeros is a gradient: momentum still acts, as in ``torch.optim.Muon``.
+- a gradient of zeros is a gradient: momentum still acts, as in ``torch.optim.Muon``;
+- ``step()`` after a window in which every backward ran under ``no_sync`` raises on every
+  rank, naming the missing synchronised backward, before any weight changes.
 
 Tolerances: 1e-6 absolute on gradients, 1e-5 on parameters after training (float32 sums
 in another order).
@@ -192,6 +194,31 @@ def inner_no_sync(rank: int, world: int) -> float:
     return dmuon.comm_audit(model).last_step().units
 
 
+def step_after_only_no_sync(rank: int, world: int) -> dict[str, Any]:
+    """Two micro-batches, both under no_sync, then step(): it must raise on every rank
+    before any weight changes; with the last backward synchronised, the step trains."""
+    model, optimizer = sharded(rank, world)
+    batch = tokens(8, world * MICRO * 2).chunk(world)[rank]
+    before = full_parameters(model)
+    for micro in batch.chunk(2):
+        with dmuon.no_sync(model):
+            (loss_of(model, micro) / 2).backward()
+    try:
+        optimizer.step()
+        message = None
+    except RuntimeError as error:
+        message = str(error)
+    unchanged = all(torch.equal(v, full_parameters(model)[k]) for k, v in before.items())
+    optimizer.zero_grad()
+    first, second = batch.chunk(2)
+    with dmuon.no_sync(model):
+        (loss_of(model, first) / 2).backward()
+    (loss_of(model, second) / 2).backward()
+    optimizer.step()
+    moved = any(not torch.equal(v, full_parameters(model)[k]) for k, v in before.items())
+    return {"message": message, "unchanged": unchanged, "then_trains": moved}
+
+
 def reentrant_checkpoint(rank: int, world: int, order: str, mode: str, root: str) -> Any:
     """torch's reentrant checkpoint_wrapper on every block, applied before or after
     dedicate_params; two steps, then a DCP round trip into a fresh model."""
@@ -255,6 +282,7 @@ def _cases(rank: int, world: int, root: str) -> dict[Any, Any]:
         ("freezing", partial(freezing, rank, world)),
         ("torch_clip", partial(torch_clip, rank, world)),
         ("inner_no_sync", partial(inner_no_sync, rank, world)),
+        ("only_no_sync", partial(step_after_only_no_sync, rank, world)),
     ]
     cases += [
         ((mode, f, k), partial(several_forwards, rank, world, mode, f, k))
@@ -356,6 +384,14 @@ def test_torch_clip_grad_norm_is_refused_on_every_rank(ranks) -> None:
 def test_no_sync_on_one_layer_covers_the_whole_model(ranks) -> None:
     # Z3, accumulation 2: 2 x 2 broadcasts and one reduce (not 2 + 2 + 2 = 6).
     assert _case(ranks, "inner_no_sync") == [pytest.approx(5.0)] * WORLD
+
+
+def test_a_step_after_only_no_sync_backwards_raises_before_any_weight_changes(ranks) -> None:
+    for result in _case(ranks, "only_no_sync"):
+        assert result["message"] is not None, "the step did not raise"
+        assert "all ran under dmuon.no_sync" in result["message"]
+        assert "never reduced to their owners" in result["message"]
+        assert result["unchanged"] and result["then_trains"]
 
 
 @pytest.mark.parametrize(("order", "mode"), WRAPPER_CASES)

@@ -498,15 +498,31 @@ def test_invalid_hyperparameters(kwargs: dict, match: str) -> None:
         Muon(model, **kwargs)
 
 
-def test_add_param_group_requires_algorithm() -> None:
+def test_a_torch_style_param_group_goes_where_the_constructor_puts_its_parameters() -> None:
+    """add_param_group without "algorithm": one kind keeps torch's meaning of ``lr``; both
+    kinds split as the constructor's param_groups split the same group (the oracle)."""
+    from dmuon.optim._groups import route_group
+
     model = make_model()
-    dedicate_by_hand(model)
+    state = dedicate_by_hand(model)
     opt = Muon(model)
-    with pytest.raises(ValueError, match='"algorithm" must be "muon" or "adamw"'):
-        opt.add_param_group({"params": [model.frozen]})
     extra = nn.Parameter(torch.zeros(4))
-    opt.add_param_group({"params": [extra], "algorithm": "adamw"})
-    assert opt.param_groups[-1]["betas"] == (0.9, 0.999) and opt.param_groups[-1]["lr"] == 1e-3
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    added = opt.param_groups[-1]
+    assert added["algorithm"] == "adamw" and added["lr"] == 0.5
+    assert added["betas"] == (0.9, 0.999) and added["params"] == [extra]
+    (only,) = route_group({"params": [model.l2.weight], "lr": 0.1}, state)
+    assert only["algorithm"] == "muon" and only["lr"] == 0.1
+    assert only["params"] == [model.l2.weight]
+    user = {"params": [model.l1.weight, model.emb.weight], "lr": 0.05, "adamw_lr": 1e-4}
+    routed = route_group(dict(user), state)
+    constructed = Muon(model, param_groups=[user]).param_groups[:2]
+    for mine, theirs in zip(routed, constructed, strict=True):
+        assert mine["algorithm"] == theirs["algorithm"]
+        assert [id(p) for p in mine["params"]] == [id(p) for p in theirs["params"]]
+        assert mine["lr"] == theirs["lr"]
+    with pytest.raises(ValueError, match=r"\['betas'\] are not among them"):
+        route_group({"params": [model.l1.weight, model.emb.weight], "betas": (0.9, 0.95)}, state)
 
 
 # ---------------------------------------------------------------- grad_norm on 2 ranks

@@ -261,6 +261,9 @@ class DedicationRuntime:
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.sync_grads = True
+        #: Backwards since the last synchronised one that ran under ``no_sync`` and left
+        #: their dedicated gradients on the ranks that computed them.
+        self.unsynced_backwards = 0
         self._callback_queued = False
         #: Boundaries whose reduces were issued in this backward, oldest first; then those
         #: whose cross-replica reduce-scatter was (see `REDUCES_IN_FLIGHT`).
@@ -561,6 +564,7 @@ class DedicationRuntime:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self.unsynced_backwards = 0 if self.sync_grads else self.unsynced_backwards + 1
         self._free_frozen_residents()
         for boundary in self.boundaries:
             if boundary.awaits_backward:
@@ -634,8 +638,23 @@ class DedicationRuntime:
         for dp in self.params:
             gradients.accumulated(dp.module_param)  # applies a cleared or zeroed marker
 
+    def check_synchronised(self) -> None:
+        """Raise before a step whose dedicated gradients never reached their owners: every
+        backward since the last step ran under ``no_sync`` (the same on every rank)."""
+        if self.unsynced_backwards:
+            raise RuntimeError(
+                f"optimizer.step() after {self.unsynced_backwards} backward(s) that all ran "
+                "under dmuon.no_sync: their dedicated gradients were only accumulated on "
+                "the ranks that computed them and never reduced to their owners, so this "
+                "step would change no dedicated weight and the next zero_grad() would discard "
+                "them. Run the last micro-batch's backward outside no_sync (wrap only the "
+                "others: `with dmuon.no_sync(model) if i < accum - 1 else nullcontext():`). "
+                "No weight was changed."
+            )
+
     def clear_gradients(self, set_to_none: bool = True) -> None:
         """Clear (or zero) every stored gradient of every dedicated parameter."""
+        self.unsynced_backwards = 0
         holders = {
             id(p): p for dp in self.params for p in (dp.param, dp.registered) if p is not None
         }

@@ -200,3 +200,40 @@ def weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
         {"name": "decay", "params": decay},
         {"name": "no_decay", "params": no_decay, "adamw_weight_decay": 0.0},
     ]
+
+
+def route_group(param_group: Mapping[str, Any], state: DedicationState) -> list[dict[str, Any]]:
+    """A param group without ``"algorithm"`` as groups with one (`dmuon.Muon.add_param_group`).
+
+    Its dedicated parameters go to Muon and the others to AdamW, as the constructor routes
+    them. A group of one kind keeps torch's meaning of its keys (``lr`` is that algorithm's
+    rate); a group of both kinds takes the constructor's convention for its user groups
+    (Muon's names for the dedicated part, ``adamw_*`` for the rest).
+    """
+    records_of: dict[int, list[nn.Parameter]] = {}
+    for dp in state.params:
+        records_of.setdefault(id(dp.module_param), []).append(dp.param)
+    params = param_group.get("params")
+    params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+    muon = [r for p in params for r in records_of.get(id(p), [])]
+    adamw = [p for p in params if id(p) not in records_of]
+    keys = {k: v for k, v in param_group.items() if k != "params"}
+    if not (muon and adamw):
+        algorithm = "muon" if muon else "adamw"
+        return [{**keys, "params": muon or adamw, "algorithm": algorithm}]
+    unknown = sorted(set(keys) - {*_OTHER_KEYS, *MUON_KEYS, *ADAMW_KEYS})
+    if unknown:
+        raise ValueError(
+            f'this param group has no "algorithm" and holds {len(muon)} dedicated '
+            f"matrices (Muon's) and {len(adamw)} other parameter(s) (AdamW's), so its keys "
+            f"follow dmuon.Muon's param_groups: {unknown} are not among them. Give Muon's "
+            f"{list(MUON_KEYS)} and AdamW's {list(ADAMW_KEYS)}, or add one group per "
+            'algorithm with "algorithm": "muon" or "adamw".'
+        )
+    name = {"name": keys["name"]} if "name" in keys else {}
+    muon_part = {k: v for k, v in keys.items() if k in MUON_KEYS}
+    adamw_part = {ADAMW_KEYS[k]: v for k, v in keys.items() if k in ADAMW_KEYS}
+    return [
+        {**muon_part, **name, "params": muon, "algorithm": "muon"},
+        {**adamw_part, **name, "params": adamw, "algorithm": "adamw"},
+    ]

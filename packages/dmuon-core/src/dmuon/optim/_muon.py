@@ -36,7 +36,7 @@ from dmuon._ownership.fsdp_integration import verify_not_sharded
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.state import DedicationState, get_dedication, unwrap
 from dmuon.optim._adamw_step import adamw_step
-from dmuon.optim._groups import build_param_groups
+from dmuon.optim._groups import build_param_groups, route_group
 from dmuon.optim._muon_update import (
     DEFAULT_MAX_WORKSPACE_BYTES,
     Workspaces,
@@ -303,12 +303,20 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, dict(self._group_defaults["muon"], algorithm="muon"))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a param group; ``param_group["algorithm"]`` must be ``"muon"`` or ``"adamw"``.
+        """Add a param group: ``param_group["algorithm"]`` is ``"muon"`` or ``"adamw"``.
 
         Missing hyperparameters are taken from the constructor arguments of that algorithm
         (for ``"adamw"``: ``lr=adamw_lr``, ``betas``, ``eps``, ``weight_decay``). A Muon group
         may only hold parameters dedicated by ``dmuon.dedicate_params``.
+
+        A torch-style group without ``"algorithm"`` goes where the constructor would put
+        its parameters (see `dmuon.optim._groups.route_group`): dedicated ones to Muon,
+        the others to AdamW, one group of each for a group holding both.
         """
+        if "algorithm" not in param_group:
+            for group in route_group(param_group, self._dedication()):
+                self.add_param_group(group)
+            return
         algorithm = param_group.get("algorithm")
         if algorithm not in self._group_defaults:
             raise ValueError(
@@ -369,7 +377,8 @@ class Muon(torch.optim.Optimizer):
         if not self._params_checked:
             self._check_params_are_the_models()
         state = get_dedication(self._model)
-        if state is not None:  # HSDP: the last step's values, before this one changes them
+        if state is not None:  # no_sync's gradients reduced; HSDP: the last step's values
+            state.runtime.check_synchronised()
             state.runtime.wait_for_updates()
         loss = None
         if closure is not None:
