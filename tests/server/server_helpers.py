@@ -78,6 +78,7 @@ def make_settings(tmp_path: Path, **overrides: Any) -> Settings:
         "data_roots": (tmp_path / "datasets",),
         "allowed_hosts": ("testserver",),  # the Host of TestClient
         "allow_same_user_jobs": True,  # script jobs run as the test's own account
+        "job_env": ("FAKE_*",),  # the fake recipe's knobs come from the server's env
     }
     kw.update(overrides)
     return Settings(**kw)
@@ -289,6 +290,7 @@ class LiveServer:
         # Tests say which GPUs the server has: none unless they declare some (on a GPU host
         # `--gpus auto` would make jobs wait for devices the test does not know about).
         self.extra = list(extra) if "--gpus" in extra else [*extra, "--gpus", "none"]
+        self.extra += ["--job-env", "FAKE_*"]  # the fake recipe's knobs
         self.env = {**os.environ, **(env or {})}
         # A server with no auth flag makes a token of its own: tests that are not about
         # authentication run the explicit single-person mode instead.

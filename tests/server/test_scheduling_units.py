@@ -264,3 +264,48 @@ def test_under_slurm_submitted_jobs_count_against_the_gpu_limit(tmp_path: Path) 
     supervisor.tick()
     assert launcher.started[-1] == ("j2", []) and rounds == [1, 1]
     store.close()
+
+
+def test_a_job_receives_only_the_allow_listed_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's variables a job gets: the documented allow-list and ``--job-env``;
+    an operator's credential that nobody listed stays with the server (the oracle is the
+    environment the server was given)."""
+    from server_helpers import make_settings
+
+    from dmuon_server.launching.command import JOB_ENV_ALLOWED, job_env
+
+    given = {
+        "PATH": "/usr/bin",
+        "LANG": "C.UTF-8",
+        "HF_HOME": "/models",
+        "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000",
+        "AWS_SECRET_ACCESS_KEY": "operator-key",
+        "GITHUB_TOKEN": "ghp-operator",
+        "MY_TEAM_SETTING": "x",
+        "MY_CLOUD_KEY": "listed-but-secret",
+        "DMUON_SERVER_TOKEN": "the-token",
+        "RANK": "3",
+    }
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    settings = make_settings(
+        tmp_path, job_env=("MY_TEAM_*", "MY_CLOUD_KEY"), secret_env=("MY_CLOUD_KEY",)
+    )
+    env = job_env(settings, {"DMUON_JOB_ID": "j"})
+    seen = {k: env.get(k) for k in given}
+    assert seen == {
+        "PATH": "/usr/bin",
+        "LANG": "C.UTF-8",
+        "HF_HOME": "/models",
+        "MLFLOW_TRACKING_URI": "http://127.0.0.1:5000",
+        "AWS_SECRET_ACCESS_KEY": None,
+        "GITHUB_TOKEN": None,
+        "MY_TEAM_SETTING": "x",
+        "MY_CLOUD_KEY": None,  # --secret-env wins over --job-env
+        "DMUON_SERVER_TOKEN": None,
+        "RANK": None,
+    }
+    assert env["DMUON_JOB_ID"] == "j"
+    assert "PATH" in JOB_ENV_ALLOWED

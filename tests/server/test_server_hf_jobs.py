@@ -332,3 +332,35 @@ def test_real_hf_job_runs_streams_and_lists_its_export(
     finally:
         server.stop()
     assert not job_processes(data_dir)
+
+
+def test_artifact_names_a_job_chose_are_escaped_in_listings_and_renamed_in_archives(
+    client: TestClient, data_dir: Path
+) -> None:
+    """A file named with a right-to-left override and a line break (U+202E, U+000A): the
+    listing keeps its exact path (to fetch it) and shows it escaped; the archive's member
+    is renamed to the escaped name, so no entry can pass for another."""
+    import io
+    import tarfile
+
+    from server_helpers import finish_all_jobs
+
+    job = client.post("/v1/jobs", json=job_spec(steps=2)).json()
+    finish_all_jobs(client)
+    job_dir = data_dir / "jobs" / job["id"]
+    tricky = "export/model\u202egpj.exe\nconfig.json"
+    (job_dir / "export").mkdir(parents=True, exist_ok=True)
+    (job_dir / tricky).write_bytes(b"payload")
+    (job_dir / "export/plain.json").write_bytes(b"{}")
+    listed = client.get(f"/v1/jobs/{job['id']}/artifacts", params={"under": "export"}).json()
+    by_path = {a["path"]: a["shown"] for a in listed["items"]}
+    assert by_path == {
+        tricky: "export/model\\u202egpj.exe\\u000aconfig.json",
+        "export/plain.json": "export/plain.json",
+    }
+    r = client.get(f"/v1/jobs/{job['id']}/archive/export")
+    assert r.status_code == 200
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+        names = tar.getnames()
+        assert names == ["export/model\\u202egpj.exe\\u000aconfig.json", "export/plain.json"]
+        assert tar.extractfile(names[0]).read() == b"payload"

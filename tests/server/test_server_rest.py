@@ -431,3 +431,19 @@ def test_a_spec_of_only_the_model_runs_on_the_recipes_defaults(client: TestClien
     for name in ("steps", "micro_batch_size", "accum_steps", "seq_len", "lr", "optimizer"):
         assert train[name] == contract.flag(name).default, name
     client.post(f"/v1/jobs/{r.json()['id']}/cancel")
+
+
+def test_a_minimal_spec_runs_one_process_or_one_per_gpu_asked_for(client: TestClient) -> None:
+    """``{"train": {"model": "tiny"}}`` is a whole spec: one process; with
+    ``gpus_per_node`` and no ``nproc_per_node``, one process per GPU (the spec echoed
+    back, with the recipe's defaults filled in, is the oracle)."""
+    r = client.post("/v1/jobs", json={"train": {"model": "tiny"}})
+    assert r.status_code == 201, r.text
+    assert r.json()["nproc_per_node"] == 1
+    from dmuon_server.schemas import JobCreate
+
+    spec = {"train": {"model": "tiny"}}
+    assert JobCreate.model_validate({**spec, "gpus_per_node": 4}).nproc_per_node == 4
+    assert JobCreate.model_validate({**spec, "gpus_per_node": 0}).nproc_per_node == 1
+    given = {**spec, "gpus_per_node": 4, "nproc_per_node": 2}
+    assert JobCreate.model_validate(given).nproc_per_node == 2

@@ -208,6 +208,14 @@ def build_parser() -> argparse.ArgumentParser:
         "reaches a job)",
     )
     p.add_argument(
+        "--job-env",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="an environment variable of the server jobs also receive (repeatable; NAME* "
+        "for a prefix); by default only the documented allow-list reaches a job",
+    )
+    p.add_argument(
         "--cancel-grace-s",
         dest="cancel_grace",
         type=float,
@@ -393,6 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         max_job_pids=args.max_job_pids,
         max_job_cpus=args.max_job_cpus,
         secret_env=tuple(args.secret_env),
+        job_env=tuple(args.job_env),
         launcher=args.launcher,
         allowed_hosts=_allowed_hosts(args, token),
         gpus=gpus,

@@ -94,6 +94,9 @@ class Settings:
             ``host_network`` in the users file do, and the others get a loopback-only
             network of their own.
         working_dir: The folder the server was started from (hidden from jobs).
+        job_env: More of the server's environment variables jobs receive (``--job-env``;
+            ``NAME`` or a prefix ``NAME*``) besides
+            :data:`dmuon_server.launching.command.JOB_ENV_ALLOWED`.
         max_job_pids: Processes (threads included) a local job may run at once, held by
             the job's cgroup (:mod:`dmuon_server.launching.cgroups`).
         max_job_cpus: CPUs' worth of time a local job may use (its cgroup's CPU quota);
@@ -132,6 +135,7 @@ class Settings:
     sandbox: Literal["bwrap", "none"] = "none"
     token_file: Path | None = None
     host_network: bool = False
+    job_env: tuple[str, ...] = ()
     max_job_pids: int = 4096
     max_job_cpus: float | None = None
     working_dir: Path = field(default_factory=lambda: Path(os.getcwd()))

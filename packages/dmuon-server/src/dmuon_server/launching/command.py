@@ -81,6 +81,30 @@ _SCRUBBED_VARS = frozenset(
 )
 
 
+#: The server's environment variables a job receives (a name ending in ``*`` is a prefix);
+#: ``--job-env`` adds more. Everything else (credentials of the operator's shell, cloud
+#: keys, the server's own settings) stays with the server.
+JOB_ENV_ALLOWED: tuple[str, ...] = (
+    # the system: finding programs and libraries, language, time zone, certificates, proxies
+    "PATH", "LD_LIBRARY_PATH", "LANG", "LANGUAGE", "LC_*", "TZ", "TERM",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE",
+    "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY", "http_proxy", "https_proxy", "no_proxy",
+    # Python and the numeric libraries
+    "PYTHONPATH", "PYTHONHASHSEED", "PYTHONDONTWRITEBYTECODE", "PYTHONUNBUFFERED",
+    "OPENBLAS_*", "MKL_*", "KMP_*", "GOMP_*",
+    # PyTorch, CUDA and NCCL
+    "TORCH_*", "CUDA_*", "NCCL_*", "NVIDIA_*", "CUBLAS_*", "CUDNN_*",
+    # Hugging Face, trackers, DMuon's own switches
+    "HF_*", "TRANSFORMERS_*", "TOKENIZERS_*", "MLFLOW_*", "WANDB_*", "DMUON_*",
+)  # fmt: skip
+
+
+def env_allowed(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether the variable ``name`` matches one of ``patterns`` (exact names, or prefixes
+    written with a trailing ``*``)."""
+    return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in patterns)
+
+
 def _fmt_float(x: float) -> str:
     return repr(float(x))
 
@@ -355,17 +379,22 @@ def launch_env(
 
 
 def job_env(settings: Settings, plan_env: dict[str, str]) -> dict[str, str]:
-    """The server's environment without its secrets and torchrun/rank variables, plus
-    ``plan_env``.
+    """The server's variables a job may see (`JOB_ENV_ALLOWED` and ``--job-env``), without
+    its secrets and torchrun/rank variables, plus ``plan_env``.
 
     A job runs code paths its submitter chose, so it never receives the server's token
-    (``DMUON_SERVER_TOKEN``) nor any variable named by ``--secret-env``.
+    (``DMUON_SERVER_TOKEN``) nor any variable named by ``--secret-env``, nor any other
+    variable of the server's that the allow-list does not name.
     """
     secret = set(settings.secret_env)
+    allowed = (*JOB_ENV_ALLOWED, *settings.job_env)
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in _SCRUBBED_VARS and k not in secret and not k.startswith(_SCRUBBED_PREFIXES)
+        if env_allowed(k, allowed)
+        and k not in _SCRUBBED_VARS
+        and k not in secret
+        and not k.startswith(_SCRUBBED_PREFIXES)
     }
     env.update(plan_env)
     return env

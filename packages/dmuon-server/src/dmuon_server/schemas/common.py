@@ -9,6 +9,7 @@ numbers stay numbers. :func:`encode_nonfinite` does the conversion.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Literal
 
 from pydantic import (
@@ -42,6 +43,14 @@ def encode_nonfinite(value: Any) -> Any:
 #: characters (U+200B-U+200D, U+2060, U+FEFF) and no line or paragraph separators
 #: (U+2028, U+2029), which would let one name pass for another in a list.
 NAME_PATTERN = r"^[^\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]+$"
+
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200b-\u200f\u2028-\u202e\u2060-\u2069\ufeff]")
+
+
+def escape_unsafe(text: str) -> str:
+    """``text`` with each character `NAME_PATTERN` refuses written as ``\\uXXXX``
+    (``\\u202e`` for a right-to-left override): what is shown of a name a job chose."""
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
 
 
 class StrictModel(BaseModel):

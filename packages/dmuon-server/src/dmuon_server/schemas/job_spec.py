@@ -3,7 +3,7 @@ launcher's options; and a resume request."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import dmuon_recipe_contract as contract
 from pydantic import (
@@ -97,9 +97,11 @@ class JobCreate(StrictModel):
         "line-separator characters (no right-to-left override, zero-width space, ...).",
     )
     nproc_per_node: int = Field(
+        default=1,
         ge=1,
         le=1024,
-        description="Processes torchrun starts (world size); at most the server's limit.",
+        description="Processes torchrun starts per node; at most the server's limit. "
+        "Omitted: `gpus_per_node` when that asks for GPUs, else 1.",
     )
     nnodes: int = Field(
         default=1,
@@ -171,6 +173,15 @@ class JobCreate(StrictModel):
         description="Start from the weights of another job's checkpoint (`--init-from`); "
         "the optimizer starts fresh at step 1. Recipe jobs only.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _processes_follow_the_gpus(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "nproc_per_node" not in data:
+            gpus = data.get("gpus_per_node")
+            if isinstance(gpus, int) and not isinstance(gpus, bool) and gpus > 0:
+                return {**data, "nproc_per_node": gpus}
+        return data
 
     @model_validator(mode="after")
     def _one_program(self) -> JobCreate:

@@ -321,6 +321,10 @@ class Artifact(BaseModel):
     """A file a job wrote."""
 
     path: str = Field(description="Relative to the job's folder, e.g. `export/config.json`.")
+    shown: str = Field(
+        description="`path` as it is safe to show: control, bidirectional and invisible "
+        "characters (names a job chose) written as `\\uXXXX`, e.g. `\\u202e`."
+    )
     bytes: int
     kind: ArtifactKind = Field(
         description="`checkpoint` (under `checkpoints/`), `export` (the HF directory under "

@@ -27,6 +27,7 @@ from fastapi.responses import StreamingResponse
 from dmuon_server.http.dependencies import IdentitiesDep, JobDep, SettingsDep
 from dmuon_server.http.errors import ApiError, error_responses
 from dmuon_server.schemas import Artifact, ArtifactKind, ArtifactList
+from dmuon_server.schemas.common import escape_unsafe
 from dmuon_server.storage.jobfiles import (
     CHECKPOINT_DIR,
     EXPORT_DIR,
@@ -102,7 +103,8 @@ def iter_artifacts(
             except OSError:
                 continue
             if servable(st, owner_uid):
-                yield Artifact(path=relative, bytes=st.st_size, kind=kind)
+                shown = escape_unsafe(relative)
+                yield Artifact(path=relative, shown=shown, bytes=st.st_size, kind=kind)
 
     if all(p not in ("", ".", "..") for p in start):
         yield from walk(start)
@@ -282,7 +284,9 @@ def get_archive(
 
     def stream() -> Iterator[bytes]:
         for path in files:
-            yield from _tar_member(root, path, path[len(base) :], owner)
+            # A name a job chose is renamed where it holds characters that could make
+            # one file pass for another (U+202E, line breaks): escaped as in listings.
+            yield from _tar_member(root, path, escape_unsafe(path[len(base) :]), owner)
         yield bytes(2 * _BLOCK)
 
     name = f"{job.id[:8]}-{folder.replace('/', '-')}.tar"

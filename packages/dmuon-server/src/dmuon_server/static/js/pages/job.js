@@ -379,7 +379,7 @@ export function renderJob(main, jobId) {
         artifacts.replaceChildren(h("h2", {}, t("job.export")),
           h("p", { class: "muted" }, t("job.export_help"), " ", whole),
           h("ul", { id: "export-files" }, exported.map((a) => h("li", {},
-            h("a", { href: "#", dataset: { path: a.path }, onclick: (event) => download(event, a.path) }, a.path),
+            h("a", { href: "#", dataset: { path: a.path }, onclick: (event) => download(event, a.path) }, a.shown),
             ` (${fmtInt(a.bytes)} B)`))));
       } catch {
         artifacts.hidden = true;
