@@ -39,7 +39,9 @@ def test_the_allocator_takes_the_lowest_free_devices() -> None:
     assert gpus.allocate((0, 1, 2, 3), busy=[1], count=2) == [0, 2]
     assert gpus.allocate((0, 1, 2, 3), busy=[0, 1, 2], count=2) is None
     assert gpus.allocate((0, 1), busy=[0, 1], count=0) == []
-    assert gpus.visible_devices([2, 3]) == "2,3" and gpus.visible_devices([]) == ""
+    from dmuon_server.launching.command import visible_devices
+
+    assert visible_devices([2, 3]) == "2,3" and visible_devices([]) == ""
 
 
 @settings(max_examples=200, deadline=None)

@@ -37,8 +37,13 @@ def test_jobs_never_see_the_token_or_marked_secrets(
     monkeypatch.setenv("DMUON_SERVER_TOKEN", "tok-in-env")
     monkeypatch.setenv("CLOUD_KEY", "hunter2")
     monkeypatch.setenv("HARMLESS", "kept")
+    monkeypatch.setenv("UNLISTED", "the operator's")
     settings = make_settings(
-        tmp_path, data_dir=data_dir, token="tok-in-env", secret_env=("CLOUD_KEY",)
+        tmp_path,
+        data_dir=data_dir,
+        token="tok-in-env",
+        secret_env=("CLOUD_KEY",),
+        job_env=("FAKE_*", "HARMLESS"),
     )
     with TestClient(create_app(settings)) as c:
         auth = {"Authorization": "Bearer tok-in-env"}
@@ -47,9 +52,10 @@ def test_jobs_never_see_the_token_or_marked_secrets(
         procs = processes_of_job(job["id"])
         assert len(procs) >= 3  # the runner (torchrun) and two ranks
         envs = [p.environ() for p in procs]
-        assert all(e.get("HARMLESS") == "kept" for e in envs)  # the rest is inherited
+        assert all(e.get("HARMLESS") == "kept" for e in envs)  # --job-env lists it
         for env in envs:
             assert "DMUON_SERVER_TOKEN" not in env and "CLOUD_KEY" not in env
+            assert "UNLISTED" not in env  # not on the allow-list
             assert "tok-in-env" not in env.values() and "hunter2" not in env.values()
         c.post(f"/v1/jobs/{job['id']}/cancel", headers=auth)
         wait_until(lambda: _job_state(c, job["id"], auth) == "cancelled", 60, "the job to end")

@@ -33,6 +33,7 @@ from dmuon_server import __version__
 from dmuon_server.config import (
     DEFAULT_JOB_MEMORY_FRACTION,
     DEFAULT_MAX_BODY_BYTES,
+    LOOPBACK_NAMES,
     TOKEN_ENV,
     Settings,
     default_max_job_memory,
@@ -46,7 +47,7 @@ from dmuon_server.http.auth import (
     read_token_file,
     secret_names,
 )
-from dmuon_server.http.hosts import LOOPBACK_NAMES, is_loopback, listening_socket
+from dmuon_server.http.hosts import is_loopback, listening_socket
 from dmuon_server.launching import sandbox
 from dmuon_server.launching.identity import IdentityError, JobIdentities
 from dmuon_server.scheduling.gpus import GpuSpecError

@@ -38,6 +38,12 @@ def usable_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+#: The names a loopback server answers to without ``--allowed-host``.
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
+#: The runner's exit report in a job's folder (written by `dmuon_server.runner`).
+EXIT_FILE = "exit.json"
+
+
 @dataclass(frozen=True)
 class Settings:
     """Everything the server needs to know; immutable once the app is built.
@@ -188,8 +194,6 @@ class Settings:
     def host_check(self) -> tuple[str, ...] | None:
         """The host names requests may name, or None when ``Host`` is not checked (a
         server with tokens and no ``--allowed-host``)."""
-        from dmuon_server.http.hosts import LOOPBACK_NAMES
-
         if (self.token or self.users_file) and not self.allowed_hosts:
             return None
         return (*LOOPBACK_NAMES, *self.allowed_hosts)

@@ -44,7 +44,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-EXIT_FILE = "exit.json"
+from dmuon_server.config import EXIT_FILE
+
 #: Seconds between two looks for ranks stopped while told to end.
 STOPPED_RANK_POLL_S = 0.5
 

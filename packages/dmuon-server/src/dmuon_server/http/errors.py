@@ -14,6 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from dmuon_server.schemas import FieldError, Problem
+from dmuon_server.schemas.responses import field_error
 from dmuon_server.storage.store import StoreFull, StoreUnavailable
 
 log = logging.getLogger("dmuon_server")
@@ -102,15 +103,6 @@ def problem_response(
         status_code=status,
         media_type=PROBLEM_JSON,
         headers=headers,
-    )
-
-
-def field_error(
-    loc: tuple[str | int, ...] | list[str | int], message: str, kind: str
-) -> FieldError:
-    """A :class:`FieldError` for the location ``loc`` (``("body", "train", "steps")``)."""
-    return FieldError(
-        field=".".join(str(p) for p in loc), loc=list(loc), message=message, type=kind
     )
 
 

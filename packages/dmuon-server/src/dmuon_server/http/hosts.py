@@ -22,8 +22,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dmuon_server.http.errors import ERROR_TEXT, problem_response
 
-#: The names a loopback server answers to without ``--allowed-host``.
-LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 _WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 

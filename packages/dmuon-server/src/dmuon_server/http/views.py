@@ -5,35 +5,22 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
-from datetime import datetime, timezone
 from typing import Any
 
-from pydantic import TypeAdapter
-
-from dmuon_server.scheduling.queue_policy import Place
 from dmuon_server.schemas import (
     TERMINAL_STATES,
     Attempt,
     FailureInfo,
     Job,
-    JobEvent,
     JobSummary,
     MetricPoint,
     Transition,
+    spec_of,
 )
-from dmuon_server.storage.records import JobRecord, StoredEvent
+from dmuon_server.schemas.views import Place, event_view, ts
+from dmuon_server.storage.records import JobRecord
 from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store
-
-
-def ts(value: float | None) -> datetime | None:
-    """A stored unix time as an aware UTC datetime."""
-    return None if value is None else datetime.fromtimestamp(value, tz=timezone.utc)
-
-
-def iso_utc(value: float) -> str:
-    """A stored unix time as the API writes times everywhere: ISO 8601, UTC, ``Z``."""
-    return TypeAdapter(datetime).dump_python(ts(value), mode="json")
 
 
 def _num(value: Any) -> float | None:
@@ -58,7 +45,7 @@ def summarize(store: Store, job: JobRecord) -> JobSummary:
     and last stored points when it increases, else the times the points arrived.
     """
     stats = store.metric_summary(job.id)
-    steps = job.steps
+    steps = spec_of(job).steps
     last_step = stats.last_step
     now = time.time()
     elapsed = None
@@ -98,7 +85,7 @@ def summarize(store: Store, job: JobRecord) -> JobSummary:
 def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = None) -> Job:
     """The API model of a stored job, with its history, live summary and, when it waits in
     the queue, its place there (``places``, from the supervisor)."""
-    spec = job.spec_model
+    spec = spec_of(job)
     history = [
         Transition(state=h.state, reason=h.reason, at=ts(h.at))  # type: ignore[arg-type]
         for h in store.history(job.id)
@@ -153,18 +140,6 @@ def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = 
         failure=failure,
         summary=summarize(store, job),
         recipe_summary=recipe_summary,
-    )
-
-
-def event_view(event: StoredEvent) -> JobEvent:
-    """A stored recipe event (one of :meth:`Store.events`) as the API shows it."""
-    return JobEvent(
-        kind=event.kind,
-        level=event.level,
-        message=event.message,
-        step=event.step,
-        attempt=event.attempt,
-        at=ts(event.at),  # type: ignore[arg-type]
     )
 
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dmuon_server.config import Settings
+from dmuon_server.config import EXIT_FILE, Settings
 from dmuon_server.launching.command import attempt_argv, job_env, launch_env
 from dmuon_server.launching.identity import Account, JobIdentities, account_env, chown_to, job_home
-from dmuon_server.runner import EXIT_FILE
+from dmuon_server.schemas import spec_of
 from dmuon_server.storage.jobfiles import (
     CHECKPOINT_DIR,
     LOG_FILE,
@@ -81,7 +81,7 @@ def begin(
     job_dir = settings.job_dir(job.id)
     latest = latest_checkpoint(job_dir / CHECKPOINT_DIR)
     number = store.start_attempt(job.id, cause, latest.step if latest is not None else None)
-    spec = job.spec_model
+    spec = spec_of(job)
     argv = attempt_argv(spec, job.argv_list, job_dir, number, resuming=latest is not None)
     plan_env = launch_env(
         settings,
@@ -189,7 +189,7 @@ def conclude(
     job_dir = settings.job_dir(job.id)
     rc = report.get("returncode") if report else launcher_rc
     cancelled_at = job.cancel_requested_at
-    steps = job.steps
+    steps = spec_of(job).steps
     if cancelled_at is not None and steps is not None and trained_to_the_end(job_dir, steps):
         reason = f"trained all {steps} steps and saved the last checkpoint; the cancel came after"
         if scheduler is not None:

@@ -31,7 +31,6 @@ from dmuon_server.config import (
     usable_cpus,
 )
 from dmuon_server.recipe.review import Review
-from dmuon_server.scheduling.gpus import visible_devices
 from dmuon_server.schemas import (
     GENERATED_FLAGS,
     JobCreate,
@@ -103,6 +102,11 @@ def env_allowed(name: str, patterns: tuple[str, ...]) -> bool:
     """Whether the variable ``name`` matches one of ``patterns`` (exact names, or prefixes
     written with a trailing ``*``)."""
     return any(name.startswith(p[:-1]) if p.endswith("*") else name == p for p in patterns)
+
+
+def visible_devices(gpus: list[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of a job holding ``gpus`` (empty: it sees none)."""
+    return ",".join(str(d) for d in gpus)
 
 
 def _fmt_float(x: float) -> str:

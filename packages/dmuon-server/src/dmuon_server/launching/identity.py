@@ -21,11 +21,11 @@ from __future__ import annotations
 import os
 import pwd
 import stat
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dmuon_server.config import Settings
+from dmuon_server.storage.accounts import Account, chown_to
 from dmuon_server.users import Users
 
 #: Modes of the data directory and its ``jobs`` folder when jobs run as other accounts:
@@ -47,16 +47,6 @@ _STATE_FILES = (
 
 class IdentityError(ValueError):
     """An account the server cannot run jobs as; the message says what to do."""
-
-
-@dataclass(frozen=True)
-class Account:
-    """A Unix account jobs run as."""
-
-    name: str
-    uid: int
-    gid: int
-    home: Path
 
 
 def lookup_account(name: str, what: str) -> Account:
@@ -255,14 +245,3 @@ def job_home(account: Account | None, job_dir: Path, *, sandboxed: bool) -> Path
     except OSError:
         return job_dir
     return account.home if stat.S_ISDIR(st.st_mode) and st.st_uid == account.uid else job_dir
-
-
-def chown_to(path: Path | int, account: Account | None) -> None:
-    """Give ``path`` (or an open descriptor) to ``account``; nothing for the server's own
-    account. Links are never followed."""
-    if account is None or os.geteuid() != 0:
-        return
-    if isinstance(path, int):
-        os.fchown(path, account.uid, account.gid)
-    else:
-        os.chown(path, account.uid, account.gid, follow_symlinks=False)

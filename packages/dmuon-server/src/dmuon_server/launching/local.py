@@ -51,7 +51,7 @@ from dmuon_server.launching.procs import (
     verified_process,
 )
 from dmuon_server.launching.protocol import Isolated
-from dmuon_server.schemas import ACTIVE_STATES
+from dmuon_server.schemas import ACTIVE_STATES, spec_of
 from dmuon_server.storage.datadir import disk_full
 from dmuon_server.storage.jobfiles import DISK_FULL_TEXT, metrics_file, read_exit_report
 from dmuon_server.storage.records import JobRecord
@@ -383,7 +383,7 @@ class LocalLauncher:
         Restarts are counted since the job's last submission or resume, and keep the
         job's GPUs.
         """
-        allowed = job.spec_model.max_restarts
+        allowed = spec_of(job).max_restarts
         used = attempts.restarts_used(self.store, job.id)
         if used >= allowed:
             return False

@@ -38,7 +38,7 @@ from dmuon_server.launching.slurm import (
     is_final,
     service_state,
 )
-from dmuon_server.schemas import JobCreate
+from dmuon_server.schemas import JobCreate, spec_of
 from dmuon_server.storage.datadir import StartupError
 from dmuon_server.storage.jobfiles import LOG_FILE, TORCHRUN_LOG_DIR, metrics_file, read_exit_report
 from dmuon_server.storage.records import JobRecord
@@ -208,7 +208,7 @@ class SlurmLauncher:
             number = start.number
             script = write_batch_script(
                 self.settings,
-                job.spec_model,
+                spec_of(job),
                 job_dir,
                 number,
                 program_of(start.argv),

@@ -19,7 +19,6 @@ import dmuon_recipe_contract as contract
 from dmuon_server.config import (
     Settings,
 )
-from dmuon_server.http.errors import field_error
 from dmuon_server.recipe.admission import ModelInputs, assess
 from dmuon_server.recipe.hf_models import ModelDirError, read_model_dir, tokenizer_vocab
 from dmuon_server.schemas import (
@@ -29,6 +28,7 @@ from dmuon_server.schemas import (
     JobCreate,
     ModelPath,
 )
+from dmuon_server.schemas.responses import field_error
 from dmuon_server.storage.jobfiles import (
     CHECKPOINT_DIR,
     CheckpointInfo,

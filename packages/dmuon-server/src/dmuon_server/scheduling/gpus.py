@@ -79,8 +79,3 @@ def allocate(devices: Iterable[int], busy: Iterable[int], count: int) -> list[in
     taken = set(busy)
     free = [d for d in devices if d not in taken]
     return free[:count] if len(free) >= count else None
-
-
-def visible_devices(gpus: list[int]) -> str:
-    """``CUDA_VISIBLE_DEVICES`` of a job holding ``gpus`` (empty: it sees none)."""
-    return ",".join(str(d) for d in gpus)

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from dmuon_server.scheduling.gpus import allocate
+from dmuon_server.schemas.views import Place
 from dmuon_server.users import Limits
 
 
@@ -75,14 +76,6 @@ def _over_limit(job: Waiting, held: Holding) -> str | None:
             "(their limit)"
         )
     return None
-
-
-@dataclass(frozen=True)
-class Place:
-    """Where a waiting job stands: 1 for the next to start, and why it waits."""
-
-    position: int
-    reason: str
 
 
 @dataclass

@@ -24,7 +24,7 @@ from dmuon_server.recipe.review import gpus_of_job, gpus_per_node
 from dmuon_server.scheduling import queue_policy
 from dmuon_server.scheduling.lifecycle import move_job
 from dmuon_server.scheduling.queue_policy import Holding, Place, Plan, Waiting
-from dmuon_server.schemas import ACTIVE_STATES, TERMINAL_STATES
+from dmuon_server.schemas import ACTIVE_STATES, TERMINAL_STATES, spec_of
 from dmuon_server.storage.records import JobRecord
 from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store, StoreFull
@@ -157,18 +157,18 @@ class Supervisor:
         holding: dict[str | None, Holding] = {}
         for j in launched:
             had = holding.get(j.user, Holding())
-            used = len(j.gpu_list) or gpus_of_job(self.settings, j.spec_model)
+            used = len(j.gpu_list) or gpus_of_job(self.settings, spec_of(j))
             holding[j.user] = Holding(had.jobs + 1, had.gpus + used)
         users = self.identities.users
         local = self.settings.launcher == "local"
         waiting = [
             Waiting(
                 j.id,
-                gpus_of_job(self.settings, j.spec_model),
+                gpus_of_job(self.settings, spec_of(j)),
                 j.priority,
                 j.user,
                 users.limits_of(j.user),
-                devices=gpus_per_node(self.settings, j.spec_model) if local else 0,
+                devices=gpus_per_node(self.settings, spec_of(j)) if local else 0,
             )
             for j in queued
         ]
@@ -229,7 +229,7 @@ class Supervisor:
             job = self.store.get_job(job_id)
             if job is None or job.state in TERMINAL_STATES:
                 return job
-            steps = job.steps
+            steps = spec_of(job).steps
             if job.state in ACTIVE_STATES and job.cancel_requested_at is None and steps:
                 last = self.store.metric_summary(job_id).last_step
                 if last is not None and last >= steps:

@@ -24,6 +24,7 @@ from dmuon_server.schemas.job_spec import (
     ResumeRequest,
     ScriptArg,
     ScriptSpec,
+    spec_of,
 )
 from dmuon_server.schemas.responses import (
     Admission,
@@ -121,4 +122,5 @@ __all__ = [
     "UserInfo",
     "UserList",
     "encode_nonfinite",
+    "spec_of",
 ]

@@ -3,6 +3,7 @@ launcher's options; and a resume request."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Annotated, Any, Literal
 
 import dmuon_recipe_contract as contract
@@ -18,6 +19,7 @@ from dmuon_server.schemas.common import (
 from dmuon_server.schemas.train_spec import (
     TrainSpec,
 )
+from dmuon_server.storage.records import JobRecord
 
 #: An argument of a script: any text but NUL (it becomes one argv entry, never shell text).
 ScriptArg = Annotated[str, Field(max_length=1024, pattern=r"^[^\x00]*$")]
@@ -232,3 +234,15 @@ class ResumeRequest(StrictModel):
         description="New total number of optimizer steps (more than the latest "
         "checkpoint's step); the job's own `train.steps` (or `script.steps`) when omitted.",
     )
+
+
+@lru_cache(maxsize=4096)
+def _parse_spec(text: str) -> JobCreate:
+    return JobCreate.model_validate_json(text)
+
+
+def spec_of(job: JobRecord) -> JobCreate:
+    """A stored job's spec, parsed once per text: every view and round of the scheduler
+    reads the specs of many jobs, which change only when a job is resumed. Treat the
+    result as read-only (``model_copy`` makes a changed one)."""
+    return _parse_spec(job.spec)

@@ -390,3 +390,12 @@ class Problem(BaseModel):
     detail: str | None = None
     instance: str | None = None
     errors: list[FieldError] | None = None
+
+
+def field_error(
+    loc: tuple[str | int, ...] | list[str | int], message: str, kind: str
+) -> FieldError:
+    """A :class:`FieldError` for the location ``loc`` (``("body", "train", "steps")``)."""
+    return FieldError(
+        field=".".join(str(p) for p in loc), loc=list(loc), message=message, type=kind
+    )

@@ -23,8 +23,8 @@ from typing import Any
 
 import dmuon_recipe_contract as contract
 
-from dmuon_server.launching.identity import Account, chown_to
-from dmuon_server.runner import EXIT_FILE
+from dmuon_server.config import EXIT_FILE
+from dmuon_server.storage.accounts import Account, chown_to
 from dmuon_server.storage.safefiles import open_in, open_path_in
 
 METRICS_FILE = "metrics.jsonl"

@@ -6,19 +6,9 @@ from __future__ import annotations
 import json
 import sqlite3
 from dataclasses import dataclass, fields
-from functools import cached_property, lru_cache
 from typing import Any
 
-from dmuon_server.schemas import JobCreate
 from dmuon_server.storage.states import JobState
-
-
-@lru_cache(maxsize=4096)
-def parse_spec(text: str) -> JobCreate:
-    """A stored spec, parsed once: every view and round of the scheduler reads the specs
-    of many jobs, which change only when a job is resumed. Treat the result as read-only
-    (``model_copy`` makes a changed one)."""
-    return JobCreate.model_validate_json(text)
 
 
 @dataclass(frozen=True)
@@ -31,7 +21,8 @@ class JobRecord:
         name: Its label, or None.
         state: Where it stands.
         nproc: Processes per node.
-        spec: The accepted spec as canonical JSON (:attr:`spec_model` parses it).
+        spec: The accepted spec as canonical JSON (:func:`dmuon_server.schemas.spec_of`
+            parses it).
         spec_hash: What its idempotency key binds.
         idempotency_key: The key it was submitted with, or None.
         created_at, started_at, finished_at: Unix times.
@@ -81,16 +72,6 @@ class JobRecord:
         keys = row.keys()
         values = {f.name: row[f.name] if f.name in keys else None for f in fields(cls)}
         return cls(**{**values, "state": JobState(values["state"])})
-
-    @cached_property
-    def spec_model(self) -> JobCreate:
-        """The spec, parsed (shared between records of the same spec: read-only)."""
-        return parse_spec(self.spec)
-
-    @property
-    def steps(self) -> int | None:
-        """Optimizer steps it was asked to run (None: a script that did not say)."""
-        return self.spec_model.steps
 
     @property
     def argv_list(self) -> list[str]:

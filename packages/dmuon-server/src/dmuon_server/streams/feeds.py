@@ -33,9 +33,8 @@ from typing import Any, Literal
 
 import anyio
 
-from dmuon_server.http.views import event_view, iso_utc
-from dmuon_server.scheduling.queue_policy import Place
 from dmuon_server.schemas import TERMINAL_STATES
+from dmuon_server.schemas.views import Place, event_view, iso_utc
 from dmuon_server.storage.records import JobRecord, PointRecord, StoredEvent, TransitionRecord
 from dmuon_server.storage.states import JobState
 from dmuon_server.storage.store import Store

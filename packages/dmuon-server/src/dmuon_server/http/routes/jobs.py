@@ -40,6 +40,7 @@ from dmuon_server.schemas import (
     LaunchPlan,
     LogLines,
     ResumeRequest,
+    spec_of,
 )
 from dmuon_server.storage.jobfiles import (
     CHECKPOINT_DIR,
@@ -450,7 +451,7 @@ def resume_job(
             "submit it again as a new job",
             kind="no-checkpoint",
         )
-    spec = job.spec_model
+    spec = spec_of(job)
     steps = body.steps if body is not None and body.steps is not None else spec.steps
     if steps is not None and steps <= latest.step:
         raise ApiError(
