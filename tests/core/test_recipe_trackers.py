@@ -57,7 +57,7 @@ def expected_series(cfg: TrainConfig) -> dict[str, dict[int, float]]:
 
 
 #: Metrics that a rerun of a step reproduces exactly (the others are timings and memory).
-DETERMINISTIC = {"loss", "lr", "grad_norm", "val_loss"}
+DETERMINISTIC = {"loss", "lr", "adamw_lr", "grad_norm", "val_loss"}
 
 
 def resume_from_step_2(cfg: TrainConfig) -> TrainConfig:
@@ -78,6 +78,12 @@ def test_tensorboard_events_hold_every_step_once(base: TrainConfig, tmp_path: Pa
     events = EventAccumulator(str(folders[0]), size_guidance={"scalars": 0, "tensors": 0})
     events.Reload()
     expected = expected_series(cfg)
+    # Both rates: Muon's as lr, AdamW's (embeddings, norms, head) under the same schedule.
+    lines = metric_lines(resume_from_step_2(cfg))
+    for step in range(1, 6):
+        ratio = lines[step]["adamw_lr"] / lines[step]["lr"]
+        assert ratio == pytest.approx(cfg.adamw_rate / cfg.lr), step
+    assert "adamw_lr" in expected
     assert set(events.Tags()["scalars"]) == set(expected)
     for tag, values in expected.items():
         logged = [(e.step, e.value) for e in events.Scalars(tag)]
@@ -196,7 +202,9 @@ def test_a_tracker_that_is_not_installed_is_refused_naming_the_extra(
     )
     with pytest.raises(SystemExit):
         parse_args(["--report-to", "tensorboard,mlflow"])
-    assert "mlflow is not installed: pip install 'dmuon[tracking]'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "mlflow is not installed: pip install mlflow" in err
+    assert "pip install -e 'packages/dmuon-core[tracking]'" in err
     assert parse_args(["--report-to", "all"]).report_to == "all"  # all: whatever is installed
 
 

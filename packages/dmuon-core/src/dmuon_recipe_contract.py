@@ -173,7 +173,14 @@ def data_kind(path: str | Path) -> DataKind:
 METRIC_KEYS = ("step", "loss", "lr", "tokens_per_s", "grad_norm", "time")
 """Keys present on every line of the metrics file (null where they do not apply)."""
 
-OPTIONAL_METRIC_KEYS = ("val_loss", "peak_memory_bytes", "mfu", "max_logit", "qk_clipped_heads")
+OPTIONAL_METRIC_KEYS = (
+    "val_loss",
+    "peak_memory_bytes",
+    "mfu",
+    "max_logit",
+    "qk_clipped_heads",
+    "adamw_lr",
+)
 """Keys some lines add: validation loss on evaluation steps, each rank's peak memory (a
 list, index = rank), model FLOPs utilization where the peak is known, and under
 ``--qk-clip`` the step's largest attention logit and how many heads were clipped."""
@@ -464,7 +471,7 @@ FLAGS: tuple[Flag, ...] = (
          "fit --seq-len)", _OUT, minimum=1, metavar="K"),
     Flag("report_to", "str", "none", "experiment trackers to report to, as Hugging Face's "
          "report_to: none, all (every one installed), or a comma-separated list of "
-         "tensorboard, mlflow and wandb (pip install 'dmuon[tracking]'); rank 0 logs every "
+         "tensorboard, mlflow and wandb (pip install tensorboard mlflow wandb); rank 0 logs every "
          "metric, the config and the exported model", _OUT,
          metavar="{none,all,tensorboard,mlflow,wandb}[,...]"),
     Flag("run_name", "str", None, "the trackers' run name; default: model, optimizer and "

@@ -361,6 +361,9 @@ class Trainer(TrainingSteps):
                         "step": step,
                         "loss": loss,
                         "lr": stats["lr"],
+                        **(
+                            {"adamw_lr": stats["adamw_lr"]} if stats["adamw_lr"] is not None else {}
+                        ),
                         "tokens_per_s": tokens_per_s,
                         "grad_norm": stats["grad_norm"],
                         "peak_memory_bytes": peak_memory,

@@ -6,6 +6,8 @@ object per line, appended and flushed line by line.
 * One line per optimizer step ``s >= 1`` with the keys ``step`` (int), ``loss`` (mean
   training loss over the global batch), ``lr`` (the scheduled rate used for this step:
   the Muon rate ``--lr`` under dmuon, ``--adamw-lr`` under the adamw baseline),
+  ``adamw_lr`` (under dmuon only: AdamW's scheduled rate, for the embeddings, norms and
+  head),
   ``tokens_per_s`` (global tokens of the step / its wall time), ``grad_norm`` (global L2
   norm of the gradient before the update), ``time`` (seconds since training started,
   after setup), ``peak_memory_bytes`` (a list: each rank's peak memory so far, index =

@@ -106,6 +106,7 @@ class TrainingSteps:
         """Run optimizer step ``step`` (1-based): accumulate, step, schedule.
 
         Returns ``loss`` (global-batch mean), ``lr`` (the logged rate for this step),
+        ``adamw_lr`` (under dmuon: AdamW's scheduled rate for the other parameters),
         ``grad_norm``, ``seconds`` (wall time of the step), ``stop`` (1.0 when any rank
         was asked to stop; the flag rides on the loss all-reduce, so all ranks agree) and
         ``peak_memory_bytes`` (every rank's peak so far, index = rank; the same
@@ -141,9 +142,13 @@ class TrainingSteps:
         mean_loss = float(reduced[0] / self.world_size)
         if not math.isfinite(mean_loss):
             raise TrainingDiverged(step, "loss", mean_loss)
+        factor = self._lr_factor(step - 1)
         return {
             "loss": mean_loss,
             "lr": lr,
+            "adamw_lr": self.config.adamw_rate * factor
+            if self.config.optimizer == "dmuon"
+            else None,
             "grad_norm": grad_norm,
             "seconds": time.perf_counter() - start,
             "stop": 1.0 if float(reduced[1]) > 0 else 0.0,

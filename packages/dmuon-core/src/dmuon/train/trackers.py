@@ -23,7 +23,8 @@ A resumed run continues the same tracker runs: their ids are in the checkpoint (
 checkpoint by the attempt that died) are not logged twice: TensorBoard purges them when
 it reads the files, MLflow and W&B skip them.
 
-The trackers are optional (``pip install 'dmuon[tracking]'``); asking for one that is not
+The trackers are optional (``pip install tensorboard mlflow wandb``, or from a checkout
+``pip install -e 'packages/dmuon-core[tracking]'``); asking for one that is not
 installed is an error at start-up naming the extra.
 """
 
@@ -54,7 +55,7 @@ __all__ = [
 #: The trackers ``--report-to`` knows, and the package each needs.
 TRACKERS: dict[str, str] = {name: name for name in contract.TRACKER_NAMES}
 #: The extra that installs them all.
-EXTRA = "dmuon[tracking]"
+EXTRA = "tracking"
 DEFAULT_EXPERIMENT = "dmuon"
 
 
@@ -83,8 +84,9 @@ def resolve_report_to(value: str) -> tuple[str, ...]:
     missing = [n for n in names if not _installed(n)]
     if missing:
         raise ValueError(
-            f"{', '.join(missing)} is not installed: pip install '{EXTRA}' (or "
-            f"{' '.join(TRACKERS[n] for n in missing)})"
+            f"{', '.join(missing)} is not installed: pip install "
+            f"{' '.join(TRACKERS[n] for n in missing)} (or dmuon's {EXTRA} extra: from a "
+            f"checkout, pip install -e 'packages/dmuon-core[{EXTRA}]')"
         )
     return tuple(dict.fromkeys(names))
 

@@ -86,7 +86,8 @@ def _parquet_rows(path: Path, shown: str, field: str) -> Iterator[tuple[str, int
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(
-            f"--data: reading {shown} needs pyarrow: pip install 'dmuon[hf]' (or pyarrow)"
+            f"--data: reading {shown} needs pyarrow: pip install pyarrow (or dmuon's hf "
+            "extra: from a checkout, pip install -e 'packages/dmuon-core[hf]')"
         ) from None
     try:
         parquet = pq.ParquetFile(path)
