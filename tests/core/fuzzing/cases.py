@@ -60,6 +60,8 @@ class Phase:
     forwards: int = 1
     bf16: bool = False
     check_collectives: bool = False
+    #: ``dmuon.no_sync(scope=...)``: ``"replicas"`` (HSDP) still sums inside each replica.
+    no_sync_scope: str = "all"
 
     @property
     def dp(self) -> int:
@@ -187,6 +189,8 @@ def phases(draw: st.DrawFn, model: ModelSpec, steps: int) -> Phase:
         forwards=draw(st.sampled_from((1, 2, 3))),
         bf16=layout in BF16_LAYOUTS and draw(st.booleans()),
         check_collectives=draw(st.booleans()),
+        # Drawn last, so the draws above stay what they were for a given seed.
+        no_sync_scope=draw(st.sampled_from(("all", "replicas"))) if layout == "hsdp" else "all",
     )
 
 

@@ -154,7 +154,8 @@ def backward_and_clip(
     pattern = phase.no_sync[step - first] if phase.no_sync else ()
     for index, chunk in enumerate(pieces(mine, phase.accum)):
         accumulate = index + 1 < phase.accum and pattern[index]
-        with dmuon.no_sync(wrapped) if accumulate else nullcontext():
+        scope = phase.no_sync_scope
+        with dmuon.no_sync(wrapped, scope=scope) if accumulate else nullcontext():
             loss = sum(
                 loss_of(wrapped, part) * (part.shape[0] * phase.dp / case.rows)
                 for part in pieces(chunk, phase.forwards)

@@ -19,6 +19,22 @@ def _requires_gradient_sync(module: FSDPModule) -> bool:
     return all(getattr(group, "reduce_grads", True) for group in fsdp_param_groups(module))
 
 
+def _requires_all_reduce(module: FSDPModule) -> bool:
+    return all(getattr(group, "all_reduce_grads", True) for group in fsdp_param_groups(module))
+
+
+@contextmanager
+def _fsdp_no_all_reduce(modules: list[FSDPModule]) -> Iterator[None]:
+    previous = [_requires_all_reduce(m) for m in modules]
+    try:
+        for module in modules:
+            module.set_requires_all_reduce(False, recurse=False)
+        yield
+    finally:
+        for module, all_reduce in zip(modules, previous, strict=True):
+            module.set_requires_all_reduce(all_reduce, recurse=False)
+
+
 @contextmanager
 def _fsdp_no_sync(modules: list[FSDPModule]) -> Iterator[None]:
     previous = [_requires_gradient_sync(m) for m in modules]
@@ -43,7 +59,7 @@ def _resolve(module: nn.Module) -> tuple[nn.Module, DistributedDataParallel | No
 
 
 @contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
+def no_sync(model: nn.Module, *, scope: str = "all") -> Iterator[None]:
     """Accumulate gradients locally, with no gradient communication, inside the block.
 
     Dedicated parameters: each backward adds the local full-matrix gradient to a local
@@ -60,13 +76,38 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     raises. On a model with neither dedicated parameters, FSDP2 modules nor DDP this does
     nothing: plain PyTorch already accumulates gradients locally.
 
+    ``scope="replicas"`` (HSDP) accumulates across micro-batches between replicas only:
+    each backward still sums the gradients inside its replica (the dedicated ones into
+    their owners, FSDP2's with its reduce-scatter), each owner keeps the window's sums of
+    its matrices (float32, about P_M / S elements per rank against a whole P_M with the
+    default), and the next backward outside the block sends them across replicas once,
+    as FSDP2's ``set_requires_all_reduce(False)`` does for its parameters. The traffic
+    between nodes is then one step's whatever the number of micro-batches. On a 1-D mesh
+    nothing crosses replicas, and the block changes nothing.
+
     Args:
         model: The model (or its DDP wrapper, or a module inside it).
+        scope: ``"all"`` (no gradient communication) or ``"replicas"`` (only none
+            between replicas).
+
+    Raises:
+        ValueError: another ``scope``.
     """
+    if scope not in ("all", "replicas"):
+        raise ValueError(
+            f'no_sync(scope=...) is "all" (no gradient communication) or "replicas" (sum '
+            f"inside each replica, cross replicas once per step), not {scope!r}"
+        )
     root, ddp = _resolve(model)
     state = get_dedication(root)
     fsdp_modules = [m for m in root.modules() if is_fsdp_module(m)]
     with ExitStack() as stack:
+        if scope == "replicas":
+            stack.enter_context(_fsdp_no_all_reduce(fsdp_modules))
+            if state is not None:
+                stack.enter_context(state.runtime.no_replica_sync())
+            yield
+            return
         if ddp is not None:
             stack.enter_context(ddp.no_sync())
         stack.enter_context(_fsdp_no_sync(fsdp_modules))

@@ -173,6 +173,12 @@ class FlatBuffer:
         #: each span's ``(lo, hi)`` (see `reduce_async`).
         self._packed_lo: dict[int, int] = {}
         self._packed_spans: list[tuple[int, int]] = []
+        #: Whether this backward's sums go on across replicas (HSDP); ``False`` under
+        #: ``no_sync(model, scope="replicas")``: they wait, summed, in `_replica_sums`.
+        self.replica_sync = True
+        #: Per entry this rank owns: the sums inside its replica of the micro-batches whose
+        #: crossing between replicas waits for the step's last one (float32).
+        self._replica_sums: dict[int, torch.Tensor] = {}
         self._broadcast_versions: dict[int, int] = {}
         #: Named in errors: the hook boundary and its matrices.
         self.label = ""
@@ -466,6 +472,13 @@ class FlatBuffer:
                 lo = offsets[index]
                 return received[lo : lo + self.entries[index].hi - self.entries[index].lo]
 
+            if not self.replica_sync:
+                self._hold_replica_sums(mine, values)
+                self._release_reduce_flat(None)
+                self.reduce_state = ReduceState.IDLE
+                return
+            self._add_held_sums(mine, values)
+
             pieces = [
                 torch.cat([values(i) for i in indices]) if indices else received[:0]
                 for indices in by_replica
@@ -476,6 +489,40 @@ class FlatBuffer:
             self._landed.append((landed, here))
             self._release_reduce_flat(None)
         self.reduce_state = ReduceState.AVERAGING
+
+    def _hold_replica_sums(self, mine: list[int], values: Callable[[int], torch.Tensor]) -> None:
+        """Keep this micro-batch's sums inside the replica, added to the earlier ones, for
+        the step's last micro-batch to send across replicas (one float32 value per owned
+        element: P_M / S on average). A first sum is kept as it came, so an entry no rank
+        had a gradient for stays negative zero (see the module docstring)."""
+        for index in mine:
+            held = self._replica_sums.get(index)
+            if held is None:
+                self._replica_sums[index] = values(index).float().clone()
+            else:
+                held.add_(values(index))
+
+    def _add_held_sums(self, mine: list[int], values: Callable[[int], torch.Tensor]) -> None:
+        """Add the held sums of the window's earlier micro-batches to this one's."""
+        if not self._replica_sums:
+            return
+        for index in mine:
+            held = self._replica_sums.pop(index, None)
+            if held is not None:
+                values(index).add_(held.to(values(index).dtype))
+        if self._replica_sums:
+            names = [self.entries[i].record.name for i in self._replica_sums]
+            self._replica_sums.clear()
+            raise RuntimeError(
+                f"{names[:3]} stopped needing gradients (requires_grad) in the middle of an "
+                "accumulation window run under dmuon.no_sync(model, scope='replicas'): their "
+                "earlier micro-batches' gradients cannot be sent on. Freeze or unfreeze "
+                "parameters between optimizer steps."
+            )
+
+    def drop_held_sums(self) -> None:
+        """Forget the held sums (``zero_grad``)."""
+        self._replica_sums.clear()
 
     def _release_reduce_flat(self, kept: torch.Tensor | None) -> None:
         """Free the reduce input unless ``kept`` (the averages' future home) lies in it."""

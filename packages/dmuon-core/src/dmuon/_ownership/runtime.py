@@ -261,6 +261,9 @@ class DedicationRuntime:
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.sync_grads = True
+        #: Whether synchronised backwards also sum across replicas (HSDP); ``False`` inside
+        #: ``no_sync(model, scope="replicas")``.
+        self.sync_replicas = True
         #: Backwards since the last synchronised one that ran under ``no_sync`` and left
         #: their dedicated gradients on the ranks that computed them.
         self.unsynced_backwards = 0
@@ -543,6 +546,7 @@ class DedicationRuntime:
         boundary.state = BoundaryState.IDLE
         boundary.register_params()
         if self.sync_grads:
+            boundary.buffer.replica_sync = self.sync_replicas
             boundary.buffer.reduce_async()
         else:
             boundary.buffer.accumulate_locally()
@@ -564,7 +568,8 @@ class DedicationRuntime:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
-        self.unsynced_backwards = 0 if self.sync_grads else self.unsynced_backwards + 1
+        crossed = self.sync_grads and (self.sync_replicas or self.comm.replicas == 1)
+        self.unsynced_backwards = 0 if crossed else self.unsynced_backwards + 1
         self._free_frozen_residents()
         for boundary in self.boundaries:
             if boundary.awaits_backward:
@@ -638,6 +643,17 @@ class DedicationRuntime:
         for dp in self.params:
             gradients.accumulated(dp.module_param)  # applies a cleared or zeroed marker
 
+    @contextmanager
+    def no_replica_sync(self) -> Iterator[None]:
+        """Inside the block, sum gradients inside each replica only; the next backward
+        outside it sends the window's sums across replicas once."""
+        previous = self.sync_replicas
+        self.sync_replicas = False
+        try:
+            yield
+        finally:
+            self.sync_replicas = previous
+
     def check_synchronised(self) -> None:
         """Raise before a step whose dedicated gradients never reached their owners: every
         backward since the last step ran under ``no_sync`` (the same on every rank)."""
@@ -655,6 +671,8 @@ class DedicationRuntime:
     def clear_gradients(self, set_to_none: bool = True) -> None:
         """Clear (or zero) every stored gradient of every dedicated parameter."""
         self.unsynced_backwards = 0
+        for buffer in self.buffers():
+            buffer.drop_held_sums()
         holders = {
             id(p): p for dp in self.params for p in (dp.param, dp.registered) if p is not None
         }

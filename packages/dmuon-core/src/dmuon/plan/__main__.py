@@ -48,6 +48,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--no-sync", action="store_true", help="accumulate under dmuon.no_sync")
     parser.add_argument(
+        "--no-sync-scope",
+        choices=("all", "replicas"),
+        default="all",
+        help='with --no-sync: dmuon.no_sync(scope=...); "replicas" reduces inside each '
+        "replica every micro-batch and crosses replicas once per step",
+    )
+    parser.add_argument(
         "--hardware",
         default="h100",
         help=f"{', '.join(sorted(HARDWARE))}, or TFLOPS,GBPS (dense bfloat16 peak, network "
@@ -217,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             mode=args.mode,
             accum=args.accum,
             no_sync=args.no_sync,
+            no_sync_scope=args.no_sync_scope,
             hardware=hardware,
             active_parameters=active_parameters(model, config),
             ns_steps=args.ns_steps,

@@ -146,6 +146,8 @@ class ClusterPlan:
     reduce_bytes: int = FLOAT32
     #: Seconds FSDP2 + AdamW's all-reduce between replicas takes per step (HSDP).
     fsdp2_reduce_seconds: float = 0.0
+    #: ``dmuon.no_sync(scope=...)`` of the accumulating micro-batches.
+    no_sync_scope: str = "all"
 
     @property
     def busiest(self) -> RankPlan:
@@ -213,6 +215,7 @@ class ClusterPlan:
             "mode": self.mode,
             "accum": self.accum,
             "no_sync": self.no_sync,
+            "no_sync_scope": self.no_sync_scope,
             "tokens_per_step": self.tokens_per_step,
             "ns_steps": self.ns_steps,
             "ns_gram": self.ns_gram,
@@ -406,6 +409,7 @@ def plan_cluster(
     tp: int = 1,
     tp_plan: Mapping[str, str] | None = None,
     reduce_bytes: int = FLOAT32,
+    no_sync_scope: str = "all",
 ) -> ClusterPlan:
     """Plan ``model`` (built on the meta device, or a real one: nothing is changed) on a
     cluster of ``world`` ranks: per rank, what DMuon adds in memory, Newton-Schulz work and
@@ -445,6 +449,10 @@ def plan_cluster(
             whole. ``None`` with ``tp > 1``: the model config's ``base_model_tp_plan``.
         reduce_bytes: Bytes per element of the gradients summed between replicas, for
             DMuon and FSDP2 + AdamW alike (4: float32; 2: ``reduce_dtype=torch.bfloat16``).
+        no_sync_scope: ``dmuon.no_sync(scope=...)`` with ``no_sync``: ``"all"``, or
+            ``"replicas"`` (every micro-batch reduces inside its replica, the owners hold
+            their matrices' sums, and one reduce-scatter crosses replicas per step; FSDP2
+            + AdamW then uses ``set_requires_all_reduce(False)`` alike).
 
     Returns:
         The `ClusterPlan`.
@@ -484,7 +492,12 @@ def plan_cluster(
     split_dims = _tp_split_dims(model, shapes, tp, tp_plan)
     p_m = sum(math.prod(s) for s in shapes.values())
     spans = _spans(shapes, boundaries, plan)
-    synced = 1 if no_sync else accum
+    if no_sync_scope not in ("all", "replicas"):
+        raise ValueError(f'no_sync_scope is "all" or "replicas", not {no_sync_scope!r}')
+    inside_only = no_sync and no_sync_scope == "replicas"
+    #: Synchronised backwards per step inside a replica, and between replicas.
+    synced = accum if inside_only else 1 if no_sync else accum
+    replica_synced = 1 if no_sync else accum
     rounds = 1 if mode == "z2" else 2 * accum  # broadcasts of every span per step
     all_spans = [span for boundary in spans.values() for span in boundary]
     item_shapes = _items(shapes, plan)
@@ -531,7 +544,7 @@ def plan_cluster(
         else:  # the boundary running and the one prefetched
             pairs = [a + b for a, b in itertools.pairwise(boundary_elements)]
             buffer_bytes = max(pairs or boundary_elements or [0]) * param_bytes
-        accumulator = local_p_m * FLOAT32 if no_sync and accum > 1 else 0
+        accumulator = local_p_m * FLOAT32 if no_sync and accum > 1 and not inside_only else 0
         window = REDUCES_IN_FLIGHT + 2  # boundaries whose float32 reduce inputs are alive
         reduce_window = max(
             (sum(boundary_elements[i : i + window]) for i in range(len(boundary_elements))),
@@ -553,7 +566,9 @@ def plan_cluster(
                 [(local(n, t), plan.workers[n]) for n in owned_by[position]], replicas
             )
             holding = sum(1 for b in spans.values() if any(s.owner == position for s in b))
-            tallies["reduce_scatter"] = Tally(holding * synced, elements_by[position] * synced)
+            tallies["reduce_scatter"] = Tally(
+                holding * replica_synced, elements_by[position] * replica_synced
+            )
             replicate_by.append(tallies)
         for dp_rank in range(dp_world):
             replica, position = divmod(dp_rank, shard)
@@ -585,7 +600,7 @@ def plan_cluster(
                 # Backward: the owned gradients' reduce-scatter, and FSDP2's all-reduce of
                 # this rank's shard of the other parameters.
                 rest = (parameters - p_m) / (shard * tp)
-                moved = (owned_elements * share + 2 * share * rest) * reduce_bytes * synced
+                moved = (owned_elements * share + 2 * share * rest) * reduce_bytes * replica_synced
                 reduce = moved / rate
             ranks.append(
                 RankPlan(
@@ -605,7 +620,10 @@ def plan_cluster(
                         ns_gram,
                     ),
                     buffer_bytes=buffer_bytes,
-                    accumulator_bytes=accumulator,
+                    # scope="replicas": the owner holds the sums of its own matrices.
+                    accumulator_bytes=(
+                        owned_elements * FLOAT32 if inside_only and accum > 1 else accumulator
+                    ),
                     reduce_buffer_bytes=reduce_window * FLOAT32,
                     shard_collectives=shard_tallies,
                     replicate_collectives=replicate_tallies,
@@ -617,7 +635,7 @@ def plan_cluster(
     ranks.sort(key=lambda r: r.rank)
     units = len(spans) + 1  # FSDP2: each hook boundary's layer and the root
     gathers = units * accum * (2 if mode == "z3" else 1)
-    fsdp2_calls = gathers + units * synced + (units * synced if replicas > 1 else 0)
+    fsdp2_calls = gathers + units * synced + (units * replica_synced if replicas > 1 else 0)
     result = ClusterPlan(
         world=world,
         shard_size=shard,
@@ -640,8 +658,15 @@ def plan_cluster(
         warnings=[],
         ns_gram=ns_gram,
         reduce_bytes=reduce_bytes,
+        no_sync_scope=no_sync_scope,
         fsdp2_reduce_seconds=(
-            2 * (replicas - 1) / replicas * parameters / (shard * tp) * reduce_bytes * synced
+            2
+            * (replicas - 1)
+            / replicas
+            * parameters
+            / (shard * tp)
+            * reduce_bytes
+            * replica_synced
         )
         / (hardware.network_gbps * 1e9),
     )
@@ -665,6 +690,13 @@ def _warnings(plan: ClusterPlan) -> list[str]:
             f"{plan.hardware.memory_gib:g} GiB of a {plan.hardware.name}: accumulate without "
             "dmuon.no_sync (every micro-batch then reduces its gradients to the owners: "
             f"{plan.accum} reduces per step instead of 1, and no accumulator)"
+            + (
+                ', or under HSDP with dmuon.no_sync(model, scope="replicas") (--no-sync-scope '
+                "replicas): each owner then holds its own matrices' sums, and one "
+                "reduce-scatter crosses replicas per step"
+                if plan.replicas > 1
+                else ""
+            )
         )
     if busiest.added_bytes > memory:
         parts = (
