@@ -91,7 +91,7 @@ def _row(name: str, world: int, shard: int) -> tuple[str, ...]:
         f"{before:.2%}",
         f"**{plan.ns_overhead:.2%}**",
         f"{plan.busiest.ns_seconds * 1e3:.1f}",
-        f"{plan.owner_plan.imbalance:.2f}",
+        f"{plan.ns_imbalance:.2f}",
         f"{held:.1f}",
         f"{workspace:.2f}",
         f"{plan.calls:,} / {plan.fsdp2_calls:,}",

@@ -320,3 +320,68 @@ def test_the_step_against_fsdp2_and_adamw_follows_the_time_model(reduce_bytes: i
         1 + plan.fsdp2_overhead
     )
     assert plan.step_ratio == pytest.approx(expected)
+
+
+def test_memory_per_rank_is_counted_alike_for_both_sides() -> None:
+    """DMuon's and FSDP2 + AdamW's memory per rank, by hand from the documented parts
+    (`dmuon.plan._memory`): 16 bytes a sharded element, two bfloat16 layers, the
+    micro-batch's activations; DMuon adds its rank's share and the owners' gradients."""
+    from dmuon.plan._memory import ACTIVATION_BYTES
+
+    model, active = _model("llama-3-8b")
+    plan = plan_cluster(
+        model, 64, 8, accum=8, no_sync=True, no_sync_scope="replicas", active_parameters=active
+    )
+    config = model.config
+    per_token = ACTIVATION_BYTES * config.hidden_size * config.num_hidden_layers
+    assert plan.activation_bytes_per_token == per_token
+    micro_tokens = plan.tokens_per_step / 64 / 8
+
+    def common(elements: int) -> float:
+        return 16 * elements / 8 + 4 * elements / plan.boundaries + micro_tokens * per_token
+
+    assert plan.fsdp2_memory_bytes == int(common(plan.parameters))
+    other = plan.parameters - plan.dedicated_elements
+    dmuon = max(
+        int(common(other) + r.added_bytes + r.master_bytes + r.master_bytes * 7 / 8)
+        for r in plan.ranks
+    )
+    assert plan.memory_bytes == dmuon
+    assert plan.as_dict()["memory_bytes"] == dmuon
+
+
+def test_recommend_ranks_the_layouts_that_fit_with_the_fewest_micro_batches() -> None:
+    from dmuon.plan._recommend import Choice, layouts, recommend
+
+    model, active = _model("llama-3-8b")
+    choices, planned = recommend(plan_cluster, model, 16, active_parameters=active)
+    assert layouts(16) == [8, 16] and choices and planned >= len(choices)
+    times = [c.step_seconds for c in choices]
+    assert times == sorted(times)
+    for choice in choices:
+        plan = choice.plan
+        assert plan.fits and plan.memory_bytes <= 80 * 1024**3
+        assert (plan.no_sync_scope == "replicas") == (plan.accum > 1 and plan.replicas > 1)
+        if plan.accum > 1:  # the fewest micro-batches: one step down does not fit
+            fewer = plan_cluster(
+                model,
+                16,
+                plan.shard_size,
+                mode=plan.mode,
+                accum=plan.accum // 2,
+                no_sync=plan.accum // 2 > 1,
+                no_sync_scope=plan.no_sync_scope if plan.accum // 2 > 1 else "all",
+                active_parameters=active,
+            )
+            assert not fewer.fits, choice.layout
+        assert "GiB" in Choice(plan).why and "FSDP2 + AdamW" in choice.why
+
+
+def test_the_planner_refuses_what_dedication_refuses_and_reports_its_imbalance() -> None:
+    model, active = _model("llama-3-8b")
+    with pytest.raises(ValueError, match=r"a 3-D mesh, which dmuon\.dedicate_params refuses"):
+        plan_cluster(model, 32, 8, tp=2, active_parameters=active)
+    plan = plan_cluster(model, 1024, 8, active_parameters=active)
+    seconds = [r.ns_seconds for r in plan.ranks]
+    assert plan.ns_imbalance == pytest.approx(max(seconds) / (sum(seconds) / len(seconds)))
+    assert plan.ns_imbalance > 2  # fewer matrices than ranks: far from the mean

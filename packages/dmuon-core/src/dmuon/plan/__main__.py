@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from dmuon.plan._estimate import GIB, ClusterPlan, RankPlan, Tally, plan_cluster
-from dmuon.plan._hardware import HARDWARE, parse_hardware, parse_tokens
+from dmuon.plan._hardware import HARDWARE, Hardware, parse_hardware, parse_tokens
 from dmuon.plan._model import active_parameters, load_config, meta_model
+from dmuon.plan._recommend import recommend
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -91,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
         help="dmuon.Muon's cap on the Newton-Schulz workspace (default 2 GiB)",
     )
     parser.add_argument("--per-rank", action="store_true", help="a line for every rank")
+    parser.add_argument(
+        "--recommend",
+        action="store_true",
+        help="rank every layout of --world GPUs that fits --hardware's memory (1-D and "
+        "HSDP shard groups of 8 and up, Z2/Z3, the fewest micro-batches) by step time, "
+        "each with why, beside FSDP2 + AdamW (--shard-size, --mode and --accum are chosen)",
+    )
     parser.add_argument("--json", action="store_true", help="everything as JSON, for tools")
     return parser
 
@@ -132,7 +140,7 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
         f"forward+backward: {plan.forward_backward_seconds * 1e3:,.1f} ms per step per rank",
         f"optimizer-step overhead against forward+backward: Newton-Schulz "
         f"{plan.ns_overhead:.2%} (busiest rank {busiest.rank}: {busiest.ns_seconds * 1e3:,.2f} "
-        f"ms; imbalance {plan.owner_plan.imbalance:.2f})"
+        f"ms; imbalance {plan.ns_imbalance:.2f}: the busiest rank over the mean)"
         + (
             f"; exposed between replicas: updated values {plan.update_overhead:.2%} (they "
             f"travel during the next forward), backward's reduces {plan.reduce_overhead:.2%}"
@@ -204,6 +212,49 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
 _ZERO = Tally()
 
 
+def _recommend(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    config: object,
+    hardware: Hardware,
+    tokens: int,
+    kwargs: dict[str, int],
+) -> int:
+    """``--recommend``: the layouts that fit, best first (`dmuon.plan._recommend`)."""
+    choices, planned = recommend(
+        plan_cluster,
+        model,
+        args.world,
+        tokens_per_step=tokens,
+        hardware=hardware,
+        active_parameters=active_parameters(model, config),
+        ns_steps=args.ns_steps,
+        ns_dtype=torch.float32 if args.ns_dtype == "float32" else torch.bfloat16,
+        reduce_bytes=2 if args.reduce_dtype == "bfloat16" else 4,
+        **kwargs,
+    )
+    if args.json:
+        rows = [
+            {"layout": c.layout, "step_seconds": c.step_seconds, "why": c.why, **c.plan.as_dict()}
+            for c in choices
+        ]
+        print(json.dumps({"planned": planned, "choices": rows}, indent=2))
+        return 0
+    print(
+        f"{args.model} on {args.world} GPUs ({hardware.describe()}), {tokens:,} tokens per "
+        f"step: {len(choices)} of {planned} layouts planned fit, fastest first"
+    )
+    if not choices:
+        print("none fits: use more GPUs or a larger accelerator (--hardware)")
+        return 1
+    for place, choice in enumerate(choices, 1):
+        print(f"{place:>3}. {choice.layout}: {choice.step_seconds * 1e3:,.0f} ms per step")
+        print(f"     {choice.why}")
+    if choices[0].plan.activation_bytes_per_token == 0:
+        print("note: the config gives no hidden size and layer count: activations left out")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the planner's command line; returns the exit status."""
     parser = _parser()
@@ -216,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         kwargs = {}
         if args.max_workspace_bytes is not None:
             kwargs["max_workspace_bytes"] = args.max_workspace_bytes
+        if args.recommend:
+            return _recommend(args, model, config, hardware, tokens, kwargs)
         plan = plan_cluster(
             model,
             args.world,

@@ -48,6 +48,11 @@ from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbyt
 from dmuon.optim._orthogonalize import uses_gram
 from dmuon.optim._validation import check_max_workspace_bytes
 from dmuon.plan._hardware import Hardware, parse_hardware
+from dmuon.plan._memory import (
+    activation_bytes_per_token,
+    dmuon_memory_bytes,
+    fsdp2_memory_bytes,
+)
 
 GIB = 1024**3
 FLOAT32 = 4
@@ -148,11 +153,35 @@ class ClusterPlan:
     fsdp2_reduce_seconds: float = 0.0
     #: ``dmuon.no_sync(scope=...)`` of the accumulating micro-batches.
     no_sync_scope: str = "all"
+    #: Activation bytes per token of a micro-batch (`dmuon.plan._memory`; 0: unknown).
+    activation_bytes_per_token: int = 0
+
+    @property
+    def memory_bytes(self) -> int:
+        """DMuon's memory on its fullest rank (`dmuon.plan._memory`)."""
+        return max(dmuon_memory_bytes(self, rank) for rank in self.ranks)
+
+    @property
+    def fsdp2_memory_bytes(self) -> int:
+        """FSDP2 + AdamW's memory per rank for the same model and mesh."""
+        return fsdp2_memory_bytes(self)
+
+    @property
+    def fits(self) -> bool:
+        """Whether DMuon's fullest rank fits the accelerator's memory."""
+        return self.memory_bytes <= self.hardware.memory_gib * GIB
 
     @property
     def busiest(self) -> RankPlan:
         """The rank with the longest Newton-Schulz time."""
         return max(self.ranks, key=lambda r: (r.ns_seconds, -r.rank))
+
+    @property
+    def ns_imbalance(self) -> float:
+        """The busiest rank's Newton-Schulz time over the mean rank's, over every rank of
+        the world (1.0: perfect balance; ranks that step nothing count)."""
+        mean = sum(r.ns_seconds for r in self.ranks) / len(self.ranks)
+        return self.busiest.ns_seconds / mean if mean > 0 else 1.0
 
     @property
     def ns_overhead(self) -> float:
@@ -233,9 +262,12 @@ class ClusterPlan:
             "step_overhead": self.step_overhead,
             "fsdp2_overhead": self.fsdp2_overhead,
             "step_ratio": self.step_ratio,
+            "memory_bytes": self.memory_bytes,
+            "fsdp2_memory_bytes": self.fsdp2_memory_bytes,
+            "activation_bytes_per_token": self.activation_bytes_per_token,
             "reduce_bytes": self.reduce_bytes,
             "calls": self.calls,
-            "ns_imbalance": self.owner_plan.imbalance,
+            "ns_imbalance": self.ns_imbalance,
             "ranks": ranks,
             "warnings": list(self.warnings),
         }
@@ -478,6 +510,12 @@ def plan_cluster(
             f"the shard size {shard} must divide the {ranks} (HSDP runs world / tp / "
             "shard-size replicas; a 1-D mesh has shard size = world / tp)"
         )
+    if tp > 1 and shard_size is not None and shard_size * tp < world:
+        raise ValueError(
+            f"tensor parallelism ({tp}) with HSDP ({world // (shard_size * tp)} replicas of "
+            f"{shard_size}): a 3-D mesh, which dmuon.dedicate_params refuses; plan a "
+            "(dp, tp) mesh (no --shard-size) or HSDP without --tp"
+        )
     if mode not in ("z2", "z3"):
         raise ValueError(f"mode must be 'z2' or 'z3', got {mode!r}")
     if accum < 1:
@@ -659,6 +697,7 @@ def plan_cluster(
         ns_gram=ns_gram,
         reduce_bytes=reduce_bytes,
         no_sync_scope=no_sync_scope,
+        activation_bytes_per_token=activation_bytes_per_token(model),
         fsdp2_reduce_seconds=(
             2
             * (replicas - 1)
