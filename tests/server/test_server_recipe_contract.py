@@ -47,6 +47,8 @@ def test_the_recipes_parser_and_config_are_built_from_the_contract() -> None:
         for a in parser._actions
         if a.option_strings and not isinstance(a, argparse._HelpAction)
     }
+    # --config is where flags come from, not a setting of the run: the parser's alone.
+    assert options.pop("config").option_strings == ["--config"]
     assert list(options) == [f.dest for f in contract.FLAGS]  # same flags, same order
     for spec in contract.FLAGS:
         action = options[spec.dest]

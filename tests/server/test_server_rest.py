@@ -447,3 +447,36 @@ def test_a_minimal_spec_runs_one_process_or_one_per_gpu_asked_for(client: TestCl
     assert JobCreate.model_validate({**spec, "gpus_per_node": 0}).nproc_per_node == 1
     given = {**spec, "gpus_per_node": 4, "nproc_per_node": 2}
     assert JobCreate.model_validate(given).nproc_per_node == 2
+
+
+def test_a_recipe_config_file_is_a_train_spec(client: TestClient) -> None:
+    """The recipe's ``--config`` TOML (option spellings, a table) parsed as a job's
+    ``train``: the same job as the flat field names give (the echoed spec is the
+    oracle); a key the file gives twice is refused."""
+    import tomllib
+
+    text = """
+model = "tiny"
+micro-batch-size = 2
+seq_len = 32
+
+[schedule]
+steps = 3
+lr-schedule = "wsd"
+warmup_steps = 1
+"""
+    flat = {
+        "model": "tiny",
+        "micro_batch_size": 2,
+        "seq_len": 32,
+        "steps": 3,
+        "lr_schedule": "wsd",
+        "warmup_steps": 1,
+    }
+    from_file = client.post("/v1/jobs", json={"train": tomllib.loads(text)})
+    from_fields = client.post("/v1/jobs", json={"train": flat})
+    assert from_file.status_code == from_fields.status_code == 201, from_file.text
+    assert from_file.json()["train"] == from_fields.json()["train"]
+    twice = {"train": {"steps": 3, "schedule": {"steps": 4}, "model": "tiny"}}
+    r = client.post("/v1/jobs:validate", json=twice)
+    assert r.status_code == 422 and "steps is given twice" in r.text

@@ -22,7 +22,7 @@ import dmuon_recipe_contract as contract
 import torch.distributed as dist
 
 import dmuon
-from dmuon.train import checkpointing
+from dmuon.train import checkpointing, config_file
 from dmuon.train.state import ModelState, OptimizerState, RNGState, TrainState
 
 __all__ = ["CheckpointManager"]
@@ -125,6 +125,13 @@ class CheckpointManager:
         self.trainer.train_state.seq_len = cfg.seq_len
         self.trainer.train_state.world_size = self.trainer.world_size
 
+    def write_extra(self, folder: Path) -> None:
+        """Rank 0's files of a checkpoint besides the states: the resolved settings
+        (``config.toml``, readable by ``--config``) and the HF snapshot."""
+        text = config_file.dump(self.trainer.config)
+        (folder / config_file.CHECKPOINT_CONFIG_FILE).write_text(text, encoding="utf-8")
+        self.write_hf_snapshot(folder)
+
     def write_hf_snapshot(self, folder: Path) -> None:
         """Write into ``folder/hf`` what an HF export needs besides the weights."""
         from dmuon.checkpoint._hf_export import KEYS_FILE
@@ -157,7 +164,7 @@ class CheckpointManager:
             rank=self.trainer.rank,
             barrier=self.trainer._barrier,
             keep=cfg.keep_checkpoints,
-            write_extra=self.write_hf_snapshot,
+            write_extra=self.write_extra,
         )
 
     def export_hf(self, output: str | os.PathLike[str]) -> Path:

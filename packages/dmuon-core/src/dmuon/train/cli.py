@@ -10,6 +10,7 @@ that names the flag and what is allowed.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -17,6 +18,7 @@ from typing import Any
 
 from dmuon_recipe_contract import ADAMW_LR, FLAGS, MUON_ONLY_FLAGS, PRESETS, Flag, flag
 
+from dmuon.train import config_file
 from dmuon.train.checkpointing import CheckpointError, require_checkpoint
 from dmuon.train.trackers import resolve_report_to
 
@@ -226,6 +228,14 @@ def build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="read flags from the TOML file FILE (every flag as a key, e.g. "
+        "micro_batch_size = 8; flags on the command line override it); the resolved "
+        "settings are written beside the metrics file and into each checkpoint",
+    )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for spec in FLAGS:
         if spec.group not in groups:
@@ -237,7 +247,14 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     """Parse flags into a `TrainConfig` (exits with status 2 on a bad value)."""
     parser = build_parser()
-    namespace = parser.parse_args(None if argv is None else list(argv))
+    given = sys.argv[1:] if argv is None else list(argv)
+    path, rest = config_file.split(given)
+    if path is not None:
+        try:
+            rest = config_file.argv(config_file.read(path), path) + rest
+        except config_file.ConfigFileError as error:
+            parser.error(str(error))
+    namespace = parser.parse_args(rest)
     if namespace.checkpoint_every > 0 and namespace.checkpoint_dir is None:
         parser.error("--checkpoint-every needs --checkpoint-dir (where to write checkpoints)")
     if namespace.init_from is not None and namespace.resume not in ("auto", "never"):

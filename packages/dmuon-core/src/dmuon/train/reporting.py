@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from dmuon.train import config_file
 from dmuon.train.cli import TrainConfig
 from dmuon.train.metrics import MetricsWriter, ProgressReporter
 from dmuon.train.trackers import Tracker, open_trackers, resolve_report_to
@@ -63,6 +64,10 @@ class Reporting:
         """The metrics file (rank 0) and, on rank 0, a run in each tracker of
         ``config.report_to``: new, or continued from ``resume``'s ids."""
         writer = MetricsWriter(config.metrics_file if is_main else None)
+        if is_main and config.metrics_file:
+            metrics = Path(config.metrics_file)
+            resolved = metrics.with_name(f"{metrics.stem}.config.toml")
+            resolved.write_text(config_file.dump(config), encoding="utf-8")
         names = resolve_report_to(config.report_to) if is_main else ()
         trackers = open_trackers(
             names,

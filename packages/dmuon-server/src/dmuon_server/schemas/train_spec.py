@@ -12,6 +12,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     WrapValidator,
     create_model,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -89,6 +90,25 @@ class _TrainSpecByHand(StrictModel):
         description='A preset name, or `{"path": ...}`: a Hugging Face model directory '
         "inside a model root (`--model`)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _as_in_a_config_file(cls, data: Any) -> Any:
+        """The recipe's ``--config`` TOML file, parsed, is a spec too: its keys may be
+        spelled as options (``micro-batch-size``), and one level of tables groups them."""
+        if not isinstance(data, dict):
+            return data
+        flat: dict[str, Any] = {}
+        for key, value in data.items():
+            name = key.replace("-", "_") if isinstance(key, str) else key
+            inner = value if isinstance(value, dict) and name not in cls.model_fields else None
+            for item, item_value in (inner or {name: value}).items():
+                item = item.replace("-", "_") if isinstance(item, str) else item
+                if item in flat:
+                    raise ValueError(f"{item} is given twice (the file's tables included)")
+                flat[item] = item_value
+        return flat
+
     steps: int = _recipe_count("steps", "Optimizer steps", 1_000_000)
     micro_batch_size: int = _recipe_count(
         "micro_batch_size", "Sequences per rank per micro-batch", 4096
