@@ -32,8 +32,8 @@ lr_schedule = "wsd"
 
 SAME_FLAGS = [
     "--model", "tiny", "--seq-len", "32", "--micro-batch-size", "2", "--accum-steps", "2",
-    "--lr", "0.02", "--mode", "z2", "--activation-checkpointing", "--steps", "3", "--warmup-steps", "1",
-    "--lr-schedule", "wsd",
+    "--lr", "0.02", "--mode", "z2", "--activation-checkpointing", "--steps", "3",
+    "--warmup-steps", "1", "--lr-schedule", "wsd",
 ]  # fmt: skip
 
 
