@@ -5,6 +5,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.demo-installed
 BENCH_STAMP := $(VENV)/.bench-installed
 # Machines that keep wheels on local disk (torch among them) expose them in /opt/wheels.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
@@ -21,7 +22,14 @@ $(STAMP): constraints.txt requirements-dev.txt packages/dmuon-core/pyproject.tom
 	$(PIP_INSTALL) -e packages/dmuon-core -e packages/dmuon-server -r requirements-dev.txt
 	touch $(STAMP)
 
-demo: setup
+# What the demo runs and nothing of the developer tools: torch and the two packages.
+$(DEMO_STAMP): constraints.txt packages/dmuon-core/pyproject.toml packages/dmuon-server/pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP_INSTALL) torch==2.13.0
+	$(PIP_INSTALL) -e packages/dmuon-core -e packages/dmuon-server
+	touch $(DEMO_STAMP)
+
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m dmuon_server.demo
 
 # Wheels of both packages in dist/: pip install 'dist/dmuon-<version>-py3-none-any.whl[hf]'.

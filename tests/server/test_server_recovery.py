@@ -99,6 +99,9 @@ def test_demo_client_end_to_end_with_the_fake_recipe(tmp_path: Path) -> None:
     assert "result: succeeded" in out
     assert "validation loss: start 5.0000" in out and "server stopped" in out
     assert "train: 100%" in r.stderr  # the tqdm bar reached the end
+    kept = out.split("the run's folder (metrics, checkpoints, export, log) is kept: ")[1]
+    folder = Path(kept.split("\n")[0])
+    assert folder.parent == data / "jobs" and (folder / "metrics.jsonl").is_file()
     info = json.loads((data / "server.json").read_text())
     assert not psutil.pid_exists(info["pid"]) or psutil.Process(info["pid"]).status() == "zombie"
 

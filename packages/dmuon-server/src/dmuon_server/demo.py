@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -224,14 +223,16 @@ def main(argv: list[str] | None = None) -> int:
     proc, url = start_server(data_dir)
     print(f"dmuon-server is up at {url} (data dir {data_dir})")
     ok = False
+    job: dict[str, Any] = {}
+    # The server made a token for itself; the demo runs as the same account.
+    token = (data_dir / GENERATED_TOKEN_FILE).read_text().strip()
     try:
-        # The server made a token for itself; the demo runs as the same account.
-        token = (data_dir / GENERATED_TOKEN_FILE).read_text().strip()
         job = run_demo(url, body, token)
         ok = print_summary(job, time.monotonic() - t0)
     except KeyboardInterrupt:
         print("\ninterrupted: cancelling the job")
-        with httpx.Client(base_url=url, timeout=30) as c:
+        auth = {"Authorization": f"Bearer {token}"}
+        with httpx.Client(base_url=url, timeout=30, headers=auth) as c:
             for j in c.get("/v1/jobs", params={"state": ["queued", "starting", "running"]}).json()[
                 "items"
             ]:
@@ -245,10 +246,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_server(proc)
         print("server stopped")
-        if tmp and ok:
-            shutil.rmtree(data_dir, ignore_errors=True)
-        elif not ok:
-            print(f"kept the server's data dir for inspection: {data_dir}")
+        where = data_dir / "jobs" / job["id"] if job.get("id") else data_dir
+        print(
+            f"the run's folder (metrics, checkpoints, export, log) is kept: {where}\n"
+            f"  again with its dashboard: dmuon-server --data-dir {data_dir} "
+            "--allow-same-user-jobs"
+        )
     return 0 if ok else 1
 
 
