@@ -476,6 +476,10 @@ FLAGS: tuple[Flag, ...] = (
          metavar="{none,all,tensorboard,mlflow,wandb}[,...]"),
     Flag("run_name", "str", None, "the trackers' run name; default: model, optimizer and "
          "start time", _OUT, metavar="NAME"),
+    Flag("profile_steps", "str", None, "record a torch.profiler trace of steps A to B (A:B, "
+         "e.g. 10:12; CPU and CUDA activity, memory, shapes), one file per rank under "
+         "--tracking-dir's tensorboard/profile/, which TensorBoard's profiler and Perfetto "
+         "open", _OUT, metavar="A:B"),
     Flag("tracking_dir", "path", None, "where trackers keep local files (TensorBoard "
          "events, the MLflow store unless MLFLOW_TRACKING_URI is set, W&B runs); default "
          "./runs", _OUT, metavar="DIR"),

@@ -20,6 +20,7 @@ from dmuon_recipe_contract import ADAMW_LR, FLAGS, MUON_ONLY_FLAGS, PRESETS, Fla
 
 from dmuon.train import config_file
 from dmuon.train.checkpointing import CheckpointError, require_checkpoint
+from dmuon.train.profiling import parse_steps
 from dmuon.train.trackers import resolve_report_to
 
 __all__ = [
@@ -95,6 +96,7 @@ class TrainConfig:
     sample_tokens: int = _default("sample_tokens")
     report_to: str = _default("report_to")
     run_name: str | None = _default("run_name")
+    profile_steps: str | None = _default("profile_steps")
     tracking_dir: str | None = _default("tracking_dir")
     progress: str = _default("progress")
     checkpoint_dir: str | None = _default("checkpoint_dir")
@@ -272,6 +274,11 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
         resolve_report_to(namespace.report_to)
     except ValueError as error:
         parser.error(f"argument --report-to: {error}")
+    if namespace.profile_steps is not None:
+        try:
+            parse_steps(namespace.profile_steps)
+        except ValueError as error:
+            parser.error(f"argument --profile-steps: {error}")
     if namespace.optimizer == "adamw":
         given = [
             flag(dest).option

@@ -56,7 +56,8 @@ from dmuon.train.parallelize import (
     init_distributed,
     parallelize,
 )
-from dmuon.train.reporting import Reporting
+from dmuon.train.profiling import StepProfiler
+from dmuon.train.reporting import DEFAULT_TRACKING_DIR, Reporting
 from dmuon.train.schedules import lr_factor
 from dmuon.train.setup import (
     DTYPES,
@@ -340,6 +341,8 @@ class Trainer(TrainingSteps):
         peak_memory: list[int] = []
         time_offset = self.train_state.time
         t0 = time.perf_counter()
+        tracking = Path(cfg.tracking_dir or DEFAULT_TRACKING_DIR)
+        profiler = StepProfiler(cfg.profile_steps, tracking, self.rank, self.device)
 
         def elapsed() -> float:
             return time_offset + time.perf_counter() - t0
@@ -350,7 +353,9 @@ class Trainer(TrainingSteps):
                     start_val = end_val = self._guarded("the evaluation of step 0", self.evaluate)
                     writer.write({"step": 0, "time": elapsed(), "val_loss": start_val})
                 for step in range(self.start_step + 1, cfg.steps + 1):
+                    profiler.before(step)
                     stats = self._guarded(f"step {step}", self.train_step, step)
+                    profiler.after(step)
                     train_seconds += stats["seconds"]
                     loss = stats["loss"]
                     last_step = step
@@ -435,6 +440,7 @@ class Trainer(TrainingSteps):
                     writer.artifact(exported, "model")
                     progress.message(f"exported a Hugging Face model directory to {exported}")
         finally:
+            profiler.close()
             progress.close()
             writer.close()
         steps_run = last_step - self.start_step

@@ -266,7 +266,10 @@ _TRACKER = "(" + "|".join(contract.TRACKER_NAMES) + ")"
 #: What ``train.report_to`` may say: none, all, or a comma-separated list of trackers.
 REPORT_TO_PATTERN = rf"^(none|all|{_TRACKER}(,{_TRACKER})*)$"
 #: Patterns of the text fields generated from the contract (anything printable otherwise).
-_TEXT_PATTERNS = {"report_to": REPORT_TO_PATTERN}
+_TEXT_PATTERNS = {
+    "report_to": REPORT_TO_PATTERN,
+    "profile_steps": r"^[1-9][0-9]{0,8}:[1-9][0-9]{0,8}$",
+}
 
 #: The most an integer or float field generated from the recipe's contract may be.
 _GENERATED_MAX = 1_000_000_000

@@ -1,0 +1,46 @@
+"""``--profile-steps A:B``: a torch.profiler trace of the steps asked for.
+
+Oracle: the trace file itself, read back as JSON (Chrome's trace format, which TensorBoard's
+profiler and Perfetto open): it holds the step's operators, and the run's metrics are
+those of a run without the profiler.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from dmuon.train import TrainConfig, parse_args, run
+
+
+def test_a_profiled_run_leaves_a_trace_of_its_steps(tmp_path: Path, cache_dir: str) -> None:
+    base = TrainConfig(
+        model="tiny", seq_len=32, micro_batch_size=2, steps=3, eval_every=0,
+        progress="plain", cache_dir=cache_dir, threads=1, tracking_dir=str(tmp_path / "runs"),
+    )  # fmt: skip
+    plain = run(replace(base, metrics_file=str(tmp_path / "plain.jsonl")))
+    profiled = run(
+        replace(base, profile_steps="2:3", metrics_file=str(tmp_path / "profiled.jsonl"))
+    )
+    trace = tmp_path / "runs" / "tensorboard" / "profile" / "step_2-3" / "rank0.pt.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("aten::mm") for n in names) and len(events) > 100
+    losses = [
+        [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("plain", "profiled")
+    ]
+    assert losses[0] == losses[1]  # recording changes nothing of the run
+    assert plain["steps"] == profiled["steps"] == 3
+
+
+@pytest.mark.parametrize("given", ["3:2", "0:1", "2", "a:b"])
+def test_a_range_that_is_no_range_is_refused(
+    capsys: pytest.CaptureFixture[str], given: str
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--profile-steps", given])
+    assert "argument --profile-steps" in capsys.readouterr().err
