@@ -19,12 +19,35 @@ the updated values on their way from the other replicas.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import nn
 
-if TYPE_CHECKING:
-    from dmuon.plan._estimate import ClusterPlan, RankPlan
+
+class RankPlan(Protocol):
+    """What this module reads of a `dmuon.plan.RankPlan`."""
+
+    master_bytes: int
+
+    @property
+    def added_bytes(self) -> int: ...
+
+
+class ClusterPlan(Protocol):
+    """What this module reads of a `dmuon.plan.ClusterPlan`."""
+
+    world: int
+    shard_size: int
+    replicas: int
+    boundaries: int
+    tokens_per_step: int
+    accum: int
+    no_sync: bool
+    no_sync_scope: str
+    activation_bytes_per_token: int
+    parameters: int
+    dedicated_elements: int
+
 
 #: Bytes of activations per token, layer and hidden unit kept for backward (bfloat16,
 #: without recomputation, with a fused attention kernel: no sequence-squared term).
