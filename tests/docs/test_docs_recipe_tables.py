@@ -69,7 +69,9 @@ def test_flag_defaults_agree_with_the_train_config() -> None:
     from dmuon.train.cli import TrainConfig
 
     config = vars(TrainConfig())
-    for dest, value in vars(_parser().parse_args([])).items():
+    parsed = vars(_parser().parse_args([]))
+    assert parsed.pop("config") is None  # where flags come from (--config), not a setting
+    for dest, value in parsed.items():
         assert config[dest] == value, dest
 
 
