@@ -459,6 +459,24 @@ def _share_bytes(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
+def hsdp_model(mesh: Any, mode: str, name: str) -> tuple[torch.nn.Module, Any]:
+    """The scenarios' model on a (replicate, shard) ``mesh``, dedicated in ``mode``, every
+    layer and the root under ``fully_shard``, with the reference's optimizer settings."""
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    model = make_model(Scenario(name))
+    dmuon.dedicate_params(model, mesh, reshard_after_forward=mode == "z3")
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(
+        model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
+    )
+    return model, optimizer
+
+
 def _error_checks(rank: int, world: int) -> dict[str, str]:
     """User errors that need a process group: each returns its message."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -15,8 +15,15 @@ from contextlib import nullcontext
 from typing import Any
 
 import pytest
-import torch
-from dist_harness import Scenario, _loss, global_batch, make_model, reference_run, spawn_ranks
+from dist_harness import (
+    Scenario,
+    _loss,
+    global_batch,
+    hsdp_model,
+    make_model,
+    reference_run,
+    spawn_ranks,
+)
 
 K = 4
 STEPS = 2
@@ -26,7 +33,6 @@ SHAPES = {4: (2, 2), 6: (3, 2)}
 def _worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import dmuon
     from dmuon._ownership.state import get_dedication
@@ -34,14 +40,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", SHAPES[world], mesh_dim_names=("replicate", "shard"))
     out: dict[str, Any] = {}
     for mode in ("z2", "z3"):
-        model = make_model(Scenario("replica accumulation"))
-        dmuon.dedicate_params(model, mesh, reshard_after_forward=mode == "z3")
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = dmuon.Muon(
-            model, lr=0.02, ns_dtype=torch.float32, adamw_lr=3e-3, adamw_weight_decay=0.01
-        )
+        model, optimizer = hsdp_model(mesh, mode, "replica accumulation")
         state = get_dedication(model)
         held = []
         for step in range(STEPS):

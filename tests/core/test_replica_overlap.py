@@ -20,6 +20,7 @@ from dist_harness import (
     Scenario,
     _loss,
     global_batch,
+    hsdp_model,
     make_model,
     reference_eval_loss,
     reference_run,
@@ -48,7 +49,6 @@ def _read(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import dmuon
     from dmuon._ownership.state import get_dedication
@@ -56,14 +56,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", SHAPES[world], mesh_dim_names=("replicate", "shard"))
     out: dict[str, Any] = {}
     for mode in ("z2", "z3"):
-        model = make_model(Scenario("overlap"))
-        dmuon.dedicate_params(model, mesh, reshard_after_forward=mode == "z3")
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = dmuon.Muon(
-            model, lr=0.02, ns_dtype=torch.float32, adamw_lr=3e-3, adamw_weight_decay=0.01
-        )
+        model, optimizer = hsdp_model(mesh, mode, "overlap")
         runtime = get_dedication(model).runtime
         in_flight, weights, losses = [], [], []
         for step in range(STEPS):

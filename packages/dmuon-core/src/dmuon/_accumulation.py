@@ -12,39 +12,29 @@ from torch.nn.parallel import DistributedDataParallel
 from dmuon._ownership.fsdp_integration import fsdp_param_groups, is_fsdp_module
 from dmuon._ownership.state import dedicated_root, get_dedication, unwrap
 
-
-def _requires_gradient_sync(module: FSDPModule) -> bool:
-    # FSDP2 has a public setter but no getter; read the flag its setter writes so the
-    # user's own setting is restored (through the setter) on exit.
-    return all(getattr(group, "reduce_grads", True) for group in fsdp_param_groups(module))
-
-
-def _requires_all_reduce(module: FSDPModule) -> bool:
-    return all(getattr(group, "all_reduce_grads", True) for group in fsdp_param_groups(module))
+#: FSDP2's per-module switches ``no_sync`` turns off: ``(setter, the flag its setter
+#: writes on each param group)``. FSDP2 has setters but no getters; the flag is read so
+#: the user's own setting is restored (through the setter) on exit.
+_GRADIENT_SYNC = ("set_requires_gradient_sync", "reduce_grads")
+_ALL_REDUCE = ("set_requires_all_reduce", "all_reduce_grads")
 
 
-@contextmanager
-def _fsdp_no_all_reduce(modules: list[FSDPModule]) -> Iterator[None]:
-    previous = [_requires_all_reduce(m) for m in modules]
-    try:
-        for module in modules:
-            module.set_requires_all_reduce(False, recurse=False)
-        yield
-    finally:
-        for module, all_reduce in zip(modules, previous, strict=True):
-            module.set_requires_all_reduce(all_reduce, recurse=False)
+def _fsdp_flag(module: FSDPModule, flag: str) -> bool:
+    return all(getattr(group, flag, True) for group in fsdp_param_groups(module))
 
 
 @contextmanager
-def _fsdp_no_sync(modules: list[FSDPModule]) -> Iterator[None]:
-    previous = [_requires_gradient_sync(m) for m in modules]
+def _fsdp_switched_off(modules: list[FSDPModule], switch: tuple[str, str]) -> Iterator[None]:
+    """Turn one of FSDP2's switches off on ``modules`` inside the block."""
+    setter, flag = switch
+    previous = [_fsdp_flag(m, flag) for m in modules]
     try:
         for module in modules:
-            module.set_requires_gradient_sync(False, recurse=False)
+            getattr(module, setter)(False, recurse=False)
         yield
     finally:
-        for module, sync in zip(modules, previous, strict=True):
-            module.set_requires_gradient_sync(sync, recurse=False)
+        for module, value in zip(modules, previous, strict=True):
+            getattr(module, setter)(value, recurse=False)
 
 
 def _resolve(module: nn.Module) -> tuple[nn.Module, DistributedDataParallel | None]:
@@ -103,14 +93,14 @@ def no_sync(model: nn.Module, *, scope: str = "all") -> Iterator[None]:
     fsdp_modules = [m for m in root.modules() if is_fsdp_module(m)]
     with ExitStack() as stack:
         if scope == "replicas":
-            stack.enter_context(_fsdp_no_all_reduce(fsdp_modules))
+            stack.enter_context(_fsdp_switched_off(fsdp_modules, _ALL_REDUCE))
             if state is not None:
                 stack.enter_context(state.runtime.no_replica_sync())
             yield
             return
         if ddp is not None:
             stack.enter_context(ddp.no_sync())
-        stack.enter_context(_fsdp_no_sync(fsdp_modules))
+        stack.enter_context(_fsdp_switched_off(fsdp_modules, _GRADIENT_SYNC))
         if state is not None:
             stack.enter_context(state.runtime.no_sync())
         yield

@@ -603,12 +603,8 @@ class DedicationRuntime:
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate dedicated gradients locally inside the block; restore on exit."""
-        previous = self.sync_grads
-        self.sync_grads = False
-        try:
+        with self._switched_off("sync_grads"):
             yield
-        finally:
-            self.sync_grads = previous
 
     @staticmethod
     def reduced_grad(dp: DedicatedParam) -> torch.Tensor | None:
@@ -647,12 +643,17 @@ class DedicationRuntime:
     def no_replica_sync(self) -> Iterator[None]:
         """Inside the block, sum gradients inside each replica only; the next backward
         outside it sends the window's sums across replicas once."""
-        previous = self.sync_replicas
-        self.sync_replicas = False
+        with self._switched_off("sync_replicas"):
+            yield
+
+    @contextmanager
+    def _switched_off(self, flag: str) -> Iterator[None]:
+        previous = getattr(self, flag)
+        setattr(self, flag, False)
         try:
             yield
         finally:
-            self.sync_replicas = previous
+            setattr(self, flag, previous)
 
     def check_synchronised(self) -> None:
         """Raise before a step whose dedicated gradients never reached their owners: every
