@@ -11,6 +11,7 @@ and N times the Newton-Schulz work of dedicated ownership.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -106,6 +107,9 @@ class NaiveMuon(Muon):
 
     def _dedicated_by_id(self) -> dict[int, DedicatedParam]:
         return {}
+
+    def _begin_updates(self, dedicated: dict[int, DedicatedParam]) -> Callable[..., None]:
+        return lambda dp: None  # nothing is dedicated, nothing goes between replicas
 
     def _step_finished(self) -> None:
         self.audit.close_step()

@@ -123,7 +123,7 @@ def test_update_chunks_cut_in_dedication_order_by_size() -> None:
 def _chunked(rank: int, world: int, scenario: Scenario) -> dict[str, Any]:
     from dmuon._ownership import replica_updates
 
-    replica_updates.CHUNK_ELEMENTS = 1  # every matrix a chunk of its own
+    replica_updates.CHUNK_BYTES = 1  # every matrix a chunk of its own
     return run_scenario(scenario, rank, world)
 
 

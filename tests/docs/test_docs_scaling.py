@@ -99,10 +99,10 @@ def test_the_reduce_window_on_the_z2_z3_page_is_the_runtimes() -> None:
 @pytest.mark.parametrize("page", ["communication.md", "hsdp.md", "scaling.md"])
 @pytest.mark.parametrize("root", [DOCS, ZH], ids=["en", "zh"])
 def test_the_chunk_of_updated_values_is_the_codes(root: Path, page: str) -> None:
-    """The pages' chunk of updated values between replicas is `CHUNK_ELEMENTS` float32
-    values, and no other size is stated for it."""
-    from dmuon._ownership.replica_updates import CHUNK_ELEMENTS
+    """The pages' chunk of updates between replicas is `CHUNK_BYTES`, and no other size is
+    stated for it."""
+    from dmuon._ownership.replica_updates import CHUNK_BYTES
 
     text = (root / page).read_text()
-    assert f"{CHUNK_ELEMENTS * 4 // 2**20} MiB" in text
+    assert f"{CHUNK_BYTES // 2**20} MiB" in text
     assert "1 GiB of float32" not in text and "1 GiB 的 float32" not in text

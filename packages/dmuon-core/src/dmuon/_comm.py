@@ -277,9 +277,14 @@ class Communicator:
         numel: int | None = None,
         group: dist.ProcessGroup | None = None,
         then: Callable[[], None] | None = None,
+        values: int | None = None,
     ) -> Pending:
         self._check_same_everywhere(kind, tensor, root, dim, numel, group)
-        self.audit.record(kind, tensor, dim, numel)
+        if values is None:
+            self.audit.record(kind, tensor, dim, numel)
+        else:  # values packed as bytes: the audit counts the values and the bytes
+            moved = (tensor.numel() if numel is None else numel) * tensor.element_size()
+            self.audit.record(kind, tensor, dim, values, moved)
         elements = tensor.numel() if numel is None else numel
         rooted = f"root {root}, " if root >= 0 else ""
         label = f"{kind} of {elements} elements ({rooted}{dim} group{what})"
@@ -313,12 +318,18 @@ class Communicator:
         return self.replicate_group, self.replica_rank
 
     def all_gather_pieces(
-        self, pieces: Sequence[Sequence[torch.Tensor]], what: str = "", dim: str = SHARD
+        self,
+        pieces: Sequence[Sequence[torch.Tensor]],
+        what: str = "",
+        dim: str = SHARD,
+        values: int | None = None,
     ) -> Pending:
         """Every rank's pieces to every rank, in one collective call.
 
         ``pieces[r]`` are the contiguous tensors rank ``r`` sends (on ``r``, their values;
-        elsewhere, where they land); every rank passes pieces of the same sizes. This is a
+        elsewhere, where they land); every rank passes pieces of the same sizes. ``values``,
+        given, is how many values the pieces carry packed (the audit counts those, and the
+        bytes that moved). This is a
         broadcast from every rank that has something to send: one ``broadcast`` when only
         one rank has, else one all-gather of uneven pieces (NCCL runs it as one group of
         broadcasts; gloo, which has none, as one all-to-all that moves the same elements).
@@ -343,6 +354,7 @@ class Communicator:
                 dim=dim,
                 what=what,
                 then=None if fill is None else lambda: _scatter_into(*fill),
+                values=values,
             )
         like = pieces[senders[0]][0]
         if dist.get_backend(group) == "gloo":
@@ -384,7 +396,15 @@ class Communicator:
                 _scatter_into(source, part)
 
         return self._issue(
-            "all_gather", send, -1, call, dim=dim, what=what, numel=sum(sizes), then=then
+            "all_gather",
+            send,
+            -1,
+            call,
+            dim=dim,
+            what=what,
+            numel=sum(sizes),
+            then=then,
+            values=values,
         )
 
     def reduce_scatter_pieces(

@@ -167,17 +167,25 @@ class CommAudit:
         return StepComm(self.dedicated_elements, self.replicas, self.global_elements)
 
     def record(
-        self, kind: str, tensor: torch.Tensor, dim: str = SHARD, numel: int | None = None
+        self,
+        kind: str,
+        tensor: torch.Tensor,
+        dim: str = SHARD,
+        numel: int | None = None,
+        nbytes: int | None = None,
     ) -> None:
         """Add one collective of ``kind`` over mesh dimension ``dim`` that moved ``tensor``
-        (``numel`` elements of its dtype, when they are not ``tensor``'s own)."""
+        (``numel`` elements of its dtype, when they are not ``tensor``'s own). ``nbytes``,
+        given, is what moved when ``numel`` counts values that travel packed as bytes (the
+        updates between replicas)."""
         attr = {SHARD: "by_kind", REPLICATE: "replicate", TENSOR: "tensor", CONTROL: "control"}[dim]
         tallies = (getattr(self.current, attr)[kind], getattr(self.total, attr)[kind])
         elements = tensor.numel() if numel is None else numel
+        moved = elements * tensor.element_size() if nbytes is None else nbytes
         for tally in tallies:
             tally.count += 1
             tally.elements += elements
-            tally.bytes += elements * tensor.element_size()
+            tally.bytes += moved
 
     def close_step(self) -> StepComm:
         """End the current optimizer step; return its record."""

@@ -1,112 +1,330 @@
-"""Handing the updated masters from the replica that stepped them to the other replicas.
+"""Handing each step's updates from the replica that computed them to the other replicas.
 
 On a 2-D (HSDP) mesh every replica's owner of a matrix holds its master, but only one of
 them, in the matrix's ``update_replica``, received its averaged gradient, keeps its
-momentum and ran Newton-Schulz (see `dmuon.plan_owners`). After the optimizer step the
-owners of the same matrices (one per replica) all-gather the new values over the
-replicate group, each replica sending those it stepped, and copy them into their masters:
-every replica then holds the same values, exactly as if each had stepped the matrix
-itself, and each iteration ran once in the whole world.
+momentum and ran Newton-Schulz (see `dmuon.plan_owners`). What it sends the other
+replicas' owners is not the new master but what they need to step their own copy the same
+way: the orthogonalized update in the dtype the optimizer produced it in (the
+Newton-Schulz iteration's, bfloat16 on GPUs, so half the bytes of float32 values; the
+weights' own for NorMuon, whose normalization runs there), and a header of scalars:
 
-The all-gathers are issued when the step ends and waited for only where the values are
-read: each hook boundary's forward pre-hook waits for the chunks holding its matrices and
-the next boundary's (the one it prefetches), in forward order, so the transfer overlaps
-the next forward, as FSDP2's HSDP all-reduce overlaps backward. Every other read or write
-of the masters waits for all of them first (the next step, state dicts, loads,
+* the weight decay factor ``1 - lr * weight_decay``,
+* the step's multiplier of the update per output row (``-lr`` times the shape's learning
+  rate adjustment; the parts of a split matrix may differ),
+* QK-clip's factor per output row (1 where no head was clipped).
+
+Every owner applies them with the same elementwise operations, each rounded once, that the
+stepping owner ran on its own master (`UpdateSlot.apply`), so the replicas stay
+bit-identical and each iteration still runs once in the whole world. A matrix the step
+left alone (no gradient anywhere, a skipped non-finite one, a frozen one) keeps the
+header's defaults (decay 1, multiplier -0.0, factor 1, update 0), which change no bit.
+
+The messages are issued when the step ends and waited for only where the values are read:
+each hook boundary's forward pre-hook waits for the chunks holding its matrices and the
+next boundary's (the one it prefetches), in forward order, so the transfer overlaps the
+next forward, as FSDP2's HSDP all-reduce overlaps backward. Every other read or write of
+the masters waits for all of them first (the next step, state dicts, loads,
 `dmuon.parameters_updated`, `dmuon.wait_for_updates`).
 
-The values travel in float32, in chunks of at most `CHUNK_ELEMENTS` elements (a matrix
-larger than that is a chunk of its own), in dedication order: one collective call per
-chunk (a broadcast when one replica stepped the whole chunk).
+They travel as bytes, in chunks of at most `CHUNK_BYTES` (a record larger than that is a
+chunk of its own), in dedication order: one collective call per chunk (a broadcast when
+one replica stepped the whole chunk). In a chunk each replica's section holds its
+records' headers, then their updates (`record_nbytes` is one record's share).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
 
 from dmuon._comm import Communicator, Pending
 from dmuon._comm_audit import REPLICATE
 from dmuon._ownership.param import DedicatedParam
 
-#: Elements of float32 values per chunk (256 MiB).
-CHUNK_ELEMENTS = 2**26
+#: Bytes per chunk of updates (256 MiB).
+CHUNK_BYTES = 2**28
+
+#: Every header and update starts at a multiple of this many bytes (any dtype views it).
+_ALIGN = 16
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def header_dtype(master_dtype: torch.dtype) -> torch.dtype:
+    """The header's dtype: the scalars as the stepping owner's kernels used them (float32,
+    float64 for float64 weights)."""
+    return torch.promote_types(master_dtype, torch.float32)
+
+
+def header_length(out_features: int) -> int:
+    """Elements of a record's header: the decay, then a multiplier and a QK-clip factor
+    per output row."""
+    return 1 + 2 * out_features
+
+
+def record_nbytes(
+    numel: int, out_features: int, update_dtype: torch.dtype, master_dtype: torch.dtype
+) -> int:
+    """Bytes one record takes in its chunk: its header and its update, each aligned.
+    `dmuon.plan` counts the traffic between replicas with this function too."""
+    header = header_length(out_features) * header_dtype(master_dtype).itemsize
+    return _aligned(header) + _aligned(numel * update_dtype.itemsize)
 
 
 def update_chunks(
     records: list[tuple[int, int]], replicas: int, cap: int | None = None
 ) -> list[list[list[int]]]:
-    """Split a rank's owned records into the chunks its updated values travel in.
+    """Split a rank's owned records into the chunks their updates travel in.
 
-    ``records`` are ``(elements, update replica)`` in dedication order (which is forward
+    ``records`` are ``(bytes, update replica)`` in dedication order (which is forward
     order: the chunks arrive in the order the next forward needs them). They are cut, in
-    that order, into consecutive chunks of at most ``cap`` elements (default
-    `CHUNK_ELEMENTS`; a record larger than ``cap`` alone). Returns, per chunk, per replica,
-    the indices (into ``records``) of the records that replica sends. `dmuon.plan` counts
-    its calls with this function too.
+    that order, into consecutive chunks of at most ``cap`` bytes (default `CHUNK_BYTES`; a
+    record larger than ``cap`` alone). Returns, per chunk, per replica, the indices (into
+    ``records``) of the records that replica sends. `dmuon.plan` counts its calls with
+    this function too.
     """
-    cap = CHUNK_ELEMENTS if cap is None else cap
+    cap = CHUNK_BYTES if cap is None else cap
     chunks: list[list[list[int]]] = []
     filled = cap
-    for index, (elements, replica) in enumerate(records):
-        if not chunks or filled + elements > cap:
+    for index, (nbytes, replica) in enumerate(records):
+        if not chunks or filled + nbytes > cap:
             chunks.append([[] for _ in range(replicas)])
             filled = 0
         chunks[-1][replica].append(index)
-        filled += elements
+        filled += nbytes
     return chunks
 
 
+def out_features(dp: DedicatedParam) -> int:
+    """Output rows of each of ``dp``'s matrices as it stores them."""
+    return int(dp.shape[-1] if dp.transposed else dp.shape[-2])
+
+
+def along_out(vector: Tensor, dp: DedicatedParam) -> Tensor:
+    """``vector`` (one value per output row) shaped to broadcast over ``dp``'s tensor."""
+    shape = [1] * len(dp.shape)
+    shape[-1 if dp.transposed else -2] = vector.numel()
+    return vector.view(shape)
+
+
+@dataclass(eq=False)
+class UpdateSlot:
+    """Where one record's step travels: its header and its update (views of a chunk)."""
+
+    dp: DedicatedParam
+    header: Tensor
+    update: Tensor
+
+    @property
+    def decay(self) -> Tensor:
+        """The weight decay factor (one element)."""
+        return self.header[:1]
+
+    @property
+    def multipliers(self) -> Tensor:
+        """The update's multiplier per output row."""
+        return self.header[1 : 1 + out_features(self.dp)]
+
+    @property
+    def factors(self) -> Tensor:
+        """QK-clip's factor per output row."""
+        return self.header[1 + out_features(self.dp) :]
+
+    def apply(self) -> None:
+        """Step this owner's master as the stepping owner stepped its own: decay, then the
+        scaled update added, then the QK-clip factors, each product and sum rounded once
+        in the master's dtype (so the result is the same bits)."""
+        master = self.dp.param.detach()
+        master.mul_(self.decay)
+        step = self.update.to(master.dtype)
+        step.mul_(along_out(self.multipliers, self.dp))
+        master.add_(step)
+        master.mul_(along_out(self.factors, self.dp).to(master.dtype))
+
+
+def _reset_header(header: Tensor, out: int) -> None:
+    header[0] = 1.0
+    header[1 : 1 + out] = -0.0
+    header[1 + out :] = 1.0
+
+
+@dataclass
+class _Chunk:
+    """One chunk's layout: per replica, its records and the byte ranges of its section."""
+
+    records: list[list[DedicatedParam]]
+    #: Per replica: (start, headers' end, end) of its section in the chunk's bytes.
+    sections: list[tuple[int, int, int]]
+    #: Per record name: (header offset, update offset) in bytes.
+    offsets: dict[str, tuple[int, int]]
+    nbytes: int
+
+
 class ReplicaUpdates:
-    """The all-gathers that bring every replica's masters up to date after a step,
-    waited for as late as each value is needed (see the module docstring)."""
+    """The messages that bring every replica's masters up to date after a step, waited
+    for as late as each value is needed (see the module docstring)."""
 
     def __init__(
         self, params: list[DedicatedParam], comm: Communicator, boundaries: list[str]
     ) -> None:
         self.comm = comm
-        owned = [dp for dp in params if dp.is_owned] if comm.replicas > 1 else []
-        chunks = update_chunks([(dp.numel, dp.update_replica) for dp in owned], comm.replicas)
-        #: Per chunk, per replica, the records whose new values that replica sends.
-        self.chunks = [[[owned[i] for i in part] for part in chunk] for chunk in chunks]
-        # needed[b]: the chunks up to needed[b] hold every matrix of boundaries 0..b.
-        position = {name: b for b, name in enumerate(boundaries)}
-        last = [-1] * len(boundaries)
-        for c, chunk in enumerate(self.chunks):
-            for records in chunk:
-                for dp in records:
-                    last[position[dp.boundary]] = c
-        self._needed = list(itertools.accumulate(last, max)) if last else []
-        self._in_flight: deque[Pending] = deque()
-        self._waited = 0
+        self._owned = [dp for dp in params if dp.is_owned] if comm.replicas > 1 else []
+        self._position = {name: b for b, name in enumerate(boundaries)}
+        self._boundaries = len(boundaries)
+        self._dtypes: list[torch.dtype] | None = None
+        self._chunks: list[_Chunk] = []
+        self._needed: list[int] = []
+        self._templates: list[Tensor | None] = []
+        self._wires: list[Tensor | None] = []
+        self._slots: dict[str, UpdateSlot] = {}
+        self._in_flight: deque[tuple[Pending, int]] = deque()
+        self._dtype_of: dict[str, torch.dtype] = {}
+        self._begun = False
 
     @property
     def pending(self) -> bool:
-        """Whether updated values are still on their way."""
+        """Whether updates are still on their way."""
         return bool(self._in_flight)
 
+    def begin(self, update_dtype: Callable[[DedicatedParam], torch.dtype]) -> None:
+        """Open a step: ``update_dtype(dp)`` is the dtype ``dp``'s update travels in (the
+        same on every rank). Lays out this step's chunks; this rank's sections start at
+        the defaults that change nothing."""
+        self.wait_all()
+        self._slots = {}
+        if not self._owned:
+            return
+        dtypes = [update_dtype(dp) for dp in self._owned]
+        if dtypes != self._dtypes:
+            self._lay_out(dtypes)
+        me = self.comm.replica_rank
+        self._wires = []
+        for chunk, template in zip(self._chunks, self._templates, strict=True):
+            wire = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.comm.device)
+            start, headers_end, end = chunk.sections[me]
+            if template is not None:
+                wire[start:headers_end].copy_(template)
+                wire[headers_end:end].zero_()
+            self._wires.append(wire)
+            self._slots.update((dp.name, self._slot(wire, chunk, dp)) for dp in chunk.records[me])
+        self._begun = True
+
+    def outgoing(self, dp: DedicatedParam) -> UpdateSlot | None:
+        """Where the step of ``dp`` (which this rank steps) goes, if other replicas need it."""
+        return self._slots.get(dp.name)
+
     def share(self) -> None:
-        """Issue the all-gather of every chunk's new masters (not waited for here)."""
-        self.wait_all()  # a step with the last one's values still on their way
-        for chunk in self.chunks:
-            first = next(records[0] for records in chunk if records)
-            what = f", updated values of {first.name} and more"
-            pieces = [[dp.param.detach() for dp in records] for records in chunk]
-            self._in_flight.append(self.comm.all_gather_pieces(pieces, what, REPLICATE))
-        self._waited = 0
+        """Issue every chunk's message (not waited for here)."""
+        if not self._begun:
+            return
+        self._begun = False
+        for index, (chunk, wire) in enumerate(zip(self._chunks, self._wires, strict=True)):
+            assert wire is not None
+            first = next(records[0] for records in chunk.records if records)
+            what = f", updates of {first.name} and more"
+            pieces = [[wire[start:end]] if end > start else [] for start, _, end in chunk.sections]
+            values = sum(dp.numel for records in chunk.records for dp in records)
+            pending = self.comm.all_gather_pieces(pieces, what, REPLICATE, values)
+            self._in_flight.append((pending, index))
+        self._slots = {}
 
     def wait_for_boundary(self, index: int) -> None:
-        """Wait for the chunks holding the matrices of boundaries ``0..index``."""
+        """Apply the chunks holding the matrices of boundaries ``0..index``."""
         if self._in_flight and self._needed:
-            self._wait_until(self._needed[min(index, len(self._needed) - 1)])
+            last = self._needed[min(index, len(self._needed) - 1)]
+            while self._in_flight and self._in_flight[0][1] <= last:
+                self._finish_next()
 
     def wait_all(self) -> None:
-        """Wait for every chunk still on its way."""
+        """Apply every chunk still on its way."""
         while self._in_flight:
-            self._in_flight.popleft().wait()
-            self._waited += 1
+            self._finish_next()
 
-    def _wait_until(self, chunk: int) -> None:
-        while self._in_flight and self._waited <= chunk:
-            self._in_flight.popleft().wait()
-            self._waited += 1
+    # ----- layout ---------------------------------------------------------------------------
+    def _lay_out(self, dtypes: list[torch.dtype]) -> None:
+        self._dtypes = dtypes
+        self._dtype_of = {dp.name: dt for dp, dt in zip(self._owned, dtypes, strict=True)}
+        sizes = [
+            record_nbytes(dp.numel, out_features(dp), dt, dp.param.dtype)
+            for dp, dt in zip(self._owned, dtypes, strict=True)
+        ]
+        cut = update_chunks(
+            [(n, dp.update_replica) for n, dp in zip(sizes, self._owned, strict=True)],
+            self.comm.replicas,
+        )
+        me = self.comm.replica_rank
+        self._chunks, self._templates = [], []
+        last = [-1] * self._boundaries
+        for c, parts in enumerate(cut):
+            records = [[self._owned[i] for i in part] for part in parts]
+            headers: dict[str, int] = {}
+            updates: dict[str, int] = {}
+            sections = []
+            position = 0
+            for part in records:
+                start = position
+                for dp in part:
+                    headers[dp.name] = position
+                    position += _aligned(self._header_nbytes(dp))
+                headers_end = position
+                for dp in part:
+                    updates[dp.name] = position
+                    position += _aligned(dp.numel * self._dtype_of[dp.name].itemsize)
+                    last[self._position[dp.boundary]] = c
+                sections.append((start, headers_end, position))
+            offsets = {name: (at, updates[name]) for name, at in headers.items()}
+            chunk = _Chunk(records, sections, offsets, position)
+            self._chunks.append(chunk)
+            self._templates.append(self._header_template(chunk, records[me]))
+        # needed[b]: the chunks up to needed[b] hold every matrix of boundaries 0..b.
+        self._needed = list(itertools.accumulate(last, max)) if last else []
+
+    @staticmethod
+    def _header_nbytes(dp: DedicatedParam) -> int:
+        return header_length(out_features(dp)) * header_dtype(dp.param.dtype).itemsize
+
+    def _header_template(self, chunk: _Chunk, mine: list[DedicatedParam]) -> Tensor | None:
+        """This rank's headers at their defaults, as the bytes its section starts with."""
+        if not mine:
+            return None
+        start, headers_end, _ = chunk.sections[self.comm.replica_rank]
+        template = torch.zeros(headers_end - start, dtype=torch.uint8, device=self.comm.device)
+        for dp in mine:
+            offset = chunk.offsets[dp.name][0] - start
+            header = self._typed(template, offset, header_length(out_features(dp)),
+                                 header_dtype(dp.param.dtype))  # fmt: skip
+            _reset_header(header, out_features(dp))
+        return template
+
+    @staticmethod
+    def _typed(wire: Tensor, offset: int, numel: int, dtype: torch.dtype) -> Tensor:
+        return wire[offset : offset + numel * dtype.itemsize].view(dtype)
+
+    def _slot(self, wire: Tensor, chunk: _Chunk, dp: DedicatedParam) -> UpdateSlot:
+        header_at, update_at = chunk.offsets[dp.name]
+        dtype = self._dtype_of[dp.name]
+        header = self._typed(
+            wire, header_at, header_length(out_features(dp)), header_dtype(dp.param.dtype)
+        )
+        update = self._typed(wire, update_at, dp.numel, dtype).view(dp.shape)
+        return UpdateSlot(dp, header, update)
+
+    # ----- receiving ------------------------------------------------------------------------
+    def _finish_next(self) -> None:
+        pending, index = self._in_flight.popleft()
+        pending.wait()
+        chunk, wire = self._chunks[index], self._wires[index]
+        assert wire is not None
+        me = self.comm.replica_rank
+        for replica, records in enumerate(chunk.records):
+            if replica != me:
+                for dp in records:
+                    self._slot(wire, chunk, dp).apply()
+        self._wires[index] = None

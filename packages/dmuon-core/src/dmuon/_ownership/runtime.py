@@ -19,7 +19,7 @@ Per hook boundary (usually one transformer layer):
   the shard group and, at the end of backward, the owners of the same matrices in the
   replicas reduce-scatter their sums by matrix, so each matrix's average lands on the one
   owner that steps it (its ``update_replica``); after the step the owners all-gather the
-  new values over the replicate group (`dmuon._ownership.replica_updates`).
+  updates over the replicate group and apply them (`dmuon._ownership.replica_updates`).
 
 Each boundary drives one `FlatBuffer` (every owner's matrices, then the expert stacks
 split across owners), which sends and reduces in one collective call per direction.
@@ -60,7 +60,7 @@ from dmuon._ownership.ddp_integration import active_ddp
 from dmuon._ownership.flat_buffer import FlatBuffer
 from dmuon._ownership.fsdp_integration import is_fsdp_module
 from dmuon._ownership.param import DedicatedParam
-from dmuon._ownership.replica_updates import ReplicaUpdates
+from dmuon._ownership.replica_updates import ReplicaUpdates, UpdateSlot
 
 #: Hook boundaries whose gradient reduces may be in flight behind the one issued last.
 #: Older ones are waited on during backward and their float32 reduce inputs released, so a
@@ -626,10 +626,20 @@ class DedicationRuntime:
         for buffer in self.buffers():
             buffer.invalidate()
 
+    def begin_step(self, update_dtype: Callable[[DedicatedParam], torch.dtype]) -> None:
+        """An optimizer step starts: under HSDP, lay out where the matrices' updates go to
+        the other replicas (``update_dtype(dp)``: the dtype ``dp``'s update travels in)."""
+        self._replica_updates.begin(update_dtype)
+
+    def outgoing_update(self, dp: DedicatedParam) -> UpdateSlot | None:
+        """Where the optimizer writes the step of ``dp`` for the other replicas (``None``
+        on a 1-D mesh)."""
+        return self._replica_updates.outgoing(dp)
+
     def step_finished(self) -> None:
-        """An optimizer step changed the masters: send the new values to the other
-        replicas (HSDP; waited for by the next forward, boundary by boundary), invalidate
-        buffers, close the audit step."""
+        """An optimizer step changed the masters: send the updates to the other replicas
+        (HSDP; applied by the next forward, boundary by boundary), invalidate buffers,
+        close the audit step."""
         for buffer in self.buffers():
             buffer.invalidate()
         self._replica_updates.share()

@@ -10,8 +10,10 @@
   DTensor shards included) and is stepped by ``torch.optim.adamw.adamw``, the functional
   form of ``torch.optim.AdamW``, with its defaults.
 
-``step()`` issues no collective: the ownership runtime has already reduced each dedicated
-gradient to its owner (``param._reduced_grad``), and AdamW works on local shards.
+``step()`` waits for no collective: the ownership runtime has already reduced each
+dedicated gradient to its owner (``param._reduced_grad``), and AdamW works on local
+shards. Under HSDP it issues, and leaves in flight, the messages that carry each update
+to the other replicas (`dmuon._ownership.replica_updates`).
 
 A matrix no rank had a gradient for (such as an expert no token was routed to anywhere) is
 left alone, as torch's optimizers leave a parameter whose ``.grad`` is ``None``; a gradient
@@ -29,11 +31,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from dmuon._clip import reduction_groups, total_grad_norm
 from dmuon._ownership.fsdp_integration import verify_not_sharded
 from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.replica_updates import UpdateSlot
 from dmuon._ownership.state import DedicationState, get_dedication, unwrap
 from dmuon.optim._adamw_step import adamw_step
 from dmuon.optim._groups import build_param_groups, route_group
@@ -43,10 +46,11 @@ from dmuon.optim._muon_update import (
     apply_muon_update,
     init_missing_state,
     owned_gradients,
-    zero_second_moment,
+    step_inputs,
+    update_dtypes,
 )
 from dmuon.optim._nonfinite import NonFiniteGradientError, finite_only
-from dmuon.optim._normuon import SECOND_MOMENT, check_checkpoint_variants, check_normuon_layouts
+from dmuon.optim._normuon import check_checkpoint_variants, check_normuon_layouts
 from dmuon.optim._orthogonalize import (
     Coefficients,
     resolve_coefficients,
@@ -385,6 +389,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         dedicated = self._dedicated_by_id()
+        self._outgoing = self._begin_updates(dedicated)
         clip = self.__dict__.get("_qk_clip")
         if clip is not None:  # the step's maxima are final: agree on them before updating
             maxima = clip.measure(self._dedication().runtime.comm, reduction_groups(self._model)[0])
@@ -394,9 +399,17 @@ class Muon(torch.optim.Optimizer):
             else:
                 self._adamw_step(group)
         if clip is not None:
-            clip.clip(maxima)
+            clip.clip(maxima, self._outgoing)
         self._step_finished()
         return loss
+
+    def _begin_updates(
+        self, dedicated: dict[int, DedicatedParam]
+    ) -> Callable[[DedicatedParam], UpdateSlot | None]:
+        """Open the step's updates between replicas; where each matrix's goes (HSDP)."""
+        runtime = self._dedication().runtime
+        runtime.begin_step(update_dtypes(self.param_groups, dedicated))
+        return runtime.outgoing_update
 
     def _check_params_are_the_models(self) -> None:
         check_params_are_the_models(self.param_groups, self._model)
@@ -411,29 +424,12 @@ class Muon(torch.optim.Optimizer):
         triples = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         runtime = self._dedication().runtime
         pairs = owned_gradients(group["params"], dedicated, runtime)
-        normuon = group["variant"] == "normuon"
-        params: list[Tensor] = []
-        grads: list[Tensor] = []
-        bufs: list[Tensor] = []
-        seconds: list[Tensor | None] = []
-        stepped: list[DedicatedParam] = []
         norm_buffers = self.__dict__.setdefault("_norm_buffers", {})
         kept, skipped = finite_only(group, pairs, norm_buffers, runtime.comm)
         self.skipped_updates += skipped
-        for dp, grad in kept:
-            p = dp.param
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(
-                    grad, memory_format=torch.preserve_format
-                )
-            if normuon and SECOND_MOMENT not in state:
-                state[SECOND_MOMENT] = zero_second_moment(dp)
-            params.append(p)
-            grads.append(grad)
-            bufs.append(state["momentum_buffer"])
-            seconds.append(state[SECOND_MOMENT] if normuon else None)
-            stepped.append(dp)
+        stepped, params, grads, bufs, seconds = step_inputs(
+            kept, self.state, group["variant"] == "normuon"
+        )
         if not params:
             return
         apply_muon_update(
@@ -447,7 +443,8 @@ class Muon(torch.optim.Optimizer):
             self.split_sizes,
             self._workspaces,
             self.max_workspace_bytes,
-            self._dedication().runtime.comm,
+            runtime.comm,
+            self._outgoing,
         )
 
     @property

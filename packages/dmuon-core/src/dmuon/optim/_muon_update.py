@@ -10,7 +10,7 @@ parallelism are gathered to their workers first (`dmuon.optim._tensor_parallel`)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dmuon._comm import Communicator
 from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.replica_updates import UpdateSlot
 from dmuon._ownership.runtime import DedicationRuntime
 from dmuon.optim._adamw_step import new_adamw_state
 from dmuon.optim._blocks import Arena
@@ -123,33 +124,45 @@ def apply_muon_update(
     workspaces: Workspaces,
     max_workspace_bytes: int,
     comm: Communicator,
+    outgoing: Callable[[DedicatedParam], UpdateSlot | None] = lambda dp: None,
 ) -> None:
     """Step ``params`` (the owned masters) with their averaged ``grads``, momentum buffers
-    ``bufs`` and NorMuon second moments ``seconds`` (``None`` under Muon), in place."""
+    ``bufs`` and NorMuon second moments ``seconds`` (``None`` under Muon), in place.
+
+    Each step is decay, then ``multiplier x update`` added, each rounded once; where
+    ``outgoing(dp)`` gives a slot (HSDP), the update and the scalars go there too, for the
+    other replicas to apply the same way (`dmuon._ownership.replica_updates`).
+    """
     lr = group["lr"]
     momentum = group["momentum"]
     normuon = group["variant"] == "normuon"
     foreach_by_dtype(torch._foreach_lerp_, bufs, grads, 1 - momentum)
+    decay = 1 - lr * group["weight_decay"] if group["weight_decay"] != 0 else 1.0
     if group["weight_decay"] != 0:
-        foreach_by_dtype(torch._foreach_mul_, params, 1 - lr * group["weight_decay"])
+        foreach_by_dtype(torch._foreach_mul_, params, decay)
+    slots = {id(dp): outgoing(dp) for dp in stepped}
 
     # Orthogonalize same-shape matrices together (one batched call per bucket), in
     # buffers kept from step to step. Stacks contribute each of their matrices, split
     # parameters each of their parts (views, not copies). A (in, out) layout (Conv1D)
     # gets its own bucket: its learning-rate adjustment reads the shape the other way.
     # NorMuon's second moments are (out, 1) per matrix: a split part's is a row range.
-    buckets: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, Tensor, Tensor | None]]] = {}
+    buckets: dict[tuple[Any, ...], list[_Piece]] = {}
     sharded: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]] = []
     for dp, p, g, b, s in zip(stepped, params, grads, bufs, seconds, strict=True):
         if dp.tp_sharded:
             sharded.append((dp, p, g, b))
             continue
         sizes = split_sizes.get(dp.fqn)
+        slot = slots[id(dp)]
+        if slot is not None:
+            _write_scalars(slot, group, decay, sizes)
         pieces = zip(
             matrix_pieces(g, dp.transposed, sizes),
             matrix_pieces(b, dp.transposed, sizes),
             matrix_pieces(p, dp.transposed, sizes),
             matrix_pieces(s, False, sizes) if s is not None else _nones(g, sizes),
+            matrix_pieces(slot.update, dp.transposed, sizes) if slot else _nones(g, sizes),
             strict=True,
         )
         for piece in pieces:
@@ -165,26 +178,68 @@ def apply_muon_update(
             members = bucket[first : first + size]
             ws = workspaces.get(len(members), shape, ns_dtype, device, gram, out_dtype)
             views = ws.source_views
-            bucket_grads = [g for g, _, _, _ in members]
-            bucket_bufs = [b for _, b, _, _ in members]
+            bucket_grads = [g for g, _, _, _, _ in members]
+            bucket_bufs = [b for _, b, _, _, _ in members]
             # Straight into the buffers, widened there when the gradients are 16-bit.
             if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
                 for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
                     torch.lerp(g, b, momentum, out=v)
             else:
                 torch._foreach_copy_(views, bucket_bufs)
-            bucket_params = [p for _, _, p, _ in members]
+            bucket_params = [p for _, _, p, _, _ in members]
             # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
             # (adding it directly would allocate a widened temporary per matrix).
-            ortho = ws.cast(ws.run(triples, group["eps"]), bucket_params[0].dtype)
+            result = ws.run(triples, group["eps"])
+            ortho = ws.cast(result, bucket_params[0].dtype)
             if normuon:
-                bucket_seconds = [s for _, _, _, s in members]
+                bucket_seconds = [s for _, _, _, s, _ in members]
                 ortho = normalize_rows_(ortho, bucket_seconds, group["beta2"], is_transposed)  # type: ignore[arg-type]
+                result = ortho
+            _send([u for _, _, _, _, u in members], result)
             rows, cols = (shape[1], shape[0]) if is_transposed else shape
-            adjusted_lr = lr * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols)
-            torch._foreach_add_(bucket_params, list(ortho.unbind(0)), alpha=-adjusted_lr)
+            # Scaled, then added: two roundings another replica repeats exactly.
+            ortho.mul_(_multiplier(group, rows, cols))
+            torch._foreach_add_(bucket_params, list(ortho.unbind(0)))
     if sharded:
         _tensor_parallel_step(group, triples, sharded, split_sizes, comm)
+
+
+_Piece = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
+"""A matrix Muon orthogonalizes: gradient, momentum, master, NorMuon second moment and
+where its update goes to the other replicas (each a view of its record's)."""
+
+
+def _multiplier(group: dict[str, Any], rows: int, cols: int) -> float:
+    """What a ``rows x cols`` (out x in) matrix's orthogonalized update is multiplied by."""
+    return -(group["lr"] * adjust_lr_ratio(group["adjust_lr_fn"], rows, cols))
+
+
+def _write_scalars(
+    slot: UpdateSlot, group: dict[str, Any], decay: float, sizes: tuple[int, ...] | None
+) -> None:
+    """The decay and the multiplier of each output row (each part's, for a split matrix)
+    into ``slot``'s header, in its dtype, as the kernels round them."""
+    dp = slot.dp
+    out, cols = dp.out_in_shape
+    parts = sizes or (out,)
+    multipliers = [_multiplier(group, size, cols) for size in parts]
+    per_part = torch.tensor(multipliers, dtype=slot.header.dtype)
+    rows = torch.repeat_interleave(per_part, torch.tensor(parts))
+    slot.decay.fill_(decay)
+    slot.multipliers.copy_(rows)
+
+
+def _send(destinations: list[Tensor | None], result: Tensor) -> None:
+    """Copy each matrix of ``result`` (what the iteration or NorMuon returned, before any
+    widening) into its destination, where it has one."""
+    pairs = [(d, r) for d, r in zip(destinations, result.unbind(0), strict=True) if d is not None]
+    if not pairs:
+        return
+    if pairs[0][0].dtype != result.dtype:
+        raise RuntimeError(
+            f"internal: an update of dtype {result.dtype} was to travel as {pairs[0][0].dtype}"
+        )
+    torch._foreach_copy_([d for d, _ in pairs], [r for _, r in pairs])
 
 
 def _tensor_parallel_step(
@@ -214,6 +269,27 @@ def _tensor_parallel_step(
         p.add_(update.to(p.dtype), alpha=-group["lr"])
 
 
+def update_dtypes(
+    param_groups: list[dict[str, Any]], dedicated: dict[int, DedicatedParam]
+) -> Callable[[DedicatedParam], torch.dtype]:
+    """The dtype each matrix's update travels in to the other replicas (HSDP): the
+    iteration's, or the weights' for NorMuon (it normalizes there); the same on every
+    rank."""
+    dtypes: dict[str, torch.dtype] = {}
+    for group in param_groups:
+        if group["algorithm"] != "muon":
+            continue
+        for p in group["params"]:
+            dp = dedicated.get(id(p))
+            if dp is None:
+                continue
+            if group["variant"] == "normuon" or dp.tp_sharded:
+                dtypes[dp.fqn] = p.dtype
+            else:
+                dtypes[dp.fqn] = group["ns_dtype"] or default_ns_dtype(p.device)
+    return lambda dp: dtypes.get(dp.fqn, dp.param.dtype)
+
+
 def owned_gradients(
     params: list[Tensor], dedicated: dict[int, DedicatedParam], runtime: DedicationRuntime
 ) -> list[tuple[DedicatedParam, Tensor]]:
@@ -239,6 +315,30 @@ def owned_gradients(
             )
         pairs.append((dp, grad))
     return pairs
+
+
+def step_inputs(
+    kept: list[tuple[DedicatedParam, Tensor]],
+    states: Mapping[Tensor, dict[str, Any]],
+    normuon: bool,
+) -> tuple[list[DedicatedParam], list[Tensor], list[Tensor], list[Tensor], list[Tensor | None]]:
+    """What `apply_muon_update` takes for the matrices to step (``kept``: each with its
+    averaged gradient): the records, masters, gradients, momentum buffers and NorMuon
+    second moments, the state made as zeros where it is missing."""
+    stepped, params, grads, bufs = [], [], [], []
+    seconds: list[Tensor | None] = []
+    for dp, grad in kept:
+        state = states[dp.param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+        if normuon and SECOND_MOMENT not in state:
+            state[SECOND_MOMENT] = zero_second_moment(dp)
+        stepped.append(dp)
+        params.append(dp.param)
+        grads.append(grad)
+        bufs.append(state["momentum_buffer"])
+        seconds.append(state[SECOND_MOMENT] if normuon else None)
+    return stepped, params, grads, bufs, seconds
 
 
 def zero_second_moment(dp: DedicatedParam) -> Tensor:

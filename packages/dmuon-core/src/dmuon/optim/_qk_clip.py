@@ -30,6 +30,7 @@ head's logits on the step's batch scale by exactly ``gamma_h``. Momentum is not 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dmuon._comm import Communicator
 from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.replica_updates import UpdateSlot
 from dmuon.optim._qk_logits import HeadMaxima, attach, install, is_hugging_face
 
 __all__ = ["QKClip", "QKClipReport"]
@@ -123,8 +125,13 @@ class QKClip:
         return maxima
 
     @torch.no_grad()
-    def clip(self, maxima: Tensor) -> QKClipReport:
-        """Scale the heads whose maximum passed ``tau`` (after the update); the report."""
+    def clip(
+        self,
+        maxima: Tensor,
+        outgoing: Callable[[DedicatedParam], UpdateSlot | None] = lambda dp: None,
+    ) -> QKClipReport:
+        """Scale the heads whose maximum passed ``tau`` (after the update); the report.
+        ``outgoing(dp)`` is where the factors go for the other replicas (HSDP)."""
         clipped = torch.isfinite(maxima) & (maxima > self.tau)
         gammas = torch.where(clipped, self.tau / maxima, torch.ones_like(maxima))
         report: dict[str, float] = {}
@@ -132,11 +139,16 @@ class QKClip:
             heads = slice(layer.base, layer.base + layer.heads)
             report[layer.name] = float(maxima[heads].max())
             if bool(clipped[heads].any()):
-                self._scale(layer, gammas[heads])
+                self._scale(layer, gammas[heads], outgoing)
         self.report = QKClipReport(report, int(clipped.sum()))
         return self.report
 
-    def _scale(self, layer: _Layer, gamma: Tensor) -> None:
+    def _scale(
+        self,
+        layer: _Layer,
+        gamma: Tensor,
+        outgoing: Callable[[DedicatedParam], UpdateSlot | None],
+    ) -> None:
         if layer.norms is not None:
             (q_norm, q_offset), (k_norm, k_offset) = layer.norms
             smallest = float(gamma.min())
@@ -145,11 +157,11 @@ class QKClip:
             return
         shared_keys = layer.kv_heads < layer.heads  # the query heads take all of gamma
         q_rows = (gamma if shared_keys else gamma**self.alpha).repeat_interleave(layer.head_dim)
-        _scale_master_rows(layer.q, q_rows)
+        _scale_master_rows(layer.q, q_rows, outgoing(layer.q))
         _scale_vector(layer.q_bias, q_rows)
         if not shared_keys:
             k_rows = (gamma ** (1.0 - self.alpha)).repeat_interleave(layer.head_dim)
-            _scale_master_rows(layer.k, k_rows)
+            _scale_master_rows(layer.k, k_rows, outgoing(layer.k))
             _scale_vector(layer.k_bias, k_rows)
 
 
@@ -261,8 +273,9 @@ def _row_start(dp: DedicatedParam) -> int:
     return tp.bounds(tp.rank)[0]
 
 
-def _scale_master_rows(dp: DedicatedParam, factors: Tensor) -> None:
-    """The owner that stepped ``dp`` scales its master's output rows (its tp share)."""
+def _scale_master_rows(dp: DedicatedParam, factors: Tensor, slot: UpdateSlot | None) -> None:
+    """The owner that stepped ``dp`` scales its master's output rows (its tp share), and
+    writes the factors into ``slot`` for the other replicas."""
     if not dp.updates_here:
         return
     master = dp.param.detach()
@@ -270,6 +283,8 @@ def _scale_master_rows(dp: DedicatedParam, factors: Tensor) -> None:
     start = _row_start(dp)
     local = factors[start : start + master.shape[out_dim]].to(master.device, master.dtype)
     master.mul_(local.unsqueeze(1) if out_dim == 0 else local.unsqueeze(0))
+    if slot is not None:
+        slot.factors.copy_(local)
 
 
 def _scale_vector(param: nn.Parameter | None, factors: Tensor) -> None:

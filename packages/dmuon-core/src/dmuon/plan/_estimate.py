@@ -40,7 +40,7 @@ from dmuon._ownership.planner import (
     newton_schulz_flops,
     range_name,
 )
-from dmuon._ownership.replica_updates import update_chunks
+from dmuon._ownership.replica_updates import record_nbytes, update_chunks
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.selection import plan_dedication
 from dmuon._ownership.tp_integration import spread_over_tp
@@ -98,6 +98,9 @@ class RankPlan:
     #: reduce-scatter of its owned gradients and FSDP2's all-reduce of its shard of the
     #: other parameters.
     replicate_reduce_seconds: float = 0.0
+    #: Bytes of the step's updates between replicas this rank holds from the step to the
+    #: next forward (HSDP): every replica's section of its chunks.
+    update_bytes: int = 0
 
     @property
     def added_bytes(self) -> int:
@@ -337,12 +340,13 @@ def _boundary_calls(
     return tallies
 
 
-def _replica_update_calls(records: list[tuple[int, int]], replicas: int) -> dict[str, Tally]:
-    """The replicate dimension's collectives after a step: one per chunk of updated values
-    (`dmuon._ownership.replica_updates.update_chunks`), a broadcast when one replica
-    stepped the whole chunk, else an all-gather."""
+def _replica_update_calls(records: list[tuple[int, int, int]], replicas: int) -> dict[str, Tally]:
+    """The replicate dimension's collectives after a step: one per chunk of updates
+    (`dmuon._ownership.replica_updates.update_chunks`; ``records`` are ``(elements,
+    bytes, update replica)``, cut by bytes, counted in elements), a broadcast when one
+    replica stepped the whole chunk, else an all-gather."""
     tallies: dict[str, Tally] = {}
-    for chunk in update_chunks(records, replicas):
+    for chunk in update_chunks([(b, r) for _, b, r in records], replicas):
         elements = sum(records[i][0] for part in chunk for i in part)
         one_replica = sum(1 for part in chunk if part) == 1
         _add(tallies, "broadcast" if one_replica else "all_gather", 1, elements)
@@ -527,6 +531,7 @@ def plan_cluster(
         model, shard, replicas, split_expert_stacks=split_expert_stacks
     )
     shapes = {fqn: tuple(int(d) for d in p.shape) for fqn, _, _, p, _, _ in selected}
+    transposed = {fqn for fqn, _, _, _, is_transposed, _ in selected if is_transposed}
     split_dims = _tp_split_dims(model, shapes, tp, tp_plan)
     p_m = sum(math.prod(s) for s in shapes.values())
     spans = _spans(shapes, boundaries, plan)
@@ -563,6 +568,12 @@ def plan_cluster(
         chunk = -(-length // tp)
         part = max(0, min(chunk, length - t * chunk))
         return matrices * part * ((cols, rows)[dim])
+
+    def update_nbytes(name: str, t: int) -> int:
+        """Bytes of ``name``'s update between replicas (header and update)."""
+        _, rows, cols = item_shapes[name]
+        out = cols if name.split("[", 1)[0] in transposed else rows
+        return record_nbytes(local(name, t), out, ns_dtype, torch.float32)
 
     ranks = []
     for t in range(tp):
@@ -601,7 +612,8 @@ def plan_cluster(
                 replicate_by.append({})
                 continue
             tallies = _replica_update_calls(
-                [(local(n, t), plan.workers[n]) for n in owned_by[position]], replicas
+                [(local(n, t), update_nbytes(n, t), plan.workers[n]) for n in owned_by[position]],
+                replicas,
             )
             holding = sum(1 for b in spans.values() if any(s.owner == position for s in b))
             tallies["reduce_scatter"] = Tally(
@@ -631,10 +643,12 @@ def plan_cluster(
                 for n in orthogonalized
             )
             update = reduce = 0.0
+            update_bytes = 0
             if replicas > 1:
                 share = (replicas - 1) / replicas
                 rate = hardware.network_gbps * 1e9
-                update = owned_elements * FLOAT32 * share / rate
+                update_bytes = sum(update_nbytes(n, t) for n in owned_by[position])
+                update = update_bytes * share / rate
                 # Backward: the owned gradients' reduce-scatter, and FSDP2's all-reduce of
                 # this rank's shard of the other parameters.
                 rest = (parameters - p_m) / (shard * tp)
@@ -668,6 +682,7 @@ def plan_cluster(
                     tp=t,
                     tensor_collectives=tensor_tallies,
                     replicate_reduce_seconds=reduce,
+                    update_bytes=update_bytes,
                 )
             )
     ranks.sort(key=lambda r: r.rank)

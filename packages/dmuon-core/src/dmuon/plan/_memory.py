@@ -13,8 +13,8 @@ Both sides hold, per rank:
 
 DMuon adds, per rank, what `dmuon.plan.RankPlan` counts (float32 masters, momentum, the
 Newton-Schulz workspace, the packed buffers, the accumulator, the reduce buffers), the
-owners' averaged float32 gradients (one per owned element) and, under HSDP, the staging of
-the updated values on their way from the other replicas.
+owners' averaged float32 gradients (one per owned element) and, under HSDP, the step's
+updates on their way between replicas (every replica's section of the rank's chunks).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class RankPlan(Protocol):
     """What this module reads of a `dmuon.plan.RankPlan`."""
 
     master_bytes: int
+    update_bytes: int
 
     @property
     def added_bytes(self) -> int: ...
@@ -93,7 +94,7 @@ def fsdp2_memory_bytes(plan: ClusterPlan) -> int:
 def dmuon_memory_bytes(plan: ClusterPlan, rank: RankPlan) -> int:
     """DMuon's memory on ``rank``: FSDP2 + AdamW for the parameters it does not
     dedicate, and the dedicated matrices' share of this rank."""
-    staging = rank.master_bytes * (plan.replicas - 1) / plan.replicas
+    staging = rank.update_bytes
     averaged_gradients = rank.master_bytes
     return int(
         _common(plan, plan.parameters - plan.dedicated_elements)
