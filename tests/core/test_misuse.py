@@ -454,6 +454,24 @@ def test_dedicated_grad_marker_in_one_process() -> None:
     assert getattr(weight, "_reduced_grad", None) is None
 
 
+def test_scaling_the_marker_by_a_number_scales_the_stored_gradient() -> None:
+    """``.grad.div_(n)`` / ``.mul_(s)`` (torch's pipeline schedules dividing by the
+    micro-batch count) scale the averaged gradient, as they would a plain ``.grad``;
+    a tensor argument of several elements still raises."""
+    model, plain = make_model(Scenario("scaled")), make_model(Scenario("scaled"))
+    dmuon.dedicate_params(model)
+    batch = tokens(6, 2)
+    loss_of(model, batch).backward()
+    loss_of(plain, batch).backward()
+    name = "layers.0.attn.q_proj.weight"
+    weight, expected = model.get_parameter(name), plain.get_parameter(name).grad
+    weight.grad.div_(4)
+    weight.grad.mul_(torch.tensor(2.0))
+    assert torch.allclose(weight._reduced_grad, expected / 2, atol=1e-7)
+    with pytest.raises(DedicatedGradientError):
+        weight.grad.mul_(torch.ones(weight.shape))
+
+
 # ----- a rank that stalls ---------------------------------------------------------------------
 STALL_TIMEOUT_S = 4
 

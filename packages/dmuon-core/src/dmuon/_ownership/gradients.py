@@ -16,10 +16,12 @@ for it. The marker is what the rest of PyTorch sees:
   Trainer calling it) sets it to ``None`` or zeroes it in place; the stored gradients are
   then cleared or zeroed accordingly the next time they are read, exactly as the
   parameters' own ``.grad`` would be;
-- ``torch.nn.utils.clip_grad_norm_`` (and any other norm or scaling of ``.grad``) raises a
-  `DedicatedGradientError` that names `dmuon.clip_grad_norm_`, instead of computing a norm
-  that misses the dedicated gradients. Every rank holds a marker for every dedicated
-  parameter it has gradients for, so every rank raises alike.
+- ``.grad.mul_(s)`` and ``.grad.div_(s)`` with a number ``s`` (torch's pipeline schedules
+  dividing by the micro-batch count) scale the stored gradients, on every rank alike;
+- ``torch.nn.utils.clip_grad_norm_`` (and any other norm, or arithmetic of ``.grad``)
+  raises a `DedicatedGradientError` that names `dmuon.clip_grad_norm_`, instead of
+  computing a norm that misses the dedicated gradients. Every rank holds a marker for
+  every dedicated parameter it has gradients for, so every rank raises alike.
 
 Gradient state written through other channels (a test assigning ``_reduced_grad`` by hand)
 is taken as it is: a marker only governs state this module stored.
@@ -49,6 +51,8 @@ _HINT = (
 
 #: In-place ops that clear a gradient: ``zero_grad(set_to_none=False)`` calls them.
 _ZEROING = {"zero_", "_foreach_zero_"}
+#: In-place scalings by a number, applied to the stored gradients.
+_SCALING = {"mul_": lambda s: s, "div_": lambda s: 1.0 / s}
 #: Reading attributes and metadata is harmless.
 _METADATA = {
     "__get__",
@@ -86,6 +90,8 @@ class GradientMarker(torch.Tensor):
     _zeroed: bool
     #: The parameters whose averaged gradients this marker governs.
     _governed: list[nn.Parameter]
+    #: The parameter whose ``.grad`` this marker is.
+    _holder: nn.Parameter
 
     @staticmethod
     def create(like: torch.Tensor) -> GradientMarker:
@@ -119,10 +125,36 @@ class GradientMarker(torch.Tensor):
             if name == "_foreach_zero_" and others and others[0]:
                 torch._foreach_zero_(others[0])
             return args[0]
+        if name in _SCALING and len(args) == 2 and not kwargs and isinstance(args[0], cls):
+            factor = _number(args[1])
+            if factor is not None:
+                _scale_stored(args[0], _SCALING[name](factor))
+                return args[0]
         if name in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         raise DedicatedGradientError(f"{name or func} on a dedicated parameter's .grad. {_HINT}")
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a number, if it is one (a Python number or a one-element tensor)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    one_element = isinstance(value, torch.Tensor) and value.numel() == 1
+    if one_element and not isinstance(value, GradientMarker):
+        return float(value)
+    return None
+
+
+def _scale_stored(marker: GradientMarker, factor: float) -> None:
+    """Multiply every gradient ``marker`` governs by ``factor`` (``.grad.mul_``)."""
+    holder = marker._holder
+    _refresh(holder)
+    for target in {id(p): p for p in (holder, *marker._governed)}.values():
+        for attr in (REDUCED, ACCUMULATED):
+            grad = getattr(target, attr, None)
+            if grad is not None:
+                grad.mul_(factor)
 
 
 def _marker_of(holder: nn.Parameter) -> GradientMarker | None:
@@ -147,6 +179,7 @@ def _mark(holder: nn.Parameter, param: nn.Parameter) -> None:
     if marker is None:
         marker = GradientMarker.create(holder)
         marker._governed = []
+        marker._holder = holder
         setattr(holder, _MARKER, marker)
     if not any(p is param for p in marker._governed):
         marker._governed.append(param)

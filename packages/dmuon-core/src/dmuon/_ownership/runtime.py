@@ -41,6 +41,7 @@ gradients themselves are written only by `dmuon._ownership.gradients`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 import weakref
 from collections import deque
@@ -104,15 +105,18 @@ class _BoundaryInputsGrad(torch.autograd.Function):
     """Identity on a boundary's inputs; its backward runs once their gradients are done."""
 
     @staticmethod
-    def forward(ctx: Any, runtime: DedicationRuntime, index: int, *inputs: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, runtime: DedicationRuntime, index: int, ticket: int, *inputs: torch.Tensor
+    ) -> Any:
         ctx.runtime = runtime
         ctx.index = index
+        ctx.ticket = ticket
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.runtime._inputs_grad_done(ctx.index)
-        return (None, None, *grads)
+        ctx.runtime._inputs_grad_done(ctx.index, ctx.ticket)
+        return (None, None, None, *grads)
 
 
 def _load_range(dp: DedicatedParam, full: Any) -> bool:
@@ -170,6 +174,38 @@ def _refuse_torchs_state_dict_functions(
         )
 
 
+#: The pipeline schedules' steps that split backward into inputs, then weights.
+_SPLIT_BACKWARD = {"BACKWARD_INPUT", "BACKWARD_WEIGHT"}
+
+
+def _refuse_split_backward_schedule() -> None:
+    """Raise when this forward runs under a `torch.distributed.pipelining` schedule that
+    splits backward into inputs, then weights (the zero-bubble schedules): their weight
+    pass computes gradients with ``torch.autograd.grad`` and writes ``.grad`` itself, so
+    the dedicated gradients would never reach their owners."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        schedule = frame.f_locals.get("self")
+        if type(schedule).__module__ == "torch.distributed.pipelining.schedules":
+            order = getattr(schedule, "pipeline_order", None) or {}
+            kinds = {
+                str(getattr(getattr(action, "computation_type", None), "name", ""))
+                for actions in order.values()
+                for action in actions
+                if action is not None
+            }
+            if kinds & _SPLIT_BACKWARD:
+                raise RuntimeError(
+                    f"{type(schedule).__name__} splits backward into inputs, then weights, and "
+                    "computes the weights' gradients with torch.autograd.grad, so DMuon could "
+                    "not reduce the dedicated ones to their owners. Use a schedule whose "
+                    "backward is whole: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B "
+                    "or ScheduleLoopedBFS."
+                )
+            return
+        frame = frame.f_back
+
+
 class BoundaryState(Enum):
     """Where a hook boundary stands in the training step (like FSDP2's ``TrainingState``)."""
 
@@ -187,16 +223,23 @@ class Boundary:
         self.module = module
         self.buffer = buffer
         self.state = BoundaryState.IDLE
-        # Forward passes of this backward whose gradients are not reduced yet; forwards
-        # whose inputs carry no gradient are reduced at the end of backward instead.
-        self.pending_by_inputs = 0
-        self.pending_at_end = 0
+        #: The forwards (by ticket) whose backward has not run yet, each with whether its
+        #: inputs carry gradients (then it is done when they get theirs; else at the end
+        #: of the backward that reaches it). Two forwards before two backwards (GPipe's
+        #: order) leave the second pending through the first backward.
+        self.pending: dict[int, bool] = {}
+        #: The tickets the running backward reached.
+        self.covered: set[int] = set()
+        #: Whether the running backward already reduced this boundary's gradients.
+        self.reduced = False
+        #: The ticket of the forward running now (``None``: it needs no backward).
+        self.forward_ticket: int | None = None
         self._hooked: set[int] = set()
 
     @property
     def awaits_backward(self) -> bool:
         """Whether a forward of this boundary waits for its gradients to be reduced."""
-        return self.pending_by_inputs + self.pending_at_end > 0
+        return bool(self.pending)
 
     def grad_leaves(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(fqn, full-tensor view) pairs whose gradients this boundary reduces."""
@@ -268,6 +311,7 @@ class DedicationRuntime:
         #: their dedicated gradients on the ranks that computed them.
         self.unsynced_backwards = 0
         self._callback_queued = False
+        self._tickets = itertools.count()
         #: Boundaries whose reduces were issued in this backward, oldest first; then those
         #: whose cross-replica reduce-scatter was (see `REDUCES_IN_FLIGHT`).
         self._reducing: deque[Boundary] = deque()
@@ -433,6 +477,7 @@ class DedicationRuntime:
         self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if index == 0:
+            _refuse_split_backward_schedule()
             # Gradients that model.zero_grad() cleared are freed before the forward
             # allocates activations (they are otherwise only dropped when next read).
             self._drop_cleared_gradients()
@@ -446,6 +491,7 @@ class DedicationRuntime:
         if not self.reshard_after_forward:
             self._check_not_stale(index)
         boundary = self.boundaries[index]
+        boundary.forward_ticket = None
         needs_grads = boundary.sync_requires_grad(lambda fqn: self._grad_arrived(index, fqn))
         self._unshard(index, prefetch=index + 1)
         boundary.register_views()
@@ -464,11 +510,11 @@ class DedicationRuntime:
         positions = [
             i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad
         ]
+        ticket = boundary.forward_ticket = next(self._tickets)
+        boundary.pending[ticket] = bool(positions)
         if not positions:
-            boundary.pending_at_end += 1
             return args, kwargs
-        boundary.pending_by_inputs += 1
-        routed = _BoundaryInputsGrad.apply(self, index, *(flat[i] for i in positions))
+        routed = _BoundaryInputsGrad.apply(self, index, ticket, *(flat[i] for i in positions))
         for i, tensor in zip(positions, routed, strict=True):
             flat[i] = tensor
         return tree_unflatten(flat, spec)
@@ -478,10 +524,13 @@ class DedicationRuntime:
         boundary.register_params()
         if _in_backward():
             return  # recomputation of a checkpointed boundary: backward still needs buffers
-        if torch.is_grad_enabled() and boundary.awaits_backward:
+        ticket = boundary.forward_ticket
+        if torch.is_grad_enabled() and ticket is not None:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
-                    tensor.register_hook(lambda grad: self._pre_backward(index, grad))
+                    tensor.register_hook(
+                        lambda grad, ticket=ticket: self._pre_backward(index, ticket, grad)
+                    )
         elif self.reshard_after_forward and self._gradients_pass_through(output):
             # A frozen boundary that gradients still pass through (something below it
             # trains): backward needs its weights for the input gradient and reduces
@@ -514,8 +563,9 @@ class DedicationRuntime:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _pre_backward(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+    def _pre_backward(self, index: int, ticket: int, grad: torch.Tensor) -> torch.Tensor:
         boundary = self.boundaries[index]
+        boundary.covered.add(ticket)
         self._queue_final_callback()
         if boundary.state is not BoundaryState.PRE_BACKWARD:
             boundary.state = BoundaryState.PRE_BACKWARD
@@ -532,17 +582,18 @@ class DedicationRuntime:
         if not self.boundaries[index].awaits_backward:
             self._late_grads.append(fqn)
 
-    def _inputs_grad_done(self, index: int) -> None:
+    def _inputs_grad_done(self, index: int, ticket: int) -> None:
         self._queue_final_callback()
         boundary = self.boundaries[index]
-        if boundary.pending_by_inputs > 0:
-            boundary.pending_by_inputs -= 1
-            if not boundary.awaits_backward:
-                self._post_backward(boundary)
+        boundary.covered.add(ticket)
+        if boundary.pending.pop(ticket, None) is not None and not boundary.pending:
+            self._post_backward(boundary)  # the last forward waiting: reduce now
 
     def _post_backward(self, boundary: Boundary) -> None:
         """Reduce (or accumulate) the boundary's gradients: once per backward."""
-        boundary.pending_by_inputs = boundary.pending_at_end = 0
+        for ticket in boundary.covered:
+            boundary.pending.pop(ticket, None)
+        boundary.reduced = True
         boundary.state = BoundaryState.IDLE
         boundary.register_params()
         if self.sync_grads:
@@ -572,7 +623,9 @@ class DedicationRuntime:
         self.unsynced_backwards = 0 if crossed else self.unsynced_backwards + 1
         self._free_frozen_residents()
         for boundary in self.boundaries:
-            if boundary.awaits_backward:
+            # Reached by this backward and not reduced yet; forwards it did not reach
+            # (a later backward's, in GPipe's order) stay pending.
+            if boundary.covered and not boundary.reduced:
                 self._post_backward(boundary)
         # What this backward still has in flight, oldest first: every reduce-scatter between
         # replicas is issued before any is waited on.
@@ -587,6 +640,8 @@ class DedicationRuntime:
         self._averaging.clear()
         for boundary in self.boundaries:
             boundary.state = BoundaryState.IDLE
+            boundary.covered.clear()
+            boundary.reduced = False
         late, self._late_grads = self._late_grads, []
         if late:
             raise RuntimeError(
@@ -640,6 +695,8 @@ class DedicationRuntime:
         """An optimizer step changed the masters: send the updates to the other replicas
         (HSDP; applied by the next forward, boundary by boundary), invalidate buffers,
         close the audit step."""
+        for boundary in self.boundaries:  # forwards no backward came for
+            boundary.pending.clear()
         for buffer in self.buffers():
             buffer.invalidate()
         self._replica_updates.share()
