@@ -100,3 +100,33 @@ def test_default_muon_on_cuda_matches_torch_muon() -> None:
         (ours_params[n] - p).abs().max().item() for n, p in params.items() if n not in dedicated
     )
     assert rest <= 1e-4, rest
+
+
+def test_memory_snapshot_on_cuda_is_the_allocators(tmp_path, cache_dir: str) -> None:
+    """``--memory-snapshot`` on a GPU writes the CUDA caching allocator's snapshot of step 1
+    (what pytorch.org/memory_viz reads: its segments and traces), and the run trains."""
+    import pickle
+
+    from dmuon.train import TrainConfig, run
+
+    summary = run(
+        TrainConfig(
+            model="tiny",
+            seq_len=32,
+            micro_batch_size=2,
+            steps=2,
+            eval_every=0,
+            progress="plain",
+            cache_dir=cache_dir,
+            device="cuda",
+            memory_snapshot=True,
+            tracking_dir=str(tmp_path / "runs"),
+            metrics_file=str(tmp_path / "m.jsonl"),
+        )
+    )
+    assert summary["steps"] == 2
+    snapshot = pickle.loads(
+        (tmp_path / "runs" / "memory" / "step_1-1" / "rank0.pickle").read_bytes()
+    )
+    assert snapshot["segments"] and snapshot["device_traces"]
+    assert any(trace for trace in snapshot["device_traces"])

@@ -44,3 +44,29 @@ def test_a_range_that_is_no_range_is_refused(
     with pytest.raises(SystemExit):
         parse_args(["--profile-steps", given])
     assert "argument --profile-steps" in capsys.readouterr().err
+
+
+def test_a_memory_snapshot_on_cpu_gives_each_phase_s_peak(tmp_path: Path, cache_dir: str) -> None:
+    """``--memory-snapshot`` without ``--profile-steps`` records step 1: the optimizer step
+    creates the optimizer's state there (a float32 momentum per Muon element, two moments
+    per AdamW one), so its peak holds at least 4 bytes per parameter; the run's losses are
+    those of a run without it."""
+    from dmuon.train.models import build_model
+
+    base = TrainConfig(
+        model="tiny", seq_len=32, micro_batch_size=2, steps=2, eval_every=0,
+        progress="plain", cache_dir=cache_dir, threads=1, tracking_dir=str(tmp_path / "runs"),
+    )  # fmt: skip
+    run(replace(base, metrics_file=str(tmp_path / "plain.jsonl")))
+    run(replace(base, memory_snapshot=True, metrics_file=str(tmp_path / "snapshot.jsonl")))
+    record = json.loads((tmp_path / "runs" / "memory" / "step_1-1" / "rank0.json").read_text())
+    assert record["steps"] == [1, 1] and record["rank"] == 0
+    peaks = record["peak_bytes"]
+    parameters = sum(p.numel() for p in build_model("tiny").parameters())
+    assert peaks["optimizer_step"] >= 4 * parameters
+    assert peaks["forward_backward"] > 0
+    losses = [
+        [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        for name in ("plain", "snapshot")
+    ]
+    assert losses[0] == losses[1]

@@ -186,7 +186,7 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
         "eval_sequences": 16, "hsdp": 1, "dtype": "float64", "peak_tflops": 12.5,
         "report_to": "tensorboard", "run_name": "r1", "device": "cpu", "threads": 2,
         "log_every": 5, "progress": "plain", "sample_every": 3, "sample_prompt": "Hi",
-        "sample_tokens": 4, "profile_steps": "2:3",
+        "sample_tokens": 4, "profile_steps": "2:3", "memory_snapshot": True,
     }  # fmt: skip
     assert set(chosen) == set(GENERATED_FLAGS)
     spec = JobCreate.model_validate({"nproc_per_node": 1, "train": {"model": "tiny", **chosen}})

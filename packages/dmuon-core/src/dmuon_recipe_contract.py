@@ -480,6 +480,10 @@ FLAGS: tuple[Flag, ...] = (
          "e.g. 10:12; CPU and CUDA activity, memory, shapes), one file per rank under "
          "--tracking-dir's tensorboard/profile/, which TensorBoard's profiler and Perfetto "
          "open", _OUT, metavar="A:B"),
+    Flag("memory_snapshot", "bool", False, "record memory over the --profile-steps range "
+         "(1:1 without it), one file per rank under --tracking-dir's memory/: on a GPU the "
+         "CUDA allocator's snapshot (pytorch.org/memory_viz opens it), on CPU the peak "
+         "tensor bytes of the forward and backward and of the optimizer step", _OUT),
     Flag("tracking_dir", "path", None, "where trackers keep local files (TensorBoard "
          "events, the MLflow store unless MLFLOW_TRACKING_URI is set, W&B runs); default "
          "./runs", _OUT, metavar="DIR"),

@@ -97,6 +97,7 @@ class TrainConfig:
     report_to: str = _default("report_to")
     run_name: str | None = _default("run_name")
     profile_steps: str | None = _default("profile_steps")
+    memory_snapshot: bool = _default("memory_snapshot")
     tracking_dir: str | None = _default("tracking_dir")
     progress: str = _default("progress")
     checkpoint_dir: str | None = _default("checkpoint_dir")

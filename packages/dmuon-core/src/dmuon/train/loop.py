@@ -342,7 +342,9 @@ class Trainer(TrainingSteps):
         time_offset = self.train_state.time
         t0 = time.perf_counter()
         tracking = Path(cfg.tracking_dir or DEFAULT_TRACKING_DIR)
-        profiler = StepProfiler(cfg.profile_steps, tracking, self.rank, self.device)
+        profiler = StepProfiler(
+            cfg.profile_steps, tracking, self.rank, self.device, cfg.memory_snapshot
+        )
 
         def elapsed() -> float:
             return time_offset + time.perf_counter() - t0

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 import dmuon
 from dmuon.train.models import lm_loss
+from dmuon.train.profiling import phase
 from dmuon.train.samples import greedy_continuation, prompt_ids
 from dmuon.train.setup import StepFailed, TrainingDiverged, peak_memory_bytes
 
@@ -123,7 +124,7 @@ class TrainingSteps:
         for i, micro in enumerate(batch):
             is_accumulating = (i + 1) % accum_steps != 0
             ctx = self._no_sync() if is_accumulating else nullcontext()
-            with ctx:
+            with ctx, phase("forward_backward"):
                 loss = self.loss(micro) / accum_steps
                 loss.backward()
             loss_sum += loss.detach()
@@ -131,8 +132,9 @@ class TrainingSteps:
                 grad_norm = self.grad_norm()
                 if not math.isfinite(grad_norm):  # the same all-reduced value on every rank
                     raise TrainingDiverged(step, "gradient norm", grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad()
+                with phase("optimizer_step"):
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
                 self.scheduler.step()
         shared = torch.zeros(2 + self.world_size, dtype=torch.float64, device=self.device)
         shared[0] = loss_sum
