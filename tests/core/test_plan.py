@@ -346,8 +346,7 @@ def test_memory_per_rank_is_counted_alike_for_both_sides() -> None:
     assert plan.fsdp2_memory_bytes == int(common(plan.parameters))
     other = plan.parameters - plan.dedicated_elements
     dmuon = max(
-        int(common(other) + r.added_bytes + r.master_bytes + r.update_bytes)
-        for r in plan.ranks
+        int(common(other) + r.added_bytes + r.master_bytes + r.update_bytes) for r in plan.ranks
     )
     assert plan.memory_bytes == dmuon
     assert plan.as_dict()["memory_bytes"] == dmuon
