@@ -130,3 +130,37 @@ def test_memory_snapshot_on_cuda_is_the_allocators(tmp_path, cache_dir: str) -> 
     )
     assert snapshot["segments"] and snapshot["device_traces"]
     assert any(trace for trace in snapshot["device_traces"])
+
+
+@pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16])
+def test_a_replicas_update_gives_the_steppers_bits_on_cuda(master_dtype: torch.dtype) -> None:
+    """The stepping owner decays with a foreach multiply (`decay_`), scales its update and adds it
+    with a foreach add over many matrices (CUDA's fused foreach kernels); another replica
+    applies the same scalars from the header with plain broadcast kernels
+    (`UpdateSlot.apply`). Each product and sum is rounded once either way, so the bits
+    agree."""
+    from types import SimpleNamespace
+
+    from dmuon._ownership.replica_updates import UpdateSlot
+    from dmuon.optim._muon_update import decay_
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(256, 512), (512, 256), (3, 128, 384)]
+    masters = [torch.randn(s, device="cuda", generator=gen).to(master_dtype) for s in shapes]
+    updates = [torch.randn(s, device="cuda", generator=gen).bfloat16() for s in shapes]
+    decay, multipliers = 1 - 0.02 * 0.1, [-0.02 * 0.2 * 512**0.5, -0.004, -0.02 * 0.2 * 384**0.5]
+    stepped = [m.clone() for m in masters]
+    decay_(stepped, decay)
+    widened = [u.to(master_dtype, copy=True) for u in updates]
+    for w, k in zip(widened, multipliers, strict=True):
+        w.mul_(k)
+    torch._foreach_add_(stepped, widened)
+    for master, update, k, expected in zip(masters, updates, multipliers, stepped, strict=True):
+        out = master.shape[-2]
+        header = torch.tensor([decay, *[k] * out, *[1.0] * out], device="cuda")
+        dp = SimpleNamespace(param=master, shape=master.shape, transposed=False)
+        UpdateSlot(dp, header, update).apply()  # type: ignore[arg-type]
+        assert torch.equal(
+            master.view(torch.int16 if master_dtype == torch.bfloat16 else torch.int32),
+            expected.view(torch.int16 if master_dtype == torch.bfloat16 else torch.int32),
+        )

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from dmuon._comm import Communicator
 from dmuon._ownership.param import DedicatedParam
-from dmuon._ownership.replica_updates import UpdateSlot
+from dmuon._ownership.replica_updates import UpdateSlot, header_dtype
 from dmuon._ownership.runtime import DedicationRuntime
 from dmuon.optim._adamw_step import new_adamw_state
 from dmuon.optim._blocks import Arena
@@ -139,7 +139,7 @@ def apply_muon_update(
     foreach_by_dtype(torch._foreach_lerp_, bufs, grads, 1 - momentum)
     decay = 1 - lr * group["weight_decay"] if group["weight_decay"] != 0 else 1.0
     if group["weight_decay"] != 0:
-        foreach_by_dtype(torch._foreach_mul_, params, decay)
+        decay_(params, decay)
     slots = {id(dp): outgoing(dp) for dp in stepped}
 
     # Orthogonalize same-shape matrices together (one batched call per bucket), in
@@ -352,6 +352,20 @@ def zero_second_moment(dp: DedicatedParam) -> Tensor:
 def _nones(tensor: Tensor, sizes: tuple[int, ...] | None) -> list[None]:
     """One ``None`` per piece `matrix_pieces` cuts ``tensor`` into."""
     return [None] * (tensor.shape[0] if tensor.dim() == 3 else 1) * (len(sizes) if sizes else 1)
+
+
+def decay_(params: list[Tensor], decay: float) -> None:
+    """Multiply ``params`` by ``decay`` in place, as another replica does from its header.
+
+    The factor is a 0-dim tensor of the header's dtype: torch's foreach multiply by a
+    Python number rounds the number to a bfloat16 weight's dtype first, which a replica's
+    broadcast multiply does not.
+    """
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for p in params:
+        groups.setdefault((p.dtype, p.device), []).append(p)
+    for (dtype, device), same in groups.items():
+        torch._foreach_mul_(same, torch.tensor(decay, dtype=header_dtype(dtype), device=device))
 
 
 def foreach_by_dtype(op: Callable[..., Any], first: list[Tensor], *rest: Any) -> None:
