@@ -253,10 +253,12 @@ def reentrant_checkpoint(rank: int, world: int, order: str, mode: str, root: str
         return model, optimizer
 
     model, optimizer = build()
+    units = []
     for step in range(2):
         loss_of(model, tokens(20 + step, world * MICRO).chunk(world)[rank]).backward()
         optimizer.step()
         optimizer.zero_grad()
+        units.append(dmuon.comm_audit(model).last_step().units)
     full = StateDictOptions(full_state_dict=True)
     trained = dmuon.get_model_state_dict(model, options=full)
     path = os.path.join(root, f"{order}-{mode}")
@@ -272,6 +274,7 @@ def reentrant_checkpoint(rank: int, world: int, order: str, mode: str, root: str
         "trained": {k: v.detach().clone() for k, v in trained.items()},
         "loaded": dmuon.get_model_state_dict(fresh, options=full),
         "optim_keys": sorted(optim_sd["state"]),
+        "units": units,
     }
 
 
@@ -396,6 +399,9 @@ def test_a_step_after_only_no_sync_backwards_raises_before_any_weight_changes(ra
 
 @pytest.mark.parametrize(("order", "mode"), WRAPPER_CASES)
 def test_reentrant_checkpoint_wrapper_in_either_order(ranks, order: str, mode: str) -> None:
+    """Exact against one process in either order, at the traffic of the formula (Z2: one
+    broadcast and one reduce per step, 2 units; Z3: two broadcasts and a reduce, 3): the
+    recomputation in backward gathers its own boundary, not the next one again."""
     model = make_model(Scenario("wrapped"))
     batches = [tokens(20 + step, WORLD * MICRO) for step in range(2)]
     expected = reference_train(model, MUON_NAMES, batches)
@@ -403,6 +409,7 @@ def test_reentrant_checkpoint_wrapper_in_either_order(ranks, order: str, mode: s
     for rank, result in enumerate(_case(ranks, ("checkpoint", order, mode))):
         assert sorted(result["trained"]) == plain_keys, f"rank {rank}"
         assert all("_checkpoint_wrapped_module" not in k for k in result["optim_keys"])
+        assert result["units"] == [3.0 if mode == "z3" else 2.0] * 2, (rank, result["units"])
         for name, value in expected.items():
             diff = (result["trained"][name] - value).abs().max().item()
             assert diff <= 1e-5, f"rank {rank} {name}: {diff:.3g}"

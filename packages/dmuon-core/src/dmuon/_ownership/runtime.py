@@ -493,7 +493,9 @@ class DedicationRuntime:
         boundary = self.boundaries[index]
         boundary.forward_ticket = None
         needs_grads = boundary.sync_requires_grad(lambda fqn: self._grad_arrived(index, fqn))
-        self._unshard(index, prefetch=index + 1)
+        # A forward recomputed in backward (activation checkpointing) prefetches nothing:
+        # the next boundary's backward is over, its buffers would be gathered again.
+        self._unshard(index, prefetch=None if _in_backward() else index + 1)
         boundary.register_views()
         if self.param_dtype is not None:
             args, kwargs = (
