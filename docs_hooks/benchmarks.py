@@ -381,7 +381,7 @@ LABELS: dict[str, dict[str, Any]] = {
         "comm_val_diff": "相对 float32",
         "comm_train_diff": "训练损失：单步最大差 / 最后 10 步",
         "comm_settings": "`{model}` 预设，{mode}，2 个 gloo rank，{steps} 步，微批次 {batch} × "
-        "{seq} 个词元，随机种子 0；字节数为 rank 0 第 2 步中 DMuon 集合通信的字节数，"
+        "{seq} 个 token，随机种子 0；字节数为 rank 0 第 2 步中 DMuon 集合通信的字节数，"
         "由 `dmuon.comm_audit` 统计",
         "then": "；",
         "end": "。",
@@ -393,7 +393,7 @@ LABELS: dict[str, dict[str, Any]] = {
         "scale_spread": "平均（最小到最大）",
         "scale_baseline": "基线",
         "scale_never": "未达到",
-        "scale_settings": "`{model}` 预设，{steps} 步，每步 {tokens} 个词元，每次运行一个进程，"
+        "scale_settings": "`{model}` 预设，{steps} 步，每步 {tokens} 个 token，每次运行一个进程，"
         "随机种子 {seeds}；每 {every} 步在留出文件的 {evals} 个固定窗口上验证；最佳学习率加粗",
         "optim": "优化器步（秒）",
         "vs_naive": "相对 naive（优化器步）",

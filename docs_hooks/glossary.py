@@ -137,6 +137,40 @@ TERMS: tuple[Term, ...] = (
         "在一个优化器步之前累积梯度的 k 个批次之一；除最后一个外都在 dmuon.no_sync 中运行。",
         "gradient-accumulation.md",
     ),
+    Term(
+        "master",
+        "master",
+        r"masters?",
+        "The float32 copy of a dedicated matrix that its owner keeps and steps; forward and "
+        "backward use it cast to the compute dtype.",
+        "主副本",
+        r"主副本",
+        "所有者保存并更新的专属矩阵的 float32 副本；前向和反向使用它转换为计算 dtype 后的值。",
+        "concepts.md#owners",
+    ),
+    Term(
+        "recipe",
+        "recipe",
+        r"recipe",
+        "python -m dmuon.train: the reference training script the package ships (models, "
+        "data, schedule, evaluation, checkpoints, trackers).",
+        "训练配方",
+        r"训练配方",
+        "python -m dmuon.train：包里附带的参考训练脚本"
+        "（模型、数据、调度、评估、检查点、实验跟踪）。",
+        "training.md",
+    ),
+    Term(
+        "token",
+        "token",
+        r"tokens?",
+        "One unit of text a model reads and predicts: a byte for the presets, a tokenizer's "
+        "piece for Hugging Face models.",
+        "token",
+        r"token",
+        "模型读入并预测的一个文本单位：预设模型是一个字节，Hugging Face 模型是分词器切出的一段。",
+        "training.md",
+    ),
 )
 
 PAGE_TITLES = {
@@ -145,12 +179,14 @@ PAGE_TITLES = {
         "communication.md": "Communication cost",
         "z2-vs-z3.md": "Z2 vs Z3",
         "gradient-accumulation.md": "Gradient accumulation",
+        "training.md": "Training guide",
     },
     "zh": {
         "concepts.md": "核心概念",
         "communication.md": "通信开销",
         "z2-vs-z3.md": "Z2 与 Z3",
         "gradient-accumulation.md": "梯度累积",
+        "training.md": "训练指南",
     },
 }
 MORE = {"en": "More", "zh": "详见"}

@@ -109,7 +109,7 @@ MEANING: dict[str, dict[str, str]] = {
         "--collective-timeout": "集合通信等待所有进程的秒数，超时后运行失败并指明是哪次集合通信"
         "（某个进程崩溃或停滞；[挂起](troubleshooting.md#hangs)）",
         "--dtype": "主参数的数据类型（`float64` 用于精确性检查）",
-        "--param-dtype": "计算数据类型；`bfloat16` = FSDP2 混合精度，主权重和归约保持 float32"
+        "--param-dtype": "计算数据类型；`bfloat16` = FSDP2 混合精度，主副本和归约保持 float32"
         "（[精度](train-your-own-model.md#precision)）",
         "--activation-checkpointing": "在反向中重新计算每个解码层",
         "--compile": "对每个解码层的前向调用 `torch.compile`",

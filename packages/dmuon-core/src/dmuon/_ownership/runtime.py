@@ -40,14 +40,11 @@ gradients themselves are written only by `dmuon._ownership.gradients`.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import sys
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from enum import Enum
 from typing import Any
 
 import torch
@@ -57,9 +54,20 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from dmuon._comm import Communicator
 from dmuon._ownership import gradients
+from dmuon._ownership.boundary import (
+    Boundary,
+    BoundaryInputsGrad,
+    BoundaryState,
+    cast_floating,
+    in_backward,
+    iter_tensors,
+)
 from dmuon._ownership.ddp_integration import active_ddp
 from dmuon._ownership.flat_buffer import FlatBuffer
-from dmuon._ownership.fsdp_integration import is_fsdp_module
+from dmuon._ownership.guards import (
+    refuse_split_backward_schedule,
+    refuse_torchs_state_dict_functions,
+)
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.replica_updates import ReplicaUpdates, UpdateSlot
 
@@ -68,55 +76,6 @@ from dmuon._ownership.replica_updates import ReplicaUpdates, UpdateSlot
 #: rank holds at most this many plus two boundaries' gradients at once (these, the one
 #: issued last, and one whose cross-replica reduce-scatter is in flight), not the model's.
 REDUCES_IN_FLIGHT = 2
-
-
-def iter_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Yield the tensors inside a forward output: tensors, sequences, mappings, dataclasses."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from iter_tensors(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from iter_tensors(item)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for f in dataclasses.fields(value):
-            yield from iter_tensors(getattr(value, f.name))
-
-
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        return tuple(_cast_floating(v, dtype) for v in value)
-    if isinstance(value, list):
-        return [_cast_floating(v, dtype) for v in value]
-    if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-class _BoundaryInputsGrad(torch.autograd.Function):
-    """Identity on a boundary's inputs; its backward runs once their gradients are done."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, runtime: DedicationRuntime, index: int, ticket: int, *inputs: torch.Tensor
-    ) -> Any:
-        ctx.runtime = runtime
-        ctx.index = index
-        ctx.ticket = ticket
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.runtime._inputs_grad_done(ctx.index, ctx.ticket)
-        return (None, None, None, *grads)
 
 
 def _load_range(dp: DedicatedParam, full: Any) -> bool:
@@ -135,153 +94,6 @@ def _load_range(dp: DedicatedParam, full: Any) -> bool:
 def _is_whole(dp: DedicatedParam, value: Any) -> bool:
     """Whether ``value`` is a plain tensor of ``dp``'s whole (global) shape."""
     return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(dp.global_shape)
-
-
-#: The module of torch's DCP state-dict functions, which see dedicated matrices as the 0-element
-#: placeholders non-owners hold.
-_TORCH_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
-
-
-def _torch_state_dict_function() -> str | None:
-    """The public function of torch's DCP state-dict module that the current
-    ``state_dict()`` runs under, unless DMuon's own functions called it; else None."""
-    frame = sys._getframe(2)
-    found = None
-    while frame is not None:
-        module = frame.f_globals.get("__name__", "")
-        if module == "dmuon" or module.startswith("dmuon."):
-            return None
-        if module == _TORCH_STATE_DICT_MODULE and not frame.f_code.co_name.startswith("_"):
-            found = frame.f_code.co_name
-        frame = frame.f_back
-    return found
-
-
-def _refuse_torchs_state_dict_functions(
-    _module: nn.Module, _state_dict: dict[str, Any], _prefix: str, _metadata: Any
-) -> None:
-    """A model's ``state_dict()`` raises under torch's DCP state-dict functions: they
-    would return the placeholders of the matrices other ranks own (empty tensors), or
-    fail inside ``dcp.save``. Every rank raises alike, before any collective."""
-    function = _torch_state_dict_function()
-    if function is not None:
-        raise RuntimeError(
-            f"torch.distributed.checkpoint.state_dict.{function} cannot read a model prepared "
-            "by dmuon.dedicate_params: each dedicated matrix lives on its owner rank alone, so "
-            "torch would return empty tensors for those owned by other ranks. Call "
-            f"dmuon.{function} instead (the same arguments and StateDictOptions; its state "
-            "dicts go to dcp.save and torch.save as torch's do)."
-        )
-
-
-#: The pipeline schedules' steps that split backward into inputs, then weights.
-_SPLIT_BACKWARD = {"BACKWARD_INPUT", "BACKWARD_WEIGHT"}
-
-
-def _refuse_split_backward_schedule() -> None:
-    """Raise when this forward runs under a `torch.distributed.pipelining` schedule that
-    splits backward into inputs, then weights (the zero-bubble schedules): their weight
-    pass computes gradients with ``torch.autograd.grad`` and writes ``.grad`` itself, so
-    the dedicated gradients would never reach their owners."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        schedule = frame.f_locals.get("self")
-        if type(schedule).__module__ == "torch.distributed.pipelining.schedules":
-            order = getattr(schedule, "pipeline_order", None) or {}
-            kinds = {
-                str(getattr(getattr(action, "computation_type", None), "name", ""))
-                for actions in order.values()
-                for action in actions
-                if action is not None
-            }
-            if kinds & _SPLIT_BACKWARD:
-                raise RuntimeError(
-                    f"{type(schedule).__name__} splits backward into inputs, then weights, and "
-                    "computes the weights' gradients with torch.autograd.grad, so DMuon could "
-                    "not reduce the dedicated ones to their owners. Use a schedule whose "
-                    "backward is whole: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B "
-                    "or ScheduleLoopedBFS."
-                )
-            return
-        frame = frame.f_back
-
-
-class BoundaryState(Enum):
-    """Where a hook boundary stands in the training step (like FSDP2's ``TrainingState``)."""
-
-    #: Between steps, or forward done and backward not yet reached.
-    IDLE = "idle"
-    #: Backward reached the boundary: its buffers are unsharded and its views registered.
-    PRE_BACKWARD = "pre_backward"
-
-
-class Boundary:
-    """One hook boundary: its module, its flat buffer and its backward bookkeeping."""
-
-    def __init__(self, name: str, module: nn.Module, buffer: FlatBuffer) -> None:
-        self.name = name
-        self.module = module
-        self.buffer = buffer
-        self.state = BoundaryState.IDLE
-        #: The forwards (by ticket) whose backward has not run yet, each with whether its
-        #: inputs carry gradients (then it is done when they get theirs; else at the end
-        #: of the backward that reaches it). Two forwards before two backwards (GPipe's
-        #: order) leave the second pending through the first backward.
-        self.pending: dict[int, bool] = {}
-        #: The tickets the running backward reached.
-        self.covered: set[int] = set()
-        #: Whether the running backward already reduced this boundary's gradients.
-        self.reduced = False
-        #: The ticket of the forward running now (``None``: it needs no backward).
-        self.forward_ticket: int | None = None
-        self._hooked: set[int] = set()
-
-    @property
-    def awaits_backward(self) -> bool:
-        """Whether a forward of this boundary waits for its gradients to be reduced."""
-        return bool(self.pending)
-
-    def grad_leaves(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """(fqn, full-tensor view) pairs whose gradients this boundary reduces."""
-        yield from self.buffer.grad_leaves()
-
-    def sync_requires_grad(self, on_grad: Any) -> bool:
-        """Leaves follow their holders' ``requires_grad``; return whether any needs grads.
-
-        ``on_grad(fqn)`` becomes a post-accumulate-grad hook of each leaf the first time it
-        needs gradients.
-        """
-        needs = self.buffer.sync_requires_grad()
-        for fqn, leaf in self.grad_leaves():
-            if leaf.requires_grad and id(leaf) not in self._hooked:
-                self._hooked.add(id(leaf))
-                leaf.register_post_accumulate_grad_hook(lambda _t, fqn=fqn: on_grad(fqn))
-        return needs
-
-    def register_views(self) -> None:
-        """Put the full-matrix views on their modules (forward and recomputation use them)."""
-        for module, attr, leaf in self.buffer.registered_views():
-            module._parameters[attr] = leaf
-
-    def register_params(self) -> None:
-        """Put the registered parameters (master / placeholder) back on their modules."""
-        for module, attr, param in self.buffer.placeholders():
-            module._parameters[attr] = param
-
-    def covered_by_fsdp(self, root: nn.Module) -> bool:
-        """Whether ``fully_shard`` wraps this boundary's module or one of its ancestors."""
-        return self.fsdp_module(root) is not None
-
-    def fsdp_module(self, root: nn.Module) -> nn.Module | None:
-        """The innermost module ``fully_shard`` wraps among this boundary's module and its
-        ancestors (its mixed-precision policy is the boundary's), or None."""
-        module: nn.Module = root
-        found = module if is_fsdp_module(module) else None
-        for part in self.name.split(".") if self.name else []:
-            module = module.get_submodule(part)
-            if is_fsdp_module(module):
-                found = module
-        return found
 
 
 class DedicationRuntime:
@@ -388,7 +200,7 @@ class DedicationRuntime:
 
             dps[0].module.register_load_state_dict_pre_hook(keep_owned_only)
         model.register_load_state_dict_post_hook(lambda _module, _keys: self.invalidate_buffers())
-        model.register_state_dict_post_hook(_refuse_torchs_state_dict_functions)
+        model.register_state_dict_post_hook(refuse_torchs_state_dict_functions)
 
     # ----- forward -------------------------------------------------------------------------
     def _unshard(self, index: int, prefetch: int | None) -> None:
@@ -477,11 +289,11 @@ class DedicationRuntime:
         self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
         if index == 0:
-            _refuse_split_backward_schedule()
+            refuse_split_backward_schedule()
             # Gradients that model.zero_grad() cleared are freed before the forward
             # allocates activations (they are otherwise only dropped when next read).
             self._drop_cleared_gradients()
-            if not _in_backward():  # not the recomputation of a checkpointed forward
+            if not in_backward():  # not the recomputation of a checkpointed forward
                 self._free_frozen_residents()
         self._watch_for_ddp()
         if not self._policies_adopted:
@@ -495,16 +307,16 @@ class DedicationRuntime:
         needs_grads = boundary.sync_requires_grad(lambda fqn: self._grad_arrived(index, fqn))
         # A forward recomputed in backward (activation checkpointing) prefetches nothing:
         # the next boundary's backward is over, its buffers would be gathered again.
-        self._unshard(index, prefetch=None if _in_backward() else index + 1)
+        self._unshard(index, prefetch=None if in_backward() else index + 1)
         boundary.register_views()
         if self.param_dtype is not None:
             args, kwargs = (
-                _cast_floating(args, self.param_dtype),
-                _cast_floating(kwargs, self.param_dtype),
+                cast_floating(args, self.param_dtype),
+                cast_floating(kwargs, self.param_dtype),
             )
         if not needs_grads or not torch.is_grad_enabled():
             return args, kwargs
-        if _in_backward() and boundary.awaits_backward:
+        if in_backward() and boundary.awaits_backward:
             return args, kwargs  # recomputation of a checkpointed forward the hooks saw
         # Otherwise, in backward this recomputes a forward that ran without gradients: the
         # inside of a reentrant activation checkpoint. Its gradients come now.
@@ -516,7 +328,7 @@ class DedicationRuntime:
         boundary.pending[ticket] = bool(positions)
         if not positions:
             return args, kwargs
-        routed = _BoundaryInputsGrad.apply(self, index, ticket, *(flat[i] for i in positions))
+        routed = BoundaryInputsGrad.apply(self, index, ticket, *(flat[i] for i in positions))
         for i, tensor in zip(positions, routed, strict=True):
             flat[i] = tensor
         return tree_unflatten(flat, spec)
@@ -524,7 +336,7 @@ class DedicationRuntime:
     def _post_forward(self, index: int, output: Any) -> None:
         boundary = self.boundaries[index]
         boundary.register_params()
-        if _in_backward():
+        if in_backward():
             return  # recomputation of a checkpointed boundary: backward still needs buffers
         ticket = boundary.forward_ticket
         if torch.is_grad_enabled() and ticket is not None:

@@ -1,0 +1,77 @@
+"""What the runtime's hooks refuse at once, on every rank alike: torch's DCP state-dict
+functions on a dedicated model, and pipeline schedules that split backward."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from torch import nn
+
+#: The module of torch's DCP state-dict functions, which see dedicated matrices as the 0-element
+#: placeholders non-owners hold.
+_TORCH_STATE_DICT_MODULE = "torch.distributed.checkpoint.state_dict"
+
+
+def torch_state_dict_function() -> str | None:
+    """The public function of torch's DCP state-dict module that the current
+    ``state_dict()`` runs under, unless DMuon's own functions called it; else None."""
+    frame = sys._getframe(2)
+    found = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module == "dmuon" or module.startswith("dmuon."):
+            return None
+        if module == _TORCH_STATE_DICT_MODULE and not frame.f_code.co_name.startswith("_"):
+            found = frame.f_code.co_name
+        frame = frame.f_back
+    return found
+
+
+def refuse_torchs_state_dict_functions(
+    _module: nn.Module, _state_dict: dict[str, Any], _prefix: str, _metadata: Any
+) -> None:
+    """A model's ``state_dict()`` raises under torch's DCP state-dict functions: they
+    would return the placeholders of the matrices other ranks own (empty tensors), or
+    fail inside ``dcp.save``. Every rank raises alike, before any collective."""
+    function = torch_state_dict_function()
+    if function is not None:
+        raise RuntimeError(
+            f"torch.distributed.checkpoint.state_dict.{function} cannot read a model prepared "
+            "by dmuon.dedicate_params: each dedicated matrix lives on its owner rank alone, so "
+            "torch would return empty tensors for those owned by other ranks. Call "
+            f"dmuon.{function} instead (the same arguments and StateDictOptions; its state "
+            "dicts go to dcp.save and torch.save as torch's do)."
+        )
+
+
+#: The pipeline schedules' steps that split backward into inputs, then weights.
+_SPLIT_BACKWARD = {"BACKWARD_INPUT", "BACKWARD_WEIGHT"}
+
+
+def refuse_split_backward_schedule() -> None:
+    """Raise when this forward runs under a `torch.distributed.pipelining` schedule that
+    splits backward into inputs, then weights (the zero-bubble schedules): their weight
+    pass computes gradients with ``torch.autograd.grad`` and writes ``.grad`` itself, so
+    the dedicated gradients would never reach their owners."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        schedule = frame.f_locals.get("self")
+        if type(schedule).__module__ == "torch.distributed.pipelining.schedules":
+            order = getattr(schedule, "pipeline_order", None) or {}
+            kinds = {
+                str(getattr(getattr(action, "computation_type", None), "name", ""))
+                for actions in order.values()
+                for action in actions
+                if action is not None
+            }
+            if kinds & _SPLIT_BACKWARD:
+                raise RuntimeError(
+                    f"{type(schedule).__name__} splits backward into inputs, then weights, and "
+                    "computes the weights' gradients with torch.autograd.grad, so DMuon could "
+                    "not reduce the dedicated ones to their owners. Use a schedule whose "
+                    "backward is whole: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B "
+                    "or ScheduleLoopedBFS."
+                )
+            return
+        frame = frame.f_back
