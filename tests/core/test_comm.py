@@ -15,7 +15,7 @@ import gc
 import weakref
 from collections import deque
 
-from dmuon._comm import RECENT_WORK_KEPT, Pending
+from dmuon._comm_pending import RECENT_WORK_KEPT, Pending
 
 
 class _Work:

@@ -11,8 +11,8 @@ with dmuon.no_sync(model): ...          # around accumulating micro-batches
 
 from dmuon._accumulation import no_sync
 from dmuon._clip import clip_grad_norm_
-from dmuon._comm import CollectiveError
 from dmuon._comm_audit import CollectiveTally, CommAudit, StepComm
+from dmuon._comm_pending import CollectiveError
 from dmuon._ownership.dedicate import dedicate_params
 from dmuon._ownership.gradients import DedicatedGradientError
 from dmuon._ownership.introspection import comm_audit, dedicated_parameters, owner_plan

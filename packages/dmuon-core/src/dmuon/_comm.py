@@ -43,6 +43,13 @@ import torch
 import torch.distributed as dist
 
 from dmuon._comm_audit import CONTROL, REPLICATE, SHARD, TENSOR, CommAudit
+from dmuon._comm_pending import (
+    RECENT_WORK_KEPT,
+    Pending,
+    adjacent,
+    joined,
+    scatter_into,
+)
 
 _KIND_CODES = {
     "broadcast": 1,
@@ -53,107 +60,6 @@ _KIND_CODES = {
     "scatter": 6,
     "gather": 7,
 }
-
-RECENT_WORK_KEPT = 16
-"""Finished collectives whose work handles a `Communicator` keeps referenced (see `Pending`)."""
-
-
-class Pending:
-    """A collective in flight. ``wait()`` makes its result visible to the caller.
-
-    A finished work handle goes to ``recent`` (a bounded deque) instead of being dropped.
-    gloo's worker thread still holds the work for a moment after ``wait()`` returns; if it
-    dropped the last reference, the work's tensors would be freed on that thread, which
-    must then take the GIL for any tensor whose Python object was already released. Near
-    interpreter exit that aborts the process ("terminate called without an active
-    exception"). Kept here, the last reference is dropped by Python, on a Python thread,
-    some collectives later or at teardown.
-    """
-
-    def __init__(
-        self,
-        work: dist.Work | None = None,
-        recent: deque[dist.Work] | None = None,
-        what: str = "collective",
-        then: Callable[[], None] | None = None,
-    ):
-        self._work = work
-        self._recent = recent
-        self.what = what
-        #: Runs once the collective is complete (copies received pieces into place).
-        self._then = then
-
-    def wait(self) -> None:
-        """Block (gloo) or order the current CUDA stream (NCCL) after the collective.
-
-        Raises:
-            CollectiveError: the collective failed or timed out (another rank died or
-                stalled); the message names it.
-        """
-        if self._work is not None:
-            try:
-                self._work.wait()
-            except RuntimeError as error:
-                raise CollectiveError(
-                    f"DMuon's {self.what} did not complete on this rank: {error}. Another rank "
-                    "probably died or stalled before it; look at the other ranks' logs. How long "
-                    "a rank waits is the process group's timeout: "
-                    "dist.init_process_group(..., timeout=datetime.timedelta(minutes=10))."
-                ) from error
-            if self._recent is not None:
-                self._recent.append(self._work)
-            self._work = None
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-
-
-def _joined(pieces: Sequence[torch.Tensor], copy_in: bool, like: torch.Tensor) -> torch.Tensor:
-    """``pieces`` as one flat tensor: the single piece itself, else a new one of ``like``'s
-    dtype and device (holding their values when ``copy_in``; empty for no piece)."""
-    if len(pieces) == 1:
-        return pieces[0].view(-1)
-    joined = torch.empty(sum(p.numel() for p in pieces), dtype=like.dtype, device=like.device)
-    if copy_in:
-        _concat_into(pieces, joined)
-    return joined
-
-
-def _adjacent(pieces: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor | None:
-    """One 1-D view over every piece when they lie back to back in one storage, in rank
-    order (then in their order); else ``None``."""
-    flat = [piece for part in pieces for piece in part]
-    first = flat[0]
-    end = first.data_ptr()
-    for piece in flat:
-        if not piece.is_contiguous() or piece.data_ptr() != end:
-            return None
-        if piece.untyped_storage().data_ptr() != first.untyped_storage().data_ptr():
-            return None
-        end += piece.numel() * piece.element_size()
-    total = sum(piece.numel() for piece in flat)
-    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (total,))
-
-
-def _concat_into(pieces: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-    """Copy ``pieces`` back to back into the start of ``out``."""
-    offset = 0
-    for piece in pieces:
-        out[offset : offset + piece.numel()].copy_(piece.reshape(-1))
-        offset += piece.numel()
-
-
-def _scatter_into(source: torch.Tensor, pieces: Sequence[torch.Tensor]) -> None:
-    """Copy ``source``'s leading elements, back to back, into ``pieces`` (parameters too)."""
-    offset = 0
-    with torch.no_grad():
-        for piece in pieces:
-            piece.view(-1).copy_(source[offset : offset + piece.numel()])
-            offset += piece.numel()
-
-
-class CollectiveError(RuntimeError):
-    """A DMuon collective failed or timed out; the message names the collective."""
 
 
 def all_reduce_plain(
@@ -342,7 +248,7 @@ class Communicator:
             return Pending()
         if len(senders) == 1:
             root = senders[0]
-            wire = _joined(pieces[root], me == root, pieces[root][0])
+            wire = joined(pieces[root], me == root, pieces[root][0])
             fill = None if len(pieces[root]) == 1 or me == root else (wire, pieces[root])
             return self._issue(
                 "broadcast",
@@ -353,18 +259,18 @@ class Communicator:
                 ),
                 dim=dim,
                 what=what,
-                then=None if fill is None else lambda: _scatter_into(*fill),
+                then=None if fill is None else lambda: scatter_into(*fill),
                 values=values,
             )
         like = pieces[senders[0]][0]
         if dist.get_backend(group) == "gloo":
             # gloo has no uneven all-gather: an all-to-all in which each rank sends its
             # pieces to every rank moves exactly the same elements.
-            mine = _joined(pieces[me], True, like)
+            mine = joined(pieces[me], True, like)
             send = mine.expand(len(pieces), -1).reshape(-1)
             # Pieces that lie back to back in rank order (a boundary without split
             # stacks) receive in place; others through a buffer.
-            received = _adjacent(pieces)
+            received = adjacent(pieces)
             fills = []
             if received is None:
                 received = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
@@ -382,7 +288,7 @@ class Communicator:
                 )
 
         else:
-            outputs = [_joined(part, r == me, like) for r, part in enumerate(pieces)]
+            outputs = [joined(part, r == me, like) for r, part in enumerate(pieces)]
             fills = [
                 (outputs[r], part) for r, part in enumerate(pieces) if r != me and len(part) > 1
             ]
@@ -393,7 +299,7 @@ class Communicator:
 
         def then() -> None:
             for source, part in fills:
-                _scatter_into(source, part)
+                scatter_into(source, part)
 
         return self._issue(
             "all_gather",
@@ -425,12 +331,12 @@ class Communicator:
             return Pending(), None
         like = pieces[receivers[0]][0]
         if len(pieces) == 1:
-            return Pending(), _joined(pieces[0], True, like)
+            return Pending(), joined(pieces[0], True, like)
         if len(receivers) == 1:
             root = receivers[0]
-            wire = _joined(pieces[root], True, like)
+            wire = joined(pieces[root], True, like)
             return self.reduce_sum(wire, root, what), wire if self.rank == root else None
-        inputs = [_joined(mine, True, like) for mine in pieces]
+        inputs = [joined(mine, True, like) for mine in pieces]
         output = torch.empty_like(inputs[self.rank])
         pending = self._reduce_scatter(output, inputs, SHARD, what)
         return pending, output if sizes[self.rank] else None

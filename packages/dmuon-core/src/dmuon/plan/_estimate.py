@@ -22,11 +22,9 @@ same code) and from the library's own rules:
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import math
-from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -38,33 +36,33 @@ from dmuon._ownership.planner import (
     SplitStacks,
     newton_schulz_cost,
     newton_schulz_flops,
-    range_name,
 )
-from dmuon._ownership.replica_updates import record_nbytes, update_chunks
+from dmuon._ownership.replica_updates import record_nbytes
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.selection import plan_dedication
 from dmuon._ownership.tp_integration import spread_over_tp
-from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
+from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES
 from dmuon.optim._orthogonalize import uses_gram
 from dmuon.optim._validation import check_max_workspace_bytes
+from dmuon.plan._collectives import (
+    Tally,
+    boundary_calls,
+    boundary_spans,
+    plan_items,
+    replica_update_calls,
+    tp_split_dims,
+    workspace_bytes,
+)
 from dmuon.plan._hardware import Hardware, parse_hardware
 from dmuon.plan._memory import (
     activation_bytes_per_token,
     dmuon_memory_bytes,
     fsdp2_memory_bytes,
 )
+from dmuon.plan._warnings import plan_warnings
 
 GIB = 1024**3
 FLOAT32 = 4
-
-
-@dataclass(frozen=True)
-class Tally:
-    """Collectives of one kind per optimizer step: how many, and the elements they carry
-    (as ``dmuon.comm_audit`` records them on each rank)."""
-
-    count: int = 0
-    elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -276,154 +274,6 @@ class ClusterPlan:
         }
 
 
-@dataclass
-class _Span:
-    """A boundary's matrices (or expert ranges) of one owner: its piece of the boundary's calls."""
-
-    owner: int
-    elements: int = 0
-    names: list[str] = field(default_factory=list)
-
-
-def _spans(
-    shapes: Mapping[str, Sequence[int]], boundaries: Mapping[str, str], plan: OwnerPlan
-) -> dict[str, list[_Span]]:
-    """Each boundary's spans, as `dedicate_params` lays out its flat buffer: one per owner
-    of its whole matrices, then per split stack one per run of ranges with one owner."""
-    spans: dict[str, list[_Span]] = defaultdict(list)
-    packed: dict[tuple[str, int], _Span] = {}
-    for fqn, shape in shapes.items():
-        boundary = boundaries[fqn]
-        if fqn in plan.expert_ranges:
-            continue
-        owner = plan.owners[fqn]
-        if (boundary, owner) not in packed:
-            packed[boundary, owner] = _Span(owner)
-            spans[boundary].append(packed[boundary, owner])
-        span = packed[boundary, owner]
-        span.elements += math.prod(shape)
-        span.names.append(fqn)
-    for fqn, ranges in plan.expert_ranges.items():
-        per_expert = math.prod(shapes[fqn][1:])
-        runs: list[_Span] = []
-        for expert_range in sorted(ranges):
-            name = range_name(fqn, expert_range.start, expert_range.stop)
-            if not runs or runs[-1].owner != expert_range.owner:
-                runs.append(_Span(expert_range.owner))
-            runs[-1].elements += (expert_range.stop - expert_range.start) * per_expert
-            runs[-1].names.append(name)
-        spans[boundaries[fqn]].extend(runs)
-    return spans
-
-
-def _add(tallies: dict[str, Tally], kind: str, count: int, elements: int) -> None:
-    if count:
-        old = tallies.get(kind, Tally())
-        tallies[kind] = Tally(old.count + count, old.elements + elements)
-
-
-def _boundary_calls(
-    boundaries: list[list[tuple[int, int]]], rounds: int, synced: int
-) -> dict[str, Tally]:
-    """The shard dimension's collectives: per boundary with elements (its spans as
-    ``(owner, elements)``), one call per forward round and one per synchronised backward,
-    a broadcast and a reduce when one rank owns them all, else an all-gather and a
-    reduce-scatter of the owners' pieces (see `dmuon._ownership.flat_buffer`)."""
-    tallies: dict[str, Tally] = {}
-    for spans in boundaries:
-        elements = sum(e for _, e in spans)
-        if not elements:
-            continue
-        one_owner = len({owner for owner, e in spans if e}) == 1
-        _add(tallies, "broadcast" if one_owner else "all_gather", rounds, elements * rounds)
-        _add(tallies, "reduce" if one_owner else "reduce_scatter", synced, elements * synced)
-    return tallies
-
-
-def _replica_update_calls(records: list[tuple[int, int, int]], replicas: int) -> dict[str, Tally]:
-    """The replicate dimension's collectives after a step: one per chunk of updates
-    (`dmuon._ownership.replica_updates.update_chunks`; ``records`` are ``(elements,
-    bytes, update replica)``, cut by bytes, counted in elements), a broadcast when one
-    replica stepped the whole chunk, else an all-gather."""
-    tallies: dict[str, Tally] = {}
-    for chunk in update_chunks([(b, r) for _, b, r in records], replicas):
-        elements = sum(records[i][0] for part in chunk for i in part)
-        one_replica = sum(1 for part in chunk if part) == 1
-        _add(tallies, "broadcast" if one_replica else "all_gather", 1, elements)
-    return tallies
-
-
-def _items(shapes: Mapping[str, Sequence[int]], plan: OwnerPlan) -> dict[str, tuple[int, int, int]]:
-    """``{plan item name: (matrices, rows, cols)}``: each matrix or stack, and each range
-    of a stack the plan split by experts."""
-    items: dict[str, tuple[int, int, int]] = {}
-    for fqn, shape in shapes.items():
-        if fqn in plan.expert_ranges:
-            _, rows, cols = shape
-            for r in plan.expert_ranges[fqn]:
-                items[range_name(fqn, r.start, r.stop)] = (r.stop - r.start, rows, cols)
-        else:
-            items[fqn] = (shape[0], shape[1], shape[2]) if len(shape) == 3 else (1, *shape)
-    return items
-
-
-#: Hugging Face tp-plan styles that split a weight by rows (0) or by columns (1).
-_TP_STYLES = {"colwise": 0, "colwise_rep": 0, "local_colwise": 0, "rowwise": 1,
-              "rowwise_rep": 1, "local_rowwise": 1}  # fmt: skip
-
-
-def _tp_split_dims(
-    model: nn.Module,
-    shapes: Mapping[str, Sequence[int]],
-    tp: int,
-    tp_plan: Mapping[str, str] | None,
-) -> dict[str, int]:
-    """``{fqn: dim}`` of the dedicated matrices a tp plan splits (rows 0, columns 1)."""
-    if tp == 1:
-        return {}
-    if tp_plan is None:
-        config = getattr(model, "config", None)
-        tp_plan = getattr(config, "base_model_tp_plan", None) or {}
-        if not tp_plan:
-            raise ValueError(
-                "tensor parallelism needs a tp plan: the model's config has no "
-                "base_model_tp_plan; pass tp_plan={module pattern: 'colwise' | 'rowwise'}"
-            )
-    dims: dict[str, int] = {}
-    for fqn, shape in shapes.items():
-        module = fqn.rsplit(".", 1)[0]
-        for pattern, style in tp_plan.items():
-            if len(shape) == 2 and (
-                fnmatch.fnmatchcase(module, pattern) or fnmatch.fnmatchcase(module, "*." + pattern)
-            ):
-                if style in _TP_STYLES:
-                    dims[fqn] = _TP_STYLES[style]
-                break
-    return dims
-
-
-def _workspace(
-    items: list[tuple[int, int, int]],
-    dtype: torch.dtype,
-    device: torch.device,
-    cap: int,
-    gram: bool,
-) -> int:
-    """Bytes of the Newton-Schulz workspace `dmuon.Muon` keeps for these items: the largest
-    bucket of one shape, run in chunks within ``cap``."""
-    counts: dict[tuple[int, int], int] = defaultdict(int)
-    for matrices, rows, cols in items:
-        counts[rows, cols] += matrices
-    largest = 0
-    for (rows, cols), count in counts.items():
-        one = workspace_nbytes(1, rows, cols, dtype, device, gram, torch.float32)
-        batch = min(count, max(1, cap // one))
-        largest = max(
-            largest, workspace_nbytes(batch, rows, cols, dtype, device, gram, torch.float32)
-        )
-    return largest
-
-
 def plan_cluster(
     model: nn.Module,
     world: int,
@@ -532,9 +382,9 @@ def plan_cluster(
     )
     shapes = {fqn: tuple(int(d) for d in p.shape) for fqn, _, _, p, _, _ in selected}
     transposed = {fqn for fqn, _, _, _, is_transposed, _ in selected if is_transposed}
-    split_dims = _tp_split_dims(model, shapes, tp, tp_plan)
+    split_dims = tp_split_dims(model, shapes, tp, tp_plan)
     p_m = sum(math.prod(s) for s in shapes.values())
-    spans = _spans(shapes, boundaries, plan)
+    spans = boundary_spans(shapes, boundaries, plan)
     if no_sync_scope not in ("all", "replicas"):
         raise ValueError(f'no_sync_scope is "all" or "replicas", not {no_sync_scope!r}')
     inside_only = no_sync and no_sync_scope == "replicas"
@@ -543,7 +393,7 @@ def plan_cluster(
     replica_synced = 1 if no_sync else accum
     rounds = 1 if mode == "z2" else 2 * accum  # broadcasts of every span per step
     all_spans = [span for boundary in spans.values() for span in boundary]
-    item_shapes = _items(shapes, plan)
+    item_shapes = plan_items(shapes, plan)
     device = torch.device(device_type)
     parameters = sum(p.numel() for p in model.parameters())
     active = parameters if active_parameters is None else active_parameters
@@ -582,7 +432,7 @@ def plan_cluster(
         shard_tallies: dict[str, Tally] = {}
         if shard > 1:
             elements = iter(span_elements)  # all_spans is spans' lists back to back
-            shard_tallies = _boundary_calls(
+            shard_tallies = boundary_calls(
                 [[(s.owner, next(elements)) for s in b] for b in spans.values()], rounds, synced
             )
         boundary_elements = [
@@ -611,7 +461,7 @@ def plan_cluster(
             if replicas == 1 or not owned_by[position]:
                 replicate_by.append({})
                 continue
-            tallies = _replica_update_calls(
+            tallies = replica_update_calls(
                 [(local(n, t), update_nbytes(n, t), plan.workers[n]) for n in owned_by[position]],
                 replicas,
             )
@@ -664,7 +514,7 @@ def plan_cluster(
                     update_seconds=update,
                     master_bytes=owned_elements * FLOAT32,
                     momentum_bytes=sum(local(n, t) for n in mine) * FLOAT32,
-                    workspace_bytes=_workspace(
+                    workspace_bytes=workspace_bytes(
                         [item_shapes[n] for n in orthogonalized],
                         ns_dtype,
                         device,
@@ -724,51 +574,5 @@ def plan_cluster(
         )
         / (hardware.network_gbps * 1e9),
     )
-    result.warnings.extend(_warnings(result))
+    result.warnings.extend(plan_warnings(result))
     return result
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GIB:,.1f} GiB"
-
-
-def _warnings(plan: ClusterPlan) -> list[str]:
-    """What will not fit or not pay, each with what to do instead."""
-    memory = plan.hardware.memory_gib * GIB
-    busiest = max(plan.ranks, key=lambda r: r.added_bytes)
-    notes = []
-    if busiest.accumulator_bytes > 0.5 * memory:
-        notes.append(
-            f"dmuon.no_sync accumulation keeps {_gib(busiest.accumulator_bytes)} of full float32 "
-            f"gradients of the dedicated matrices on every rank, more than half of the "
-            f"{plan.hardware.memory_gib:g} GiB of a {plan.hardware.name}: accumulate without "
-            "dmuon.no_sync (every micro-batch then reduces its gradients to the owners: "
-            f"{plan.accum} reduces per step instead of 1, and no accumulator)"
-            + (
-                ', or under HSDP with dmuon.no_sync(model, scope="replicas") (--no-sync-scope '
-                "replicas): each owner then holds its own matrices' sums, and one "
-                "reduce-scatter crosses replicas per step"
-                if plan.replicas > 1
-                else ""
-            )
-        )
-    if busiest.added_bytes > memory:
-        parts = (
-            f"masters {_gib(busiest.master_bytes)}, momentum {_gib(busiest.momentum_bytes)}, "
-            f"buffers {_gib(busiest.buffer_bytes)}, reduce buffers "
-            f"{_gib(busiest.reduce_buffer_bytes)}, workspace {_gib(busiest.workspace_bytes)}"
-        )
-        hints = ["larger shard groups (the masters are split over the shard size)"]
-        if plan.mode == "z2":
-            hints.insert(0, "Z3 (two boundaries' buffers instead of all of them)")
-        notes.append(
-            f"DMuon adds up to {_gib(busiest.added_bytes)} on rank {busiest.rank} ({parts}), "
-            f"more than the {plan.hardware.memory_gib:g} GiB of a {plan.hardware.name}: use "
-            + " or ".join(hints)
-        )
-    if plan.calls > 2 * plan.fsdp2_calls:
-        notes.append(
-            f"DMuon issues up to {plan.calls} collective calls per step where FSDP2 issues "
-            f"{plan.fsdp2_calls}: at this many ranks each call's latency adds up"
-        )
-    return notes
