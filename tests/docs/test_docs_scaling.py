@@ -81,6 +81,19 @@ def test_typed_figures_come_from_the_code() -> None:
     # Square matrices against the MLP's (m/n = 4096/14336 = 8192/28672): new/old weights.
     lighter = 3 / (2 + 4096 / 14336)
     assert f"{lighter:.2f}x too light" in en and f"{lighter:.2f} 倍" in zh
+    # The time model's rates are the presets'; the workspace cap is the optimizer's default.
+    from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES
+    from dmuon.plan._hardware import parse_hardware
+
+    h100, h200 = parse_hardware("h100"), parse_hardware("h200")
+    assert h100.peak_tflops == h200.peak_tflops
+    assert f"({h100.peak_tflops:g} TFLOP/s for H100 and H200)" in en
+    assert f"H100 和 H200 为 {h100.peak_tflops:g} TFLOP/s" in zh
+    assert f"at {h100.ns_tflops:g} TFLOP/s" in en and f"按 {h100.ns_tflops:g} TFLOP/s" in zh
+    assert f"({h100.network_gbps:g} GB/s for H100)" in en
+    assert f"H100 为 {h100.network_gbps:g} GB/s" in zh
+    cap = DEFAULT_MAX_WORKSPACE_BYTES // GIB
+    assert f"({cap} GiB by default)" in en and f"默认 {cap} GiB" in zh
 
 
 def test_the_reduce_window_on_the_z2_z3_page_is_the_runtimes() -> None:
