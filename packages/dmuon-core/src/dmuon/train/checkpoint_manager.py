@@ -36,6 +36,7 @@ class CheckpointManager:
         """Serve ``trainer``, a `dmuon.train.loop.Trainer` (not imported here: the trainer
         imports this module)."""
         self.trainer = trainer
+        self._warned_tokenizer = False
 
     def states(self) -> dict[str, Any]:
         return {
@@ -144,8 +145,22 @@ class CheckpointManager:
             (hf / KEYS_FILE).write_text(
                 json.dumps(self.trainer.built.hf_keys, indent=2), encoding="utf-8"
             )
-        if self.trainer.inputs.tokenizer is not None:
-            self.trainer.inputs.tokenizer.save(hf)
+        tokenizer = self.trainer.inputs.tokenizer
+        if tokenizer is None:
+            return
+        try:
+            tokenizer.save(hf)
+        except ModuleNotFoundError as error:  # the byte tokenizer's files need the hf extra
+            if not self._warned_tokenizer:
+                self._warned_tokenizer = True
+                print(
+                    f"dmuon-train: warning: checkpoints hold no tokenizer files for an HF "
+                    f"export ({error.name} is not installed; pip install -e "
+                    "'packages/dmuon-core[hf]' adds them); the weights and config.json are "
+                    "written as usual",
+                    file=sys.stderr,
+                    flush=True,
+                )
 
     def save(self, step: int, elapsed: float) -> Path:
         """Write the checkpoint after ``step`` into ``--checkpoint-dir`` (a collective).
