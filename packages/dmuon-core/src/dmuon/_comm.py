@@ -25,7 +25,7 @@ runs as one group of broadcasts or reduces.
 On a 2-D ``(replicate, shard)`` mesh (HSDP) these run inside the shard group, and the
 owners of a matrix (one per replica, at the same shard rank) sum its gradient with one
 reduce-scatter over the replicate group, into the one replica that updates it, and
-all-gather the new values after the optimizer step. The audit keeps
+all-gather the step's updates after the optimizer step. The audit keeps
 the two dimensions apart: `StepComm.by_kind` and `StepComm.units` describe the shard
 dimension (the whole traffic of a 1-D mesh), `StepComm.replicate` the replicate dimension.
 

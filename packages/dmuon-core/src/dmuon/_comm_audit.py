@@ -64,7 +64,7 @@ class StepComm:
     reduces where one rank owns a whole boundary) among the ranks that share the matrices'
     owners (all ranks of a 1-D mesh, the dp ranks under tensor parallelism). ``replicate``
     is the replicate dimension of a 2-D (HSDP) mesh: the reduce-scatters of gradients and
-    the all-gathers of updated values among the owners of the same matrices in the
+    the all-gathers of the step's updates among the owners of the same matrices in the
     different replicas (empty on a 1-D mesh). ``tensor`` is the
     tensor-parallel dimension: the gathers and scatters of ``optimizer.step()`` among the
     owners of a tp-sharded matrix' shards.
@@ -100,7 +100,7 @@ class StepComm:
         """This rank's replicate-dimension traffic in units of (R-1)/R x P_M elements.
 
         A rank reduce-scatters the gradients of the matrices it owns once per synchronised
-        backward, and all-gathers their updated values once per step, so the
+        backward, and all-gathers their updates once per step, so the
         ranks of one shard group add up to 1 unit per synchronised backward plus 1 unit per
         step (R is the replicate group's size).
         """

@@ -293,7 +293,7 @@ def dedicate_params(
             reduces stay inside the shard group, and the plan, made over every rank of the
             mesh, picks the one replica whose owner steps the matrix. The owners
             reduce-scatter gradients by matrix across replicas, and the stepping owner
-            broadcasts the new values to the others after ``optimizer.step()``. ``None``
+            sends its update to the others after ``optimizer.step()``. ``None``
             uses the default process group, or,
             without one, runs in one process with everything owned by rank 0 and nothing
             communicated.

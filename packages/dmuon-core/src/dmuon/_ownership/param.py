@@ -45,7 +45,7 @@ class DedicatedParam:
     On a 2-D (HSDP) mesh every replica has an owner of the record (the rank at shard
     position ``owner``), holding the same master; only the one in replica
     ``update_replica`` receives the averaged gradient, keeps the Muon momentum and runs
-    Newton-Schulz (``updates_here``), and after the step it hands the new values to the
+    Newton-Schulz (``updates_here``), and after the step it hands its update to the
     other replicas' owners. On a 1-D mesh ``updates_here`` is ``is_owned``.
 
     ``tp`` describes a matrix that tensor parallelism made a DTensor

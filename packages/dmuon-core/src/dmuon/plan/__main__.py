@@ -142,7 +142,7 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
         f"{plan.ns_overhead:.2%} (busiest rank {busiest.rank}: {busiest.ns_seconds * 1e3:,.2f} "
         f"ms; imbalance {plan.ns_imbalance:.2f}: the busiest rank over the mean)"
         + (
-            f"; exposed between replicas: updated values {plan.update_overhead:.2%} (they "
+            f"; exposed between replicas: updates {plan.update_overhead:.2%} (they "
             f"travel during the next forward), backward's reduces {plan.reduce_overhead:.2%}"
             if plan.replicas > 1
             else ""

@@ -11,7 +11,7 @@ same code) and from the library's own rules:
   reduce-scatter, a reduce for one owner), as many times as Z2/Z3 and accumulation say;
   across replicas, one reduce-scatter per boundary the rank owns matrices of per
   synchronised backward and, per step, one all-gather (a broadcast when one replica sends
-  all of it) per chunk of updated values (`update_chunks`): what ``dmuon.comm_audit``
+  all of it) per chunk of updates (`update_chunks`): what ``dmuon.comm_audit``
   counts;
 - **memory**: float32 masters of the matrices a shard position owns, momentum of those the
   rank steps, the Newton-Schulz workspace (`dmuon.optim.workspace_nbytes`, within the
@@ -191,7 +191,7 @@ class ClusterPlan:
 
     @property
     def update_overhead(self) -> float:
-        """What the updated values between replicas leave exposed, over forward+backward
+        """What the updates between replicas leave exposed, over forward+backward
         (0 on a 1-D mesh): they travel during the next step's first forward, so only the
         part longer than that forward shows."""
         window = self.forward_backward_seconds / 3 / self.accum
