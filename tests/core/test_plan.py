@@ -292,18 +292,21 @@ def test_the_gram_iterations_flops_are_what_a_flop_counter_counts(gram: bool) ->
 
 @pytest.mark.parametrize("reduce_bytes", [4, 2])
 def test_the_step_against_fsdp2_and_adamw_follows_the_time_model(reduce_bytes: int) -> None:
-    """The figures beside FSDP2 + AdamW's, by hand from the model's sizes: FSDP2's
-    all-reduce between replicas (every parameter, 2 (R - 1)/R of the rank's shard) past
-    backward; DMuon's updates past the next forward (bfloat16, the iteration's dtype, and
-    a few scalars per row: within 1% of 2 bytes per owned element), its backward traffic
-    (the owned gradients' reduce-scatter and FSDP2's all-reduce of the rest) past
-    backward."""
+    """The figures beside FSDP2 + AdamW's, by hand from the model's sizes and the calls the
+    plan counts, each call costing the hardware's latency on top of its bytes: FSDP2's
+    all-reduce between replicas (every parameter, 2 (R - 1)/R of the rank's shard, one
+    call per layer and root) past backward; DMuon's updates past the next forward
+    (bfloat16, the iteration's dtype, and a few scalars per row: within 1% of 2 bytes per
+    owned element), its backward traffic (the owned gradients' reduce-scatter and FSDP2's
+    all-reduce of the rest) past backward."""
     model, active = _model("qwen3-30b-a3b")
     plan = plan_cluster(model, 1024, 8, active_parameters=active, reduce_bytes=reduce_bytes)
     rate = plan.hardware.network_gbps * 1e9
+    latency = plan.hardware.latency_us * 1e-6
     share = (plan.replicas - 1) / plan.replicas
     fb = plan.forward_backward_seconds
-    fsdp2 = 2 * share * plan.parameters / plan.shard_size * reduce_bytes / rate
+    units = plan.boundaries + 1
+    fsdp2 = 2 * share * plan.parameters / plan.shard_size * reduce_bytes / rate + units * latency
     assert plan.fsdp2_reduce_seconds == pytest.approx(fsdp2)
     assert plan.fsdp2_overhead == pytest.approx(max(0.0, fsdp2 - 2 * fb / 3) / fb)
     rest = (plan.parameters - plan.dedicated_elements) / plan.shard_size
@@ -311,18 +314,45 @@ def test_the_step_against_fsdp2_and_adamw_follows_the_time_model(reduce_bytes: i
     for rank in plan.ranks:
         owned = rank.master_bytes / 4
         assert 2 * owned < rank.update_bytes < 2 * owned * 1.01
-        assert rank.update_seconds == pytest.approx(rank.update_bytes * share / rate)
+        shared = rank.replicate_collectives
+        calls = sum(shared[k].count for k in ("broadcast", "all_gather") if k in shared)
+        assert rank.update_seconds == pytest.approx(
+            rank.update_bytes * share / rate + calls * latency
+        )
+        scattered = shared["reduce_scatter"].count
         backward = (owned * share + 2 * share * rest) * reduce_bytes / rate
+        backward += (scattered + units) * latency
         assert rank.replicate_reduce_seconds == pytest.approx(backward)
+        assert rank.tp_seconds == 0.0  # no tensor parallelism here
         worst_update = max(worst_update, rank.update_seconds - fb / 3)
         worst_reduce = max(worst_reduce, backward - 2 * fb / 3)
     assert plan.update_overhead == pytest.approx(max(0.0, worst_update) / fb)
     assert plan.reduce_overhead == pytest.approx(max(0.0, worst_reduce) / fb)
     assert plan.reduce_overhead > 0  # the MoE's reduces outlast backward: they show
+    assert plan.optimizer_overhead == pytest.approx(plan.ns_overhead)
     expected = (1 + plan.ns_overhead + plan.update_overhead + plan.reduce_overhead) / (
         1 + plan.fsdp2_overhead
     )
     assert plan.step_ratio == pytest.approx(expected)
+
+
+def test_tensor_parallel_gathers_and_scatters_are_timed_inside_the_node() -> None:
+    """Under tensor parallelism the rank that steps a split matrix waits for its float32
+    gather and scatter inside the node, and their calls' latency: the step pays the
+    slowest rank's Newton-Schulz plus that."""
+    model, active = _model("llama-3-8b")
+    plan = plan_cluster(model, 64, tp=8, active_parameters=active)
+    node = plan.hardware.node_gbps * 1e9
+    latency = plan.hardware.latency_us * 1e-6
+    timed = [r for r in plan.ranks if r.tensor_collectives]
+    assert timed
+    for rank in plan.ranks:
+        moved = sum(t.elements for t in rank.tensor_collectives.values()) * 4
+        calls = sum(t.count for t in rank.tensor_collectives.values())
+        assert rank.tp_seconds == pytest.approx(moved / node + calls * latency)
+    slowest = max(r.ns_seconds + r.tp_seconds for r in plan.ranks)
+    assert plan.optimizer_overhead == pytest.approx(slowest / plan.forward_backward_seconds)
+    assert plan.optimizer_overhead > plan.ns_overhead
 
 
 def test_memory_per_rank_is_counted_alike_for_both_sides() -> None:

@@ -91,6 +91,9 @@ def test_typed_figures_come_from_the_code() -> None:
     assert f"H100 和 H200 为 {h100.peak_tflops:g} TFLOP/s" in zh
     assert f"at {h100.ns_tflops:g} TFLOP/s" in en and f"按 {h100.ns_tflops:g} TFLOP/s" in zh
     assert f"({h100.network_gbps:g} GB/s for H100)" in en
+    assert f"({h100.node_gbps:g} GB/s NVLink for H100 and H200)" in en
+    assert f"NVLink 为 {h100.node_gbps:g} GB/s" in zh
+    assert f"costs {h100.latency_us:g} us besides" in en and f"还要花 {h100.latency_us:g} us" in zh
     assert f"H100 为 {h100.network_gbps:g} GB/s" in zh
     cap = DEFAULT_MAX_WORKSPACE_BYTES // GIB
     assert f"({cap} GiB by default)" in en and f"默认 {cap} GiB" in zh

@@ -99,6 +99,9 @@ class RankPlan:
     #: Bytes of the step's updates between replicas this rank holds from the step to the
     #: next forward (HSDP): every replica's section of its chunks.
     update_bytes: int = 0
+    #: Seconds the step waits for the tensor-parallel gathers and scatters of the
+    #: matrices this rank steps (inside the node).
+    tp_seconds: float = 0.0
 
     @property
     def added_bytes(self) -> int:
@@ -190,6 +193,13 @@ class ClusterPlan:
         return self.busiest.ns_seconds / self.forward_backward_seconds
 
     @property
+    def optimizer_overhead(self) -> float:
+        """The slowest rank's optimizer step (Newton-Schulz and tensor parallelism's
+        gathers and scatters) over forward+backward's."""
+        slowest = max(r.ns_seconds + r.tp_seconds for r in self.ranks)
+        return slowest / self.forward_backward_seconds
+
+    @property
     def update_overhead(self) -> float:
         """What the updates between replicas leave exposed, over forward+backward
         (0 on a 1-D mesh): they travel during the next step's first forward, so only the
@@ -208,9 +218,9 @@ class ClusterPlan:
 
     @property
     def step_overhead(self) -> float:
-        """DMuon's step beyond forward+backward, over forward+backward: the busiest rank's
-        Newton-Schulz and the exposed traffic between replicas."""
-        return self.ns_overhead + self.update_overhead + self.reduce_overhead
+        """DMuon's step beyond forward+backward, over forward+backward: the slowest rank's
+        optimizer step and the exposed traffic between replicas."""
+        return self.optimizer_overhead + self.update_overhead + self.reduce_overhead
 
     @property
     def fsdp2_overhead(self) -> float:
@@ -258,6 +268,7 @@ class ClusterPlan:
             "fsdp2_calls": self.fsdp2_calls,
             "forward_backward_seconds": self.forward_backward_seconds,
             "ns_overhead": self.ns_overhead,
+            "optimizer_overhead": self.optimizer_overhead,
             "update_overhead": self.update_overhead,
             "reduce_overhead": self.reduce_overhead,
             "step_overhead": self.step_overhead,
@@ -391,6 +402,8 @@ def plan_cluster(
     #: Synchronised backwards per step inside a replica, and between replicas.
     synced = accum if inside_only else 1 if no_sync else accum
     replica_synced = 1 if no_sync else accum
+    # FSDP2's all-reduces between replicas of the other parameters: one per layer and root.
+    fsdp2_reduce_calls = (len(spans) + 1) * replica_synced
     rounds = 1 if mode == "z2" else 2 * accum  # broadcasts of every span per step
     all_spans = [span for boundary in spans.values() for span in boundary]
     item_shapes = plan_items(shapes, plan)
@@ -494,16 +507,28 @@ def plan_cluster(
             )
             update = reduce = 0.0
             update_bytes = 0
+            latency = hardware.latency_us * 1e-6
             if replicas > 1:
                 share = (replicas - 1) / replicas
                 rate = hardware.network_gbps * 1e9
                 update_bytes = sum(update_nbytes(n, t) for n in owned_by[position])
-                update = update_bytes * share / rate
+                update_calls = sum(
+                    replicate_tallies[k].count
+                    for k in ("broadcast", "all_gather")
+                    if k in replicate_tallies
+                )
+                update = update_bytes * share / rate + update_calls * latency
                 # Backward: the owned gradients' reduce-scatter, and FSDP2's all-reduce of
                 # this rank's shard of the other parameters.
                 rest = (parameters - p_m) / (shard * tp)
                 moved = (owned_elements * share + 2 * share * rest) * reduce_bytes * replica_synced
-                reduce = moved / rate
+                scattered = replicate_tallies.get("reduce_scatter", Tally()).count
+                reduce = moved / rate + (scattered + fsdp2_reduce_calls) * latency
+            # tp: each sharded matrix the rank steps is gathered in float32 and its update
+            # scattered back, inside the node, while the step waits.
+            tp_moved = sum(t.elements for t in tensor_tallies.values()) * FLOAT32
+            tp_calls = sum(t.count for t in tensor_tallies.values())
+            tp_seconds = tp_moved / (hardware.node_gbps * 1e9) + tp_calls * latency
             ranks.append(
                 RankPlan(
                     rank=dp_rank * tp + t,
@@ -533,6 +558,7 @@ def plan_cluster(
                     tensor_collectives=tensor_tallies,
                     replicate_reduce_seconds=reduce,
                     update_bytes=update_bytes,
+                    tp_seconds=tp_seconds,
                 )
             )
     ranks.sort(key=lambda r: r.rank)
@@ -572,7 +598,8 @@ def plan_cluster(
             * reduce_bytes
             * replica_synced
         )
-        / (hardware.network_gbps * 1e9),
+        / (hardware.network_gbps * 1e9)
+        + (fsdp2_reduce_calls if replicas > 1 else 0) * hardware.latency_us * 1e-6,
     )
     result.warnings.extend(plan_warnings(result))
     return result

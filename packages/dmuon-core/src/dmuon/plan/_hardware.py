@@ -24,6 +24,9 @@ class Hardware:
         network_gbps: Bytes per second one accelerator sends between nodes, GB/s.
         memory_gib: Accelerator memory, GiB.
         mfu: Share of the peak that forward and backward reach.
+        latency_us: What every collective call costs on top of its bytes, microseconds.
+        node_gbps: Bytes per second one accelerator sends inside its node (tensor
+            parallelism's gathers and scatters), GB/s.
     """
 
     name: str
@@ -32,24 +35,29 @@ class Hardware:
     network_gbps: float
     memory_gib: float
     mfu: float = DEFAULT_MFU
+    latency_us: float = 20.0
+    node_gbps: float = 450.0
 
     def describe(self) -> str:
         """One line with every number of the time model."""
         return (
             f"{self.name}: Newton-Schulz at {self.ns_tflops:g} TFLOP/s, forward+backward at "
             f"{self.mfu:.0%} of {self.peak_tflops:g} TFLOP/s, {self.network_gbps:g} GB/s "
-            f"between nodes per accelerator, {self.memory_gib:g} GiB of memory"
+            f"between nodes and {self.node_gbps:g} GB/s inside a node per accelerator, "
+            f"{self.latency_us:g} us per collective call, {self.memory_gib:g} GiB of memory"
         )
 
 
 HARDWARE: dict[str, Hardware] = {
     "h100": Hardware("h100", 989.0, 600.0, 50.0, 80.0),
     "h200": Hardware("h200", 989.0, 600.0, 50.0, 141.0),
-    "b200": Hardware("b200", 2250.0, round(2250.0 * NS_EFFICIENCY), 100.0, 180.0),
+    "b200": Hardware("b200", 2250.0, round(2250.0 * NS_EFFICIENCY), 100.0, 180.0, node_gbps=900.0),
 }
 """The presets of ``--hardware``: H100 and H200 (SXM, 989 TFLOP/s dense bfloat16,
-Newton-Schulz at 600, 400 Gb/s per GPU between nodes, 80 and 141 GiB), B200 (2,250
-TFLOP/s, Newton-Schulz at the same share of the peak, 800 Gb/s, 180 GiB)."""
+Newton-Schulz at 600, 400 Gb/s per GPU between nodes, NVLink at 450 GB/s per direction
+inside a node, 80 and 141 GiB), B200 (2,250 TFLOP/s, Newton-Schulz at the same share of
+the peak, 800 Gb/s, NVLink at 900 GB/s, 180 GiB); every collective call costs 20 us
+besides its bytes."""
 
 _CUSTOM = re.compile(r"^\s*(?P<tflops>\d+(\.\d+)?)\s*,\s*(?P<gbps>\d+(\.\d+)?)\s*$")
 
