@@ -156,3 +156,51 @@ def test_the_bytes_between_replicas_follow_the_formula_and_halve_in_bfloat16(wor
             assert result[label]["moved"] == [expected] * STEPS, (rank, label)
         halved = result["bfloat16"]["moved"][0] / result["float32"]["moved"][0]
         assert halved < 0.55, (rank, halved)
+
+
+def _hf_worker(rank: int, world: int, arch: str) -> list[dict[str, torch.Tensor]]:
+    import transformers
+    from hf_models import config_of
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    from dmuon._ownership.state import get_dedication
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config_of(arch))
+    dmuon.dedicate_params(model, mesh, split_expert_stacks=arch == "mixtral")
+    layers = model.transformer.h if arch == "gpt2" else model.model.layers
+    for layer in layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    split = "auto" if arch == "mixtral" else "per_head"
+    optimizer = dmuon.Muon(
+        model, lr=LR, ns_dtype=torch.bfloat16, weight_decay=0.1, split=split, adamw_lr=ADAMW_LR
+    )
+    state = get_dedication(model)
+    generator = torch.Generator().manual_seed(1)
+    masters = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (world, 1, 17), generator=generator)[rank]
+        model(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        dmuon.wait_for_updates(model)
+        masters.append({dp.name: dp.param.detach().clone() for dp in state.params if dp.is_owned})
+    return masters
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt2"])
+def test_hugging_face_layouts_stay_bit_identical_across_replicas(arch: str) -> None:
+    """A Mixtral whose expert stacks are split across owners (with fused gate and up cut
+    by ``split="auto"``) and a GPT-2 (Conv1D's transposed layout, each head's rows of
+    ``c_attn`` a part with its own multiplier): bfloat16 updates, HSDP 2x2."""
+    per_rank = spawn_ranks(4, _hf_worker, arch)
+    for rank in (2, 3):  # replica 1's owners against replica 0's
+        for step in range(STEPS):
+            mine, theirs = per_rank[rank][step], per_rank[rank - 2][step]
+            assert mine.keys() == theirs.keys() and mine
+            for name, value in mine.items():
+                assert torch.equal(_bits(value), _bits(theirs[name])), (arch, step, name)
