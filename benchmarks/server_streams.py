@@ -131,7 +131,7 @@ def main() -> None:
     args = p.parse_args()
     if args.load_streams > args.streams:
         p.error("--load-streams may not exceed --streams")
-    with tempfile.TemporaryDirectory(prefix="dmuon-streams-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="dmuon-streams-", ignore_cleanup_errors=True) as tmp:
         code = Path(tmp) / "code"
         code.mkdir()
         (code / "idle.py").write_text(IDLE_SCRIPT)
@@ -148,6 +148,7 @@ def main() -> None:
                 result = asyncio.run(measure(url, ids, psutil.Process(server.pid), args))
                 for job_id in ids:
                     c.post(f"/v1/jobs/{job_id}/cancel")
+                _wait_until_ended(c, ids)  # their processes stop writing in the folder
         finally:
             server.terminate()
             server.wait(timeout=60)
@@ -166,6 +167,19 @@ def main() -> None:
     )
     if args.json:
         args.json.write_text(json.dumps({**result, "argv": sys.argv[1:]}, indent=2) + "\n")
+
+
+def _wait_until_ended(client: httpx.Client, ids: list[str], timeout_s: float = 60.0) -> None:
+    """Poll the jobs until every one is in a terminal state (or ``timeout_s`` passed)."""
+    from dmuon_server.schemas import TERMINAL_STATES
+
+    deadline = time.monotonic() + timeout_s
+    pending = set(ids)
+    while pending and time.monotonic() < deadline:
+        pending = {i for i in pending if client.get(f"/v1/jobs/{i}").json().get("state")
+                   not in TERMINAL_STATES}  # fmt: skip
+        if pending:
+            time.sleep(0.2)
 
 
 if __name__ == "__main__":
