@@ -459,21 +459,23 @@ def _share_bytes(model: torch.nn.Module) -> dict[str, int]:
     }
 
 
-def hsdp_model(mesh: Any, mode: str, name: str) -> tuple[torch.nn.Module, Any]:
-    """The scenarios' model on a (replicate, shard) ``mesh``, dedicated in ``mode``, every
-    layer and the root under ``fully_shard``, with the reference's optimizer settings."""
+def hsdp_model(
+    mesh: Any, mode: str, name: str, model: torch.nn.Module | None = None, **settings: Any
+) -> tuple[torch.nn.Module, Any]:
+    """The scenarios' model (or ``model``) on ``mesh``, dedicated in ``mode``, every layer
+    and the root under ``fully_shard``, with the reference's optimizer settings updated by
+    ``settings``."""
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
 
-    model = make_model(Scenario(name))
+    model = make_model(Scenario(name)) if model is None else model
     dmuon.dedicate_params(model, mesh, reshard_after_forward=mode == "z3")
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = dmuon.Muon(
-        model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
-    )
+    reference = {"lr": LR, "ns_dtype": torch.float32, "adamw_lr": ADAMW_LR}
+    optimizer = dmuon.Muon(model, **{**reference, "adamw_weight_decay": 0.01, **settings})
     return model, optimizer
 
 

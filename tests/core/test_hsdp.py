@@ -27,6 +27,7 @@ from dist_harness import (
     _loss,
     full_parameters,
     global_batch,
+    hsdp_model,
     make_model,
     reference_run,
     run_in_order,
@@ -75,22 +76,6 @@ MUON_ELEMENTS = sum(
 
 
 # ----- the workers ---------------------------------------------------------------------------
-def _build(mesh: Any, mode: str = "z3") -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    import dmuon
-
-    model = make_model(Scenario("checkpoint"))
-    dmuon.dedicate_params(model, mesh, reshard_after_forward=mode == "z3")
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = dmuon.Muon(
-        model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR, adamw_weight_decay=0.01
-    )
-    return model, optimizer
-
-
 def _momenta(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Every Muon momentum as a full CPU tensor on every rank (collective)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -126,7 +111,7 @@ def _load(model, optimizer, path: str, group: Any = None) -> None:
 def _reload(mesh: Any, path: str, group: Any = None) -> tuple[dict, dict]:
     """A fresh Z2 model on ``mesh`` loaded from the DCP checkpoint ``path``: full
     parameters and momenta."""
-    model, optimizer = _build(mesh, "z2")
+    model, optimizer = hsdp_model(mesh, "z2", "checkpoint")
     _load(model, optimizer, path, group)
     return full_parameters(model), _momenta(model, optimizer)
 
@@ -143,7 +128,7 @@ def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float
 
     mesh2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     flat = mesh2d["shard"]  # each replica's ranks: a 1-D run of world // 2 ranks
-    hsdp, hsdp_opt = _build(mesh2d)
+    hsdp, hsdp_opt = hsdp_model(mesh2d, "z3", "checkpoint")
     tokens = global_batch(0, world, 1).chunk(world)[rank]
     _loss(hsdp, tokens).backward()
     hsdp_opt.step()
@@ -163,7 +148,7 @@ def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float
         init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard")),
         os.path.join(root, "hsdp"),
     )
-    one_d, one_d_opt = _build(flat, "z2")
+    one_d, one_d_opt = hsdp_model(flat, "z2", "checkpoint")
     _load(one_d, one_d_opt, os.path.join(root, "hsdp"), flat.get_group())
     loaded = full_parameters(one_d), _momenta(one_d, one_d_opt)
     if mesh2d.get_local_rank("replicate") == 0:
@@ -175,18 +160,18 @@ def _checkpoint_round_trips(rank: int, world: int, root: str) -> dict[str, float
         )
     dist.barrier()
 
-    back, back_opt = _build(mesh2d, "z2")
+    back, back_opt = hsdp_model(mesh2d, "z2", "checkpoint")
     _load(back, back_opt, os.path.join(root, "flat"))
     again = full_parameters(back), _momenta(back, back_opt)
 
-    from_rank0, from_rank0_opt = _build(mesh2d)
+    from_rank0, from_rank0_opt = hsdp_model(mesh2d, "z3", "checkpoint")
     broadcast = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     dmuon.set_model_state_dict(from_rank0, rank0_sd if rank == 0 else {}, options=broadcast)
     dmuon.set_optimizer_state_dict(
         from_rank0, from_rank0_opt, rank0_osd if rank == 0 else {}, options=broadcast
     )
     return {
-        "moved": _max_diff(saved[0], full_parameters(_build(mesh2d)[0])),
+        "moved": _max_diff(saved[0], full_parameters(hsdp_model(mesh2d, "z3", "checkpoint")[0])),
         "hsdp_to_1x4_params": _max_diff(saved[0], one_by_four[0]),
         "hsdp_to_1x4_momenta": _max_diff(saved[1], one_by_four[1]),
         "hsdp_to_4x1_params": _max_diff(saved[0], four_by_one[0]),

@@ -23,7 +23,16 @@ from typing import Any
 
 import pytest
 import torch
-from dist_harness import ADAMW_LR, LR, Scenario, _loss, global_batch, make_model, spawn_ranks
+from dist_harness import (
+    ADAMW_LR,
+    LR,
+    Scenario,
+    _loss,
+    global_batch,
+    hsdp_model,
+    make_model,
+    spawn_ranks,
+)
 
 STEPS = 3
 SHAPES = {4: (2, 2), 6: (3, 2)}
@@ -53,7 +62,6 @@ def _model() -> torch.nn.Module:
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     import dmuon
     from dmuon._ownership.state import get_dedication
@@ -61,12 +69,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", SHAPES[world], mesh_dim_names=("replicate", "shard"))
     out: dict[str, Any] = {}
     for label, dtype in DTYPES.items():
-        model = _model()
-        dmuon.dedicate_params(model, mesh, reshard_after_forward=True)
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        optimizer = dmuon.Muon(model, **_settings(dtype))
+        model, optimizer = hsdp_model(mesh, "z3", "transport", _model(), **_settings(dtype))
         state = get_dedication(model)
         masters, moved = [], []
         for step in range(STEPS):
