@@ -69,13 +69,20 @@ def header_length(out_features: int) -> int:
     return 1 + 2 * out_features
 
 
+def _record_parts(
+    numel: int, out_features: int, update_dtype: torch.dtype, master_dtype: torch.dtype
+) -> tuple[int, int]:
+    """Bytes of one record's header and of its update in its chunk, each aligned."""
+    header = header_length(out_features) * header_dtype(master_dtype).itemsize
+    return _aligned(header), _aligned(numel * update_dtype.itemsize)
+
+
 def record_nbytes(
     numel: int, out_features: int, update_dtype: torch.dtype, master_dtype: torch.dtype
 ) -> int:
     """Bytes one record takes in its chunk: its header and its update, each aligned.
     `dmuon.plan` counts the traffic between replicas with this function too."""
-    header = header_length(out_features) * header_dtype(master_dtype).itemsize
-    return _aligned(header) + _aligned(numel * update_dtype.itemsize)
+    return sum(_record_parts(numel, out_features, update_dtype, master_dtype))
 
 
 def update_chunks(
@@ -178,7 +185,6 @@ class ReplicaUpdates:
         self._owned = [dp for dp in params if dp.is_owned] if comm.replicas > 1 else []
         self._position = {name: b for b, name in enumerate(boundaries)}
         self._boundaries = len(boundaries)
-        self._dtypes: list[torch.dtype] | None = None
         self._chunks: list[_Chunk] = []
         self._needed: list[int] = []
         self._templates: list[Tensor | None] = []
@@ -201,9 +207,9 @@ class ReplicaUpdates:
         self._slots = {}
         if not self._owned:
             return
-        dtypes = [update_dtype(dp) for dp in self._owned]
-        if dtypes != self._dtypes:
-            self._lay_out(dtypes)
+        dtype_of = {dp.name: update_dtype(dp) for dp in self._owned}
+        if dtype_of != self._dtype_of:
+            self._lay_out(dtype_of)
         me = self.comm.replica_rank
         self._wires = []
         for chunk, template in zip(self._chunks, self._templates, strict=True):
@@ -248,15 +254,14 @@ class ReplicaUpdates:
             self._finish_next()
 
     # ----- layout ---------------------------------------------------------------------------
-    def _lay_out(self, dtypes: list[torch.dtype]) -> None:
-        self._dtypes = dtypes
-        self._dtype_of = {dp.name: dt for dp, dt in zip(self._owned, dtypes, strict=True)}
-        sizes = [
-            record_nbytes(dp.numel, out_features(dp), dt, dp.param.dtype)
-            for dp, dt in zip(self._owned, dtypes, strict=True)
-        ]
+    def _lay_out(self, dtype_of: dict[str, torch.dtype]) -> None:
+        self._dtype_of = dtype_of
+        parts_of = {
+            dp.name: _record_parts(dp.numel, out_features(dp), dtype_of[dp.name], dp.param.dtype)
+            for dp in self._owned
+        }
         cut = update_chunks(
-            [(n, dp.update_replica) for n, dp in zip(sizes, self._owned, strict=True)],
+            [(sum(parts_of[dp.name]), dp.update_replica) for dp in self._owned],
             self.comm.replicas,
         )
         me = self.comm.replica_rank
@@ -272,11 +277,11 @@ class ReplicaUpdates:
                 start = position
                 for dp in part:
                     headers[dp.name] = position
-                    position += _aligned(self._header_nbytes(dp))
+                    position += parts_of[dp.name][0]
                 headers_end = position
                 for dp in part:
                     updates[dp.name] = position
-                    position += _aligned(dp.numel * self._dtype_of[dp.name].itemsize)
+                    position += parts_of[dp.name][1]
                     last[self._position[dp.boundary]] = c
                 sections.append((start, headers_end, position))
             offsets = {name: (at, updates[name]) for name, at in headers.items()}
@@ -285,10 +290,6 @@ class ReplicaUpdates:
             self._templates.append(self._header_template(chunk, records[me]))
         # needed[b]: the chunks up to needed[b] hold every matrix of boundaries 0..b.
         self._needed = list(itertools.accumulate(last, max)) if last else []
-
-    @staticmethod
-    def _header_nbytes(dp: DedicatedParam) -> int:
-        return header_length(out_features(dp)) * header_dtype(dp.param.dtype).itemsize
 
     def _header_template(self, chunk: _Chunk, mine: list[DedicatedParam]) -> Tensor | None:
         """This rank's headers at their defaults, as the bytes its section starts with."""
