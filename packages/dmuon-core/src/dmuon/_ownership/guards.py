@@ -49,15 +49,20 @@ def refuse_torchs_state_dict_functions(
 _SPLIT_BACKWARD = {"BACKWARD_INPUT", "BACKWARD_WEIGHT"}
 
 
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+
+
 def refuse_split_backward_schedule() -> None:
     """Raise when this forward runs under a `torch.distributed.pipelining` schedule that
     splits backward into inputs, then weights (the zero-bubble schedules): their weight
     pass computes gradients with ``torch.autograd.grad`` and writes ``.grad`` itself, so
     the dedicated gradients would never reach their owners."""
+    if _SCHEDULES not in sys.modules:  # no schedule can be running
+        return
     frame = sys._getframe(2)
     while frame is not None:
         schedule = frame.f_locals.get("self")
-        if type(schedule).__module__ == "torch.distributed.pipelining.schedules":
+        if type(schedule).__module__ == _SCHEDULES:
             order = getattr(schedule, "pipeline_order", None) or {}
             kinds = {
                 str(getattr(getattr(action, "computation_type", None), "name", ""))

@@ -48,12 +48,13 @@ def parse_steps(text: str) -> tuple[int, int]:
 
 def phase_peaks(events: Any) -> dict[str, int]:
     """Per phase, the largest running sum of the CPU allocator's events inside its spans
-    (bytes allocated since the recording began and not yet freed)."""
-    spans = [
-        (e.name()[len(_PREFIX) :], e.start_ns(), e.end_ns())
+    (bytes allocated since the recording began and not yet freed). The phases run one
+    after the other, so one pass over the events in time order follows the spans."""
+    spans = sorted(
+        (e.start_ns(), e.end_ns(), e.name()[len(_PREFIX) :])
         for e in events
         if e.name().startswith(_PREFIX)
-    ]
+    )
     memory = sorted(
         (e.start_ns(), e.nbytes())
         for e in events
@@ -61,11 +62,14 @@ def phase_peaks(events: Any) -> dict[str, int]:
     )
     peaks = dict.fromkeys(PHASES, 0)
     live = 0
+    span = 0
     for when, nbytes in memory:
         live += nbytes
-        for name, start, end in spans:
-            if start <= when <= end:
-                peaks[name] = max(peaks.get(name, 0), live)
+        while span < len(spans) and spans[span][1] < when:
+            span += 1
+        if span < len(spans) and spans[span][0] <= when:
+            name = spans[span][2]
+            peaks[name] = max(peaks.get(name, 0), live)
     return peaks
 
 
