@@ -150,6 +150,21 @@ def test_users_are_found_by_their_tokens_hash(tmp_path: Path) -> None:
             0o600,
             "the same token",
         ),
+        (
+            [{"name": "ada", "token_sha256": _h("x"), "limits": {"disk_gib": "50"}}],
+            0o600,
+            "disk_gib must be a number",
+        ),
+        (
+            [{"name": "ada", "token_sha256": _h("x"), "limits": {"disk_gib": 0}}],
+            0o600,
+            "from 0.01",
+        ),
+        (
+            [{"name": "ada", "token_sha256": _h("x"), "limits": {"disk_gb": 5}}],
+            0o600,
+            "disk_gib a number",
+        ),
     ],
 )
 def test_a_bad_users_file_is_refused_naming_why(
@@ -157,6 +172,21 @@ def test_a_bad_users_file_is_refused_naming_why(
 ) -> None:
     with pytest.raises(UsersFileError, match=why):
         Users(_write(tmp_path / "users.json", entries, mode))
+
+
+def test_a_disk_quota_is_a_limit_like_the_others(tmp_path: Path) -> None:
+    entries = [
+        {"name": "ada", "token_sha256": _h("t-ada"), "limits": {"disk_gib": 2.5}},
+        {"name": "bob", "token_sha256": _h("t-bob")},
+        {"name": "root", "token_sha256": _h("t-r"), "admin": True},
+    ]
+    f = tmp_path / "users.json"
+    f.write_text(json.dumps({"users": entries, "default_limits": {"disk_gib": 40}}))
+    f.chmod(0o600)
+    users = Users(f)
+    assert users.limits_of("ada").disk_gib == 2.5
+    assert users.limits_of("bob").disk_gib == 40
+    assert users.limits_of("root").disk_gib is None
 
 
 def test_a_reload_keeps_the_old_users_when_the_new_file_is_bad(tmp_path: Path) -> None:

@@ -14,8 +14,10 @@ instead of a loopback-only one of their own). ``limits`` (a user's
 own) or ``default_limits`` (everyone else but admins) bound what a user may hold:
 ``queued_jobs`` waiting at once and ``max_priority`` (checked when a job is submitted),
 ``running_jobs`` and ``gpus`` at once (the queue skips the user's next job until one
-ends); a limit left out is no limit (see :class:`Limits`). ``slurm_accounts`` lists the
-Slurm accounts a user's jobs may charge (``account``; admins may charge any).
+ends), and ``disk_gib``, the space their job folders may take on the data directory (see
+:mod:`dmuon_server.launching.volumes`); a limit left out is no limit (see :class:`Limits`).
+``slurm_accounts`` lists the Slurm accounts a user's jobs may charge (``account``; admins
+may charge any).
 
 It must not be readable or writable by other users (``chmod 600`` or ``640``): whoever
 can write it can make themselves admin. It is read at start (a bad file stops the server)
@@ -55,7 +57,7 @@ _ENTRY_KEYS = {
 }
 #: What a Slurm account name may be (as the job spec's ``account``).
 _SLURM_ACCOUNT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_LIMIT_KEYS = ("queued_jobs", "running_jobs", "gpus", "max_priority")
+_LIMIT_KEYS = ("queued_jobs", "running_jobs", "gpus", "max_priority", "disk_gib")
 #: The priorities a job may have (the job spec's bounds).
 PRIORITY_RANGE = (-1000, 1000)
 #: What a Unix account name may be (the portable set ``useradd`` accepts).
@@ -78,12 +80,27 @@ class Limits:
     gpus: int | None = None
     #: The highest ``priority`` the user may give a job; a higher one is refused with 403.
     max_priority: int | None = None
+    #: GiB of the data directory's disk the user's job folders may hold together, set
+    #: aside for the user (see :mod:`dmuon_server.launching.volumes`).
+    disk_gib: float | None = None
 
 
 def _limits(value: object, where: str) -> Limits:
     if not isinstance(value, dict) or set(value) - set(_LIMIT_KEYS):
-        raise UsersFileError(f"{where}: limits may give {', '.join(_LIMIT_KEYS)}, as integers")
+        raise UsersFileError(
+            f"{where}: limits may give {', '.join(_LIMIT_KEYS)}, as integers (disk_gib a number)"
+        )
     for key, number in value.items():
+        if key == "disk_gib":
+            if (
+                not isinstance(number, int | float)
+                or isinstance(number, bool)
+                or not 0.01 <= number <= 1_000_000
+            ):
+                raise UsersFileError(
+                    f"{where}: limits.disk_gib must be a number from 0.01 to 1000000"
+                )
+            continue
         low = PRIORITY_RANGE[0] if key == "max_priority" else 0
         high = PRIORITY_RANGE[1] if key == "max_priority" else 1_000_000
         if not isinstance(number, int) or isinstance(number, bool) or not low <= number <= high:

@@ -16,6 +16,8 @@ it neither notices nor dies when the server stops. Each round (:meth:`LocalLaunc
   is killed at once by the job's runner (:mod:`dmuon_server.runner`), so the attempt ends;
 * on a full data directory a job's end is still seen (its points wait in its file), and
   the server's reserve is given back to record it (:mod:`dmuon_server.launching.full_disk`);
+* a job whose user's disk quota is full (its folder lies on the user's volume,
+  :mod:`dmuon_server.launching.volumes`) is stopped, and its attempt says why;
 * a job whose rank died is relaunched, up to the spec's ``max_restarts`` times (see
   :func:`dmuon_server.storage.jobfiles.restartable`), on the same GPUs.
 
@@ -51,6 +53,7 @@ from dmuon_server.launching.procs import (
     verified_process,
 )
 from dmuon_server.launching.protocol import Isolated
+from dmuon_server.launching.volumes import UserVolumes, quota_bytes
 from dmuon_server.schemas import ACTIVE_STATES, spec_of
 from dmuon_server.storage.datadir import disk_full
 from dmuon_server.storage.jobfiles import DISK_FULL_TEXT, metrics_file, read_exit_report
@@ -93,13 +96,23 @@ class LocalLauncher:
             settings.max_job_memory, settings.max_job_pids, settings.max_job_cpus
         )
         self._cgroup: dict[str, JobCgroup] = {}
+        self.volumes, note = UserVolumes.detect(settings.data_dir, settings.jobs_dir)
+        wanted = any(u.limits.disk_gib for u in identities.users.all())
+        (log.warning if wanted and self.volumes is None else log.info)("%s", note)
+        #: Why a job was stopped for its user's disk quota, by job id.
+        self._over_quota: dict[str, str] = {}
 
     # ------------------------------------------------------------------- recovery
 
     def recover(self) -> None:
         """Re-attach to the jobs of a previous server: by pid and create time, or, for a
         job whose pid was not recorded yet, by its environment marker. Cancel deadlines are
-        restored; a job whose processes vanished is concluded by the first round."""
+        restored; a job whose processes vanished is concluded by the first round. Volumes
+        a reboot unmounted are mounted again first."""
+        if self.volumes is not None:
+            bound = self.volumes.restore()
+            if bound:
+                log.info("mounted %d job folder(s) on their users' volumes again", bound)
         for job in self.store.jobs_in_states(ACTIVE_STATES):
             if job.pid is None:
                 # The previous server stopped between marking the job and recording its pid.
@@ -169,6 +182,7 @@ class LocalLauncher:
             return
         job_dir = self.settings.job_dir(job.id)
         try:
+            self._place_on_volume(job)
             start = attempts.begin(self.settings, self.store, job, cause, gpus, self.identities)
         except (IdentityError, OSError) as e:
             why = (
@@ -233,6 +247,25 @@ class LocalLauncher:
         log.info("job %s: attempt %d started pid %d on GPUs %s", job.id, start.number, proc.pid,
                  gpus or "none")  # fmt: skip
         self.hub.notify(job.id)
+
+    def _place_on_volume(self, job: JobRecord) -> None:
+        """Put the job's folder on its user's volume where the user has a disk quota."""
+        quota = self.identities.users.limits_of(job.user).disk_gib
+        if quota is not None and self.volumes is not None and job.user:
+            self.volumes.place(job.user, quota_bytes(quota), job.id)
+
+    def _stop_over_quota(self, job: JobRecord) -> None:
+        """Kill a job whose user's volume is full, and keep the cause for its attempt."""
+        quota = self.identities.users.limits_of(job.user).disk_gib
+        self._over_quota[job.id] = (
+            f"stopped: user {job.user}'s disk quota on the data directory "
+            f"({quota:g} GiB, disk_gib in the users file) is full; delete finished jobs or "
+            "checkpoints (keep_checkpoints), or ask for a larger disk_gib"
+        )
+        n = signal_job(job, verified_process(job.pid, job.create_time), signal.SIGKILL)
+        cgroup = self._cgroup_of(job)
+        n += cgroup.kill() if cgroup is not None else 0
+        log.warning("job %s: its user's disk quota is full; SIGKILL to %d process(es)", job.id, n)
 
     def _new_cgroup(self, job_id: str, attempt: int) -> JobCgroup | None:
         """The cgroup of a new attempt (None where the machine has none to give)."""
@@ -324,6 +357,13 @@ class LocalLauncher:
             ended = child.poll() is not None
         else:
             ended = verified_process(job.pid, job.create_time) is None
+        if (
+            not ended
+            and self.volumes is not None
+            and job.id not in self._over_quota
+            and self.volumes.full(self.settings.job_dir(job.id))
+        ):
+            self._stop_over_quota(job)
         if not ended:
             deadline = self._cancel_deadline.get(job.id)
             if deadline is not None and time.time() >= deadline:
@@ -341,7 +381,10 @@ class LocalLauncher:
         write it again at once, before anything else takes the space."""
         # Judged before anything is written: a full disk may be why the runner left no
         # report, and the reserve may go below.
-        full = self.full_disk.full_at_end(job.id, self.settings.job_dir(job.id))
+        # A job stopped for its user's quota filled its volume, not the data directory.
+        full = job.id not in self._over_quota and self.full_disk.full_at_end(
+            job.id, self.settings.job_dir(job.id)
+        )
         self.full_disk.record(job.id, lambda: self._conclude(job, attempt, full))
 
     def _conclude(self, job: JobRecord, attempt: int, full: bool) -> None:
@@ -354,7 +397,9 @@ class LocalLauncher:
             log.warning("job %s: killing %d leftover process(es)", job.id, len(leftovers))
             kill_and_reap(leftovers, signal.SIGKILL)
         cgroup = self._cgroup_of(job)
-        stopped_by = limit_hit(cgroup, self.limits) if cgroup is not None else None
+        stopped_by = self._over_quota.pop(job.id, None) or (
+            limit_hit(cgroup, self.limits) if cgroup is not None else None
+        )
         self._end_cgroup(job.id)
         # The child is forgotten only once the outcome is recorded: a round whose write
         # fails (a full disk) is repeated with its exit status.

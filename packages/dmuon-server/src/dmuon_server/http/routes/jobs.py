@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import shutil
 import uuid
 from typing import Annotated
 
@@ -26,6 +25,7 @@ from dmuon_server.http.errors import ApiError, error_responses, field_error, inv
 from dmuon_server.http.views import job_view, ts
 from dmuon_server.launching.command import build_command, init_path, plan_view
 from dmuon_server.launching.identity import JobIdentities
+from dmuon_server.launching.volumes import remove_job_folder
 from dmuon_server.recipe.fingerprint import spec_fingerprint
 from dmuon_server.recipe.review import Review, review
 from dmuon_server.scheduling.supervisor import JobFinishing
@@ -203,7 +203,7 @@ def create_job(
             owner = identities.account_for(user_name(user) or "")
             link_tree(init.path, init_path(job_dir, init), owner)
         except OSError as e:
-            shutil.rmtree(job_dir, ignore_errors=True)
+            remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
             raise ApiError(
                 409,
                 "Checkpoint unavailable",
@@ -226,7 +226,7 @@ def create_job(
             priority=body.priority,
         )
     except IdempotencyConflict as e:
-        shutil.rmtree(job_dir, ignore_errors=True)
+        remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
         raise ApiError(
             409,
             "Idempotency-Key already used",
@@ -238,7 +238,7 @@ def create_job(
     if created:
         supervisor.wake()
     else:
-        shutil.rmtree(job_dir, ignore_errors=True)
+        remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
         response.status_code = 200
     response.headers["Location"] = f"/v1/jobs/{row.id}"
     return job_view(store, row, supervisor.queue_places())
@@ -358,7 +358,7 @@ def delete_job(job: JobDep, settings: SettingsDep, store: StoreDep) -> Response:
     try:
         deleted = job.state in TERMINAL_STATES and store.delete_job(job_id)
     except StoreFull:
-        shutil.rmtree(settings.job_dir(job_id), ignore_errors=True)
+        remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
         deleted = store.delete_job(job_id)
     if not deleted:
         raise ApiError(
@@ -367,7 +367,7 @@ def delete_job(job: JobDep, settings: SettingsDep, store: StoreDep) -> Response:
             f"job {job_id} is {job.state}; cancel it first and delete it once it is cancelled",
             kind="job-not-finished",
         )
-    shutil.rmtree(settings.job_dir(job_id), ignore_errors=True)
+    remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
     return Response(status_code=204)
 
 
