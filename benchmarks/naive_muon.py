@@ -117,7 +117,10 @@ class NaiveMuon(Muon):
     def _clear_dedicated_gradients(self, set_to_none: bool) -> None:
         return  # nothing is dedicated
 
-    def _muon_step(self, group: dict[str, Any], dedicated: dict[int, DedicatedParam]) -> None:
+    def _finite_gradients(self, dedicated: dict[int, DedicatedParam]) -> dict[int, list[Any]]:
+        return {}  # nothing is owned: every rank steps its shards of every matrix below
+
+    def _muon_step(self, group: dict[str, Any], kept: list[Any] | None) -> None:
         triples = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         momentum = group["momentum"]
         for p in group["params"]:

@@ -16,8 +16,9 @@ that DMuon's formula is stated in. Code that imported a collective by name
 torch.distributed's, dmuon's and the peers' modules are replaced too; a collective that
 calls another (the functional ``all_gather_tensor`` calls ``all_gather_single``) is counted
 once. Each call is attributed to ``"dmuon"`` when code of the ``dmuon`` package called it
-directly, to ``"peer"`` when a peer optimizer (``muon_fsdp2``, ``dtensor_muon``) is on the
-stack, and to ``"torch"`` (FSDP2, DTensor) otherwise.
+directly (``"control"`` for its one-number reductions: a gradient norm, the non-finite
+agreement, QK-clip's maxima), to ``"peer"`` when a peer optimizer (``muon_fsdp2``,
+``dtensor_muon``) is on the stack, and to ``"torch"`` (FSDP2, DTensor) otherwise.
 """
 
 from __future__ import annotations
@@ -104,7 +105,8 @@ def _issuer() -> str:
     # (peers run only in optimizer.step(), where no FSDP2 hook fires).
     caller = sys._getframe(2)
     if caller.f_code.co_filename.startswith(_DMUON_DIR):
-        return "dmuon"
+        # A norm, a QK-clip maximum, the non-finite agreement: not the matrices' traffic.
+        return "control" if caller.f_code.co_name == "all_reduce_control" else "dmuon"
     frame: Any = caller
     while frame is not None:
         if _is_peer_file(frame.f_code.co_filename):

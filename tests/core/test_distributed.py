@@ -178,7 +178,9 @@ def test_communication_per_optimizer_step(spawned, world: int, name: str) -> Non
             counts = {kind: tally["count"] for kind, tally in step["collectives"].items()}
             assert counts == expected
             assert step["units"] == pytest.approx(units, abs=1e-12)
-        assert result["step_issued"] == [[]] * scenario.steps, "optimizer.step() communicated"
+        # optimizer.step() issues one collective: the ranks agree whether a Muon gradient
+        # is NaN or infinite (one number), so that nonfinite="raise" raises on all alike.
+        assert result["step_issued"] == [[("all_reduce", 1)]] * scenario.steps
 
 
 @pytest.mark.parametrize("world", list(WORLDS))

@@ -330,11 +330,18 @@ def test_traffic_per_mesh_dimension_follows_the_formula(spawned, name: str) -> N
         groups = result["memory"]["groups"]
         # Clipping in step 0 sums the gradient norm over each mesh dimension of more than
         # one rank, through the communicator: audited apart, as control collectives.
+        # Every step, the ranks agree whether a Muon gradient is NaN or infinite: one float32
+        # over each of the same groups.
         norm_groups = (shard > 1) + (replicas > 1)
         assert result["comm"][0]["control"] == {
-            "all_reduce": {"count": norm_groups, "elements": norm_groups, "bytes": 8 * norm_groups}
+            "all_reduce": {
+                "count": 2 * norm_groups,
+                "elements": 2 * norm_groups,
+                "bytes": (8 + 4) * norm_groups,
+            }
         }
-        assert all("control" not in step for step in result["comm"][1:])
+        agreement = {"count": norm_groups, "elements": norm_groups, "bytes": 4 * norm_groups}
+        assert all(step["control"] == {"all_reduce": agreement} for step in result["comm"][1:])
         # One call per boundary and direction: a broadcast and a reduce where one rank
         # owns the boundary's matrices, an all-gather and a reduce-scatter where several do.
         owners = result["memory"]["owners"]
@@ -363,7 +370,12 @@ def test_traffic_per_mesh_dimension_follows_the_formula(spawned, name: str) -> N
             tallies = [r["comm"][step] for r in replica]
             if replicas == 1:
                 assert all("dimensions" not in t for t in tallies)
-                assert all(issued == [] for r in replica for issued in r["step_issued"])
+                agreement = [("all_reduce", 1)] * (shard > 1)
+                assert all(
+                    [c for c in issued if c[0] != "all_gather_single"] == agreement
+                    for r in replica
+                    for issued in r["step_issued"]
+                )
                 continue
             dims = [t["dimensions"]["replicate"]["collectives"] for t in tallies]
             scattered = sum(d["reduce_scatter"]["elements"] for d in dims)
@@ -382,6 +394,9 @@ def test_traffic_per_mesh_dimension_follows_the_formula(spawned, name: str) -> N
             # pieces (on gloo, an all-to-all: each replica sends its piece to every other).
             for result, dim in zip(replica, dims, strict=True):
                 issued = [c for c in result["step_issued"][step] if c[0] != "all_gather_single"]
+                agreement = [("all_reduce", 1)] * ((shard > 1) + 1)  # first, then the updates
+                assert issued[: len(agreement)] == agreement
+                issued = issued[len(agreement) :]
                 if "broadcast" in dim:  # the updates travel packed as bytes
                     assert issued == [("broadcast", dim["broadcast"]["bytes"])]
                 else:

@@ -329,8 +329,13 @@ def test_the_step_against_fsdp2_and_adamw_follows_the_time_model(reduce_bytes: i
     assert plan.update_overhead == pytest.approx(max(0.0, worst_update) / fb)
     assert plan.reduce_overhead == pytest.approx(max(0.0, worst_reduce) / fb)
     assert plan.reduce_overhead > 0  # the MoE's reduces outlast backward: they show
-    assert plan.optimizer_overhead == pytest.approx(plan.ns_overhead)
-    expected = (1 + plan.ns_overhead + plan.update_overhead + plan.reduce_overhead) / (
+    # The step waits for Newton-Schulz on its busiest rank and for the ranks' agreement
+    # on non-finite gradients: one all-reduce of one number per mesh dimension, latency.
+    dims = (plan.shard_size > 1) + (plan.replicas > 1)
+    slowest = max(r.ns_seconds for r in plan.ranks) + dims * latency
+    assert all(r.agreement_seconds == pytest.approx(dims * latency) for r in plan.ranks)
+    assert plan.optimizer_overhead == pytest.approx(slowest / fb)
+    expected = (1 + plan.optimizer_overhead + plan.update_overhead + plan.reduce_overhead) / (
         1 + plan.fsdp2_overhead
     )
     assert plan.step_ratio == pytest.approx(expected)
@@ -350,7 +355,8 @@ def test_tensor_parallel_gathers_and_scatters_are_timed_inside_the_node() -> Non
         moved = sum(t.elements for t in rank.tensor_collectives.values()) * 4
         calls = sum(t.count for t in rank.tensor_collectives.values())
         assert rank.tp_seconds == pytest.approx(moved / node + calls * latency)
-    slowest = max(r.ns_seconds + r.tp_seconds for r in plan.ranks)
+    slowest = max(r.ns_seconds + r.tp_seconds + r.agreement_seconds for r in plan.ranks)
+    assert all(r.agreement_seconds == pytest.approx(2 * latency) for r in plan.ranks)  # dp, tp
     assert plan.optimizer_overhead == pytest.approx(slowest / plan.forward_backward_seconds)
     assert plan.optimizer_overhead > plan.ns_overhead
 

@@ -270,9 +270,10 @@ def test_parameters_match_the_written_out_algorithm(runs, references, world, cas
             for layer, value in want.items():
                 assert maxima[layer] == pytest.approx(value, rel=1e-5)
         # one MAX all-reduce of the 8 heads per mesh dimension, every step, on every rank
-        # (under tp the step's own agreement on the tp-split matrices adds one more)
+        # (under tp the step's own agreement on the tp-split matrices adds one more), and
+        # one of one number per mesh dimension: whether a Muon gradient is not finite
         dims = len(shape)
-        count = dims + (layout == "tp")
+        count = 2 * dims + (layout == "tp")
         assert [c["all_reduce"]["count"] for c in got["controls"]] == [count] * STEPS
     # the run is one where clipping happens, and not to every head
     clipped = [c for _, c in runs[world][0][case]["reports"]]

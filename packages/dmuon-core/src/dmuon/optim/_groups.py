@@ -10,14 +10,17 @@ then form the default groups, with the constructor's values.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from dmuon._ownership.fsdp_integration import is_dedicated
+from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.state import DedicationState
+from dmuon.optim._normuon import check_normuon_layouts
+from dmuon.optim._validation import validate_adamw_group, validate_muon_group
 
 __all__ = ["ADAMW_KEYS", "MUON_KEYS", "build_param_groups", "weight_decay_groups"]
 
@@ -237,3 +240,27 @@ def route_group(param_group: Mapping[str, Any], state: DedicationState) -> list[
         {**muon_part, **name, "params": muon, "algorithm": "muon"},
         {**adamw_part, **name, "params": adamw, "algorithm": "adamw"},
     ]
+
+
+def complete_group(
+    param_group: dict[str, Any],
+    defaults: Mapping[str, Mapping[str, Any]],
+    dedicated_by_id: Callable[[], dict[int, DedicatedParam]],
+) -> None:
+    """Fill a group's missing hyperparameters from ``defaults[algorithm]`` and validate it
+    (``dedicated_by_id`` is asked only for a NorMuon group's layouts).
+
+    Raises:
+        ValueError: an unknown ``"algorithm"``, or a hyperparameter out of range.
+    """
+    algorithm = param_group.get("algorithm")
+    if algorithm not in defaults:
+        raise ValueError(f'param group "algorithm" must be "muon" or "adamw", got {algorithm!r}')
+    for key, value in defaults[algorithm].items():
+        param_group.setdefault(key, value)
+    if algorithm == "muon":
+        validate_muon_group(param_group)
+        if param_group["variant"] == "normuon":
+            check_normuon_layouts(param_group, dedicated_by_id())
+    else:
+        validate_adamw_group(param_group)

@@ -10,19 +10,19 @@
   DTensor shards included) and is stepped by ``torch.optim.adamw.adamw``, the functional
   form of ``torch.optim.AdamW``, with its defaults.
 
-``step()`` waits for no collective: the ownership runtime has already reduced each
-dedicated gradient to its owner (``param._reduced_grad``), and AdamW works on local
-shards. Under HSDP it issues, and leaves in flight, the messages that carry each update
-to the other replicas (`dmuon._ownership.replica_updates`).
+``step()`` waits for one small collective only (the ranks agree whether any Muon gradient
+is NaN or infinite): the ownership runtime has already reduced each dedicated gradient to
+its owner (``param._reduced_grad``), and AdamW works on local shards. Under HSDP it
+issues, and leaves in flight, the messages that carry each update to the other replicas
+(`dmuon._ownership.replica_updates`).
 
 A matrix no rank had a gradient for (such as an expert no token was routed to anywhere) is
 left alone, as torch's optimizers leave a parameter whose ``.grad`` is ``None``; a gradient
 of zeros (after ``zero_grad(set_to_none=False)``, say) is stepped on, momentum and all, as
-torch does. A non-finite Muon gradient is caught before it touches momentum or
-weights: with
-``nonfinite="raise"`` (the default) ``step()`` raises `NonFiniteGradientError` naming the
-matrices, with ``"skip"`` those matrices keep their weights and momentum for this step (and
-``skipped_updates`` counts them).
+torch does. A non-finite Muon gradient is caught before it touches momentum or weights:
+with ``nonfinite="raise"`` (the default) ``step()`` raises `NonFiniteGradientError` on
+every rank (naming the matrices where they were found), with ``"skip"`` those matrices
+keep their weights and momentum for this step (and ``skipped_updates`` counts them).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from dmuon._clip import reduction_groups, total_grad_norm
 from dmuon._ownership.fsdp_integration import verify_not_sharded
@@ -39,18 +39,17 @@ from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.replica_updates import UpdateSlot
 from dmuon._ownership.state import DedicationState, get_dedication, unwrap
 from dmuon.optim._adamw_step import adamw_step
-from dmuon.optim._groups import build_param_groups, route_group
+from dmuon.optim._groups import build_param_groups, complete_group, route_group
 from dmuon.optim._muon_update import (
     DEFAULT_MAX_WORKSPACE_BYTES,
     Workspaces,
     apply_muon_update,
     init_missing_state,
-    owned_gradients,
     step_inputs,
     update_dtypes,
 )
-from dmuon.optim._nonfinite import NonFiniteGradientError, finite_only
-from dmuon.optim._normuon import check_checkpoint_variants, check_normuon_layouts
+from dmuon.optim._nonfinite import NonFiniteGradientError, muon_gradients
+from dmuon.optim._normuon import check_checkpoint_variants
 from dmuon.optim._orthogonalize import (
     Coefficients,
     resolve_coefficients,
@@ -119,7 +118,9 @@ class Muon(torch.optim.Optimizer):
     hold those). On every rank, ``param_groups[0]`` is the Muon group and
     ``param_groups[1]`` the AdamW group (its ``lr`` is ``adamw_lr``); schedulers change both.
 
-    On a 1-D mesh ``step()`` issues no collective. Under HSDP it broadcasts the updated
+    On a 1-D mesh ``step()`` issues one collective: an all-reduce of one number, so that a
+    NaN or infinite gradient found by one owner raises on every rank (none when every Muon
+    group has ``nonfinite="skip"``). Under HSDP it broadcasts the updated
     matrices from the replica that stepped them to the other replicas' owners, and under
     tensor parallelism it gathers and scatters the tp-split matrices. Optimizer state is
     per rank (each owner holds the momentum of the matrices it steps, each rank the AdamW
@@ -321,19 +322,7 @@ class Muon(torch.optim.Optimizer):
             for group in route_group(param_group, self._dedication()):
                 self.add_param_group(group)
             return
-        algorithm = param_group.get("algorithm")
-        if algorithm not in self._group_defaults:
-            raise ValueError(
-                f'param group "algorithm" must be "muon" or "adamw", got {algorithm!r}'
-            )
-        for key, value in self._group_defaults[algorithm].items():
-            param_group.setdefault(key, value)
-        if algorithm == "muon":
-            validate_muon_group(param_group)
-            if param_group["variant"] == "normuon":
-                check_normuon_layouts(param_group, self._dedicated_by_id())
-        else:
-            validate_adamw_group(param_group)
+        complete_group(param_group, self._group_defaults, self._dedicated_by_id)
         super().add_param_group(param_group)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -370,7 +359,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Perform one optimization step (no collective on a 1-D mesh; see the class doc).
+        """Perform one optimization step (see the class doc for its collectives).
 
         Args:
             closure: optional callable that re-evaluates the model and returns the loss.
@@ -389,13 +378,14 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         dedicated = self._dedicated_by_id()
+        stepped = self._finite_gradients(dedicated)  # raises on every rank alike
         self._outgoing = self._begin_updates(dedicated)
         clip = self.__dict__.get("_qk_clip")
         if clip is not None:  # the step's maxima are final: agree on them before updating
             maxima = clip.measure(self._dedication().runtime.comm, reduction_groups(self._model)[0])
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
             if group["algorithm"] == "muon":
-                self._muon_step(group, dedicated)
+                self._muon_step(group, stepped.get(i, []))
             else:
                 self._adamw_step(group)
         if clip is not None:
@@ -419,14 +409,26 @@ class Muon(torch.optim.Optimizer):
         """Tell the ownership runtime that the owners' masters changed."""
         self._dedication().runtime.step_finished()
 
-    def _muon_step(self, group: dict[str, Any], dedicated: dict[int, DedicatedParam]) -> None:
-        """Step the owned matrices of a Muon group that have an averaged gradient here."""
+    def _finite_gradients(
+        self, dedicated: dict[int, DedicatedParam]
+    ) -> dict[int, list[tuple[DedicatedParam, Tensor]]]:
+        """Each Muon group's owned matrices to step, by group index, decided before
+        anything changes (see `dmuon.optim._nonfinite.muon_gradients`)."""
+        runtime = self._dedication().runtime
+        out, skipped = muon_gradients(
+            self.param_groups,
+            dedicated,
+            runtime,
+            self.__dict__.setdefault("_norm_buffers", {}),
+            reduction_groups(self._model)[0],
+        )
+        self.skipped_updates += skipped
+        return out
+
+    def _muon_step(self, group: dict[str, Any], kept: list[tuple[DedicatedParam, Tensor]]) -> None:
+        """Step the owned matrices of a Muon group that have a finite averaged gradient."""
         triples = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
         runtime = self._dedication().runtime
-        pairs = owned_gradients(group["params"], dedicated, runtime)
-        norm_buffers = self.__dict__.setdefault("_norm_buffers", {})
-        kept, skipped = finite_only(group, pairs, norm_buffers, runtime.comm)
-        self.skipped_updates += skipped
         stepped, params, grads, bufs, seconds = step_inputs(
             kept, self.state, group["variant"] == "normuon"
         )

@@ -102,6 +102,9 @@ class RankPlan:
     #: Seconds the step waits for the tensor-parallel gathers and scatters of the
     #: matrices this rank steps (inside the node).
     tp_seconds: float = 0.0
+    #: Seconds the step waits for the ranks' agreement on non-finite gradients (one
+    #: all-reduce of one number per mesh dimension: latency only).
+    agreement_seconds: float = 0.0
 
     @property
     def added_bytes(self) -> int:
@@ -194,9 +197,9 @@ class ClusterPlan:
 
     @property
     def optimizer_overhead(self) -> float:
-        """The slowest rank's optimizer step (Newton-Schulz and tensor parallelism's
-        gathers and scatters) over forward+backward's."""
-        slowest = max(r.ns_seconds + r.tp_seconds for r in self.ranks)
+        """The slowest rank's optimizer step (Newton-Schulz, tensor parallelism's gathers
+        and scatters, the non-finite agreement) over forward+backward's."""
+        slowest = max(r.ns_seconds + r.tp_seconds + r.agreement_seconds for r in self.ranks)
         return slowest / self.forward_backward_seconds
 
     @property
@@ -559,6 +562,7 @@ def plan_cluster(
                     replicate_reduce_seconds=reduce,
                     update_bytes=update_bytes,
                     tp_seconds=tp_seconds,
+                    agreement_seconds=((shard > 1) + (replicas > 1) + (tp > 1)) * latency,
                 )
             )
     ranks.sort(key=lambda r: r.rank)
