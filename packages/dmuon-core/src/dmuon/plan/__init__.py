@@ -8,7 +8,8 @@ bytes per step on each mesh dimension, and the optimizer step's overhead against
 forward+backward under a stated time model. `plan_cluster` is the function behind it.
 """
 
-from dmuon.plan._estimate import ClusterPlan, RankPlan, Tally, plan_cluster
+from dmuon.plan._collectives import Tally
+from dmuon.plan._estimate import ClusterPlan, RankPlan, plan_cluster
 from dmuon.plan._hardware import HARDWARE, Hardware, parse_hardware, parse_tokens
 from dmuon.plan._model import active_parameters, load_config, meta_model
 

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from dmuon.plan._estimate import GIB, ClusterPlan, RankPlan, Tally, plan_cluster
+from dmuon.plan._collectives import Tally
+from dmuon.plan._estimate import GIB, ClusterPlan, RankPlan, plan_cluster
 from dmuon.plan._hardware import HARDWARE, Hardware, parse_hardware, parse_tokens
 from dmuon.plan._model import active_parameters, load_config, meta_model
 from dmuon.plan._recommend import recommend

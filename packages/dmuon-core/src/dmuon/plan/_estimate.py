@@ -22,10 +22,9 @@ same code) and from the library's own rules:
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -34,24 +33,14 @@ from torch import nn
 from dmuon._ownership.planner import (
     OwnerPlan,
     SplitStacks,
-    newton_schulz_cost,
-    newton_schulz_flops,
 )
-from dmuon._ownership.replica_updates import record_nbytes
-from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.selection import plan_dedication
-from dmuon._ownership.tp_integration import spread_over_tp
 from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES
-from dmuon.optim._orthogonalize import uses_gram
 from dmuon.optim._validation import check_max_workspace_bytes
 from dmuon.plan._collectives import (
-    Tally,
-    boundary_calls,
     boundary_spans,
     plan_items,
-    replica_update_calls,
     tp_split_dims,
-    workspace_bytes,
 )
 from dmuon.plan._hardware import Hardware, parse_hardware
 from dmuon.plan._memory import (
@@ -59,74 +48,11 @@ from dmuon.plan._memory import (
     dmuon_memory_bytes,
     fsdp2_memory_bytes,
 )
+from dmuon.plan._ranks import ClusterSetup, RankPlan, rank_plans
 from dmuon.plan._warnings import plan_warnings
 
 GIB = 1024**3
 FLOAT32 = 4
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """What DMuon adds to one rank (replica ``replica``, shard position ``shard``).
-
-    Bytes are per rank; collectives per optimizer step, by kind, on the shard dimension
-    (inside a replica) and the replicate dimension (between replicas).
-    """
-
-    rank: int
-    replica: int
-    shard: int
-    ns_flops: int
-    ns_seconds: float
-    update_seconds: float
-    master_bytes: int
-    momentum_bytes: int
-    workspace_bytes: int
-    buffer_bytes: int
-    accumulator_bytes: int
-    reduce_buffer_bytes: int
-    shard_collectives: dict[str, Tally] = field(default_factory=dict)
-    replicate_collectives: dict[str, Tally] = field(default_factory=dict)
-    #: Position in its tensor-parallel group (0 without tensor parallelism).
-    tp: int = 0
-    #: Collectives over the tensor-parallel group per step (a gather and a scatter of
-    #: each tp-sharded matrix the rank's owner steps).
-    tensor_collectives: dict[str, Tally] = field(default_factory=dict)
-    #: Seconds the rank's traffic between replicas takes during backward (HSDP): the
-    #: reduce-scatter of its owned gradients and FSDP2's all-reduce of its shard of the
-    #: other parameters.
-    replicate_reduce_seconds: float = 0.0
-    #: Bytes of the step's updates between replicas this rank holds from the step to the
-    #: next forward (HSDP): every replica's section of its chunks.
-    update_bytes: int = 0
-    #: Seconds the step waits for the tensor-parallel gathers and scatters of the
-    #: matrices this rank steps (inside the node).
-    tp_seconds: float = 0.0
-    #: Seconds the step waits for the ranks' agreement on non-finite gradients (one
-    #: all-reduce of one number per mesh dimension: latency only).
-    agreement_seconds: float = 0.0
-
-    @property
-    def added_bytes(self) -> int:
-        """Everything DMuon holds at its peak on this rank (the reduce buffers included)."""
-        return (
-            self.master_bytes
-            + self.momentum_bytes
-            + self.workspace_bytes
-            + self.buffer_bytes
-            + self.accumulator_bytes
-            + self.reduce_buffer_bytes
-        )
-
-    @property
-    def calls(self) -> int:
-        """Collective calls per optimizer step, every dimension."""
-        tallies = [
-            *self.shard_collectives.values(),
-            *self.replicate_collectives.values(),
-            *self.tensor_collectives.values(),
-        ]
-        return sum(t.count for t in tallies)
 
 
 @dataclass(frozen=True)
@@ -361,33 +287,8 @@ def plan_cluster(
         ValueError: A layout that does not divide, an unknown mode or hardware, or what
             `dmuon.dedicate_params` would refuse.
     """
-    if world < 1:
-        raise ValueError(f"the world size must be at least 1 rank, got {world}")
-    if ns_steps < 1:
-        raise ValueError(f"ns_steps must be at least 1 (5 is usual), got {ns_steps}")
-    if tp < 1:
-        raise ValueError(f"the tensor-parallel size must be at least 1, got {tp}")
-    if world % tp:
-        raise ValueError(f"the tensor-parallel size {tp} must divide the world size {world}")
+    dp_world, shard = _check_layout(world, shard_size, tp, mode, accum, ns_steps, no_sync_scope)
     check_max_workspace_bytes(max_workspace_bytes)
-    dp_world = world // tp
-    shard = dp_world if shard_size is None else shard_size
-    if shard < 1 or dp_world % shard:
-        ranks = f"world size {world}" if tp == 1 else f"{dp_world} data-parallel ranks"
-        raise ValueError(
-            f"the shard size {shard} must divide the {ranks} (HSDP runs world / tp / "
-            "shard-size replicas; a 1-D mesh has shard size = world / tp)"
-        )
-    if tp > 1 and shard_size is not None and shard_size * tp < world:
-        raise ValueError(
-            f"tensor parallelism ({tp}) with HSDP ({world // (shard_size * tp)} replicas of "
-            f"{shard_size}): a 3-D mesh, which dmuon.dedicate_params refuses; plan a "
-            "(dp, tp) mesh (no --shard-size) or HSDP without --tp"
-        )
-    if mode not in ("z2", "z3"):
-        raise ValueError(f"mode must be 'z2' or 'z3', got {mode!r}")
-    if accum < 1:
-        raise ValueError(f"accum must be at least 1, got {accum}")
     if isinstance(hardware, str):
         hardware = parse_hardware(hardware)
     replicas = dp_world // shard
@@ -395,177 +296,48 @@ def plan_cluster(
         model, shard, replicas, split_expert_stacks=split_expert_stacks
     )
     shapes = {fqn: tuple(int(d) for d in p.shape) for fqn, _, _, p, _, _ in selected}
-    transposed = {fqn for fqn, _, _, _, is_transposed, _ in selected if is_transposed}
-    split_dims = tp_split_dims(model, shapes, tp, tp_plan)
     p_m = sum(math.prod(s) for s in shapes.values())
     spans = boundary_spans(shapes, boundaries, plan)
-    if no_sync_scope not in ("all", "replicas"):
-        raise ValueError(f'no_sync_scope is "all" or "replicas", not {no_sync_scope!r}')
     inside_only = no_sync and no_sync_scope == "replicas"
     #: Synchronised backwards per step inside a replica, and between replicas.
     synced = accum if inside_only else 1 if no_sync else accum
     replica_synced = 1 if no_sync else accum
     # FSDP2's all-reduces between replicas of the other parameters: one per layer and root.
     fsdp2_reduce_calls = (len(spans) + 1) * replica_synced
-    rounds = 1 if mode == "z2" else 2 * accum  # broadcasts of every span per step
-    all_spans = [span for boundary in spans.values() for span in boundary]
-    item_shapes = plan_items(shapes, plan)
-    device = torch.device(device_type)
     parameters = sum(p.numel() for p in model.parameters())
     active = parameters if active_parameters is None else active_parameters
     forward_backward = (
         6 * active * tokens_per_step / (hardware.mfu * hardware.peak_tflops * 1e12 * world)
     )
-    # Each owner's tp-sharded matrices, spread over its tp group as the optimizer does.
-    tp_worker: dict[str, int] = {}
-    for position in range(shard):
-        sharded = [n for n in shapes if n in split_dims and plan.owners.get(n) == position]
-        costs = [newton_schulz_cost(shapes[n]) for n in sharded]
-        tp_worker.update(zip(sharded, spread_over_tp(costs, tp), strict=True))
-
-    def local(name: str, t: int) -> int:
-        """Elements of ``name``'s shard at tp position ``t`` (a plan item name or fqn)."""
-        fqn = name.split("[", 1)[0]
-        matrices, rows, cols = item_shapes[name]
-        dim = split_dims.get(fqn)
-        if dim is None:
-            return matrices * rows * cols
-        length = (rows, cols)[dim]
-        chunk = -(-length // tp)
-        part = max(0, min(chunk, length - t * chunk))
-        return matrices * part * ((cols, rows)[dim])
-
-    def update_nbytes(name: str, t: int) -> int:
-        """Bytes of ``name``'s update between replicas (header and update)."""
-        _, rows, cols = item_shapes[name]
-        out = cols if name.split("[", 1)[0] in transposed else rows
-        return record_nbytes(local(name, t), out, ns_dtype, torch.float32)
-
-    ranks = []
-    for t in range(tp):
-        span_elements = [sum(local(n, t) for n in span.names) for span in all_spans]
-        local_p_m = sum(span_elements)
-        shard_tallies: dict[str, Tally] = {}
-        if shard > 1:
-            elements = iter(span_elements)  # all_spans is spans' lists back to back
-            shard_tallies = boundary_calls(
-                [[(s.owner, next(elements)) for s in b] for b in spans.values()], rounds, synced
-            )
-        boundary_elements = [
-            sum(local(n, t) for span in spans[b] for n in span.names) for b in spans
-        ]
-        if mode == "z2":
-            buffer_bytes = local_p_m * param_bytes
-        else:  # the boundary running and the one prefetched
-            pairs = [a + b for a, b in itertools.pairwise(boundary_elements)]
-            buffer_bytes = max(pairs or boundary_elements or [0]) * param_bytes
-        accumulator = local_p_m * FLOAT32 if no_sync and accum > 1 and not inside_only else 0
-        window = REDUCES_IN_FLIGHT + 2  # boundaries whose float32 reduce inputs are alive
-        reduce_window = max(
-            (sum(boundary_elements[i : i + window]) for i in range(len(boundary_elements))),
-            default=0,
-        )
-        # What a shard position owns is the same in every replica: worked out once each.
-        # Names in dedication order, as the optimizer's replica updates take them.
-        owned_by = [[n for n in item_shapes if plan.owners[n] == p] for p in range(shard)]
-        elements_by = [
-            sum(e for e, s in zip(span_elements, all_spans, strict=True) if s.owner == p)
-            for p in range(shard)
-        ]
-        replicate_by: list[dict[str, Tally]] = []
-        for position in range(shard):
-            if replicas == 1 or not owned_by[position]:
-                replicate_by.append({})
-                continue
-            tallies = replica_update_calls(
-                [(local(n, t), update_nbytes(n, t), plan.workers[n]) for n in owned_by[position]],
-                replicas,
-            )
-            holding = sum(1 for b in spans.values() if any(s.owner == position for s in b))
-            tallies["reduce_scatter"] = Tally(
-                holding * replica_synced, elements_by[position] * replica_synced
-            )
-            replicate_by.append(tallies)
-        for dp_rank in range(dp_world):
-            replica, position = divmod(dp_rank, shard)
-            mine = [n for n in owned_by[position] if plan.workers[n] == replica]
-            owned_elements = elements_by[position]
-            replicate_tallies = dict(replicate_by[position])
-            sharded_mine = [n for n in mine if n in tp_worker]
-            tensor_tallies: dict[str, Tally] = {}
-            if sharded_mine:
-                whole = sum(math.prod(item_shapes[n]) for n in sharded_mine)
-                tensor_tallies = {
-                    "gather": Tally(len(sharded_mine), whole),
-                    "scatter": Tally(len(sharded_mine), whole),
-                }
-            orthogonalized = [n for n in mine if tp_worker.get(n, t) == t]
-            flops = sum(
-                newton_schulz_flops(
-                    item_shapes[n],
-                    ns_steps,
-                    uses_gram(item_shapes[n][1], item_shapes[n][2], ns_gram, ns_dtype),
-                )
-                for n in orthogonalized
-            )
-            update = reduce = 0.0
-            update_bytes = 0
-            latency = hardware.latency_us * 1e-6
-            if replicas > 1:
-                share = (replicas - 1) / replicas
-                rate = hardware.network_gbps * 1e9
-                update_bytes = sum(update_nbytes(n, t) for n in owned_by[position])
-                update_calls = sum(
-                    replicate_tallies[k].count
-                    for k in ("broadcast", "all_gather")
-                    if k in replicate_tallies
-                )
-                update = update_bytes * share / rate + update_calls * latency
-                # Backward: the owned gradients' reduce-scatter, and FSDP2's all-reduce of
-                # this rank's shard of the other parameters.
-                rest = (parameters - p_m) / (shard * tp)
-                moved = (owned_elements * share + 2 * share * rest) * reduce_bytes * replica_synced
-                scattered = replicate_tallies.get("reduce_scatter", Tally()).count
-                reduce = moved / rate + (scattered + fsdp2_reduce_calls) * latency
-            # tp: each sharded matrix the rank steps is gathered in float32 and its update
-            # scattered back, inside the node, while the step waits.
-            tp_moved = sum(t.elements for t in tensor_tallies.values()) * FLOAT32
-            tp_calls = sum(t.count for t in tensor_tallies.values())
-            tp_seconds = tp_moved / (hardware.node_gbps * 1e9) + tp_calls * latency
-            ranks.append(
-                RankPlan(
-                    rank=dp_rank * tp + t,
-                    replica=replica,
-                    shard=position,
-                    ns_flops=flops,
-                    ns_seconds=flops / (hardware.ns_tflops * 1e12),
-                    update_seconds=update,
-                    master_bytes=owned_elements * FLOAT32,
-                    momentum_bytes=sum(local(n, t) for n in mine) * FLOAT32,
-                    workspace_bytes=workspace_bytes(
-                        [item_shapes[n] for n in orthogonalized],
-                        ns_dtype,
-                        device,
-                        max_workspace_bytes,
-                        ns_gram,
-                    ),
-                    buffer_bytes=buffer_bytes,
-                    # scope="replicas": the owner holds the sums of its own matrices.
-                    accumulator_bytes=(
-                        owned_elements * FLOAT32 if inside_only and accum > 1 else accumulator
-                    ),
-                    reduce_buffer_bytes=reduce_window * FLOAT32,
-                    shard_collectives=shard_tallies,
-                    replicate_collectives=replicate_tallies,
-                    tp=t,
-                    tensor_collectives=tensor_tallies,
-                    replicate_reduce_seconds=reduce,
-                    update_bytes=update_bytes,
-                    tp_seconds=tp_seconds,
-                    agreement_seconds=((shard > 1) + (replicas > 1) + (tp > 1)) * latency,
-                )
-            )
-    ranks.sort(key=lambda r: r.rank)
+    setup = ClusterSetup(
+        shapes=shapes,
+        item_shapes=plan_items(shapes, plan),
+        split_dims=tp_split_dims(model, shapes, tp, tp_plan),
+        transposed=frozenset(fqn for fqn, _, _, _, is_transposed, _ in selected if is_transposed),
+        plan=plan,
+        spans=spans,
+        tp=tp,
+        shard=shard,
+        replicas=replicas,
+        mode=mode,
+        accum=accum,
+        no_sync=no_sync,
+        inside_only=inside_only,
+        synced=synced,
+        replica_synced=replica_synced,
+        param_bytes=param_bytes,
+        reduce_bytes=reduce_bytes,
+        ns_steps=ns_steps,
+        ns_dtype=ns_dtype,
+        ns_gram=ns_gram,
+        device=torch.device(device_type),
+        max_workspace_bytes=max_workspace_bytes,
+        hardware=hardware,
+        parameters=parameters,
+        dedicated_elements=p_m,
+        fsdp2_reduce_calls=fsdp2_reduce_calls,
+    )
+    ranks = rank_plans(setup)
     units = len(spans) + 1  # FSDP2: each hook boundary's layer and the root
     gathers = units * accum * (2 if mode == "z3" else 1)
     fsdp2_calls = gathers + units * synced + (units * replica_synced if replicas > 1 else 0)
@@ -607,3 +379,45 @@ def plan_cluster(
     )
     result.warnings.extend(plan_warnings(result))
     return result
+
+
+def _check_layout(
+    world: int,
+    shard_size: int | None,
+    tp: int,
+    mode: str,
+    accum: int,
+    ns_steps: int,
+    no_sync_scope: str,
+) -> tuple[int, int]:
+    """``(data-parallel ranks, shard size)`` of a layout `plan_cluster` can plan, or
+    ``ValueError`` saying why not (what `dmuon.dedicate_params` would refuse too)."""
+    if world < 1:
+        raise ValueError(f"the world size must be at least 1 rank, got {world}")
+    if ns_steps < 1:
+        raise ValueError(f"ns_steps must be at least 1 (5 is usual), got {ns_steps}")
+    if tp < 1:
+        raise ValueError(f"the tensor-parallel size must be at least 1, got {tp}")
+    if world % tp:
+        raise ValueError(f"the tensor-parallel size {tp} must divide the world size {world}")
+    dp_world = world // tp
+    shard = dp_world if shard_size is None else shard_size
+    if shard < 1 or dp_world % shard:
+        ranks = f"world size {world}" if tp == 1 else f"{dp_world} data-parallel ranks"
+        raise ValueError(
+            f"the shard size {shard} must divide the {ranks} (HSDP runs world / tp / "
+            "shard-size replicas; a 1-D mesh has shard size = world / tp)"
+        )
+    if tp > 1 and shard_size is not None and shard_size * tp < world:
+        raise ValueError(
+            f"tensor parallelism ({tp}) with HSDP ({world // (shard_size * tp)} replicas of "
+            f"{shard_size}): a 3-D mesh, which dmuon.dedicate_params refuses; plan a "
+            "(dp, tp) mesh (no --shard-size) or HSDP without --tp"
+        )
+    if mode not in ("z2", "z3"):
+        raise ValueError(f"mode must be 'z2' or 'z3', got {mode!r}")
+    if accum < 1:
+        raise ValueError(f"accum must be at least 1, got {accum}")
+    if no_sync_scope not in ("all", "replicas"):
+        raise ValueError(f'no_sync_scope is "all" or "replicas", not {no_sync_scope!r}')
+    return dp_world, shard

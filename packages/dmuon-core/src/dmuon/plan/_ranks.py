@@ -1,0 +1,380 @@
+"""Per rank, what DMuon adds on a planned cluster: `RankPlan`, and how `plan_cluster`
+works each one out from the cluster's `ClusterSetup` (:func:`rank_plans`).
+
+Ranks are numbered ``(replica * shard + position) * tp + t``. What a shard position owns
+is the same in every replica, so it is worked out once per position and tp position; a
+rank then adds what it steps itself (the replica that steps each matrix, the tp rank that
+orthogonalizes it) and the seconds its traffic takes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from dmuon._ownership.planner import OwnerPlan, newton_schulz_cost, newton_schulz_flops
+from dmuon._ownership.replica_updates import record_nbytes
+from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
+from dmuon._ownership.tp_integration import spread_over_tp
+from dmuon.optim._orthogonalize import uses_gram
+from dmuon.plan._collectives import (
+    Span,
+    Tally,
+    boundary_calls,
+    replica_update_calls,
+    workspace_bytes,
+)
+from dmuon.plan._hardware import Hardware
+
+FLOAT32 = 4
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What DMuon adds to one rank (replica ``replica``, shard position ``shard``).
+
+    Bytes are per rank; collectives per optimizer step, by kind, on the shard dimension
+    (inside a replica) and the replicate dimension (between replicas).
+    """
+
+    rank: int
+    replica: int
+    shard: int
+    ns_flops: int
+    ns_seconds: float
+    update_seconds: float
+    master_bytes: int
+    momentum_bytes: int
+    workspace_bytes: int
+    buffer_bytes: int
+    accumulator_bytes: int
+    reduce_buffer_bytes: int
+    shard_collectives: dict[str, Tally] = field(default_factory=dict)
+    replicate_collectives: dict[str, Tally] = field(default_factory=dict)
+    #: Position in its tensor-parallel group (0 without tensor parallelism).
+    tp: int = 0
+    #: Collectives over the tensor-parallel group per step (a gather and a scatter of
+    #: each tp-sharded matrix the rank's owner steps).
+    tensor_collectives: dict[str, Tally] = field(default_factory=dict)
+    #: Seconds the rank's traffic between replicas takes during backward (HSDP): the
+    #: reduce-scatter of its owned gradients and FSDP2's all-reduce of its shard of the
+    #: other parameters.
+    replicate_reduce_seconds: float = 0.0
+    #: Bytes of the step's updates between replicas this rank holds from the step to the
+    #: next forward (HSDP): every replica's section of its chunks.
+    update_bytes: int = 0
+    #: Seconds the step waits for the tensor-parallel gathers and scatters of the
+    #: matrices this rank steps (inside the node).
+    tp_seconds: float = 0.0
+    #: Seconds the step waits for the ranks' agreement on non-finite gradients (one
+    #: all-reduce of one number per mesh dimension: latency only).
+    agreement_seconds: float = 0.0
+
+    @property
+    def added_bytes(self) -> int:
+        """Everything DMuon holds at its peak on this rank (the reduce buffers included)."""
+        return (
+            self.master_bytes
+            + self.momentum_bytes
+            + self.workspace_bytes
+            + self.buffer_bytes
+            + self.accumulator_bytes
+            + self.reduce_buffer_bytes
+        )
+
+    @property
+    def calls(self) -> int:
+        """Collective calls per optimizer step, every dimension."""
+        tallies = [
+            *self.shard_collectives.values(),
+            *self.replicate_collectives.values(),
+            *self.tensor_collectives.values(),
+        ]
+        return sum(t.count for t in tallies)
+
+
+@dataclass(frozen=True)
+class ClusterSetup:
+    """What `plan_cluster` works out once and every rank's plan reads: the dedicated
+    matrices (by plan item), their owners and hook-boundary spans, the mesh and the
+    settings that price them."""
+
+    #: Each dedicated matrix's (or stack's) shape, by fqn.
+    shapes: dict[str, tuple[int, ...]]
+    #: ``(matrices, rows, cols)`` of each plan item (a matrix, or a split stack's range).
+    item_shapes: dict[str, tuple[int, int, int]]
+    #: The dimension tensor parallelism splits each tp-sharded matrix along.
+    split_dims: dict[str, int]
+    #: Matrices stored transposed (their output rows are columns).
+    transposed: frozenset[str]
+    plan: OwnerPlan
+    spans: dict[str, list[Span]]
+    tp: int
+    shard: int
+    replicas: int
+    mode: str
+    accum: int
+    no_sync: bool
+    #: ``no_sync(scope="replicas")``: every micro-batch reduces inside its replica.
+    inside_only: bool
+    #: Synchronised backwards per step inside a replica, and between replicas.
+    synced: int
+    replica_synced: int
+    param_bytes: int
+    reduce_bytes: int
+    ns_steps: int
+    ns_dtype: torch.dtype
+    ns_gram: bool
+    device: torch.device
+    max_workspace_bytes: int
+    hardware: Hardware
+    parameters: int
+    dedicated_elements: int
+    #: FSDP2's all-reduces between replicas of the other parameters, per step.
+    fsdp2_reduce_calls: int
+
+    @property
+    def all_spans(self) -> list[Span]:
+        """Every boundary's spans, back to back in boundary order."""
+        return [span for boundary in self.spans.values() for span in boundary]
+
+    @property
+    def latency(self) -> float:
+        """Seconds one collective call costs on top of its bytes."""
+        return self.hardware.latency_us * 1e-6
+
+    def local(self, name: str, t: int) -> int:
+        """Elements of ``name``'s shard at tp position ``t`` (a plan item name or fqn)."""
+        fqn = name.split("[", 1)[0]
+        matrices, rows, cols = self.item_shapes[name]
+        dim = self.split_dims.get(fqn)
+        if dim is None:
+            return matrices * rows * cols
+        length = (rows, cols)[dim]
+        chunk = -(-length // self.tp)
+        part = max(0, min(chunk, length - t * chunk))
+        return matrices * part * ((cols, rows)[dim])
+
+    def update_nbytes(self, name: str, t: int) -> int:
+        """Bytes of ``name``'s update between replicas (header and update)."""
+        _, rows, cols = self.item_shapes[name]
+        out = cols if name.split("[", 1)[0] in self.transposed else rows
+        return record_nbytes(self.local(name, t), out, self.ns_dtype, torch.float32)
+
+    def tp_workers(self) -> dict[str, int]:
+        """The tp rank that orthogonalizes each tp-sharded matrix, spread over its owner's
+        tp group as the optimizer does."""
+        workers: dict[str, int] = {}
+        for position in range(self.shard):
+            sharded = [
+                n
+                for n in self.shapes
+                if n in self.split_dims and self.plan.owners.get(n) == position
+            ]
+            costs = [newton_schulz_cost(self.shapes[n]) for n in sharded]
+            workers.update(zip(sharded, spread_over_tp(costs, self.tp), strict=True))
+        return workers
+
+
+@dataclass(frozen=True)
+class _Position:
+    """What every replica's rank at one shard position and tp position holds alike."""
+
+    shard_tallies: dict[str, Tally]
+    buffer_bytes: int
+    accumulator_bytes: int
+    reduce_buffer_bytes: int
+
+
+def rank_plans(setup: ClusterSetup) -> list[RankPlan]:
+    """Every rank's plan, in rank order."""
+    tp_worker = setup.tp_workers()
+    names_by = [
+        [n for n in setup.item_shapes if setup.plan.owners[n] == p] for p in range(setup.shard)
+    ]
+    ranks = []
+    for t in range(setup.tp):
+        span_elements = [sum(setup.local(n, t) for n in s.names) for s in setup.all_spans]
+        position = _position(setup, t, span_elements)
+        elements_by = [
+            sum(e for e, s in zip(span_elements, setup.all_spans, strict=True) if s.owner == p)
+            for p in range(setup.shard)
+        ]
+        replicate_by = [
+            _replicate_tallies(setup, t, p, names_by[p], elements_by[p]) for p in range(setup.shard)
+        ]
+        for dp_rank in range(setup.replicas * setup.shard):
+            replica, shard = divmod(dp_rank, setup.shard)
+            mine = [n for n in names_by[shard] if setup.plan.workers[n] == replica]
+            ranks.append(
+                _rank_plan(
+                    setup,
+                    dp_rank * setup.tp + t,
+                    (replica, shard, t),
+                    mine,
+                    [n for n in mine if tp_worker.get(n, t) == t],
+                    [n for n in mine if n in tp_worker],
+                    position,
+                    replicate_by[shard],
+                    elements_by[shard],
+                    names_by[shard],
+                )
+            )
+    ranks.sort(key=lambda r: r.rank)
+    return ranks
+
+
+def _position(setup: ClusterSetup, t: int, span_elements: list[int]) -> _Position:
+    """The collectives and buffers of a shard position's ranks at tp position ``t``."""
+    shard_tallies: dict[str, Tally] = {}
+    rounds = 1 if setup.mode == "z2" else 2 * setup.accum  # gathers of every span per step
+    if setup.shard > 1:
+        elements = iter(span_elements)  # all_spans is spans' lists back to back
+        shard_tallies = boundary_calls(
+            [[(s.owner, next(elements)) for s in b] for b in setup.spans.values()],
+            rounds,
+            setup.synced,
+        )
+    boundary_elements = [
+        sum(setup.local(n, t) for span in setup.spans[b] for n in span.names) for b in setup.spans
+    ]
+    local_p_m = sum(span_elements)
+    if setup.mode == "z2":
+        buffer_bytes = local_p_m * setup.param_bytes
+    else:  # the boundary running and the one prefetched
+        pairs = [a + b for a, b in itertools.pairwise(boundary_elements)]
+        buffer_bytes = max(pairs or boundary_elements or [0]) * setup.param_bytes
+    full_accumulator = setup.no_sync and setup.accum > 1 and not setup.inside_only
+    window = REDUCES_IN_FLIGHT + 2  # boundaries whose float32 reduce inputs are alive
+    reduce_window = max(
+        (sum(boundary_elements[i : i + window]) for i in range(len(boundary_elements))),
+        default=0,
+    )
+    return _Position(
+        shard_tallies,
+        buffer_bytes,
+        local_p_m * FLOAT32 if full_accumulator else 0,
+        reduce_window * FLOAT32,
+    )
+
+
+def _replicate_tallies(
+    setup: ClusterSetup, t: int, position: int, names: list[str], owned_elements: int
+) -> dict[str, Tally]:
+    """A shard position's collectives between replicas: its updates after the step, and
+    its owned gradients' reduce-scatter per synchronised backward."""
+    if setup.replicas == 1 or not names:
+        return {}
+    tallies = replica_update_calls(
+        [(setup.local(n, t), setup.update_nbytes(n, t), setup.plan.workers[n]) for n in names],
+        setup.replicas,
+    )
+    holding = sum(1 for b in setup.spans.values() if any(s.owner == position for s in b))
+    tallies["reduce_scatter"] = Tally(
+        holding * setup.replica_synced, owned_elements * setup.replica_synced
+    )
+    return tallies
+
+
+def _rank_plan(
+    setup: ClusterSetup,
+    rank: int,
+    where: tuple[int, int, int],
+    mine: list[str],
+    orthogonalized: list[str],
+    sharded_mine: list[str],
+    position: _Position,
+    replicate_tallies: dict[str, Tally],
+    owned_elements: int,
+    owned_names: list[str],
+) -> RankPlan:
+    """One rank: ``mine`` are the items it steps, ``orthogonalized`` those it iterates
+    itself, ``sharded_mine`` its tp-sharded ones; ``where`` is (replica, shard, tp)."""
+    replica, shard, t = where
+    flops = sum(
+        newton_schulz_flops(
+            setup.item_shapes[n],
+            setup.ns_steps,
+            uses_gram(
+                setup.item_shapes[n][1], setup.item_shapes[n][2], setup.ns_gram, setup.ns_dtype
+            ),
+        )
+        for n in orthogonalized
+    )
+    tensor_tallies: dict[str, Tally] = {}
+    if sharded_mine:
+        whole = sum(math.prod(setup.item_shapes[n]) for n in sharded_mine)
+        tensor_tallies = {
+            "gather": Tally(len(sharded_mine), whole),
+            "scatter": Tally(len(sharded_mine), whole),
+        }
+    update, reduce, update_bytes = _replica_seconds(
+        setup, t, owned_names, owned_elements, replicate_tallies
+    )
+    # tp: each sharded matrix the rank steps is gathered in float32 and its update
+    # scattered back, inside the node, while the step waits.
+    tp_moved = sum(tally.elements for tally in tensor_tallies.values()) * FLOAT32
+    tp_calls = sum(tally.count for tally in tensor_tallies.values())
+    dims = (setup.shard > 1) + (setup.replicas > 1) + (setup.tp > 1)
+    return RankPlan(
+        rank=rank,
+        replica=replica,
+        shard=shard,
+        ns_flops=flops,
+        ns_seconds=flops / (setup.hardware.ns_tflops * 1e12),
+        update_seconds=update,
+        master_bytes=owned_elements * FLOAT32,
+        momentum_bytes=sum(setup.local(n, t) for n in mine) * FLOAT32,
+        workspace_bytes=workspace_bytes(
+            [setup.item_shapes[n] for n in orthogonalized],
+            setup.ns_dtype,
+            setup.device,
+            setup.max_workspace_bytes,
+            setup.ns_gram,
+        ),
+        buffer_bytes=position.buffer_bytes,
+        # scope="replicas": the owner holds the sums of its own matrices.
+        accumulator_bytes=(
+            owned_elements * FLOAT32
+            if setup.inside_only and setup.accum > 1
+            else position.accumulator_bytes
+        ),
+        reduce_buffer_bytes=position.reduce_buffer_bytes,
+        shard_collectives=position.shard_tallies,
+        replicate_collectives=dict(replicate_tallies),
+        tp=t,
+        tensor_collectives=tensor_tallies,
+        replicate_reduce_seconds=reduce,
+        update_bytes=update_bytes,
+        tp_seconds=tp_moved / (setup.hardware.node_gbps * 1e9) + tp_calls * setup.latency,
+        agreement_seconds=dims * setup.latency,
+    )
+
+
+def _replica_seconds(
+    setup: ClusterSetup,
+    t: int,
+    owned_names: list[str],
+    owned_elements: int,
+    replicate_tallies: dict[str, Tally],
+) -> tuple[float, float, int]:
+    """``(update seconds, backward reduce seconds, update bytes)`` between replicas."""
+    if setup.replicas == 1:
+        return 0.0, 0.0, 0
+    share = (setup.replicas - 1) / setup.replicas
+    rate = setup.hardware.network_gbps * 1e9
+    update_bytes = sum(setup.update_nbytes(n, t) for n in owned_names)
+    update_calls = sum(
+        replicate_tallies[k].count for k in ("broadcast", "all_gather") if k in replicate_tallies
+    )
+    update = update_bytes * share / rate + update_calls * setup.latency
+    # Backward: the owned gradients' reduce-scatter, and FSDP2's all-reduce of this
+    # rank's shard of the other parameters.
+    rest = (setup.parameters - setup.dedicated_elements) / (setup.shard * setup.tp)
+    moved = (owned_elements * share + 2 * share * rest) * setup.reduce_bytes * setup.replica_synced
+    scattered = replicate_tallies.get("reduce_scatter", Tally()).count
+    reduce = moved / rate + (scattered + setup.fsdp2_reduce_calls) * setup.latency
+    return update, reduce, update_bytes
