@@ -154,18 +154,21 @@ class Trainer(TrainingSteps):
             rank=self.rank,
         )
 
-        # Same seed on every rank: identical weights before sharding.
+        self.mesh = build_mesh(env, replicas)
+        # Same seed on every rank: identical weights. Distributed, a preset is built on the
+        # meta device, dedicated and sharded there, then given its weights one layer at a
+        # time: no rank holds the whole model.
         self.built: BuiltModel = build(
             self.inputs.model,
             seed=config.seed,
             seq_len=config.seq_len,
             device=self.device,
             dtype=getattr(torch, config.dtype),
+            meta=self.mesh is not None,
         )
         model = self.built.module
         self.num_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = self.built.flops_per_token(config.seq_len)
-        self.mesh = build_mesh(env, replicas)
         param_dtype = torch.bfloat16 if config.param_dtype == "bfloat16" else None
         self.dedicated = parallelize(
             model,
@@ -179,6 +182,7 @@ class Trainer(TrainingSteps):
             reduce_dtype=DTYPES.get(config.reduce_dtype),
             broadcast_dtype=DTYPES.get(config.broadcast_dtype),
         )
+        self.built.materialize(self.device, config.seed)
         # One process has no FSDP2 to cast with: bfloat16 compute is torch.autocast.
         self._autocast = param_dtype is not None and self.mesh is None
         self.model = model

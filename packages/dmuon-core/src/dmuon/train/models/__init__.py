@@ -23,7 +23,9 @@ from dmuon.train.models.preset import (
     build_model,
     hf_config,
     hf_key_map,
+    init_sharded,
     lm_loss,
+    meta_model,
 )
 
 __all__ = [
@@ -94,6 +96,17 @@ class BuiltModel:
     hf_config: dict[str, Any]
     hf_keys: dict[str, str] = field(default_factory=dict)
     matmul_params: float = 0.0
+    #: Built on the meta device: `materialize` after dedicating and sharding it.
+    on_meta: bool = False
+
+    def materialize(self, device: torch.device, seed: int) -> None:
+        """Give a model built on the meta device (and dedicated, sharded) memory on
+        ``device`` and its seed's weights, one layer at a time (call on every rank)."""
+        if not self.on_meta:
+            return
+        self.module.to_empty(device=device)
+        init_sharded(self.module, seed)  # type: ignore[arg-type]
+        self.on_meta = False
 
     def logits(self, tokens: Tensor) -> Tensor:
         """Logits (batch, seq, vocab) of token ids (batch, seq)."""
@@ -137,11 +150,19 @@ def _matmul_params(module: nn.Module, hf_config: dict[str, Any]) -> float:
 
 
 def build(source: ModelSource, *, seed: int, seq_len: int, device: torch.device,
-          dtype: torch.dtype) -> BuiltModel:  # fmt: skip
-    """Build ``source`` on ``device`` in ``dtype``: identical on every rank for one seed."""
+          dtype: torch.dtype, meta: bool = False) -> BuiltModel:  # fmt: skip
+    """Build ``source`` on ``device`` in ``dtype``: identical on every rank for one seed.
+
+    With ``meta`` a preset is built on the meta device instead (``on_meta``): dedicate and
+    shard it, then `BuiltModel.materialize` gives it memory and the same weights. A
+    Hugging Face model is always built whole.
+    """
     if source.hf is None:
-        module = build_model(source.name, seed=seed, max_seq_len=seq_len, device=device,
-                             dtype=dtype)  # fmt: skip
+        if meta:
+            module = meta_model(source.name, max_seq_len=seq_len, dtype=dtype)
+        else:
+            module = build_model(source.name, seed=seed, max_seq_len=seq_len, device=device,
+                                 dtype=dtype)  # fmt: skip
         config = module.config
         preset_config = hf_config(config)
         preset_config["max_position_embeddings"] = max(
@@ -154,6 +175,7 @@ def build(source: ModelSource, *, seed: int, seq_len: int, device: torch.device,
             preset_config,
             hf_key_map(config),
             _matmul_params(module, preset_config),
+            on_meta=meta,
         )
     module = build_hf_model(source.hf, seed=seed, dtype=dtype).to(device)
     layers = decoder_layers(module)

@@ -57,6 +57,7 @@ seed holds bit-identical weights before sharding, and the global RNG is left unt
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import dmuon_recipe_contract as contract
@@ -323,16 +324,14 @@ class Transformer(nn.Module):
         Uses a private generator on the CPU (then copies), so the result does not depend
         on the device or on the global RNG state.
         """
-        gen = torch.Generator(device="cpu").manual_seed(seed)
-        out_std = 0.02 / math.sqrt(2 * self.config.n_layers)
-        for name, param in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
-                values = torch.randn(param.shape, generator=gen) * out_std
-            elif name.endswith("norm.weight"):
-                values = torch.ones(param.shape)
-            else:
-                values = torch.randn(param.shape, generator=gen) * 0.02
-            param.copy_(values.to(dtype=param.dtype))
+        params = dict(self.named_parameters())
+        for name, values in initial_values(self.config, seed):
+            params[name].copy_(values.to(dtype=params[name].dtype))
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Fill the rotary tables (buffers no state dict holds)."""
         cos, sin = _rope_tables(self.config, torch.device("cpu"))
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
@@ -364,6 +363,24 @@ def lm_loss(logits: Tensor, targets: Tensor, reduction: str = "mean") -> Tensor:
     )
 
 
+def initial_values(config: ModelConfig, seed: int) -> Iterator[tuple[str, Tensor]]:
+    """Each parameter's initial values (float32, on the CPU), in parameter order, one at
+    a time: what `Transformer.init_weights` writes (see there), drawn from one generator
+    so that a model initialised piece by piece (sharded on the meta device, say) gets the
+    same weights."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    out_std = 0.02 / math.sqrt(2 * config.n_layers)
+    with torch.device("meta"):
+        shapes = [(name, p.shape) for name, p in Transformer(config).named_parameters()]
+    for name, shape in shapes:
+        if name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
+            yield name, torch.randn(shape, generator=gen) * out_std
+        elif name.endswith("norm.weight"):
+            yield name, torch.ones(shape)
+        else:
+            yield name, torch.randn(shape, generator=gen) * 0.02
+
+
 def build_model(
     preset: str | ModelConfig = "small",
     *,
@@ -385,6 +402,24 @@ def build_model(
     Raises:
         ValueError: for an unknown preset name.
     """
+    model = meta_model(preset, max_seq_len=max_seq_len)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    return model.to(dtype=dtype)
+
+
+def meta_model(
+    preset: str | ModelConfig = "small",
+    *,
+    max_seq_len: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Transformer:
+    """A `Transformer` on the meta device (no memory): to dedicate and shard before
+    giving it memory (``to_empty``) and weights (`init_sharded`, or `init_weights`).
+
+    Raises:
+        ValueError: for an unknown preset name.
+    """
     if isinstance(preset, str):
         if preset not in PRESETS:
             raise ValueError(f"unknown model preset {preset!r}; choose one of {', '.join(PRESETS)}")
@@ -394,10 +429,40 @@ def build_model(
     if max_seq_len is not None:
         config = replace(config, max_seq_len=max_seq_len)
     with torch.device("meta"):
-        model = Transformer(config)
-    model.to_empty(device=device)
-    model.init_weights(seed)
-    return model.to(dtype=dtype)
+        return Transformer(config).to(dtype=dtype)
+
+
+@torch.no_grad()
+def init_sharded(model: Transformer, seed: int) -> None:
+    """Give a model that was dedicated and sharded on the meta device, then given memory
+    (``to_empty``), the weights `build_model` gives for ``seed``, bit for bit.
+
+    The values are made one decoder layer at a time (the embedding and head alone) and
+    loaded with `dmuon.set_model_state_dict` as a full state dict: each rank keeps its
+    shards and owned matrices, and never holds more than one layer whole besides them.
+    Call on every rank.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    from dmuon.checkpoint import set_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    dtype = next(model.parameters()).dtype
+
+    def load(part: dict[str, Tensor]) -> None:
+        if part:
+            set_model_state_dict(model, part, options=options)
+
+    part: dict[str, Tensor] = {}
+    unit = None
+    for name, values in initial_values(model.config, seed):
+        here = ".".join(name.split(".")[:2]) if name.startswith("layers.") else name
+        if here != unit:
+            load(part)
+            part, unit = {}, here
+        part[name] = values.to(dtype=dtype)
+    load(part)
+    model.init_buffers()
 
 
 def hf_config(config: ModelConfig) -> dict[str, object]:
