@@ -423,43 +423,15 @@ def dedicate_params(
             transposed,
         )
 
-    tp_records = [dp for dp in dedicated if dp.tp is not None]
-    if tp_records and replicate_group is not None:
-        raise ValueError(
-            f"{tp_records[0].fqn!r} is tensor-parallel and the mesh is 2-D (HSDP): tensor "
-            "parallelism with HSDP (a 3-D mesh) is not supported. Use a (dp, tp) mesh and "
-            "pass mesh['dp'] to dedicate_params and fully_shard."
-        )
-    assign_workers([(dp.tp, dp.owner) for dp in tp_records if dp.tp is not None])
-    audit = CommAudit(
-        sum(dp.numel for dp in dedicated),
-        replicas,
-        sum(dp.global_shape.numel() for dp in dedicated) if tp_records else None,
-    )
-    if check_collectives is None:
-        check_collectives = os.environ.get("DMUON_CHECK_COLLECTIVES", "0") not in ("", "0")
-    comm = Communicator(
-        group,
+    comm = _communicator(dedicated, group, replicate_group, replicas, device, check_collectives)
+    runtime_boundaries = _boundaries(
+        model,
+        dedicated,
+        param_dtype or torch.float32,
         device,
-        audit,
-        check_collectives=check_collectives,
-        replicate_group=replicate_group,
+        comm,
+        (reduce_dtype or torch.float32, broadcast_dtype),
     )
-    buffer_dtype = param_dtype or torch.float32
-    wire = (reduce_dtype or torch.float32, broadcast_dtype)
-    by_boundary: dict[str, list[DedicatedParam]] = defaultdict(list)
-    for dp in dedicated:
-        by_boundary[dp.boundary].append(dp)
-    module_order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    runtime_boundaries = []
-    for name in sorted(by_boundary, key=lambda n: module_order[n]):
-        runtime_boundaries.append(
-            Boundary(
-                name,
-                model.get_submodule(name),
-                _flat_buffer(by_boundary[name], buffer_dtype, device, comm, *wire),
-            )
-        )
     runtime = DedicationRuntime(
         model,
         dedicated,
@@ -487,3 +459,61 @@ def dedicate_params(
         ),
     )
     return dict(plan.owners)
+
+
+def _communicator(
+    dedicated: list[DedicatedParam],
+    group: dist.ProcessGroup | None,
+    replicate_group: dist.ProcessGroup | None,
+    replicas: int,
+    device: torch.device,
+    check_collectives: bool | None,
+) -> Communicator:
+    """The collectives of the dedicated matrices, audited; tensor-parallel ones get their
+    optimizer workers here (a 3-D mesh, tp with HSDP, is refused)."""
+    tp_records = [dp for dp in dedicated if dp.tp is not None]
+    if tp_records and replicate_group is not None:
+        raise ValueError(
+            f"{tp_records[0].fqn!r} is tensor-parallel and the mesh is 2-D (HSDP): tensor "
+            "parallelism with HSDP (a 3-D mesh) is not supported. Use a (dp, tp) mesh and "
+            "pass mesh['dp'] to dedicate_params and fully_shard."
+        )
+    assign_workers([(dp.tp, dp.owner) for dp in tp_records if dp.tp is not None])
+    audit = CommAudit(
+        sum(dp.numel for dp in dedicated),
+        replicas,
+        sum(dp.global_shape.numel() for dp in dedicated) if tp_records else None,
+    )
+    if check_collectives is None:
+        check_collectives = os.environ.get("DMUON_CHECK_COLLECTIVES", "0") not in ("", "0")
+    return Communicator(
+        group,
+        device,
+        audit,
+        check_collectives=check_collectives,
+        replicate_group=replicate_group,
+    )
+
+
+def _boundaries(
+    model: nn.Module,
+    dedicated: list[DedicatedParam],
+    buffer_dtype: torch.dtype,
+    device: torch.device,
+    comm: Communicator,
+    wire: tuple[torch.dtype, torch.dtype | None],
+) -> list[Boundary]:
+    """One `Boundary` per hook boundary holding dedicated matrices, in module order, each
+    with its packed buffer (``wire``: the reduce and gather dtypes)."""
+    by_boundary: dict[str, list[DedicatedParam]] = defaultdict(list)
+    for dp in dedicated:
+        by_boundary[dp.boundary].append(dp)
+    module_order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    return [
+        Boundary(
+            name,
+            model.get_submodule(name),
+            _flat_buffer(by_boundary[name], buffer_dtype, device, comm, *wire),
+        )
+        for name in sorted(by_boundary, key=lambda n: module_order[n])
+    ]

@@ -37,7 +37,7 @@ from dmuon._clip import reduction_groups, total_grad_norm
 from dmuon._ownership.fsdp_integration import verify_not_sharded
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.replica_updates import UpdateSlot
-from dmuon._ownership.state import DedicationState, get_dedication, unwrap
+from dmuon._ownership.state import DedicationState, get_dedication
 from dmuon.optim._adamw_step import adamw_step
 from dmuon.optim._groups import build_param_groups, complete_group, route_group
 from dmuon.optim._muon_update import (
@@ -62,6 +62,7 @@ from dmuon.optim._validation import (
     adjust_lr_ratio,
     check_max_workspace_bytes,
     check_params_are_the_models,
+    dedicated_model,
     group_defaults,
     validate_adamw_group,
     validate_muon_group,
@@ -227,27 +228,7 @@ class Muon(torch.optim.Optimizer):
         qk_clip: float | None = None,
         qk_clip_alpha: float = 0.5,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise ValueError(
-                f"Muon takes the model (an nn.Module prepared with dmuon.dedicate_params, or "
-                f"its DistributedDataParallel wrapper), not {type(model).__name__}; pass "
-                "param_groups=[...] for per-group settings"
-            )
-        model = unwrap(model)
-        state = get_dedication(model)
-        if state is None:
-            raise ValueError(
-                "this model has no dedication state: call dmuon.dedicate_params(model, ...) "
-                "first (before fully_shard or DistributedDataParallel), then create "
-                "dmuon.Muon(model, ...) (after them)"
-            )
-        for dp in state.params:
-            if len(dp.shape) not in (2, 3):
-                raise ValueError(
-                    f"dedicated parameter {dp.fqn!r} has shape {tuple(dp.shape)}; Muon updates "
-                    "matrices and 3-D stacks of matrices only: dedicate 2-D weights and fused "
-                    "expert stacks, and leave other parameters to AdamW"
-                )
+        model, state = dedicated_model(model)
         check_max_workspace_bytes(max_workspace_bytes)
         self.max_workspace_bytes = max_workspace_bytes
         """The cap on the Newton-Schulz buffers (see ``max_workspace_bytes`` above)."""
@@ -387,7 +368,7 @@ class Muon(torch.optim.Optimizer):
             if group["algorithm"] == "muon":
                 self._muon_step(group, stepped.get(i, []))
             else:
-                self._adamw_step(group)
+                adamw_step(self.state, group)
         if clip is not None:
             clip.clip(maxima, self._outgoing)
         self._step_finished()
@@ -468,9 +449,6 @@ class Muon(torch.optim.Optimizer):
         fresh optimizer has state for a checkpoint to be loaded into.
         """
         init_missing_state(self.state, self.param_groups, self._dedicated_by_id())
-
-    def _adamw_step(self, group: dict[str, Any]) -> None:
-        adamw_step(self.state, group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients: ``.grad`` of every parameter, and ``_reduced_grad`` and

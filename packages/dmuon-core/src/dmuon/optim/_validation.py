@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon._ownership.state import get_dedication
+from dmuon._ownership.state import DedicationState, get_dedication, unwrap
 from dmuon._ownership.wrappers import check_wrapped
 from dmuon.optim._normuon import VARIANTS
 from dmuon.optim._orthogonalize import Coefficients, _check_dtype, _is_real, resolve_coefficients
@@ -196,3 +196,34 @@ def check_params_are_the_models(param_groups: list[dict[str, Any]], model: nn.Mo
     state = get_dedication(model)
     if state is not None:  # subclasses without dedication (the naive baseline) skip it
         check_wrapped(model, state)
+
+
+def dedicated_model(model: object) -> tuple[nn.Module, DedicationState]:
+    """The model `dmuon.Muon` was given (unwrapped from DDP) and its dedication state.
+
+    Raises:
+        ValueError: not a module, a module never given to ``dedicate_params``, or a
+            dedicated parameter that is not a matrix or a stack of matrices.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"Muon takes the model (an nn.Module prepared with dmuon.dedicate_params, or "
+            f"its DistributedDataParallel wrapper), not {type(model).__name__}; pass "
+            "param_groups=[...] for per-group settings"
+        )
+    model = unwrap(model)
+    state = get_dedication(model)
+    if state is None:
+        raise ValueError(
+            "this model has no dedication state: call dmuon.dedicate_params(model, ...) "
+            "first (before fully_shard or DistributedDataParallel), then create "
+            "dmuon.Muon(model, ...) (after them)"
+        )
+    for dp in state.params:
+        if len(dp.shape) not in (2, 3):
+            raise ValueError(
+                f"dedicated parameter {dp.fqn!r} has shape {tuple(dp.shape)}; Muon updates "
+                "matrices and 3-D stacks of matrices only: dedicate 2-D weights and fused "
+                "expert stacks, and leave other parameters to AdamW"
+            )
+    return model, state

@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,22 @@ __all__ = [
     "preflight",
     "run",
 ]
+
+
+@dataclass
+class _Run:
+    """What one `Trainer.fit` call has done so far (its summary's figures)."""
+
+    last_step: int
+    started: float
+    start_val: float | None = None
+    end_val: float | None = None
+    loss: float = float("nan")
+    train_seconds: float = 0.0
+    checkpoint: Path | None = None
+    exported: Path | None = None
+    stopped: bool = False
+    peak_memory: list[int] = field(default_factory=list)
 
 
 class Trainer(TrainingSteps):
@@ -294,25 +310,65 @@ class Trainer(TrainingSteps):
         With ``--export-hf`` a run that reaches ``--steps`` ends with the export.
         """
         cfg = self.config
-        is_main = self.rank == 0
-        if is_main and cfg.metrics_file is not None and self.start_step > 0:
+        if self.rank == 0 and cfg.metrics_file is not None and self.start_step > 0:
             truncate_after(cfg.metrics_file, self.start_step)
-        bar = {"auto": None, "bar": True, "plain": False}[cfg.progress]
         progress = ProgressReporter(
             cfg.steps,
-            enabled=is_main,
-            use_bar=bar,
+            enabled=self.rank == 0,
+            use_bar={"auto": None, "bar": True, "plain": False}[cfg.progress],
             log_every=cfg.log_every,
             initial=self.start_step,
         )
+        writer = self._open_reporting(progress)
+        self._announce(progress)
+        run = _Run(last_step=self.start_step, started=time.perf_counter())
+        time_offset = self.train_state.time
+        tracking = Path(cfg.tracking_dir or DEFAULT_TRACKING_DIR)
+        profiler = StepProfiler(
+            cfg.profile_steps, tracking, self.rank, self.device, cfg.memory_snapshot
+        )
+
+        def elapsed() -> float:
+            return time_offset + time.perf_counter() - run.started
+
+        try:
+            with self.stop:
+                if cfg.eval_every > 0 and self.start_step == 0:
+                    run.start_val = run.end_val = self._guarded(
+                        "the evaluation of step 0", self.evaluate
+                    )
+                    writer.write({"step": 0, "time": elapsed(), "val_loss": run.start_val})
+                for step in range(self.start_step + 1, cfg.steps + 1):
+                    profiler.before(step)
+                    stats = self._guarded(f"step {step}", self.train_step, step)
+                    profiler.after(step)
+                    stopping = self._record_step(step, stats, run, writer, elapsed)
+                    if self._after_step(step, stopping, run, writer, progress, elapsed):
+                        break
+                if cfg.export_hf is not None and not run.stopped and run.last_step == cfg.steps:
+                    run.exported = self._guarded(
+                        f"the export after step {run.last_step}", self.export_hf, cfg.export_hf
+                    )
+                    writer.artifact(run.exported, "model")
+                    progress.message(f"exported a Hugging Face model directory to {run.exported}")
+        finally:
+            profiler.close()
+            progress.close()
+            writer.close()
+        summary = self._summary(run)
+        progress.message(format_summary(summary))
+        return summary
+
+    def _open_reporting(self, progress: ProgressReporter) -> Reporting:
+        """The metrics file and trackers, with what a resumed run carries over written."""
         writer = Reporting.open(
-            cfg,
-            is_main=is_main,
+            self.config,
+            is_main=self.rank == 0,
             resume=self.train_state.trackers,
             start_step=self.start_step,
             progress=progress,
         )
-        if is_main:  # saved with every checkpoint, so that a resumed run continues them
+        if self.rank == 0:  # saved with every checkpoint, so that a resumed run continues them
             self.train_state.trackers = writer.ids()
             if self.train_state.trackers:
                 writer.write(
@@ -324,155 +380,141 @@ class Trainer(TrainingSteps):
                 )
         for note in self.notes:  # at the step resumed from, so that a later resume keeps it
             writer.write({**note, "step": self.start_step})
+        return writer
+
+    def _announce(self, progress: ProgressReporter) -> None:
+        """Say what runs, and where a resumed run comes from."""
         progress.message(self._describe())
-        if self.resumed_from is not None:
-            progress.message(f"resumed from {self.resumed_from} (step {self.start_step})")
-            geometry = (self.sampler.global_batch_size, cfg.seq_len)
-            if self._resumed_geometry != geometry:
-                progress.message(
-                    f"note: the checkpoint was written with global batch x seq-len "
-                    f"{self._resumed_geometry}, this run uses {geometry}: the batches "
-                    "differ from those of an uninterrupted run"
+        if self.resumed_from is None:
+            return
+        progress.message(f"resumed from {self.resumed_from} (step {self.start_step})")
+        geometry = (self.sampler.global_batch_size, self.config.seq_len)
+        if self._resumed_geometry != geometry:
+            progress.message(
+                f"note: the checkpoint was written with global batch x seq-len "
+                f"{self._resumed_geometry}, this run uses {geometry}: the batches "
+                "differ from those of an uninterrupted run"
+            )
+
+    def _record_step(
+        self,
+        step: int,
+        stats: dict[str, Any],
+        run: _Run,
+        writer: Reporting,
+        elapsed: Callable[[], float],
+    ) -> bool:
+        """Write the step's metrics line (its evaluation too, when due); whether a stop
+        was asked for before the last step."""
+        cfg = self.config
+        run.train_seconds += stats["seconds"]
+        run.loss = stats["loss"]
+        run.last_step = step
+        run.peak_memory = stats["peak_memory_bytes"]
+        tokens_per_s = self.tokens_per_step / stats["seconds"]
+        record: dict[str, Any] = {
+            "step": step,
+            "loss": run.loss,
+            "lr": stats["lr"],
+            **({"adamw_lr": stats["adamw_lr"]} if stats["adamw_lr"] is not None else {}),
+            "tokens_per_s": tokens_per_s,
+            "grad_norm": stats["grad_norm"],
+            "peak_memory_bytes": run.peak_memory,
+        }
+        report = getattr(self.optimizer, "qk_clip_report", None)
+        if report is not None:
+            record["max_logit"] = report.max_logit
+            record["qk_clipped_heads"] = report.clipped_heads
+        if self.peak_flops is not None:
+            achieved = self.flops_per_token * tokens_per_s
+            record["mfu"] = achieved / (self.peak_flops * self.world_size)
+        if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
+            run.end_val = self._guarded(f"the evaluation of step {step}", self.evaluate)
+            record["val_loss"] = run.end_val
+        record["time"] = elapsed()
+        writer.write(record)
+        return stats["stop"] > 0 and step < cfg.steps  # at the last step: done anyway
+
+    def _after_step(
+        self,
+        step: int,
+        stopping: bool,
+        run: _Run,
+        writer: Reporting,
+        progress: ProgressReporter,
+        elapsed: Callable[[], float],
+    ) -> bool:
+        """The step's sample and checkpoint when due, and its stop when asked; whether
+        training stops here."""
+        cfg = self.config
+        if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or step == cfg.steps):
+            text = self._guarded(f"the sample of step {step}", self.sample)
+            writer.write(
+                {
+                    contract.EVENT_KEY: contract.SAMPLE_EVENT,
+                    "step": step,
+                    "prompt": cfg.sample_prompt,
+                    "text": text,
+                }
+            )
+            writer.text(step, "sample", cfg.sample_prompt + text)
+        periodic = cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0
+        if cfg.checkpoint_dir is not None and (periodic or stopping or step == cfg.steps):
+            try:
+                run.checkpoint = self._guarded(
+                    f"the checkpoint of step {step}", self.save_checkpoint, step, elapsed()
                 )
-        start_val: float | None = None
-        end_val: float | None = None
-        loss = float("nan")
-        train_seconds = 0.0
-        last_step = self.start_step
-        checkpoint: Path | None = None
-        exported: Path | None = None
-        stopped = False
-        peak_memory: list[int] = []
-        time_offset = self.train_state.time
-        t0 = time.perf_counter()
-        tracking = Path(cfg.tracking_dir or DEFAULT_TRACKING_DIR)
-        profiler = StepProfiler(
-            cfg.profile_steps, tracking, self.rank, self.device, cfg.memory_snapshot
-        )
-
-        def elapsed() -> float:
-            return time_offset + time.perf_counter() - t0
-
-        try:
-            with self.stop:
-                if cfg.eval_every > 0 and self.start_step == 0:
-                    start_val = end_val = self._guarded("the evaluation of step 0", self.evaluate)
-                    writer.write({"step": 0, "time": elapsed(), "val_loss": start_val})
-                for step in range(self.start_step + 1, cfg.steps + 1):
-                    profiler.before(step)
-                    stats = self._guarded(f"step {step}", self.train_step, step)
-                    profiler.after(step)
-                    train_seconds += stats["seconds"]
-                    loss = stats["loss"]
-                    last_step = step
-                    peak_memory = stats["peak_memory_bytes"]
-                    stopping = stats["stop"] > 0 and step < cfg.steps  # else: done anyway
-                    tokens_per_s = self.tokens_per_step / stats["seconds"]
-                    record: dict[str, Any] = {
+            except checkpointing.CheckpointWriteError as error:
+                writer.write(
+                    {
+                        contract.EVENT_KEY: contract.CHECKPOINT_FAILED_EVENT,
                         "step": step,
-                        "loss": loss,
-                        "lr": stats["lr"],
-                        **(
-                            {"adamw_lr": stats["adamw_lr"]} if stats["adamw_lr"] is not None else {}
-                        ),
-                        "tokens_per_s": tokens_per_s,
-                        "grad_norm": stats["grad_norm"],
-                        "peak_memory_bytes": peak_memory,
+                        "message": error.strerror,
                     }
-                    report = getattr(self.optimizer, "qk_clip_report", None)
-                    if report is not None:
-                        record["max_logit"] = report.max_logit
-                        record["qk_clipped_heads"] = report.clipped_heads
-                    if self.peak_flops is not None:
-                        achieved = self.flops_per_token * tokens_per_s
-                        record["mfu"] = achieved / (self.peak_flops * self.world_size)
-                    if cfg.eval_every > 0 and (step % cfg.eval_every == 0 or step == cfg.steps):
-                        end_val = self._guarded(f"the evaluation of step {step}", self.evaluate)
-                        record["val_loss"] = end_val
-                    record["time"] = elapsed()
-                    writer.write(record)
-                    if cfg.sample_every > 0 and (step % cfg.sample_every == 0 or step == cfg.steps):
-                        text = self._guarded(f"the sample of step {step}", self.sample)
-                        writer.write(
-                            {
-                                contract.EVENT_KEY: contract.SAMPLE_EVENT,
-                                "step": step,
-                                "prompt": cfg.sample_prompt,
-                                "text": text,
-                            }
-                        )
-                        writer.text(step, "sample", cfg.sample_prompt + text)
-                    periodic = cfg.checkpoint_every > 0 and step % cfg.checkpoint_every == 0
-                    if cfg.checkpoint_dir is not None and (
-                        periodic or stopping or step == cfg.steps
-                    ):
-                        try:
-                            checkpoint = self._guarded(
-                                f"the checkpoint of step {step}",
-                                self.save_checkpoint,
-                                step,
-                                elapsed(),
-                            )
-                        except checkpointing.CheckpointWriteError as error:
-                            writer.write(
-                                {
-                                    contract.EVENT_KEY: contract.CHECKPOINT_FAILED_EVENT,
-                                    "step": step,
-                                    "message": error.strerror,
-                                }
-                            )
-                            if cfg.on_checkpoint_error != "warn":
-                                raise
-                            progress.warning(f"{error.strerror}; training goes on")
-                    if stopping:
-                        writer.write(
-                            {
-                                contract.EVENT_KEY: contract.STOPPED_EVENT,
-                                "step": step,
-                                "signal": self.stop.signal_name,
-                                "checkpoint": None if checkpoint is None else str(checkpoint),
-                            }
-                        )
-                        progress.message(
-                            f"stopped by {self.stop.signal_name or 'a signal on another rank'}"
-                            f" after step {step}"
-                        )
-                        stopped = True
-                        break
-                if cfg.export_hf is not None and not stopped and last_step == cfg.steps:
-                    exported = self._guarded(
-                        f"the export after step {last_step}", self.export_hf, cfg.export_hf
-                    )
-                    writer.artifact(exported, "model")
-                    progress.message(f"exported a Hugging Face model directory to {exported}")
-        finally:
-            profiler.close()
-            progress.close()
-            writer.close()
-        steps_run = last_step - self.start_step
-        summary: dict[str, Any] = {
-            "steps": last_step,
-            "final_loss": loss,
-            "start_val_loss": start_val,
-            "end_val_loss": end_val,
-            "wall_time_s": time.perf_counter() - t0,
-            "train_time_s": train_seconds,
+                )
+                if cfg.on_checkpoint_error != "warn":
+                    raise
+                progress.warning(f"{error.strerror}; training goes on")
+        if not stopping:
+            return False
+        writer.write(
+            {
+                contract.EVENT_KEY: contract.STOPPED_EVENT,
+                "step": step,
+                "signal": self.stop.signal_name,
+                "checkpoint": None if run.checkpoint is None else str(run.checkpoint),
+            }
+        )
+        progress.message(
+            f"stopped by {self.stop.signal_name or 'a signal on another rank'} after step {step}"
+        )
+        run.stopped = True
+        return True
+
+    def _summary(self, run: _Run) -> dict[str, Any]:
+        """What `fit` returns (and prints)."""
+        steps_run = run.last_step - self.start_step
+        return {
+            "steps": run.last_step,
+            "final_loss": run.loss,
+            "start_val_loss": run.start_val,
+            "end_val_loss": run.end_val,
+            "wall_time_s": time.perf_counter() - run.started,
+            "train_time_s": run.train_seconds,
             "tokens": self.tokens_per_step * steps_run,
-            "tokens_per_s": self.tokens_per_step * steps_run / max(train_seconds, 1e-9),
+            "tokens_per_s": self.tokens_per_step * steps_run / max(run.train_seconds, 1e-9),
             "world_size": self.world_size,
-            "optimizer": cfg.optimizer,
-            "model": cfg.model,
+            "optimizer": self.config.optimizer,
+            "model": self.config.model,
             "params": self.num_params,
-            "peak_memory_bytes": peak_memory,
+            "peak_memory_bytes": run.peak_memory,
             "start_step": self.start_step,
             "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
-            "stopped_by": (self.stop.signal_name or "signal") if stopped else None,
-            "checkpoint": None if checkpoint is None else str(checkpoint),
-            "export": None if exported is None else str(exported),
-            "config": asdict(cfg),
+            "stopped_by": (self.stop.signal_name or "signal") if run.stopped else None,
+            "checkpoint": None if run.checkpoint is None else str(run.checkpoint),
+            "export": None if run.exported is None else str(run.exported),
+            "config": asdict(self.config),
         }
-        progress.message(format_summary(summary))
-        return summary
 
     def close(self) -> None:
         """Restore the thread count; destroy the process group if this trainer created it."""

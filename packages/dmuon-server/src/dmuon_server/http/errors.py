@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
+from dmuon_server.scheduling.requests import Refusal
 from dmuon_server.schemas import FieldError, Problem
 from dmuon_server.schemas.responses import field_error
 from dmuon_server.storage.store import StoreFull, StoreUnavailable
@@ -44,8 +45,9 @@ RETRY_AFTER_S = 10
 _METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
 
-class ApiError(Exception):
-    """An error a route reports as RFC 9457 problem details."""
+class ApiError(Refusal):
+    """An error a route reports as RFC 9457 problem details (a `Refusal` of the service
+    is answered the same way)."""
 
     def __init__(
         self,
@@ -58,13 +60,8 @@ class ApiError(Exception):
         extra: dict[str, Any] | None = None,
     ) -> None:
         """Describe the problem; ``kind`` becomes the ``type`` URN."""
-        super().__init__(detail)
-        self.status = status
-        self.title = title
-        self.detail = detail
-        self.kind = kind
+        super().__init__(status, title, detail, kind=kind, extra=extra)
         self.errors = errors
-        self.extra = extra or {}
 
 
 def status_title(status: int) -> str:
@@ -128,14 +125,14 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error of ``app`` a problem+json response."""
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    @app.exception_handler(Refusal)
+    async def _api_error(request: Request, exc: Refusal) -> JSONResponse:
         return problem_response(
             exc.status,
             exc.title,
             exc.detail,
             kind=exc.kind,
-            errors=exc.errors,
+            errors=exc.errors if isinstance(exc, ApiError) else None,
             instance=request.url.path,
             extra=exc.extra,
         )

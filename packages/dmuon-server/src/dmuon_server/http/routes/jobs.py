@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
-import uuid
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
@@ -23,14 +21,11 @@ from dmuon_server.http.dependencies import (
 )
 from dmuon_server.http.errors import ApiError, error_responses, field_error, invalid_request
 from dmuon_server.http.views import job_view, ts
-from dmuon_server.launching.command import build_command, init_path, plan_view
+from dmuon_server.launching.command import plan_view
 from dmuon_server.launching.identity import JobIdentities
-from dmuon_server.launching.volumes import remove_job_folder
-from dmuon_server.recipe.fingerprint import spec_fingerprint
 from dmuon_server.recipe.review import Review, review
-from dmuon_server.scheduling.supervisor import JobFinishing
+from dmuon_server.scheduling import requests
 from dmuon_server.schemas import (
-    TERMINAL_STATES,
     Checkpoint,
     CheckpointList,
     Job,
@@ -40,19 +35,16 @@ from dmuon_server.schemas import (
     LaunchPlan,
     LogLines,
     ResumeRequest,
-    spec_of,
 )
 from dmuon_server.storage.jobfiles import (
     CHECKPOINT_DIR,
     LOG_FILE,
-    latest_checkpoint,
-    link_tree,
     list_checkpoints,
     tail_lines,
 )
 from dmuon_server.storage.paths import PublicPaths
-from dmuon_server.storage.store import IdempotencyConflict, Store, StoreFull
-from dmuon_server.users import Limits, User
+from dmuon_server.storage.store import Store
+from dmuon_server.users import User
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -116,36 +108,6 @@ def _accepted(
     return accepted
 
 
-def _check_limits(
-    limits: Limits, priority: int, store: Store, who: str | None, key: str | None = None
-) -> None:
-    """Refuse to queue a job of ``who`` beyond their limits (the users file): a priority
-    above ``max_priority`` (403), or a job beyond ``queued_jobs`` waiting (429). Every path
-    that queues a job asks (a submission, a resume). A retry of a submission that created
-    its job (same ``Idempotency-Key``) is not counted again."""
-    if limits.max_priority is not None and priority > limits.max_priority:
-        raise ApiError(
-            403,
-            "Priority above your limit",
-            f"priority {priority} is above the highest you may give, "
-            f"{limits.max_priority} (your limits in the users file); use a lower one",
-            kind="over-limit",
-        )
-    if limits.queued_jobs is None:
-        return
-    if key is not None and store.job_by_key(who, key) is not None:
-        return  # a retry: the store answers it
-    waiting = store.queued_count(who)
-    if waiting >= limits.queued_jobs:
-        raise ApiError(
-            429,
-            "Queue limit reached",
-            f"you have {waiting} jobs queued, your limit (queued_jobs in the users file); "
-            "submit or resume again when one has started, or cancel one",
-            kind="over-limit",
-        )
-
-
 @router.post(
     "",
     status_code=201,
@@ -187,58 +149,12 @@ def create_job(
     `Idempotency-Key` is the submitting user's own.
     """
     accepted = _accepted(settings, store, identities, user, body)
-    who = user_name(user)
-    _check_limits(identities.users.limits_of(who), body.priority, store, who, idempotency_key)
-    body = accepted.spec  # with the recipe's defaults: the job record shows the values used
-    assert body is not None
-    canonical = json.dumps(body.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    job_id = uuid.uuid4().hex
-    job_dir = settings.job_dir(job_id)
-    init = accepted.init_checkpoint
-    command = build_command(settings, job_dir, accepted)
-    if init is not None:
-        # The job gets its own (hard-linked) copy before it exists in the store, so the
-        # source job may prune or delete its checkpoint while this one waits in the queue.
-        try:
-            owner = identities.account_for(user_name(user) or "")
-            link_tree(init.path, init_path(job_dir, init), owner)
-        except OSError as e:
-            remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
-            raise ApiError(
-                409,
-                "Checkpoint unavailable",
-                f"the checkpoint of step {init.step} of job {body.init_from.job} could not "
-                f"be read ({e.strerror or type(e).__name__}); it was probably pruned just "
-                "now: submit again (with a step listed by GET /v1/jobs/"
-                f"{body.init_from.job}/checkpoints)",
-                kind="checkpoint-unavailable",
-            ) from None
-    try:
-        row, created = store.create_job(
-            job_id=job_id,
-            name=body.name,
-            nproc=body.nproc_per_node,
-            spec=canonical,
-            spec_hash=spec_fingerprint(body),
-            idempotency_key=idempotency_key,
-            argv=command.argv,
-            user=user_name(user),
-            priority=body.priority,
-        )
-    except IdempotencyConflict as e:
-        remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
-        raise ApiError(
-            409,
-            "Idempotency-Key already used",
-            f"the Idempotency-Key was used for job {e.job_id} with a different spec; "
-            "use a new key for a new job, or resend the original spec",
-            kind="idempotency-conflict",
-            extra={"job_id": e.job_id},
-        ) from None
+    row, created = requests.submit(
+        settings, store, identities, user_name(user), accepted, idempotency_key
+    )
     if created:
         supervisor.wake()
     else:
-        remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
         response.status_code = 200
     response.headers["Location"] = f"/v1/jobs/{row.id}"
     return job_view(store, row, supervisor.queue_places())
@@ -321,24 +237,7 @@ def cancel_job(job: JobDep, store: StoreDep, supervisor: SupervisorDep) -> Job:
     Idempotent; a queued job is cancelled at once. 409 for a job that already
     succeeded or failed, or that has trained all its steps and is finishing.
     """
-    try:
-        row = supervisor.cancel(job.id) or job
-    except JobFinishing as e:
-        raise ApiError(
-            409,
-            "Job finishing",
-            f"job {e.job_id} has trained all its {e.steps} steps and is saving its last "
-            "checkpoint; it ends succeeded in a moment, and a cancel now would only lose "
-            "that work",
-            kind="job-finishing",
-        ) from None
-    if row.state in (JobState.SUCCEEDED, JobState.FAILED):
-        raise ApiError(
-            409,
-            "Job already finished",
-            f"job {job.id} already {row.state}; there is nothing to cancel",
-            kind="job-finished",
-        )
+    row = requests.cancel(supervisor, job)
     return job_view(store, row)
 
 
@@ -354,20 +253,7 @@ def delete_job(job: JobDep, settings: SettingsDep, store: StoreDep) -> Response:
     On a full disk (the database cannot even write its deletion) the folder of the
     finished job goes first, which frees the space the deletion needs.
     """
-    job_id = job.id
-    try:
-        deleted = job.state in TERMINAL_STATES and store.delete_job(job_id)
-    except StoreFull:
-        remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
-        deleted = store.delete_job(job_id)
-    if not deleted:
-        raise ApiError(
-            409,
-            "Job not finished",
-            f"job {job_id} is {job.state}; cancel it first and delete it once it is cancelled",
-            kind="job-not-finished",
-        )
-    remove_job_folder(settings.data_dir, settings.jobs_dir, job_id)
+    requests.delete(settings, store, job)
     return Response(status_code=204)
 
 
@@ -433,46 +319,7 @@ def resume_job(
     `queued_jobs` waiting and 403 when its priority is above their `max_priority`, as for
     a submission.
     """
-    job_id = job.id
-    if job.state not in TERMINAL_STATES:
-        raise ApiError(
-            409,
-            "Job not finished",
-            f"job {job_id} is {job.state}; only a cancelled, failed or succeeded job can "
-            "be resumed (cancel it first: it saves a checkpoint as it stops)",
-            kind="job-not-finished",
-        )
-    latest = latest_checkpoint(settings.job_dir(job_id) / CHECKPOINT_DIR)
-    if latest is None:
-        raise ApiError(
-            409,
-            "No checkpoint",
-            f"job {job_id} saved no checkpoint, so there is nothing to resume from; "
-            "submit it again as a new job",
-            kind="no-checkpoint",
-        )
-    spec = spec_of(job)
-    steps = body.steps if body is not None and body.steps is not None else spec.steps
-    if steps is not None and steps <= latest.step:
-        raise ApiError(
-            409,
-            "Nothing left to train",
-            f"job {job_id}'s latest checkpoint is at step {latest.step} and the job trains "
-            f"{steps} steps; pass a larger steps (more than {latest.step}) to train further",
-            kind="nothing-to-resume",
-        )
-    _check_limits(identities.users.limits_of(job.user), job.priority, store, job.user)
-    new_spec = spec.with_steps(steps) if steps is not None else spec
-    canonical = json.dumps(new_spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-    to = f"to step {steps}" if steps is not None else "on"
-    reason = f"resume requested: from step {latest.step} {to}"
-    row = store.reopen(job_id, reason, spec=canonical)
-    if row is None:  # it was resumed (or deleted) by a concurrent request
-        raise ApiError(
-            409,
-            "Job not finished",
-            f"job {job_id} was resumed by another request; GET /v1/jobs/{job_id}",
-            kind="job-not-finished",
-        )
+    steps = body.steps if body is not None else None
+    row = requests.resume(settings, store, identities, job, steps)
     supervisor.wake()
     return job_view(store, row, supervisor.queue_places())
