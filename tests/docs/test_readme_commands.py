@@ -72,7 +72,7 @@ kill %1
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
     job = json.loads((tmp_path / "job.json").read_text())
     assert job["state"] == "succeeded", job
-    assert job["name"] == "small-accum4"
+    assert job["name"] == "tiny-accum4"
     stored = re.findall(r'"step":(\d+)', out)
     assert "60" in stored, out[-2000:]
     assert '"status":409' in out  # the README's cancel, once the job is over
