@@ -163,7 +163,12 @@ def test_users_are_found_by_their_tokens_hash(tmp_path: Path) -> None:
         (
             [{"name": "ada", "token_sha256": _h("x"), "limits": {"disk_gb": 5}}],
             0o600,
-            "disk_gib a number",
+            "the GiB ones",
+        ),
+        (
+            [{"name": "ada", "token_sha256": _h("x"), "limits": {"memory_gib": True}}],
+            0o600,
+            "memory_gib must be a number",
         ),
     ],
 )
@@ -187,6 +192,18 @@ def test_a_disk_quota_is_a_limit_like_the_others(tmp_path: Path) -> None:
     assert users.limits_of("ada").disk_gib == 2.5
     assert users.limits_of("bob").disk_gib == 40
     assert users.limits_of("root").disk_gib is None
+
+
+def test_a_users_memory_per_job_is_the_smaller_of_theirs_and_the_servers() -> None:
+    from dmuon_server.users import Limits
+
+    server = 4 * 2**30
+    assert Limits().job_memory(server) == (server, "--max-job-memory")
+    assert Limits(memory_gib=8).job_memory(server) == (server, "--max-job-memory")
+    assert Limits(memory_gib=1.5).job_memory(server) == (
+        int(1.5 * 2**30),
+        "memory_gib in the users file",
+    )
 
 
 def test_a_reload_keeps_the_old_users_when_the_new_file_is_bad(tmp_path: Path) -> None:

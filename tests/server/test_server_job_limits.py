@@ -161,6 +161,29 @@ def test_a_job_over_its_memory_or_process_limit_ends_with_that_cause(world: Worl
         server.stop()
 
 
+def test_a_users_memory_gib_is_their_jobs_limit_at_admission_and_in_the_kernel(
+    world: World,
+) -> None:
+    doc = json.loads(world.users_file.read_text())
+    doc["users"][0]["limits"] = {"memory_gib": 0.25}  # alice; the server allows 2 GiB
+    world.users_file.write_text(json.dumps(doc))
+    server = _server(world, "--max-job-memory", "2")
+    try:
+        with _alice(world, server) as alice:
+            small = _end(alice, _submit(alice, "hungry.py", "64"))
+            assert small["state"] == "succeeded", small
+            big = _end(alice, _submit(alice, "hungry.py", "1024"))
+            assert big["state"] == "failed", big
+            assert "0.2 GiB (memory_gib in the users file)" in big["failure"]["limit"], big
+            # The recipe's estimate is held to the same limit before anything runs.
+            spec = {"nproc_per_node": 1, "train": {"model": "base", "micro_batch_size": 64}}
+            r = alice.post("/v1/jobs:validate", json=spec)
+            assert r.status_code == 422, r.text
+            assert "memory_gib in the users file" in r.text, r.text
+    finally:
+        server.stop()
+
+
 def test_no_process_outlives_its_job_or_its_cancel(world: World) -> None:
     server = _server(world)
     try:

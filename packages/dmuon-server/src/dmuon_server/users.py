@@ -14,8 +14,9 @@ instead of a loopback-only one of their own). ``limits`` (a user's
 own) or ``default_limits`` (everyone else but admins) bound what a user may hold:
 ``queued_jobs`` waiting at once and ``max_priority`` (checked when a job is submitted),
 ``running_jobs`` and ``gpus`` at once (the queue skips the user's next job until one
-ends), and ``disk_gib``, the space their job folders may take on the data directory (see
-:mod:`dmuon_server.launching.volumes`); a limit left out is no limit (see :class:`Limits`).
+ends), ``disk_gib``, the space their job folders may take on the data directory (see
+:mod:`dmuon_server.launching.volumes`), and ``memory_gib``, the memory one of their jobs
+may use (see :meth:`Limits.job_memory`); a limit left out is no limit (see :class:`Limits`).
 ``slurm_accounts`` lists the Slurm accounts a user's jobs may charge (``account``; admins
 may charge any).
 
@@ -57,7 +58,9 @@ _ENTRY_KEYS = {
 }
 #: What a Slurm account name may be (as the job spec's ``account``).
 _SLURM_ACCOUNT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-_LIMIT_KEYS = ("queued_jobs", "running_jobs", "gpus", "max_priority", "disk_gib")
+_LIMIT_KEYS = ("queued_jobs", "running_jobs", "gpus", "max_priority", "disk_gib", "memory_gib")
+#: Limits given in GiB, as numbers (the others are integers).
+_GIB_KEYS = ("disk_gib", "memory_gib")
 #: The priorities a job may have (the job spec's bounds).
 PRIORITY_RANGE = (-1000, 1000)
 #: What a Unix account name may be (the portable set ``useradd`` accepts).
@@ -83,23 +86,33 @@ class Limits:
     #: GiB of the data directory's disk the user's job folders may hold together, set
     #: aside for the user (see :mod:`dmuon_server.launching.volumes`).
     disk_gib: float | None = None
+    #: GiB one of the user's jobs may use (all its ranks), when below the server's
+    #: ``--max-job-memory``: checked against the job's estimate at submission, and the
+    #: kernel's limit of its cgroup.
+    memory_gib: float | None = None
+
+    def job_memory(self, server_bytes: int) -> tuple[int, str]:
+        """The memory one of the user's jobs may use, in bytes, and which limit that is
+        (``server_bytes``: the server's ``--max-job-memory``)."""
+        if self.memory_gib is not None and self.memory_gib * 2**30 < server_bytes:
+            return int(self.memory_gib * 2**30), "memory_gib in the users file"
+        return server_bytes, "--max-job-memory"
 
 
 def _limits(value: object, where: str) -> Limits:
     if not isinstance(value, dict) or set(value) - set(_LIMIT_KEYS):
         raise UsersFileError(
-            f"{where}: limits may give {', '.join(_LIMIT_KEYS)}, as integers (disk_gib a number)"
+            f"{where}: limits may give {', '.join(_LIMIT_KEYS)}, as integers (the GiB ones "
+            "as numbers)"
         )
     for key, number in value.items():
-        if key == "disk_gib":
+        if key in _GIB_KEYS:
             if (
                 not isinstance(number, int | float)
                 or isinstance(number, bool)
                 or not 0.01 <= number <= 1_000_000
             ):
-                raise UsersFileError(
-                    f"{where}: limits.disk_gib must be a number from 0.01 to 1000000"
-                )
+                raise UsersFileError(f"{where}: limits.{key} must be a number from 0.01 to 1000000")
             continue
         low = PRIORITY_RANGE[0] if key == "max_priority" else 0
         high = PRIORITY_RANGE[1] if key == "max_priority" else 1_000_000

@@ -46,6 +46,8 @@ class JobLimits:
     memory_bytes: int
     pids: int
     cpus: float | None = None
+    #: Which setting ``memory_bytes`` comes from (said when the kernel stops the job).
+    memory_source: str = "--max-job-memory"
 
 
 def _read(path: Path) -> str:
@@ -94,7 +96,7 @@ def limit_hit(cgroup: JobCgroup, limits: JobLimits) -> str | None:
     if cgroup.out_of_memory():
         return (
             f"the job went beyond its memory limit of {limits.memory_bytes / 2**30:.1f} GiB "
-            "(--max-job-memory), and the kernel killed it"
+            f"({limits.memory_source}), and the kernel killed it"
         )
     if cgroup.out_of_pids():
         return (

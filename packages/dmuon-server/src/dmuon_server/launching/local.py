@@ -212,7 +212,7 @@ class LocalLauncher:
                     or self.identities.users.host_network_of(job.user or ""),
                     hidden=self.settings.server_files,
                 )
-            cgroup = self._new_cgroup(job.id, start.number)
+            cgroup = self._new_cgroup(job, start.number)
             fds, enroll = cgroup.enroller() if cgroup is not None else ([], None)
             try:
                 with os.fdopen(attempts.open_job_log(job_dir, start.account), "ab") as logf:
@@ -267,16 +267,22 @@ class LocalLauncher:
         n += cgroup.kill() if cgroup is not None else 0
         log.warning("job %s: its user's disk quota is full; SIGKILL to %d process(es)", job.id, n)
 
-    def _new_cgroup(self, job_id: str, attempt: int) -> JobCgroup | None:
+    def _limits_of(self, job: JobRecord) -> JobLimits:
+        """The kernel's limits of ``job``: the server's, with its user's memory_gib."""
+        users = self.identities.users
+        memory, source = users.limits_of(job.user).job_memory(self.settings.max_job_memory)
+        return dataclasses.replace(self.limits, memory_bytes=memory, memory_source=source)
+
+    def _new_cgroup(self, job: JobRecord, attempt: int) -> JobCgroup | None:
         """The cgroup of a new attempt (None where the machine has none to give)."""
         if self.cgroups is None:
             return None
-        self._end_cgroup(job_id)  # the previous attempt's, if a restart
+        self._end_cgroup(job.id)  # the previous attempt's, if a restart
         try:
-            cgroup = self.cgroups.create(f"{job_id}-{attempt}", self.limits)
+            cgroup = self.cgroups.create(f"{job.id}-{attempt}", self._limits_of(job))
         except CgroupError as e:
             raise OSError(e.errno, f"{e.strerror} ({e.filename})") from None
-        self._cgroup[job_id] = cgroup
+        self._cgroup[job.id] = cgroup
         return cgroup
 
     def _cgroup_of(self, job: JobRecord) -> JobCgroup | None:
@@ -398,7 +404,7 @@ class LocalLauncher:
             kill_and_reap(leftovers, signal.SIGKILL)
         cgroup = self._cgroup_of(job)
         stopped_by = self._over_quota.pop(job.id, None) or (
-            limit_hit(cgroup, self.limits) if cgroup is not None else None
+            limit_hit(cgroup, self._limits_of(job)) if cgroup is not None else None
         )
         self._end_cgroup(job.id)
         # The child is forgotten only once the outcome is recorded: a round whose write

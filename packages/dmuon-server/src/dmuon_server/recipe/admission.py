@@ -334,8 +334,11 @@ def assess(
     limit: int,
     model: ModelInputs | None = None,
     roots: tuple[Path, ...] = (),
+    limit_name: str = "--max-job-memory",
 ) -> tuple[Admission, list[Refusal], list[str]]:
     """Estimate what a job needs; return the figures, the refusals and the warnings.
+
+    ``limit`` is the memory the job may use, and ``limit_name`` the setting it comes from.
 
     ``data_path`` is the resolved ``train.data`` (None: the built-in corpus), inside one
     of the data ``roots``, and ``data_label`` how clients see it; ``model`` the resolved
@@ -427,7 +430,7 @@ def assess(
             Refusal(
                 mem_loc,
                 f"the job needs an estimated {need}, more than this server allows per job "
-                f"({_gib(limit)}, --max-job-memory); lower micro_batch_size, seq_len or "
+                f"({_gib(limit)}, {limit_name}); lower micro_batch_size, seq_len or "
                 "nproc_per_node",
             )
         )

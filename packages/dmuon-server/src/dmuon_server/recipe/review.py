@@ -298,22 +298,32 @@ def _too_many_gpus(settings: Settings, spec: JobCreate, gpus: int) -> list[Field
 
 
 def review(
-    settings: Settings, spec: JobCreate, visible: Callable[[str], bool] = lambda _: True
+    settings: Settings,
+    spec: JobCreate,
+    visible: Callable[[str], bool] = lambda _: True,
+    memory: tuple[int, str] | None = None,
 ) -> Review:
     """Check ``spec`` against the server's limits and the recipe: whether it can run, and
     what it needs; the review's ``spec`` is ``spec`` with the recipe's defaults.
 
     The errors name every field to change; the estimates come along when the spec got far
     enough to make them. ``visible`` says whether the submitter may see a job (the source
-    of ``init_from``).
+    of ``init_from``); ``memory`` is the submitter's memory per job and where that limit
+    comes from (default: the server's ``--max-job-memory``).
     """
     spec = with_recipe_defaults(spec)
-    found = _review(settings, spec, visible)
+    memory = memory or (settings.max_job_memory, "--max-job-memory")
+    found = _review(settings, spec, visible, memory)
     found.spec = spec
     return found
 
 
-def _review(settings: Settings, spec: JobCreate, visible: Callable[[str], bool]) -> Review:
+def _review(
+    settings: Settings,
+    spec: JobCreate,
+    visible: Callable[[str], bool],
+    memory: tuple[int, str],
+) -> Review:
     errors: list[FieldError] = launcher_refusals(settings, spec) + gpu_refusals(settings, spec)
     gpus = gpus_per_node(settings, spec)
     errors += _too_many_gpus(settings, spec, gpus)
@@ -355,9 +365,10 @@ def _review(settings: Settings, spec: JobCreate, visible: Callable[[str], bool])
         spec.nproc_per_node,
         data_path,
         label,
-        settings.max_job_memory,
+        memory[0],
         model,
         settings.data_roots,
+        limit_name=memory[1],
     )
     errors = [field_error(r.loc, r.message, "admission") for r in refusals]
     return Review(

@@ -85,7 +85,8 @@ def _accepted(
         job = store.get_job(job_id)
         return job is not None and may_see(user, job)
 
-    accepted = review(settings, body, visible)
+    limits = identities.users.limits_of(user_name(user))
+    accepted = review(settings, body, visible, limits.job_memory(settings.max_job_memory))
     account = body.account
     if account is not None and not identities.users.may_charge(user_name(user), account):
         accepted.errors.append(
