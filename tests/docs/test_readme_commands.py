@@ -1,5 +1,6 @@
 """The README's job-service commands run as written, as the account that runs the tests
-(root in CI, where the server refuses to run jobs as root unless told, as the README says).
+(root in CI, where the server refuses to run jobs as root unless told, as the README says)
+and, where the tests run as root, as a normal account too.
 
 The one change: the README's port 8000 becomes a free one (tests never take a fixed
 port). Oracles: the shell's exit status under ``set -euo pipefail``, the server's own
@@ -12,14 +13,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pwd
 import re
+import shutil
 import signal
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+import pytest
 from conftest import docs_env
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -40,7 +45,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_the_readmes_service_commands_run_as_written(tmp_path: Path) -> None:
+#: The normal account the README also runs as (made if missing, as the server tests do).
+ACCOUNT = "dmuon-t-readme"
+
+
+def _account() -> tuple[int, int] | None:
+    """``(uid, gid)`` of `ACCOUNT`, made if missing; None unless the tests run as root."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        return None
+    try:
+        entry = pwd.getpwnam(ACCOUNT)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ACCOUNT],
+            check=True,
+            capture_output=True,
+        )
+        entry = pwd.getpwnam(ACCOUNT)
+    return entry.pw_uid, entry.pw_gid
+
+
+@pytest.mark.parametrize("who", ["this account", "a normal account"])
+def test_the_readmes_service_commands_run_as_written(who: str) -> None:
+    account = _account() if who == "a normal account" else None
+    if who == "a normal account" and account is None:
+        pytest.skip("running as another account needs root (and useradd)")
+    folder = Path(tempfile.mkdtemp(prefix="dmuon-readme-", dir="/tmp"))
+    try:
+        _run_readme(folder, account)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _run_readme(folder: Path, account: tuple[int, int] | None) -> None:
     block = _service_block()
     assert "8000" in block and "$ID" in block and "ID=$(" in block
     port = _free_port()
@@ -52,17 +89,26 @@ def test_the_readmes_service_commands_run_as_written(tmp_path: Path) -> None:
 curl -s http://127.0.0.1:{port}/v1/jobs/$ID -H "$H" > job.json
 kill %1
 """
-    (tmp_path / "readme.sh").write_text(script)
+    (folder / "readme.sh").write_text(script)
     env = docs_env()
     env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+    env["DMUON_CACHE_DIR"] = str(folder / "cache")
+    extra: dict[str, object] = {}
+    if account is not None:
+        folder.chmod(0o755)
+        for path in (folder, folder / "readme.sh"):
+            os.chown(path, *account)
+        env["HOME"] = str(folder)
+        extra = {"user": account[0], "group": account[1], "extra_groups": []}
     proc = subprocess.Popen(
         ["bash", "-euo", "pipefail", "readme.sh"],
-        cwd=tmp_path,
+        cwd=folder,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        **extra,  # type: ignore[arg-type]
     )
     try:
         out, err = proc.communicate(timeout=TIMEOUT_S)
@@ -70,11 +116,13 @@ kill %1
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
-    job = json.loads((tmp_path / "job.json").read_text())
-    assert job["state"] == "succeeded", job
+    job = json.loads((folder / "job.json").read_text())
+    assert job["state"] == "succeeded", (job.get("reason"), job.get("failure"), err[-3000:])
     assert job["name"] == "tiny-accum4"
     stored = re.findall(r'"step":(\d+)', out)
     assert "60" in stored, out[-2000:]
     assert '"status":409' in out  # the README's cancel, once the job is over
-    token = tmp_path / ".dmuon" / "token"
+    token = folder / ".dmuon" / "token"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
+    if account is not None:  # the server and its job ran as the account
+        assert token.stat().st_uid == account[0]

@@ -176,6 +176,19 @@ class JobCgroup:
                 folder.rmdir()
 
 
+def _probe(parents: dict[str, Path]) -> OSError | None:
+    """Why this server cannot make a job cgroup in ``parents``, or None: one is made and
+    removed in each."""
+    name = f"probe-{os.getpid()}"
+    try:
+        for parent in parents.values():
+            (parent / name).mkdir(exist_ok=True)
+            (parent / name).rmdir()
+    except OSError as e:
+        return e
+    return None
+
+
 @dataclass
 class Cgroups:
     """Where job cgroups are made on this machine, and how."""
@@ -193,7 +206,7 @@ class Cgroups:
         v2 = next((m for m in mounts if m[2] == "cgroup2"), None)
         if v2 is not None and "" in own:
             found = cls._v2(_inside(v2[0], v2[1], own[""]))
-            if found is not None:
+            if found is not None and _probe(found.parents) is None:
                 return found, found.describe()
         parents: dict[str, Path] = {}
         for controller in (*REQUIRED, "cpu"):
@@ -212,9 +225,13 @@ class Cgroups:
             for parent in parents.values():
                 parent.mkdir(exist_ok=True)
         except OSError as e:
+            failed: OSError | None = e
+        else:  # the folder may be an earlier root server's, this server unable to write it
+            failed = _probe(parents)
+        if failed is not None:
             return None, (
-                f"WARNING: jobs run without kernel limits: cannot create {e.filename} "
-                f"({e.strerror}); run the server as root or give it a cgroup of its own"
+                f"WARNING: jobs run without kernel limits: cannot create {failed.filename} "
+                f"({failed.strerror}); run the server as root or give it a cgroup of its own"
             )
         found = cls(1, parents, missing=[] if "cpu" in parents else ["cpu"])
         return found, found.describe()
