@@ -43,23 +43,13 @@ import torch
 import torch.distributed as dist
 
 from dmuon._comm_audit import CONTROL, REPLICATE, SHARD, TENSOR, CommAudit
+from dmuon._comm_collectives import check_signatures, uneven_all_gather
 from dmuon._comm_pending import (
     RECENT_WORK_KEPT,
     Pending,
-    adjacent,
     joined,
     scatter_into,
 )
-
-_KIND_CODES = {
-    "broadcast": 1,
-    "reduce": 2,
-    "all_gather": 3,
-    "reduce_scatter": 4,
-    "all_reduce": 5,
-    "scatter": 6,
-    "gather": 7,
-}
 
 
 def all_reduce_plain(
@@ -143,34 +133,11 @@ class Communicator:
             return
         if group is None:
             group = self.group if dim == SHARD else self.replicate_group
-        size = dist.get_world_size(group)
         # Each dimension counts its own collectives: only owners take part in the
         # replicate dimension's, so one counter would drift apart between shard ranks.
         self._sequence[dim] += 1
-        mine = torch.tensor(
-            [
-                self._sequence[dim],
-                _KIND_CODES[kind],
-                tensor.numel() if numel is None else numel,
-                root,
-            ],
-            dtype=torch.int64,
-            device=self.device,
-        )
-        every = torch.empty(size * 4, dtype=torch.int64, device=self.device)
-        dist.all_gather_single(every, mine, group=group)
-        rows = every.view(size, 4).tolist()
-        if any(row != rows[0] for row in rows):
-            names = {code: name for name, code in _KIND_CODES.items()}
-            lines = "; ".join(
-                f"rank {r}: #{seq} {names.get(code, code)} of {numel} elements, root {root}"
-                for r, (seq, code, numel, root) in enumerate(rows)
-            )
-            raise RuntimeError(
-                "DMuon's ranks are about to issue different collectives (" + lines + "). "
-                "Something rank-local changed the schedule: make every rank run the same "
-                "forwards and backwards (same hook boundaries, same no_sync blocks)."
-            )
+        signature = (self._sequence[dim], kind, tensor.numel() if numel is None else numel, root)
+        check_signatures(signature, group, self.device)
 
     def _issue(
         self,
@@ -262,45 +229,7 @@ class Communicator:
                 then=None if fill is None else lambda: scatter_into(*fill),
                 values=values,
             )
-        like = pieces[senders[0]][0]
-        if dist.get_backend(group) == "gloo":
-            # gloo has no uneven all-gather: an all-to-all in which each rank sends its
-            # pieces to every rank moves exactly the same elements.
-            mine = joined(pieces[me], True, like)
-            send = mine.expand(len(pieces), -1).reshape(-1)
-            # Pieces that lie back to back in rank order (a boundary without split
-            # stacks) receive in place; others through a buffer.
-            received = adjacent(pieces)
-            fills = []
-            if received is None:
-                received = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
-                starts = [sum(sizes[:r]) for r in range(len(pieces))]
-                fills = [(received[starts[r] :], part) for r, part in enumerate(pieces) if r != me]
-
-            def call() -> dist.Work | None:
-                return dist.all_to_all_single(
-                    received,
-                    send,
-                    output_split_sizes=sizes,
-                    input_split_sizes=[sizes[me]] * len(pieces),
-                    group=group,
-                    async_op=True,
-                )
-
-        else:
-            outputs = [joined(part, r == me, like) for r, part in enumerate(pieces)]
-            fills = [
-                (outputs[r], part) for r, part in enumerate(pieces) if r != me and len(part) > 1
-            ]
-            send = outputs[me]
-
-            def call() -> dist.Work | None:
-                return dist.all_gather(outputs, send, group=group, async_op=True)
-
-        def then() -> None:
-            for source, part in fills:
-                scatter_into(source, part)
-
+        send, call, then = uneven_all_gather(pieces, sizes, me, group)
         return self._issue(
             "all_gather",
             send,
