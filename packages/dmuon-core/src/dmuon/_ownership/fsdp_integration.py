@@ -16,7 +16,7 @@ works in every case.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from torch.distributed.fsdp._fully_shard import _fsdp_init
 from torch.distributed.tensor import DTensor
 
 from dmuon._ownership.param import DedicatedParam
+
+if TYPE_CHECKING:
+    from dmuon._ownership.boundary import Boundary
 
 DEDICATED_FLAG = "_dmuon_dedicated"
 _FILTER_FLAG = "_dmuon_skips_dedicated"
@@ -90,3 +93,39 @@ def verify_not_sharded(params: Sequence[DedicatedParam]) -> None:
             "yourself: fully_shard(module, mesh=mesh, "
             "ignored_params=dmuon.dedicated_parameters(model))."
         )
+
+
+def adopt_fsdp_policies(
+    boundaries: Sequence[Boundary],
+    root: nn.Module,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> None:
+    """Before the first forward: each boundary computes and reduces its dedicated
+    matrices as the ``MixedPrecisionPolicy`` of the ``fully_shard`` around it does for
+    its other parameters, unless ``dedicate_params`` was told otherwise.
+
+    The compute dtype is the policy's ``param_dtype``; the reduce dtype is the policy's
+    effective one (``reduce_dtype``, else ``param_dtype``, as FSDP2 reduces), unless
+    ``dedicate_params(reduce_dtype=...)`` overrides it (``param_dtype`` and ``reduce_dtype``:
+    what ``dedicate_params`` was given). A ``dedicate_params(param_dtype=)``
+    that differs from the policy's would mix dtypes inside the layer: it raises.
+    """
+    for boundary in boundaries:
+        fsdp = boundary.fsdp_module(root)
+        policy = fsdp._get_fsdp_state()._mp_policy if fsdp is not None else None
+        if policy is None or (policy.param_dtype is None and policy.reduce_dtype is None):
+            continue
+        where = boundary.name or "<root>"
+        if param_dtype is not None and policy.param_dtype not in (None, param_dtype):
+            raise ValueError(
+                f"dedicate_params(param_dtype={param_dtype}) differs from the "
+                f"MixedPrecisionPolicy(param_dtype={policy.param_dtype}) of the fully_shard "
+                f"around hook boundary {where!r}: the layer would compute with two dtypes. "
+                "Drop dedicate_params' param_dtype (dedicated matrices follow the policy), "
+                "or give both the same dtype."
+            )
+        compute = param_dtype or policy.param_dtype
+        reduce = reduce_dtype or policy.reduce_dtype or policy.param_dtype
+        buffer = boundary.buffer
+        buffer.retype(compute or buffer.dtype, reduce or torch.float32)

@@ -64,36 +64,19 @@ from dmuon._ownership.boundary import (
 )
 from dmuon._ownership.ddp_integration import active_ddp
 from dmuon._ownership.flat_buffer import FlatBuffer
+from dmuon._ownership.fsdp_integration import adopt_fsdp_policies
 from dmuon._ownership.guards import (
     refuse_split_backward_schedule,
-    refuse_torchs_state_dict_functions,
 )
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.replica_updates import ReplicaUpdates, UpdateSlot
+from dmuon._ownership.state_dict_hooks import install_state_dict_hooks
 
 #: Hook boundaries whose gradient reduces may be in flight behind the one issued last.
 #: Older ones are waited on during backward and their float32 reduce inputs released, so a
 #: rank holds at most this many plus two boundaries' gradients at once (these, the one
 #: issued last, and one whose cross-replica reduce-scatter is in flight), not the model's.
 REDUCES_IN_FLIGHT = 2
-
-
-def _load_range(dp: DedicatedParam, full: Any) -> bool:
-    """The owner of a split stack's range copies its experts of ``full`` into its master.
-
-    Returns ``False`` when ``full`` is not a tensor of the stack's shape.
-    """
-    if not isinstance(full, torch.Tensor) or tuple(full.shape) != tuple(dp.stack_shape or ()):
-        return False
-    if dp.is_owned and dp.experts is not None:
-        with torch.no_grad():
-            dp.param.copy_(full[dp.experts[0] : dp.experts[1]])
-    return True
-
-
-def _is_whole(dp: DedicatedParam, value: Any) -> bool:
-    """Whether ``value`` is a plain tensor of ``dp``'s whole (global) shape."""
-    return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(dp.global_shape)
 
 
 class DedicationRuntime:
@@ -141,7 +124,7 @@ class DedicationRuntime:
         self.ddp: Callable[[], DistributedDataParallel | None] = lambda: None
         for index, boundary in enumerate(boundaries):
             self._install(index, boundary)
-        self._install_state_dict_hooks(model)
+        install_state_dict_hooks(self, model)
 
     # ----- installation ------------------------------------------------------------------
     def _install(self, index: int, boundary: Boundary) -> None:
@@ -159,49 +142,6 @@ class DedicationRuntime:
         )
         boundary.sync_requires_grad(lambda fqn: self._grad_arrived(index, fqn))
 
-    def _install_state_dict_hooks(self, model: nn.Module) -> None:
-        """``model.load_state_dict`` works on every rank and refreshes the buffers.
-
-        Non-owners hold 0-element placeholders: a full tensor for one of them is replaced by
-        an empty one before loading (the owner loads the value and broadcasts it). For a
-        stack split by experts every rank holds a placeholder; each range's owner copies
-        its experts from the full tensor into its master.
-        """
-        # Reading or loading the masters waits for the values still on their way (HSDP).
-        model.register_state_dict_pre_hook(lambda *_: self.wait_for_updates())
-        model.register_load_state_dict_pre_hook(lambda *_: self.wait_for_updates())
-        by_module: dict[int, list[DedicatedParam]] = {}
-        for dp in self.params:
-            by_module.setdefault(id(dp.module), []).append(dp)
-        for dps in by_module.values():
-
-            def keep_owned_only(
-                _module: nn.Module,
-                state_dict: dict[str, Any],
-                prefix: str,
-                *_: Any,
-                dps: list[DedicatedParam] = dps,
-            ) -> None:
-                given = {dp.attr: state_dict.get(prefix + dp.attr) for dp in dps}
-                for dp in dps:
-                    value = given[dp.attr]
-                    if dp.tp is not None and _is_whole(dp, value):
-                        # The owner takes its tp position's shard of the whole matrix.
-                        local = dp.tp.local_of(value) if dp.is_owned else None
-                        state_dict[prefix + dp.attr] = (
-                            local if local is not None else dp.param.detach().new_empty(0)
-                        )
-                        continue
-                    if value is None or (dp.is_owned and not dp.is_range):
-                        continue
-                    if dp.is_range and not _load_range(dp, value):
-                        continue  # wrong shape: load_state_dict reports it
-                    state_dict[prefix + dp.attr] = dp.module_param.detach().new_empty(0)
-
-            dps[0].module.register_load_state_dict_pre_hook(keep_owned_only)
-        model.register_load_state_dict_post_hook(lambda _module, _keys: self.invalidate_buffers())
-        model.register_state_dict_post_hook(refuse_torchs_state_dict_functions)
-
     # ----- forward -------------------------------------------------------------------------
     def _unshard(self, index: int, prefetch: int | None) -> None:
         # The masters this boundary and the prefetched one gather from must hold the
@@ -212,36 +152,6 @@ class DedicationRuntime:
         if prefetch is not None and 0 <= prefetch < len(self.boundaries):
             self.boundaries[prefetch].buffer.unshard_async()
         boundary.buffer.wait_unshard()
-
-    def _adopt_fsdp_policies(self) -> None:
-        """Before the first forward: each boundary computes and reduces its dedicated
-        matrices as the ``MixedPrecisionPolicy`` of the ``fully_shard`` around it does for
-        its other parameters, unless ``dedicate_params`` was told otherwise.
-
-        The compute dtype is the policy's ``param_dtype``; the reduce dtype is the policy's
-        effective one (``reduce_dtype``, else ``param_dtype``, as FSDP2 reduces), unless
-        ``dedicate_params(reduce_dtype=...)`` overrides it. A ``dedicate_params(param_dtype=)``
-        that differs from the policy's would mix dtypes inside the layer: it raises.
-        """
-        self._policies_adopted = True
-        for boundary in self.boundaries:
-            fsdp = boundary.fsdp_module(self._root)
-            policy = fsdp._get_fsdp_state()._mp_policy if fsdp is not None else None
-            if policy is None or (policy.param_dtype is None and policy.reduce_dtype is None):
-                continue
-            where = boundary.name or "<root>"
-            if self.param_dtype is not None and policy.param_dtype not in (None, self.param_dtype):
-                raise ValueError(
-                    f"dedicate_params(param_dtype={self.param_dtype}) differs from the "
-                    f"MixedPrecisionPolicy(param_dtype={policy.param_dtype}) of the fully_shard "
-                    f"around hook boundary {where!r}: the layer would compute with two dtypes. "
-                    "Drop dedicate_params' param_dtype (dedicated matrices follow the policy), "
-                    "or give both the same dtype."
-                )
-            compute = self.param_dtype or policy.param_dtype
-            reduce = self.reduce_dtype or policy.reduce_dtype or policy.param_dtype
-            buffer = boundary.buffer
-            buffer.retype(compute or buffer.dtype, reduce or torch.float32)
 
     def _check_param_dtype(self) -> None:
         # Without FSDP2's mixed precision, the boundary's other parameters stay float32 and
@@ -297,7 +207,8 @@ class DedicationRuntime:
                 self._free_frozen_residents()
         self._watch_for_ddp()
         if not self._policies_adopted:
-            self._adopt_fsdp_policies()
+            self._policies_adopted = True
+            adopt_fsdp_policies(self.boundaries, self._root, self.param_dtype, self.reduce_dtype)
         if not self._checked_param_dtype:
             self._check_param_dtype()
         if not self.reshard_after_forward:
