@@ -473,11 +473,11 @@ class FlatBuffer:
                 return received[lo : lo + self.entries[index].hi - self.entries[index].lo]
 
             if not self.replica_sync:
-                self._hold_replica_sums(mine, values)
+                hold_replica_sums(self._replica_sums, mine, values)
                 self._release_reduce_flat(None)
                 self.reduce_state = ReduceState.IDLE
                 return
-            self._add_held_sums(mine, values)
+            add_held_sums(self._replica_sums, mine, values, self.entries)
 
             pieces = [
                 torch.cat([values(i) for i in indices]) if indices else received[:0]
@@ -490,49 +490,13 @@ class FlatBuffer:
             self._release_reduce_flat(None)
         self.reduce_state = ReduceState.AVERAGING
 
-    def _hold_replica_sums(self, mine: list[int], values: Callable[[int], torch.Tensor]) -> None:
-        """Keep this micro-batch's sums inside the replica, added to the earlier ones, for
-        the step's last micro-batch to send across replicas (one float32 value per owned
-        element: P_M / S on average). A first sum is kept as it came, so an entry no rank
-        had a gradient for stays negative zero (see the module docstring)."""
-        for index in mine:
-            held = self._replica_sums.get(index)
-            if held is None:
-                self._replica_sums[index] = values(index).float().clone()
-            else:
-                held.add_(values(index))
-
-    def _add_held_sums(self, mine: list[int], values: Callable[[int], torch.Tensor]) -> None:
-        """Add the held sums of the window's earlier micro-batches to this one's."""
-        if not self._replica_sums:
-            return
-        for index in mine:
-            held = self._replica_sums.pop(index, None)
-            if held is not None:
-                values(index).add_(held.to(values(index).dtype))
-        if self._replica_sums:
-            names = [self.entries[i].record.name for i in self._replica_sums]
-            self._replica_sums.clear()
-            raise RuntimeError(
-                f"{names[:3]} stopped needing gradients (requires_grad) in the middle of an "
-                "accumulation window run under dmuon.no_sync(model, scope='replicas'): their "
-                "earlier micro-batches' gradients cannot be sent on. Freeze or unfreeze "
-                "parameters between optimizer steps."
-            )
-
     def drop_held_sums(self) -> None:
         """Forget the held sums (``zero_grad``)."""
         self._replica_sums.clear()
 
     def _release_reduce_flat(self, kept: torch.Tensor | None) -> None:
         """Free the reduce input unless ``kept`` (the averages' future home) lies in it."""
-        flat, self._reduce_flat = self._reduce_flat, None
-        if flat is None:
-            return
-        if kept is not None and _same_storage(kept, flat):
-            self._reduce_flat = flat
-            return
-        release_reduce_input(flat)
+        self._reduce_flat = _released(self._reduce_flat, kept)
 
     def finish_replica_reduce(self) -> None:
         """Wait for the cross-replica sums; the updating owners average into
@@ -576,3 +540,55 @@ def release_reduce_input(flat: torch.Tensor | None) -> None:
     `Communicator` (see `dmuon._comm.Pending`), would otherwise keep the memory too."""
     if flat is not None:
         flat.untyped_storage().resize_(0)
+
+
+def hold_replica_sums(
+    held: dict[int, torch.Tensor], mine: list[int], values: Callable[[int], torch.Tensor]
+) -> None:
+    """Keep a micro-batch's sums of entries ``mine`` inside the replica, added to the
+    earlier ones in ``held``, for the step's last micro-batch to send across replicas (one
+    float32 value per owned element: P_M / S on average). A first sum is kept as it came,
+    so an entry no rank had a gradient for stays negative zero (see the module docstring).
+    """
+    for index in mine:
+        kept = held.get(index)
+        if kept is None:
+            held[index] = values(index).float().clone()
+        else:
+            kept.add_(values(index))
+
+
+def add_held_sums(
+    held: dict[int, torch.Tensor],
+    mine: list[int],
+    values: Callable[[int], torch.Tensor],
+    entries: list[Entry],
+) -> None:
+    """Add the sums ``held`` from the window's earlier micro-batches to this one's (and
+    forget them); an entry held but not in ``mine`` stopped needing gradients mid-window:
+    that raises."""
+    if not held:
+        return
+    for index in mine:
+        kept = held.pop(index, None)
+        if kept is not None:
+            values(index).add_(kept.to(values(index).dtype))
+    if held:
+        names = [entries[i].record.name for i in held]
+        held.clear()
+        raise RuntimeError(
+            f"{names[:3]} stopped needing gradients (requires_grad) in the middle of an "
+            "accumulation window run under dmuon.no_sync(model, scope='replicas'): their "
+            "earlier micro-batches' gradients cannot be sent on. Freeze or unfreeze "
+            "parameters between optimizer steps."
+        )
+
+
+def _released(flat: torch.Tensor | None, kept: torch.Tensor | None) -> torch.Tensor | None:
+    """Free the reduce input ``flat`` unless ``kept`` lies in it; what is still held."""
+    if flat is None:
+        return None
+    if kept is not None and _same_storage(kept, flat):
+        return flat
+    release_reduce_input(flat)
+    return None
