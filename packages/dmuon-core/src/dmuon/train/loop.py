@@ -355,7 +355,7 @@ class Trainer(TrainingSteps):
             profiler.close()
             progress.close()
             writer.close()
-        summary = self._summary(run)
+        summary = _summary(self, run)
         progress.message(format_summary(summary))
         return summary
 
@@ -491,31 +491,6 @@ class Trainer(TrainingSteps):
         run.stopped = True
         return True
 
-    def _summary(self, run: _Run) -> dict[str, Any]:
-        """What `fit` returns (and prints)."""
-        steps_run = run.last_step - self.start_step
-        return {
-            "steps": run.last_step,
-            "final_loss": run.loss,
-            "start_val_loss": run.start_val,
-            "end_val_loss": run.end_val,
-            "wall_time_s": time.perf_counter() - run.started,
-            "train_time_s": run.train_seconds,
-            "tokens": self.tokens_per_step * steps_run,
-            "tokens_per_s": self.tokens_per_step * steps_run / max(run.train_seconds, 1e-9),
-            "world_size": self.world_size,
-            "optimizer": self.config.optimizer,
-            "model": self.config.model,
-            "params": self.num_params,
-            "peak_memory_bytes": run.peak_memory,
-            "start_step": self.start_step,
-            "resumed_from": None if self.resumed_from is None else str(self.resumed_from),
-            "stopped_by": (self.stop.signal_name or "signal") if run.stopped else None,
-            "checkpoint": None if run.checkpoint is None else str(run.checkpoint),
-            "export": None if run.exported is None else str(run.exported),
-            "config": asdict(self.config),
-        }
-
     def close(self) -> None:
         """Restore the thread count; destroy the process group if this trainer created it."""
         torch.set_num_threads(self._threads_before)
@@ -546,3 +521,29 @@ def run(args: Sequence[str] | TrainConfig | None = None) -> dict[str, Any]:
         # the process (see dmuon._teardown; the AdamW baseline registers no exit handler).
         del trainer
         before_interpreter_exit()
+
+
+def _summary(trainer: Trainer, run: _Run) -> dict[str, Any]:
+    """What `Trainer.fit` returns (and prints)."""
+    steps_run = run.last_step - trainer.start_step
+    return {
+        "steps": run.last_step,
+        "final_loss": run.loss,
+        "start_val_loss": run.start_val,
+        "end_val_loss": run.end_val,
+        "wall_time_s": time.perf_counter() - run.started,
+        "train_time_s": run.train_seconds,
+        "tokens": trainer.tokens_per_step * steps_run,
+        "tokens_per_s": trainer.tokens_per_step * steps_run / max(run.train_seconds, 1e-9),
+        "world_size": trainer.world_size,
+        "optimizer": trainer.config.optimizer,
+        "model": trainer.config.model,
+        "params": trainer.num_params,
+        "peak_memory_bytes": run.peak_memory,
+        "start_step": trainer.start_step,
+        "resumed_from": None if trainer.resumed_from is None else str(trainer.resumed_from),
+        "stopped_by": (trainer.stop.signal_name or "signal") if run.stopped else None,
+        "checkpoint": None if run.checkpoint is None else str(run.checkpoint),
+        "export": None if run.exported is None else str(run.exported),
+        "config": asdict(trainer.config),
+    }
