@@ -26,8 +26,10 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 from dmuon_server import __version__
 from dmuon_server.config import (
@@ -81,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
         "its step/loss metrics over REST and Server-Sent Events.",
         formatter_class=_HelpFormatter,
     )
+    _listen_and_auth_flags(p)
+    _capacity_flags(p)
+    _job_flags(p)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    return p
+
+
+def _listen_and_auth_flags(p: argparse.ArgumentParser) -> None:
+    """Where the server listens and who may call it."""
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one")
     p.add_argument("--data-dir", type=Path, default=Path(".dmuon"), help="state and job folders")
@@ -123,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
         "each sees only their own jobs, admins all; not readable by other users; reloaded "
         "on SIGHUP",
     )
+
+
+def _capacity_flags(p: argparse.ArgumentParser) -> None:
+    """How much the server runs at once, on what, and the limits of one job."""
     p.add_argument(
         "--max-concurrent-jobs",
         type=int,
@@ -200,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_BODY_BYTES,
         help="largest request body; larger ones get 413 before they are read",
     )
+
+
+def _job_flags(p: argparse.ArgumentParser) -> None:
+    """What reaches a job and how it runs: environment, account, sandbox, network."""
     p.add_argument(
         "--secret-env",
         action="append",
@@ -264,9 +284,6 @@ def build_parser() -> argparse.ArgumentParser:
         "reaches another's rendezvous store, ports or sockets) or host (every job keeps the "
         "host's network; for one person's server). Per user: host_network in the users file",
     )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    return p
 
 
 def _error(message: str) -> int:
@@ -344,33 +361,10 @@ def main(argv: list[str] | None = None) -> int:
         except (StartupError, TokenError) as e:
             return _error(str(e))
         made_token = True
-    for name, value in (
-        ("--max-concurrent-jobs", args.max_concurrent_jobs),
-        ("--max-nproc", args.max_nproc),
-        ("--max-body-bytes", args.max_body_bytes),
-    ):
-        if value is not None and value < 1:
-            return _error(f"{name} must be at least 1")
-    try:
-        gpus = parse_gpus(args.gpus)
-    except GpuSpecError as e:
-        return _error(str(e))
-    if args.cancel_grace < 0 or args.heartbeat <= 0:
-        return _error("--cancel-grace-s >= 0 and --heartbeat > 0")
-    for flag, number in (("--max-job-memory", args.max_job_memory),
-                         ("--max-job-cpus", args.max_job_cpus)):  # fmt: skip
-        if number is not None and not number > 0:
-            return _error(f"{flag} must be a positive number")
-    if args.max_job_pids < 16:
-        return _error("--max-job-pids must be at least 16 (torchrun and a rank need a few)")
-    for flag, roots in (
-        ("--data-root", args.data_root),
-        ("--model-root", args.model_root),
-        ("--code-root", args.code_root),
-    ):
-        for root in roots or ():
-            if not root.is_dir():
-                return _error(f"{flag} {root} is not an existing folder; create it or fix the path")
+    problem = _flag_problem(args)
+    if problem is not None:
+        return _error(problem)
+    gpus = parse_gpus(args.gpus)
     try:
         users = Users(args.users_file, token)
     except UsersFileError as e:
@@ -384,7 +378,79 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    settings = Settings(
+    settings = _settings(args, token, token_file, gpus)
+    try:
+        identities = JobIdentities(settings, users)
+        problem = identities.startup_problem()
+        if problem is not None:
+            return _error(problem)
+        chosen, isolation = sandbox.choose(
+            args.sandbox, args.launcher, identities.job_user, args.job_network
+        )
+        settings = dataclasses.replace(settings, sandbox=chosen)
+    except (IdentityError, StartupError) as e:
+        return _error(str(e))
+
+    from dmuon_server.app import create_app
+
+    lock = DataDirLock(settings.data_dir)
+    try:
+        lock.acquire()
+        app = create_app(settings, lock=lock, users=users)
+    except StartupError as e:
+        return _error(str(e))
+    host = args.host.strip("[]")
+    try:
+        sock = listening_socket(host, args.port)
+    except OSError as e:
+        return _error(f"cannot listen on {host}:{args.port}: {e.strerror or e}")
+    port = sock.getsockname()[1]
+    url_host = f"[{host}]" if ":" in host else host
+    url = f"http://{url_host}:{port}"
+    write_server_info(
+        settings.data_dir, {"url": url, "host": host, "port": port, "pid": os.getpid()}
+    )
+    _announce(url, settings, isolation, token if made_token else None, token_file)
+    return _serve(app, sock, args.log_level, users, lock)
+
+
+def _flag_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the numbers, GPUs and folders the flags give, or None."""
+    for name, value in (
+        ("--max-concurrent-jobs", args.max_concurrent_jobs),
+        ("--max-nproc", args.max_nproc),
+        ("--max-body-bytes", args.max_body_bytes),
+    ):
+        if value is not None and value < 1:
+            return f"{name} must be at least 1"
+    try:
+        parse_gpus(args.gpus)
+    except GpuSpecError as e:
+        return str(e)
+    if args.cancel_grace < 0 or args.heartbeat <= 0:
+        return "--cancel-grace-s >= 0 and --heartbeat > 0"
+    for flag, number in (("--max-job-memory", args.max_job_memory),
+                         ("--max-job-cpus", args.max_job_cpus)):  # fmt: skip
+        if number is not None and not number > 0:
+            return f"{flag} must be a positive number"
+    if args.max_job_pids < 16:
+        return "--max-job-pids must be at least 16 (torchrun and a rank need a few)"
+    for flag, roots in (
+        ("--data-root", args.data_root),
+        ("--model-root", args.model_root),
+        ("--code-root", args.code_root),
+    ):
+        for root in roots or ():
+            if not root.is_dir():
+                return f"{flag} {root} is not an existing folder; create it or fix the path"
+    return None
+
+
+def _settings(
+    args: argparse.Namespace, token: str | None, token_file: Path | None, gpus: tuple[int, ...]
+) -> Settings:
+    """The server's settings from its flags."""
+    return Settings(
         data_dir=args.data_dir,
         token=token,
         max_concurrent_jobs=args.max_concurrent_jobs,
@@ -413,57 +479,37 @@ def main(argv: list[str] | None = None) -> int:
         token_file=token_file,
         host_network=args.job_network == "host",
     )
-    try:
-        identities = JobIdentities(settings, users)
-        problem = identities.startup_problem()
-        if problem is not None:
-            return _error(problem)
-        chosen, isolation = sandbox.choose(
-            args.sandbox, args.launcher, identities.job_user, args.job_network
-        )
-        settings = dataclasses.replace(settings, sandbox=chosen)
-    except (IdentityError, StartupError) as e:
-        return _error(str(e))
 
-    import uvicorn
 
-    from dmuon_server.app import create_app
-
-    lock = DataDirLock(settings.data_dir)
-    try:
-        lock.acquire()
-        app = create_app(settings, lock=lock, users=users)
-    except StartupError as e:
-        return _error(str(e))
-    host = args.host.strip("[]")
-    try:
-        sock = listening_socket(host, args.port)
-    except OSError as e:
-        return _error(f"cannot listen on {host}:{args.port}: {e.strerror or e}")
-    port = sock.getsockname()[1]
-    url_host = f"[{host}]" if ":" in host else host
-    url = f"http://{url_host}:{port}"
-    write_server_info(
-        settings.data_dir, {"url": url, "host": host, "port": port, "pid": os.getpid()}
-    )
+def _announce(
+    url: str, settings: Settings, isolation: str, made_token: str | None, token_file: Path | None
+) -> None:
+    """Say where the server listens, how jobs are isolated, and a token it made."""
     print(
         f"dmuon-server {__version__} listening on {url} (data dir {settings.data_dir})", flush=True
     )
     print(f"    {isolation}", flush=True)
-    if made_token:
+    if made_token is not None:
         # As Jupyter does: the dashboard's address with the token, which stays in the
         # fragment (browsers never send it), and the file clients can read it from.
         print(
-            f"    open the dashboard at {url}/#token={token}\n"
+            f"    open the dashboard at {url}/#token={made_token}\n"
             f"    or send 'Authorization: Bearer <token>', the token being in {token_file}",
             flush=True,
         )
+
+
+def _serve(app: Any, sock: socket.socket, log_level: str, users: Users, lock: DataDirLock) -> int:
+    """Serve ``app`` on ``sock`` until SIGINT or SIGTERM; SIGHUP reloads the users file.
+    The exit status: 0 when the server had started."""
+    import uvicorn
+
     config = uvicorn.Config(
         app,
         workers=1,
-        log_level=args.log_level,
+        log_level=log_level,
         timeout_graceful_shutdown=3,
-        access_log=args.log_level == "debug",
+        access_log=log_level == "debug",
     )
     hub = app.state.hub
 
