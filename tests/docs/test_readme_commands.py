@@ -27,7 +27,10 @@ from pathlib import Path
 import pytest
 from conftest import docs_env
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+#: The job service package's README shows the same commands.
+PACKAGE_README = ROOT / "packages" / "dmuon-server" / "README.md"
 TIMEOUT_S = 300
 
 
@@ -36,6 +39,9 @@ def _service_block() -> str:
     section = text[text.index("## The job service") :]
     match = re.search(r"```bash\n(.*?)```", section, re.S)
     assert match is not None, "the README's job-service section has no bash block"
+    assert match.group(0) in PACKAGE_README.read_text(encoding="utf-8"), (
+        "packages/dmuon-server/README.md must show the README's (tested) commands"
+    )
     return match.group(1)
 
 
