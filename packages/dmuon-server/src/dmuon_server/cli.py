@@ -38,8 +38,8 @@ from dmuon_server.config import (
     LOOPBACK_NAMES,
     TOKEN_ENV,
     Settings,
-    default_max_job_memory,
-    usable_cpus,
+    flag_problem,
+    settings_from_flags,
 )
 from dmuon_server.http.auth import (
     TokenError,
@@ -361,10 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         except (StartupError, TokenError) as e:
             return _error(str(e))
         made_token = True
-    problem = _flag_problem(args)
+    problem = flag_problem(args)
     if problem is not None:
         return _error(problem)
-    gpus = parse_gpus(args.gpus)
+    try:
+        gpus = parse_gpus(args.gpus)
+    except GpuSpecError as e:
+        return _error(str(e))
     try:
         users = Users(args.users_file, token)
     except UsersFileError as e:
@@ -378,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    settings = _settings(args, token, token_file, gpus)
+    settings = settings_from_flags(args, token, token_file, gpus, _allowed_hosts(args, token))
     try:
         identities = JobIdentities(settings, users)
         problem = identities.startup_problem()
@@ -412,73 +415,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     _announce(url, settings, isolation, token if made_token else None, token_file)
     return _serve(app, sock, args.log_level, users, lock)
-
-
-def _flag_problem(args: argparse.Namespace) -> str | None:
-    """What is wrong with the numbers, GPUs and folders the flags give, or None."""
-    for name, value in (
-        ("--max-concurrent-jobs", args.max_concurrent_jobs),
-        ("--max-nproc", args.max_nproc),
-        ("--max-body-bytes", args.max_body_bytes),
-    ):
-        if value is not None and value < 1:
-            return f"{name} must be at least 1"
-    try:
-        parse_gpus(args.gpus)
-    except GpuSpecError as e:
-        return str(e)
-    if args.cancel_grace < 0 or args.heartbeat <= 0:
-        return "--cancel-grace-s >= 0 and --heartbeat > 0"
-    for flag, number in (("--max-job-memory", args.max_job_memory),
-                         ("--max-job-cpus", args.max_job_cpus)):  # fmt: skip
-        if number is not None and not number > 0:
-            return f"{flag} must be a positive number"
-    if args.max_job_pids < 16:
-        return "--max-job-pids must be at least 16 (torchrun and a rank need a few)"
-    for flag, roots in (
-        ("--data-root", args.data_root),
-        ("--model-root", args.model_root),
-        ("--code-root", args.code_root),
-    ):
-        for root in roots or ():
-            if not root.is_dir():
-                return f"{flag} {root} is not an existing folder; create it or fix the path"
-    return None
-
-
-def _settings(
-    args: argparse.Namespace, token: str | None, token_file: Path | None, gpus: tuple[int, ...]
-) -> Settings:
-    """The server's settings from its flags."""
-    return Settings(
-        data_dir=args.data_dir,
-        token=token,
-        max_concurrent_jobs=args.max_concurrent_jobs,
-        max_nproc_per_node=args.max_nproc or len(gpus) or usable_cpus(),
-        data_roots=tuple(args.data_root or ()),
-        model_roots=tuple(args.model_root or ()),
-        cancel_grace_s=args.cancel_grace,
-        heartbeat_s=args.heartbeat,
-        max_body_bytes=args.max_body_bytes,
-        max_job_memory=(
-            int(args.max_job_memory * (1 << 30))
-            if args.max_job_memory is not None
-            else default_max_job_memory()
-        ),
-        max_job_pids=args.max_job_pids,
-        max_job_cpus=args.max_job_cpus,
-        secret_env=tuple(args.secret_env),
-        job_env=tuple(args.job_env),
-        launcher=args.launcher,
-        allowed_hosts=_allowed_hosts(args, token),
-        gpus=gpus,
-        code_roots=tuple(args.code_root or ()),
-        users_file=args.users_file,
-        job_user=args.job_user,
-        allow_same_user_jobs=args.allow_same_user_jobs,
-        token_file=token_file,
-        host_network=args.job_network == "host",
-    )
 
 
 def _announce(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 #: Environment variable naming the training module the server launches under torchrun.
 TRAIN_MODULE_ENV = "DMUON_SERVER_TRAIN_MODULE"
@@ -211,3 +211,72 @@ class Settings:
     def job_dir(self, job_id: str) -> Path:
         """Working folder of one job."""
         return self.jobs_dir / job_id
+
+
+def flag_problem(args: Any) -> str | None:
+    """What is wrong with the numbers and folders ``dmuon-server``'s parsed flags (``args``)
+    give, or None (``--gpus`` is checked where it is parsed)."""
+    for name, value in (
+        ("--max-concurrent-jobs", args.max_concurrent_jobs),
+        ("--max-nproc", args.max_nproc),
+        ("--max-body-bytes", args.max_body_bytes),
+    ):
+        if value is not None and value < 1:
+            return f"{name} must be at least 1"
+    if args.cancel_grace < 0 or args.heartbeat <= 0:
+        return "--cancel-grace-s >= 0 and --heartbeat > 0"
+    for flag, number in (("--max-job-memory", args.max_job_memory),
+                         ("--max-job-cpus", args.max_job_cpus)):  # fmt: skip
+        if number is not None and not number > 0:
+            return f"{flag} must be a positive number"
+    if args.max_job_pids < 16:
+        return "--max-job-pids must be at least 16 (torchrun and a rank need a few)"
+    for flag, roots in (
+        ("--data-root", args.data_root),
+        ("--model-root", args.model_root),
+        ("--code-root", args.code_root),
+    ):
+        for root in roots or ():
+            if not root.is_dir():
+                return f"{flag} {root} is not an existing folder; create it or fix the path"
+    return None
+
+
+def settings_from_flags(
+    args: Any,
+    token: str | None,
+    token_file: Path | None,
+    gpus: tuple[int, ...],
+    allowed_hosts: tuple[str, ...] | None,
+) -> Settings:
+    """The server's settings from ``dmuon-server``'s parsed flags (``args``), with the
+    token, the file it came from, the GPUs and the host names requests may name."""
+    return Settings(
+        data_dir=args.data_dir,
+        token=token,
+        max_concurrent_jobs=args.max_concurrent_jobs,
+        max_nproc_per_node=args.max_nproc or len(gpus) or usable_cpus(),
+        data_roots=tuple(args.data_root or ()),
+        model_roots=tuple(args.model_root or ()),
+        cancel_grace_s=args.cancel_grace,
+        heartbeat_s=args.heartbeat,
+        max_body_bytes=args.max_body_bytes,
+        max_job_memory=(
+            int(args.max_job_memory * (1 << 30))
+            if args.max_job_memory is not None
+            else default_max_job_memory()
+        ),
+        max_job_pids=args.max_job_pids,
+        max_job_cpus=args.max_job_cpus,
+        secret_env=tuple(args.secret_env),
+        job_env=tuple(args.job_env),
+        launcher=args.launcher,
+        allowed_hosts=allowed_hosts,
+        gpus=gpus,
+        code_roots=tuple(args.code_root or ()),
+        users_file=args.users_file,
+        job_user=args.job_user,
+        allow_same_user_jobs=args.allow_same_user_jobs,
+        token_file=token_file,
+        host_network=args.job_network == "host",
+    )

@@ -16,7 +16,7 @@ works in every case.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -26,8 +26,15 @@ from torch.distributed.tensor import DTensor
 
 from dmuon._ownership.param import DedicatedParam
 
-if TYPE_CHECKING:
-    from dmuon._ownership.boundary import Boundary
+
+class PolicyBoundary(Protocol):
+    """What `adopt_fsdp_policies` needs of a `dmuon._ownership.boundary.Boundary`."""
+
+    name: str
+    buffer: Any
+
+    def fsdp_module(self, root: nn.Module) -> Any: ...
+
 
 DEDICATED_FLAG = "_dmuon_dedicated"
 _FILTER_FLAG = "_dmuon_skips_dedicated"
@@ -96,7 +103,7 @@ def verify_not_sharded(params: Sequence[DedicatedParam]) -> None:
 
 
 def adopt_fsdp_policies(
-    boundaries: Sequence[Boundary],
+    boundaries: Sequence[PolicyBoundary],
     root: nn.Module,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,

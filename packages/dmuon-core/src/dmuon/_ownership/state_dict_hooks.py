@@ -4,7 +4,8 @@ stack's range owner its experts), and the buffers are gathered again afterwards.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -12,8 +13,15 @@ from torch import nn
 from dmuon._ownership.guards import refuse_torchs_state_dict_functions
 from dmuon._ownership.param import DedicatedParam
 
-if TYPE_CHECKING:
-    from dmuon._ownership.runtime import DedicationRuntime
+
+class Runtime(Protocol):
+    """What the hooks need of `dmuon._ownership.runtime.DedicationRuntime`."""
+
+    params: Sequence[DedicatedParam]
+
+    def wait_for_updates(self) -> None: ...
+
+    def invalidate_buffers(self) -> None: ...
 
 
 def _load_range(dp: DedicatedParam, full: Any) -> bool:
@@ -34,7 +42,7 @@ def _is_whole(dp: DedicatedParam, value: Any) -> bool:
     return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(dp.global_shape)
 
 
-def install_state_dict_hooks(runtime: DedicationRuntime, model: nn.Module) -> None:
+def install_state_dict_hooks(runtime: Runtime, model: nn.Module) -> None:
     """Make ``model.load_state_dict`` work on every rank and refresh ``runtime``'s buffers;
     torch's state-dict functions are refused (they would miss the owners' masters).
 
