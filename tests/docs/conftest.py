@@ -129,3 +129,39 @@ def site(build: Build) -> Path:
     if build.returncode != 0:
         pytest.fail("mkdocs build --strict failed:\n" + build.log[-6000:])
     return build.site
+
+
+#: A normal account the docs' shell examples also run as (made if missing).
+NORMAL_ACCOUNT = "dmuon-t-readme"
+
+
+def normal_account() -> tuple[int, int] | None:
+    """``(uid, gid)`` of `NORMAL_ACCOUNT`, made if missing; None unless the tests run as
+    root (with ``useradd``)."""
+    import pwd
+    import shutil
+    import subprocess
+
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        return None
+    try:
+        entry = pwd.getpwnam(NORMAL_ACCOUNT)
+    except KeyError:
+        subprocess.run(
+            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
+             NORMAL_ACCOUNT],
+            check=True,
+            capture_output=True,
+        )  # fmt: skip
+        entry = pwd.getpwnam(NORMAL_ACCOUNT)
+    return entry.pw_uid, entry.pw_gid
+
+
+def account_env(folder: Path) -> dict[str, str]:
+    """`docs_env` for a run as `NORMAL_ACCOUNT` in ``folder``: no root shim, its own home
+    and cache."""
+    env = docs_env()
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
+    env["HOME"] = str(folder)
+    env["DMUON_CACHE_DIR"] = str(folder / "cache")
+    return env

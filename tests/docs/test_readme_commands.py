@@ -13,19 +13,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import re
 import shutil
 import signal
 import socket
 import stat
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import docs_env
+from conftest import account_env, normal_account
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -51,29 +49,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-#: The normal account the README also runs as (made if missing, as the server tests do).
-ACCOUNT = "dmuon-t-readme"
-
-
-def _account() -> tuple[int, int] | None:
-    """``(uid, gid)`` of `ACCOUNT`, made if missing; None unless the tests run as root."""
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        return None
-    try:
-        entry = pwd.getpwnam(ACCOUNT)
-    except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", ACCOUNT],
-            check=True,
-            capture_output=True,
-        )
-        entry = pwd.getpwnam(ACCOUNT)
-    return entry.pw_uid, entry.pw_gid
-
-
 @pytest.mark.parametrize("who", ["this account", "a normal account"])
 def test_the_readmes_service_commands_run_as_written(who: str) -> None:
-    account = _account() if who == "a normal account" else None
+    account = normal_account() if who == "a normal account" else None
     if who == "a normal account" and account is None:
         pytest.skip("running as another account needs root (and useradd)")
     folder = Path(tempfile.mkdtemp(prefix="dmuon-readme-", dir="/tmp"))
@@ -96,15 +74,14 @@ curl -s http://127.0.0.1:{port}/v1/jobs/$ID -H "$H" > job.json
 kill %1
 """
     (folder / "readme.sh").write_text(script)
-    env = docs_env()
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
-    env["DMUON_CACHE_DIR"] = str(folder / "cache")
+    env = account_env(folder)
+    if account is None:
+        env["HOME"] = os.environ.get("HOME", str(folder))
     extra: dict[str, object] = {}
     if account is not None:
         folder.chmod(0o755)
         for path in (folder, folder / "readme.sh"):
             os.chown(path, *account)
-        env["HOME"] = str(folder)
         extra = {"user": account[0], "group": account[1], "extra_groups": []}
     proc = subprocess.Popen(
         ["bash", "-euo", "pipefail", "readme.sh"],
