@@ -122,107 +122,120 @@ def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"description": ERROR_TEXT[code], "content": problem_ref()} for code in codes}
 
 
+async def _api_error(request: Request, exc: Refusal) -> JSONResponse:
+    return problem_response(
+        exc.status,
+        exc.title,
+        exc.detail,
+        kind=exc.kind,
+        errors=exc.errors if isinstance(exc, ApiError) else None,
+        instance=request.url.path,
+        extra=exc.extra,
+    )
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    raw = list(exc.errors())
+    malformed = [e for e in raw if e.get("type") == "json_invalid"]
+    if malformed:
+        ctx = malformed[0].get("ctx") or {}
+        why = ctx.get("error", "the body is not valid JSON")
+        return problem_response(
+            400,
+            ERROR_TEXT[400],
+            f"the request body is not valid JSON ({why}); send a JSON object",
+            kind="malformed-body",
+            instance=request.url.path,
+        )
+    errors = [
+        field_error(tuple(e.get("loc", ())), str(e.get("msg", "")), str(e.get("type", "")))
+        for e in raw
+    ]
+    problem = invalid_request(errors)
+    return problem_response(
+        422,
+        problem.title,
+        problem.detail,
+        kind=problem.kind,
+        errors=errors,
+        instance=request.url.path,
+    )
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    detail = exc.detail if isinstance(exc.detail, str) else None
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        # Starlette names only the methods of the first route on the path: ask every
+        # route which methods it would take here.
+        allowed = [
+            m
+            for m in _METHODS
+            if any(
+                route.matches({**request.scope, "method": m})[0] == Match.FULL
+                for route in request.app.router.routes
+            )
+        ]
+        if allowed:
+            headers["Allow"] = ", ".join(allowed)
+    return problem_response(
+        exc.status_code,
+        status_title(exc.status_code),
+        detail,
+        instance=request.url.path,
+        headers=headers,
+    )
+
+
+async def _store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    return problem_response(
+        503,
+        ERROR_TEXT[503],
+        str(exc),
+        kind="disk-full" if isinstance(exc, StoreFull) else "store-unavailable",
+        instance=request.url.path,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def _os_error(request: Request, exc: OSError) -> JSONResponse:
+    if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return await _unexpected(request, exc)
+    log.warning("%s %s: %s", request.method, request.url.path, exc)
+    return problem_response(
+        503,
+        ERROR_TEXT[503],
+        "the server's data directory is full (No space left on device): free space "
+        "there (delete finished jobs or their checkpoints), then try again",
+        kind="disk-full",
+        instance=request.url.path,
+        headers={"Retry-After": str(RETRY_AFTER_S)},
+    )
+
+
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unhandled error on %s", request.url.path)
+    return problem_response(
+        500,
+        ERROR_TEXT[500],
+        "the server failed to handle this request; see its log",
+        instance=request.url.path,
+    )
+
+
+#: Each error type and its handler, most specific first (Starlette picks by the MRO).
+_HANDLERS: tuple[tuple[type[Exception], Any], ...] = (
+    (Refusal, _api_error),
+    (RequestValidationError, _validation_error),
+    (StarletteHTTPException, _http_error),
+    (StoreUnavailable, _store_unavailable),
+    (OSError, _os_error),
+    (Exception, _unexpected),
+)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error of ``app`` a problem+json response."""
-
-    @app.exception_handler(Refusal)
-    async def _api_error(request: Request, exc: Refusal) -> JSONResponse:
-        return problem_response(
-            exc.status,
-            exc.title,
-            exc.detail,
-            kind=exc.kind,
-            errors=exc.errors if isinstance(exc, ApiError) else None,
-            instance=request.url.path,
-            extra=exc.extra,
-        )
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        raw = list(exc.errors())
-        malformed = [e for e in raw if e.get("type") == "json_invalid"]
-        if malformed:
-            ctx = malformed[0].get("ctx") or {}
-            why = ctx.get("error", "the body is not valid JSON")
-            return problem_response(
-                400,
-                ERROR_TEXT[400],
-                f"the request body is not valid JSON ({why}); send a JSON object",
-                kind="malformed-body",
-                instance=request.url.path,
-            )
-        errors = [
-            field_error(tuple(e.get("loc", ())), str(e.get("msg", "")), str(e.get("type", "")))
-            for e in raw
-        ]
-        problem = invalid_request(errors)
-        return problem_response(
-            422,
-            problem.title,
-            problem.detail,
-            kind=problem.kind,
-            errors=errors,
-            instance=request.url.path,
-        )
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        detail = exc.detail if isinstance(exc.detail, str) else None
-        headers = dict(exc.headers or {})
-        if exc.status_code == 405:
-            # Starlette names only the methods of the first route on the path: ask every
-            # route which methods it would take here.
-            allowed = [
-                m
-                for m in _METHODS
-                if any(
-                    route.matches({**request.scope, "method": m})[0] == Match.FULL
-                    for route in app.router.routes
-                )
-            ]
-            if allowed:
-                headers["Allow"] = ", ".join(allowed)
-        return problem_response(
-            exc.status_code,
-            status_title(exc.status_code),
-            detail,
-            instance=request.url.path,
-            headers=headers,
-        )
-
-    @app.exception_handler(StoreUnavailable)
-    async def _store_unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
-        log.warning("%s %s: %s", request.method, request.url.path, exc)
-        return problem_response(
-            503,
-            ERROR_TEXT[503],
-            str(exc),
-            kind="disk-full" if isinstance(exc, StoreFull) else "store-unavailable",
-            instance=request.url.path,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-
-    @app.exception_handler(OSError)
-    async def _os_error(request: Request, exc: OSError) -> JSONResponse:
-        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
-            return await _unexpected(request, exc)
-        log.warning("%s %s: %s", request.method, request.url.path, exc)
-        return problem_response(
-            503,
-            ERROR_TEXT[503],
-            "the server's data directory is full (No space left on device): free space "
-            "there (delete finished jobs or their checkpoints), then try again",
-            kind="disk-full",
-            instance=request.url.path,
-            headers={"Retry-After": str(RETRY_AFTER_S)},
-        )
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return problem_response(
-            500,
-            ERROR_TEXT[500],
-            "the server failed to handle this request; see its log",
-            instance=request.url.path,
-        )
+    for kind, handler in _HANDLERS:
+        app.add_exception_handler(kind, handler)
