@@ -17,6 +17,7 @@ from server_helpers import (
     finish_all_jobs,
     kill_job_processes,
     make_settings,
+    mount_tmpfs,
     recipe_without_checkpoints,
 )
 
@@ -108,14 +109,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     if os.geteuid() != 0:
         pytest.skip("mounting a small tmpfs for the full-disk test needs root")
     mount = tmp_path / "small-disk"
-    mount.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_MIB}m", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {(out.stderr or out.stdout).strip()}")
+    mount_tmpfs(mount, SMALL_DISK_MIB)
     try:
         yield mount
     finally:

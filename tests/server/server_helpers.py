@@ -136,6 +136,17 @@ def wait_until(fn: Callable[[], T], timeout: float, what: str, interval: float =
         time.sleep(interval)
 
 
+def job_end(client: Any, job_id: str, timeout: float = 120, what: str | None = None) -> Any:
+    """The job's record once it is in a terminal state (polled every 0.2 s through
+    ``client``); fail after ``timeout`` seconds."""
+    return wait_until(
+        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
+        timeout,
+        what or f"job {job_id} to end",
+        interval=0.2,
+    )
+
+
 def metrics_file_steps(path: Path) -> list[int]:
     """Steps of the metric points in a job's metrics file, in order (event lines and
     lines that are not JSON left out): the oracle for what the server must have stored."""
@@ -364,3 +375,19 @@ class LiveServer:
     def client(self, **kw: Any) -> httpx.Client:
         """An httpx client for this server."""
         return httpx.Client(base_url=self.url, **{"timeout": 30, **kw})
+
+
+def mount_tmpfs(mount: Path, mib: int, options: str = "") -> None:
+    """Mount a tmpfs of ``mib`` MiB (more ``options`` after a comma) on the new folder
+    ``mount``; skip the test, saying why, where it cannot be mounted."""
+    import pytest
+
+    mount.mkdir()
+    extra = f",{options}" if options else ""
+    out = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mib}m{extra}", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {(out.stderr or out.stdout).strip()}")

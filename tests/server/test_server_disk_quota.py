@@ -31,7 +31,7 @@ from isolation_helpers import (
     require_root_and_accounts,
     script_job,
 )
-from server_helpers import TERMINAL, LiveServer, wait_until
+from server_helpers import LiveServer, job_end, mount_tmpfs
 
 from dmuon_server.launching import sandbox
 from dmuon_server.launching.volumes import UserVolumes, quota_bytes
@@ -193,26 +193,19 @@ def world(tmp_path: Path) -> Iterator[World]:
         pytest.skip(f"the sandbox is needed: {why}")
     w = make_world({"alice": ALICE, "bob": BOB})
     disk = w.root / "disk"
-    disk.mkdir()
-    out = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={SMALL_DISK_MIB}m,mode=0755", "tmpfs", str(disk)],
-        capture_output=True,
-        text=True,
-    )
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-    w.data_dir = disk / "data"
-    w.data_dir.mkdir(mode=0o755)
-    _require_volumes(w.data_dir)
-    doc = json.loads(w.users_file.read_text())
-    doc["default_limits"] = {"disk_gib": QUOTA_GIB}
-    for entry in doc["users"]:
-        entry.pop("limits", None)
-    w.users_file.write_text(json.dumps(doc))
-    for name, text in (("filler.py", FILLER), ("writer.py", WRITER)):
-        (w.code_root / name).write_text(text)
-        (w.code_root / name).chmod(0o644)
-    try:
+    try:  # a skip below still cleans up
+        mount_tmpfs(disk, SMALL_DISK_MIB, "mode=0755")
+        w.data_dir = disk / "data"
+        w.data_dir.mkdir(mode=0o755)
+        _require_volumes(w.data_dir)
+        doc = json.loads(w.users_file.read_text())
+        doc["default_limits"] = {"disk_gib": QUOTA_GIB}
+        for entry in doc["users"]:
+            entry.pop("limits", None)
+        w.users_file.write_text(json.dumps(doc))
+        for name, text in (("filler.py", FILLER), ("writer.py", WRITER)):
+            (w.code_root / name).write_text(text)
+            (w.code_root / name).chmod(0o644)
         yield w
     finally:
         subprocess.run(["pkill", "-9", "-f", str(w.code_root)], capture_output=True)
@@ -221,12 +214,7 @@ def world(tmp_path: Path) -> Iterator[World]:
 
 
 def _end(client: httpx.Client, job_id: str) -> dict[str, Any]:
-    return wait_until(
-        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
-        120,
-        f"job {job_id} to end",
-        interval=0.2,
-    )
+    return job_end(client, job_id)
 
 
 def test_a_user_over_quota_is_stopped_and_another_users_job_keeps_running(

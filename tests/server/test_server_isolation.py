@@ -34,6 +34,7 @@ from server_helpers import (
     TERMINAL,
     LiveServer,
     fake_recipe_env,
+    job_end,
     job_spec,
     processes_of_job,
     recipe_without_checkpoints,
@@ -95,12 +96,7 @@ def _finish(client: httpx.Client, body: dict[str, Any], timeout: float = 120.0) 
     r = client.post("/v1/jobs", json=body)
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
-    return wait_until(
-        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
-        timeout,
-        f"job {job_id} to end",
-        interval=0.2,
-    )
+    return job_end(client, job_id, timeout)
 
 
 def _report(client: httpx.Client, job_id: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from isolation_helpers import (
     require_root_and_accounts,
     script_job,
 )
-from server_helpers import TERMINAL, LiveServer, wait_until
+from server_helpers import LiveServer, job_end, wait_until
 
 from dmuon_server.launching.cgroups import Cgroups
 
@@ -124,12 +124,7 @@ def _submit(client: httpx.Client, script: str, *args: str) -> str:
 
 
 def _end(client: httpx.Client, job_id: str) -> dict[str, Any]:
-    return wait_until(
-        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
-        120,
-        f"job {job_id} to end",
-        interval=0.2,
-    )
+    return job_end(client, job_id)
 
 
 def _alive(pid: int) -> bool:

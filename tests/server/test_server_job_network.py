@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from isolation_helpers import ALICE, BOB, World, make_world, require_root_and_accounts, script_job
-from server_helpers import TERMINAL, LiveServer, wait_until
+from server_helpers import LiveServer, job_end, wait_until
 
 from dmuon_server.launching import sandbox
 
@@ -134,12 +134,7 @@ def _probe(client: httpx.Client, where: dict[str, Any]) -> dict[str, Any]:
     r = client.post("/v1/jobs", json=body)
     assert r.status_code == 201, r.text
     job_id = r.json()["id"]
-    job = wait_until(
-        lambda: (j := client.get(f"/v1/jobs/{job_id}").json())["state"] in TERMINAL and j,
-        120,
-        "the probe to end",
-        interval=0.2,
-    )
+    job = job_end(client, job_id, what="the probe to end")
     assert job["state"] == "succeeded", job
     got = client.get(f"/v1/jobs/{job_id}/artifacts/checkpoints/step_00000001/report.json")
     assert got.status_code == 200, got.text
