@@ -10,6 +10,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from docs_md import REPO
@@ -165,3 +166,37 @@ def account_env(folder: Path) -> dict[str, str]:
     env["HOME"] = str(folder)
     env["DMUON_CACHE_DIR"] = str(folder / "cache")
     return env
+
+
+def run_shell_script(
+    script: Path, env: dict[str, str], timeout: float, account: tuple[int, int] | None = None
+) -> tuple[int, str, str]:
+    """Run ``script`` with ``bash -euo pipefail`` in its folder (as ``account``, given:
+    the folder and script become its, the folder 0755); ``(exit status, stdout, stderr)``.
+    A session of its own, killed whole afterwards: what the script started in the
+    background (a server, its jobs' launchers) ends with it."""
+    import contextlib
+    import signal
+
+    extra: dict[str, Any] = {}
+    if account is not None:
+        script.parent.chmod(0o755)
+        for path in (script.parent, script):
+            os.chown(path, *account)
+        extra = {"user": account[0], "group": account[1], "extra_groups": []}
+    proc = subprocess.Popen(
+        ["bash", "-euo", "pipefail", str(script)],
+        cwd=script.parent,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        **extra,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc.returncode, out, err

@@ -9,16 +9,12 @@ other account (skipped otherwise, saying why).
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
-import signal
-import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import account_env, normal_account
+from conftest import account_env, normal_account, run_shell_script
 from docs_examples import TIMEOUT_S, collect
 
 PAGE = "job-service.md"
@@ -32,29 +28,10 @@ def test_the_pages_shell_session_runs_as_a_normal_account() -> None:
     assert len(examples) == 1, [e.id for e in examples]
     folder = Path(tempfile.mkdtemp(prefix="dmuon-page-", dir="/tmp"))
     try:
-        folder.chmod(0o755)
         script = folder / "example.sh"
         script.write_text(examples[0].script, encoding="utf-8")
-        for path in (folder, script):
-            os.chown(path, *account)
-        proc = subprocess.Popen(
-            ["bash", "-euo", "pipefail", str(script)],
-            cwd=folder,
-            env=account_env(folder),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            user=account[0],
-            group=account[1],
-            extra_groups=[],
-        )
-        try:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+        code, out, err = run_shell_script(script, account_env(folder), TIMEOUT_S, account)
+        assert code == 0, f"exit {code}\n{out[-3000:]}\n{err[-3000:]}"
         assert "bob reads ada's job: 404" in out, out[-3000:]
     finally:
         shutil.rmtree(folder, ignore_errors=True)

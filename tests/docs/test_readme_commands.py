@@ -10,20 +10,17 @@ the job being over), and the token file the server made, mode 600.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
-import signal
 import socket
 import stat
-import subprocess
 import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import account_env, normal_account
+from conftest import account_env, normal_account, run_shell_script
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -77,28 +74,8 @@ kill %1
     env = account_env(folder)
     if account is None:
         env["HOME"] = os.environ.get("HOME", str(folder))
-    extra: dict[str, object] = {}
-    if account is not None:
-        folder.chmod(0o755)
-        for path in (folder, folder / "readme.sh"):
-            os.chown(path, *account)
-        extra = {"user": account[0], "group": account[1], "extra_groups": []}
-    proc = subprocess.Popen(
-        ["bash", "-euo", "pipefail", "readme.sh"],
-        cwd=folder,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        **extra,  # type: ignore[arg-type]
-    )
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{out[-3000:]}\n{err[-3000:]}"
+    code, out, err = run_shell_script(folder / "readme.sh", env, TIMEOUT_S, account)
+    assert code == 0, f"exit {code}\n{out[-3000:]}\n{err[-3000:]}"
     job = json.loads((folder / "job.json").read_text())
     assert job["state"] == "succeeded", (job.get("reason"), job.get("failure"), err[-3000:])
     assert job["name"] == "tiny-accum4"
