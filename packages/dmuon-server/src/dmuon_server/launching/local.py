@@ -262,10 +262,14 @@ class LocalLauncher:
             f"({quota:g} GiB, disk_gib in the users file) is full; delete finished jobs or "
             "checkpoints (keep_checkpoints), or ask for a larger disk_gib"
         )
+        n = self._kill(job)
+        log.warning("job %s: its user's disk quota is full; SIGKILL to %d process(es)", job.id, n)
+
+    def _kill(self, job: JobRecord) -> int:
+        """SIGKILL to every process of the job, its cgroup's included; how many."""
         n = signal_job(job, verified_process(job.pid, job.create_time), signal.SIGKILL)
         cgroup = self._cgroup_of(job)
-        n += cgroup.kill() if cgroup is not None else 0
-        log.warning("job %s: its user's disk quota is full; SIGKILL to %d process(es)", job.id, n)
+        return n + (cgroup.kill() if cgroup is not None else 0)
 
     def _limits_of(self, job: JobRecord) -> JobLimits:
         """The kernel's limits of ``job``: the server's, with its user's memory_gib."""
@@ -373,10 +377,7 @@ class LocalLauncher:
         if not ended:
             deadline = self._cancel_deadline.get(job.id)
             if deadline is not None and time.time() >= deadline:
-                root = verified_process(job.pid, job.create_time)
-                n = signal_job(job, root, signal.SIGKILL)
-                cgroup = self._cgroup_of(job)
-                n += cgroup.kill() if cgroup is not None else 0
+                n = self._kill(job)
                 log.warning("job %s: grace period over, SIGKILL to %d process(es)", job.id, n)
                 self._cancel_deadline[job.id] = float("inf")
             return
