@@ -158,6 +158,18 @@ def _size(path: Path) -> int:
     return st.f_blocks * st.f_frsize
 
 
+def test_a_user_named_like_anothers_image_gets_a_volume_of_their_own(
+    volumes: UserVolumes,
+) -> None:
+    ada = volumes.place("ada", 16 * MIB, "job-g")
+    dotted = volumes.place("ada.img", 16 * MIB, "job-h")
+    _write(ada / "a.bin", 4 * MIB)
+    _write(dotted / "b.bin", 4 * MIB)
+    assert volumes.image("ada") != volumes.mount_point("ada.img")
+    assert os.stat(ada).st_dev != os.stat(dotted).st_dev  # two file systems
+    assert not (dotted / "a.bin").exists()
+
+
 def test_a_raised_quota_grows_the_volume(volumes: UserVolumes) -> None:
     job_dir = volumes.place("dave", 16 * MIB, "job-d")
     small = _size(job_dir)

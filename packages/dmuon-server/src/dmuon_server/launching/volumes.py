@@ -1,14 +1,14 @@
 """Per-user disk quotas on the data directory, held by the kernel.
 
-A user whose limits give ``disk_gib`` gets a volume of their own: a file of that size in
-``<data-dir>/volumes/<user>.img``, allocated in full when it is made (``fallocate``: the
-space is taken from the disk at once, so no other job can fill it later), formatted ext4
-and loop-mounted at ``<data-dir>/volumes/<user>/``. Each of the user's jobs gets a folder
-there, bind-mounted at its usual place, ``<data-dir>/jobs/<id>``, so every path the server
-and the job use stays the same. The kernel refuses a write beyond the volume (``ENOSPC``),
-and the server stops the user's running jobs once their volume is full, saying why
-(:meth:`UserVolumes.full`). The file system's own bookkeeping (journal, inode tables) takes
-a few percent of the volume.
+A user whose limits give ``disk_gib`` gets a volume of their own: a file of that size,
+``<data-dir>/volumes/images/<user>.img``, allocated in full when it is made
+(``fallocate``: the space is taken from the disk at once, so no other job can fill it
+later), formatted ext4 and loop-mounted at ``<data-dir>/volumes/mounts/<user>/``. Each of
+the user's jobs gets a folder there, bind-mounted at its usual place, ``<data-
+dir>/jobs/<id>``, so every path the server and the job use stays the same. The kernel
+refuses a write beyond the volume (``ENOSPC``), and the server stops the user's running
+jobs once their volume is full, saying why (:meth:`UserVolumes.full`). The file system's
+own bookkeeping (journal, inode tables) takes a few percent of the volume.
 
 Two things follow, both wanted:
 
@@ -82,6 +82,9 @@ class UserVolumes:
     def __init__(self, data_dir: Path, jobs_dir: Path) -> None:
         """Volumes under ``<data_dir>/volumes`` for the job folders of ``jobs_dir``."""
         self.root = data_dir / VOLUMES_FOLDER
+        # Images and mount points apart: a user called "ada.img" cannot meet ada's image.
+        self.images = self.root / "images"
+        self.mounts = self.root / "mounts"
         self.jobs_dir = jobs_dir
 
     @classmethod
@@ -108,18 +111,19 @@ class UserVolumes:
 
     def image(self, user: str) -> Path:
         """The file that holds ``user``'s volume."""
-        return self.root / f"{user}{_IMAGE_SUFFIX}"
+        return self.images / f"{user}{_IMAGE_SUFFIX}"
 
     def mount_point(self, user: str) -> Path:
         """Where ``user``'s volume is mounted."""
-        return self.root / user
+        return self.mounts / user
 
     # ----------------------------------------------------------------- volumes
 
     def attach(self, user: str, size: int) -> Path:
         """Make ``user``'s volume (at least ``size`` bytes, allocated) and mount it; its
         mount point. Raises :class:`VolumeError` saying why not."""
-        self.root.mkdir(mode=0o700, exist_ok=True)
+        for folder in (self.root, self.images, self.mounts):
+            folder.mkdir(mode=0o700, exist_ok=True)
         image, point = self.image(user), self.mount_point(user)
         grown = False
         if not image.exists():
@@ -258,9 +262,9 @@ class UserVolumes:
         """Mount every volume and job folder a reboot unmounted; how many job folders
         were bound again."""
         bound = 0
-        if not self.root.is_dir():
+        if not self.images.is_dir():
             return 0
-        for image in sorted(self.root.glob(f"*{_IMAGE_SUFFIX}")):
+        for image in sorted(self.images.glob(f"*{_IMAGE_SUFFIX}")):
             user = image.name.removesuffix(_IMAGE_SUFFIX)
             try:
                 point = self.attach(user, image.stat().st_size)
@@ -277,9 +281,9 @@ class UserVolumes:
         return bound
 
     def _mounted(self) -> list[Path]:
-        if not self.root.is_dir():
+        if not self.mounts.is_dir():
             return []
-        return [p for p in self.root.iterdir() if p.is_dir() and os.path.ismount(p)]
+        return [p for p in self.mounts.iterdir() if p.is_dir() and os.path.ismount(p)]
 
 
 def remove_job_folder(data_dir: Path, jobs_dir: Path, job_id: str) -> None:
