@@ -4,8 +4,8 @@ A user whose limits give ``disk_gib`` gets a volume of their own: a file of that
 ``<data-dir>/volumes/images/<user>.img``, allocated in full when it is made
 (``fallocate``: the space is taken from the disk at once, so no other job can fill it
 later), formatted ext4 and loop-mounted at ``<data-dir>/volumes/mounts/<user>/``. Each of
-the user's jobs gets a folder there, bind-mounted at its usual place, ``<data-
-dir>/jobs/<id>``, so every path the server and the job use stays the same. The kernel
+the user's jobs gets a folder there, bind-mounted at its usual place,
+``<data-dir>/jobs/<id>``, so every path the server and the job use stays the same. The kernel
 refuses a write beyond the volume (``ENOSPC``), and the server stops the user's running
 jobs once their volume is full, saying why (:meth:`UserVolumes.full`). The file system's
 own bookkeeping (journal, inode tables) takes a few percent of the volume.
