@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -318,105 +318,149 @@ def set_dedicated_optimizer_state_dict(
     if options.broadcast_from_rank0:
         osd = _broadcast_tree(osd if layout.comm.is_rank0 else None, layout)
         options = replace(options, broadcast_from_rank0=False)
-    loaded_state: dict[str, dict[str, Any]] = osd.get("state", {})
-    loaded_groups = osd.get("param_groups", [])
+    loaded = _Loaded(osd.get("state", {}), osd.get("param_groups", []))
     # A state dict written by a torch optimizer (AdamW, say) has no "algorithm" in its
     # groups: its moments fit this optimizer's AdamW groups, and nothing fits Muon's.
-    foreign = bool(loaded_groups) and all("algorithm" not in g for g in loaded_groups)
-    if foreign and options.strict:
+    loaded.foreign = bool(loaded.groups) and all("algorithm" not in g for g in loaded.groups)
+    if loaded.foreign and options.strict:
         raise ValueError(_FOREIGN_HINT)
     # Parameters whose groups have the checkpoint's variant (the same on every rank).
-    same_variant = set() if foreign else _same_variant(optimizers, loaded_groups, names, options)
-    momentum = gather_to_owners(
-        layout,
-        checkpoint_items(state),
-        lambda dp: loaded_state.get(dp.fqn, {}).get(MOMENTUM),
-        False,
-        "optimizer",
+    same_variant = (
+        set() if loaded.foreign else _same_variant(optimizers, loaded.groups, names, options)
     )
-    pieces = owner_pieces(layout.comm, state, momentum)
-    missing = _unique([dp.fqn for dp in state.params if dp.fqn not in momentum])
-    if missing and options.strict:
-        raise ValueError(
-            f"the optimizer state dict has no Muon momentum for {missing[:5]}; it does not "
-            "come from dmuon.get_optimizer_state_dict of this model. Pass "
-            "options=StateDictOptions(strict=False) to start these momenta at zero (the "
-            "rest loads), or load only the model part (dmuon.set_model_state_dict) and "
-            "start the optimizer fresh."
-        )
-    records = _normuon_records(state, optimizers, same_variant)
-    seconds = gather_to_owners(
-        layout,
-        checkpoint_items(records),
-        lambda dp: loaded_state.get(dp.fqn, {}).get(SECOND_MOMENT),
-        False,
-        "optimizer",
+    loaded.momenta = _owner_state(
+        layout, state.params, loaded.state, MOMENTUM, options, _MISSING_MOMENTUM
     )
-    second_pieces = owner_pieces(layout.comm, records, seconds)
-    missing = _unique([dp.fqn for dp in records if dp.fqn not in seconds])
-    if missing and options.strict:
-        raise ValueError(
-            f"the optimizer state dict has no NorMuon second moment for {missing[:5]}; it "
-            "does not come from dmuon.get_optimizer_state_dict of this model and optimizer. "
-            "Pass options=StateDictOptions(strict=False) to start them at zero (the rest "
-            "loads)."
-        )
+    loaded.second_moments = _owner_state(
+        layout,
+        _normuon_records(state, optimizers, same_variant),
+        loaded.state,
+        SECOND_MOMENT,
+        options,
+        _MISSING_SECOND_MOMENT,
+    )
     dedicated = {id(dp.param): dp for dp in state.params}
     for optim in optimizers:
-        _ensure_state(optim)
-        index_state: dict[int, dict[str, Any]] = {}
-        index_groups: list[dict[str, Any]] = []
-        position = 0
-        for group in optim.param_groups:
-            fqns = [names[id(p)] for p in group["params"]]
-            source = next((g for g in loaded_groups if fqns and fqns[0] in g["params"]), None)
-            if foreign:  # this optimizer's own settings; only the AdamW moments load
-                source = {k: v for k, v in group.items() if k != "params"}
-            if source is None and fqns:
-                if options.strict:
-                    raise ValueError(
-                        f"the optimizer state dict has no param group holding {fqns[0]!r}; it "
-                        "does not belong to this model and optimizer (or pass "
-                        "StateDictOptions(strict=False) to keep this group's settings)"
-                    )
-                source = {k: v for k, v in group.items() if k != "params"}
-            if source is not None and source.get("algorithm") != group.get("algorithm"):
+        _load_optimizer(optim, names, dedicated, loaded, options)
+
+
+_MISSING_MOMENTUM = (
+    "the optimizer state dict has no Muon momentum for {missing}; it does not come from "
+    "dmuon.get_optimizer_state_dict of this model. Pass options=StateDictOptions(strict=False) "
+    "to start these momenta at zero (the rest loads), or load only the model part "
+    "(dmuon.set_model_state_dict) and start the optimizer fresh."
+)
+_MISSING_SECOND_MOMENT = (
+    "the optimizer state dict has no NorMuon second moment for {missing}; it does not come "
+    "from dmuon.get_optimizer_state_dict of this model and optimizer. Pass "
+    "options=StateDictOptions(strict=False) to start them at zero (the rest loads)."
+)
+
+
+@dataclass
+class _Loaded:
+    """An optimizer state dict being loaded: its per-FQN state, its groups, and the
+    dedicated matrices' pieces each owner received."""
+
+    state: dict[str, dict[str, Any]]
+    groups: list[dict[str, Any]]
+    foreign: bool = False
+    momenta: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    second_moments: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+
+def _owner_state(
+    layout: DedicatedLayout,
+    records: list,
+    loaded_state: dict[str, dict[str, Any]],
+    key: str,
+    options: StateDictOptions,
+    missing_message: str,
+) -> dict[str, torch.Tensor | None]:
+    """Send each record's ``key`` state to its owners; return this rank's pieces by name."""
+    found = gather_to_owners(
+        layout,
+        checkpoint_items(records),
+        lambda dp: loaded_state.get(dp.fqn, {}).get(key),
+        False,
+        "optimizer",
+    )
+    pieces = owner_pieces(layout.comm, records, found)
+    missing = _unique([dp.fqn for dp in records if dp.fqn not in found])
+    if missing and options.strict:
+        raise ValueError(missing_message.format(missing=missing[:5]))
+    return pieces
+
+
+def _group_source(
+    group: dict[str, Any], fqns: list[str], loaded: _Loaded, options: StateDictOptions
+) -> dict[str, Any] | None:
+    """The loaded group whose settings ``group`` takes; refuse one of another algorithm."""
+    source = next((g for g in loaded.groups if fqns and fqns[0] in g["params"]), None)
+    if loaded.foreign:  # this optimizer's own settings; only the AdamW moments load
+        source = {k: v for k, v in group.items() if k != "params"}
+    if source is None and fqns:
+        if options.strict:
+            raise ValueError(
+                f"the optimizer state dict has no param group holding {fqns[0]!r}; it "
+                "does not belong to this model and optimizer (or pass "
+                "StateDictOptions(strict=False) to keep this group's settings)"
+            )
+        source = {k: v for k, v in group.items() if k != "params"}
+    if source is not None and source.get("algorithm") != group.get("algorithm"):
+        raise ValueError(
+            f"the optimizer state dict's param group holding {fqns[0]!r} has "
+            f"algorithm {source.get('algorithm')!r}, this optimizer's has "
+            f"{group.get('algorithm')!r}: it was written by another optimizer. To "
+            "fine-tune from it, load only the model part (dmuon.set_model_state_dict) "
+            "and start the optimizer fresh."
+        )
+    return source
+
+
+def _load_optimizer(
+    optim: torch.optim.Optimizer,
+    names: dict[int, str],
+    dedicated: dict[int, Any],
+    loaded: _Loaded,
+    options: StateDictOptions,
+) -> None:
+    """Load ``optim``'s groups and state from ``loaded``, as index-keyed torch state."""
+    _ensure_state(optim)
+    index_state: dict[int, dict[str, Any]] = {}
+    index_groups: list[dict[str, Any]] = []
+    position = 0
+    for group in optim.param_groups:
+        fqns = [names[id(p)] for p in group["params"]]
+        source = _group_source(group, fqns, loaded, options)
+        values = {k: copy.copy(v) for k, v in (source or {}).items() if k != "params"}
+        if group.get("algorithm") == "muon" and values.get("variant", "muon") != group["variant"]:
+            # strict=False across variants (checked above): this optimizer's own
+            values["variant"], values["beta2"] = group["variant"], group["beta2"]
+        values["params"] = list(range(position, position + len(fqns)))
+        index_groups.append(values)
+        for p, fqn in zip(group["params"], fqns, strict=True):
+            dp = dedicated.get(id(p))
+            if dp is not None:
+                # Under HSDP every replica's owner received the values; the one that
+                # steps the matrix keeps them.
+                if dp.updates_here and loaded.momenta.get(dp.name) is not None:
+                    index_state[position] = {MOMENTUM: loaded.momenta[dp.name]}
+                if dp.updates_here and loaded.second_moments.get(dp.name) is not None:
+                    index_state.setdefault(position, {})[SECOND_MOMENT] = loaded.second_moments[
+                        dp.name
+                    ]
+            elif fqn in loaded.state:
+                index_state[position] = {
+                    k: _local_value(p, v) for k, v in loaded.state[fqn].items()
+                }
+            elif options.strict and p.requires_grad and not loaded.foreign:
                 raise ValueError(
-                    f"the optimizer state dict's param group holding {fqns[0]!r} has "
-                    f"algorithm {source.get('algorithm')!r}, this optimizer's has "
-                    f"{group.get('algorithm')!r}: it was written by another optimizer. To "
-                    "fine-tune from it, load only the model part (dmuon.set_model_state_dict) "
-                    "and start the optimizer fresh."
+                    f"the optimizer state dict has no state for {fqn!r}; pass "
+                    "StateDictOptions(strict=False) to start it fresh"
                 )
-            values = {k: copy.copy(v) for k, v in (source or {}).items() if k != "params"}
-            if (
-                group.get("algorithm") == "muon"
-                and values.get("variant", "muon") != group["variant"]
-            ):
-                # strict=False across variants (checked above): this optimizer's own
-                values["variant"], values["beta2"] = group["variant"], group["beta2"]
-            values["params"] = list(range(position, position + len(fqns)))
-            index_groups.append(values)
-            for p, fqn in zip(group["params"], fqns, strict=True):
-                dp = dedicated.get(id(p))
-                if dp is not None:
-                    # Under HSDP every replica's owner received the values; the one that
-                    # steps the matrix keeps them.
-                    if dp.updates_here and pieces.get(dp.name) is not None:
-                        index_state[position] = {MOMENTUM: pieces[dp.name]}
-                    if dp.updates_here and second_pieces.get(dp.name) is not None:
-                        index_state.setdefault(position, {})[SECOND_MOMENT] = second_pieces[dp.name]
-                elif fqn in loaded_state:
-                    index_state[position] = {
-                        k: _local_value(p, v) for k, v in loaded_state[fqn].items()
-                    }
-                elif options.strict and p.requires_grad and not foreign:
-                    raise ValueError(
-                        f"the optimizer state dict has no state for {fqn!r}; pass "
-                        "StateDictOptions(strict=False) to start it fresh"
-                    )
-                position += 1
-        optim.load_state_dict({"state": index_state, "param_groups": index_groups})
+            position += 1
+    optim.load_state_dict({"state": index_state, "param_groups": index_groups})
 
 
 def _same_variant(

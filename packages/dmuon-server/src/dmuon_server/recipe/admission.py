@@ -349,105 +349,23 @@ def assess(
     shape: ModelShape | HFModel = RECIPE_MODELS[preset] if preset is not None else model.hf  # type: ignore[assignment]
     refusals: list[Refusal] = []
     warnings: list[str] = []
-    t = train.seq_len
     max_len = shape.max_seq_len if isinstance(shape, ModelShape) else shape.max_positions
-    if max_len is not None and t > max_len:
-        message = (
-            f"{t} is longer than the maximum sequence length of the {preset} model "
-            f"({max_len}); use seq_len <= {max_len}"
-            if preset is not None
-            else contract.positions_message(t, max_len, model.label)
-        )
-        refusals.append(Refusal(("body", "train", "seq_len"), message))
-    if model.hf is not None and not model.hf.exact:
-        warnings.append(
-            f"model_type {model.hf.model_type!r}: its parameters are counted as a Llama-like "
-            "decoder's (an estimate)"
-        )
-    data_loc = ("body", "train", "data")
-    if data_path is None:
-        files, total = builtin_corpus()
-        found = DataFiles([total // max(files, 1)] * files, [], 0, True)
-        data = DataEstimate(source="built-in", files=files, bytes=total, complete=True)
-    else:
-        found = scan_data(data_path, data_label or "", roots)
-        data = DataEstimate(
-            source=data_label or "",
-            files=len(found.text_sizes) + len(found.token_counts),
-            bytes=sum(found.text_sizes) + found.token_bytes,
-            complete=found.complete,
-            format=found.format,  # type: ignore[arg-type]
-        )
-        if found.problem is not None:
-            refusals.append(Refusal(data_loc, found.problem))
+    _check_model(train, model, max_len, refusals, warnings)
+    found, data = _survey_data(data_path, data_label, roots, refusals)
     if found.token_counts and found.token_vocab > shape.vocab_size:
-        refusals.append(Refusal(data_loc, contract.vocab_message(
+        refusals.append(Refusal(_DATA_LOC, contract.vocab_message(
             found.token_vocab, shape.vocab_size, f"token data {data.source}", model.label
         )))  # fmt: skip
-    bytes_per_token = 1 if model.vocab == 256 and model.hf is None else BYTES_PER_TOKEN
-    if found.token_counts:
-        units = list(found.token_counts)
-        exact = True
-    else:
-        units = [max(1, n // bytes_per_token) for n in found.text_sizes]
-        exact = bytes_per_token == 1
-    data.tokens_exact = exact
-    train_tokens, val_tokens = split_tokens(units)
-    data.train_tokens, data.val_tokens = train_tokens, val_tokens
-    exact_split = exact and (len(units) <= 1 or sum(units) < t + 1)
-    if data_path is not None and not units and found.problem is None:
-        refusals.append(
-            Refusal(
-                data_loc,
-                f"{data.source} holds no non-empty file to read (hidden and binary files are "
-                "skipped); put text, .jsonl, .parquet or .bin files in it",
-            )
-        )
-    elif units:
-        for what, n in (("training", train_tokens), ("validation", val_tokens)):
-            if n >= t + 1:
-                continue
-            message = (
-                f"the {what} split of {data.source} has {'' if exact_split else 'about '}{n} "
-                f"tokens, fewer than seq_len + 1 = {t + 1}; use a shorter seq_len or more text"
-            )
-            if exact_split and found.complete:
-                refusals.append(Refusal(data_loc, message))
-            else:
-                warnings.append(message)
-    tokens_per_step = train.micro_batch_size * train.accum_steps * nproc * t
-    if train_tokens and tokens_per_step > train_tokens:
+    _check_splits(train.seq_len, data_path, found, data, model, refusals, warnings)
+    tokens_per_step = train.micro_batch_size * train.accum_steps * nproc * train.seq_len
+    if data.train_tokens and tokens_per_step > data.train_tokens:
         warnings.append(
-            f"one step samples {tokens_per_step} tokens, {tokens_per_step / train_tokens:.1f}x "
-            "the training split: the run sees the same text many times over"
+            f"one step samples {tokens_per_step} tokens, "
+            f"{tokens_per_step / data.train_tokens:.1f}x the training split: the run sees "
+            "the same text many times over"
         )
-    to_tokenize = sum(found.text_sizes)
-    memory = estimate_memory(Sizes.of(shape), train, nproc, to_tokenize, limit)
-    mem_loc = ("body", "train", "micro_batch_size")
-    need = f"{_gib(memory.job_bytes)} ({_gib(memory.per_rank_bytes)} per rank x {nproc})"
-    if memory.job_bytes > limit:
-        refusals.append(
-            Refusal(
-                mem_loc,
-                f"the job needs an estimated {need}, more than this server allows per job "
-                f"({_gib(limit)}, {limit_name}); lower micro_batch_size, seq_len or "
-                "nproc_per_node",
-            )
-        )
-    elif memory.job_bytes > memory.host_total_bytes:
-        refusals.append(
-            Refusal(
-                mem_loc,
-                f"the job needs an estimated {need}, more than the host's RAM "
-                f"({_gib(memory.host_total_bytes)}); lower micro_batch_size, seq_len or "
-                "nproc_per_node",
-            )
-        )
-    elif memory.job_bytes > memory.host_available_bytes:
-        warnings.append(
-            f"the job needs an estimated {need}, more than the host has free right now "
-            f"({_gib(memory.host_available_bytes)})"
-        )
+    memory = estimate_memory(Sizes.of(shape), train, nproc, sum(found.text_sizes), limit)
+    _check_memory(memory, nproc, limit, limit_name, refusals, warnings)
     admission = Admission(
         model=model.label,
         model_type=None if model.hf is None else model.hf.model_type,
@@ -460,3 +378,131 @@ def assess(
         data=data,
     )
     return admission, refusals, warnings
+
+
+_DATA_LOC = ("body", "train", "data")
+
+
+def _check_model(
+    train: TrainSpec,
+    model: ModelInputs,
+    max_len: int | None,
+    refusals: list[Refusal],
+    warnings: list[str],
+) -> None:
+    """Refuse a sequence longer than the model's positions; warn of an estimated count."""
+    t = train.seq_len
+    if max_len is not None and t > max_len:
+        message = (
+            f"{t} is longer than the maximum sequence length of the {train.preset} model "
+            f"({max_len}); use seq_len <= {max_len}"
+            if train.preset is not None
+            else contract.positions_message(t, max_len, model.label)
+        )
+        refusals.append(Refusal(("body", "train", "seq_len"), message))
+    if model.hf is not None and not model.hf.exact:
+        warnings.append(
+            f"model_type {model.hf.model_type!r}: its parameters are counted as a Llama-like "
+            "decoder's (an estimate)"
+        )
+
+
+def _survey_data(
+    data_path: Path | None,
+    data_label: str | None,
+    roots: tuple[Path, ...],
+    refusals: list[Refusal],
+) -> tuple[DataFiles, DataEstimate]:
+    """What the job's data holds: the built-in corpus, or the files under ``data_path``."""
+    if data_path is None:
+        files, total = builtin_corpus()
+        found = DataFiles([total // max(files, 1)] * files, [], 0, True)
+        return found, DataEstimate(source="built-in", files=files, bytes=total, complete=True)
+    found = scan_data(data_path, data_label or "", roots)
+    data = DataEstimate(
+        source=data_label or "",
+        files=len(found.text_sizes) + len(found.token_counts),
+        bytes=sum(found.text_sizes) + found.token_bytes,
+        complete=found.complete,
+        format=found.format,  # type: ignore[arg-type]
+    )
+    if found.problem is not None:
+        refusals.append(Refusal(_DATA_LOC, found.problem))
+    return found, data
+
+
+def _check_splits(
+    t: int,
+    data_path: Path | None,
+    found: DataFiles,
+    data: DataEstimate,
+    model: ModelInputs,
+    refusals: list[Refusal],
+    warnings: list[str],
+) -> None:
+    """Count the tokens of both splits into ``data``; refuse or warn where one is too short.
+
+    A split shorter than one sequence is refused when its count is exact and the survey
+    complete, and warned of otherwise.
+    """
+    bytes_per_token = 1 if model.vocab == 256 and model.hf is None else BYTES_PER_TOKEN
+    if found.token_counts:
+        units = list(found.token_counts)
+        exact = True
+    else:
+        units = [max(1, n // bytes_per_token) for n in found.text_sizes]
+        exact = bytes_per_token == 1
+    data.tokens_exact = exact
+    data.train_tokens, data.val_tokens = split_tokens(units)
+    exact_split = exact and (len(units) <= 1 or sum(units) < t + 1)
+    if data_path is not None and not units and found.problem is None:
+        refusals.append(
+            Refusal(
+                _DATA_LOC,
+                f"{data.source} holds no non-empty file to read (hidden and binary files are "
+                "skipped); put text, .jsonl, .parquet or .bin files in it",
+            )
+        )
+        return
+    if not units:
+        return
+    for what, n in (("training", data.train_tokens), ("validation", data.val_tokens)):
+        if n >= t + 1:
+            continue
+        message = (
+            f"the {what} split of {data.source} has {'' if exact_split else 'about '}{n} "
+            f"tokens, fewer than seq_len + 1 = {t + 1}; use a shorter seq_len or more text"
+        )
+        if exact_split and found.complete:
+            refusals.append(Refusal(_DATA_LOC, message))
+        else:
+            warnings.append(message)
+
+
+def _check_memory(
+    memory: MemoryEstimate,
+    nproc: int,
+    limit: int,
+    limit_name: str,
+    refusals: list[Refusal],
+    warnings: list[str],
+) -> None:
+    """Refuse a job over the server's limit or the host's RAM; warn past the free memory."""
+    loc = ("body", "train", "micro_batch_size")
+    need = f"{_gib(memory.job_bytes)} ({_gib(memory.per_rank_bytes)} per rank x {nproc})"
+    lower = "lower micro_batch_size, seq_len or nproc_per_node"
+    if memory.job_bytes > limit:
+        refusals.append(Refusal(loc, (
+            f"the job needs an estimated {need}, more than this server allows per job "
+            f"({_gib(limit)}, {limit_name}); {lower}"
+        )))  # fmt: skip
+    elif memory.job_bytes > memory.host_total_bytes:
+        refusals.append(Refusal(loc, (
+            f"the job needs an estimated {need}, more than the host's RAM "
+            f"({_gib(memory.host_total_bytes)}); {lower}"
+        )))  # fmt: skip
+    elif memory.job_bytes > memory.host_available_bytes:
+        warnings.append(
+            f"the job needs an estimated {need}, more than the host has free right now "
+            f"({_gib(memory.host_available_bytes)})"
+        )
