@@ -27,6 +27,22 @@ def _parser() -> argparse.ArgumentParser:
             "config alone; nothing is downloaded, allocated or launched."
         ),
     )
+    _add_layout_options(parser)
+    _add_optimizer_options(parser)
+    parser.add_argument("--per-rank", action="store_true", help="a line for every rank")
+    parser.add_argument(
+        "--recommend",
+        action="store_true",
+        help="rank every layout of --world GPUs that fits --hardware's memory (1-D and "
+        "HSDP shard groups of 8 and up, Z2/Z3, the fewest micro-batches) by step time, "
+        "each with why, beside FSDP2 + AdamW (--shard-size, --mode and --accum are chosen)",
+    )
+    parser.add_argument("--json", action="store_true", help="everything as JSON, for tools")
+    return parser
+
+
+def _add_layout_options(parser: argparse.ArgumentParser) -> None:
+    """The model, the mesh, the tokens per step and how they are accumulated."""
     parser.add_argument("--model", required=True, help="Hugging Face model folder or config.json")
     parser.add_argument("--world", type=int, required=True, help="ranks in all")
     parser.add_argument(
@@ -56,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
         help='with --no-sync: dmuon.no_sync(scope=...); "replicas" reduces inside each '
         "replica every micro-batch and crosses replicas once per step",
     )
+
+
+def _add_optimizer_options(parser: argparse.ArgumentParser) -> None:
+    """The hardware, the iteration and the dtypes of buffers and reduces."""
     parser.add_argument(
         "--hardware",
         default="h100",
@@ -92,16 +112,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="dmuon.Muon's cap on the Newton-Schulz workspace (default 2 GiB)",
     )
-    parser.add_argument("--per-rank", action="store_true", help="a line for every rank")
-    parser.add_argument(
-        "--recommend",
-        action="store_true",
-        help="rank every layout of --world GPUs that fits --hardware's memory (1-D and "
-        "HSDP shard groups of 8 and up, Z2/Z3, the fewest micro-batches) by step time, "
-        "each with why, beside FSDP2 + AdamW (--shard-size, --mode and --accum are chosen)",
-    )
-    parser.add_argument("--json", action="store_true", help="everything as JSON, for tools")
-    return parser
 
 
 def _row(
@@ -114,6 +124,18 @@ def _row(
 
 def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> str:
     """The plan as text: assumptions, totals, per-rank ranges, warnings."""
+    lines = _summary_lines(plan, model_name)
+    lines += ["", f"  {'per rank':<34}{'min':>12}{'mean':>12}{'max':>12}"]
+    lines += _range_rows(plan.ranks) + _collective_rows(plan.ranks)
+    if per_rank:
+        lines += _per_rank_table(plan.ranks)
+    for warning in plan.warnings:
+        lines += ["", f"warning: {warning}"]
+    return "\n".join(lines)
+
+
+def _summary_lines(plan: ClusterPlan, model_name: str) -> list[str]:
+    """The model, the mesh, the time model, and the step's figures against FSDP2 + AdamW."""
     tp = plan.world // (plan.replicas * plan.shard_size)
     layout = (
         f"{plan.replicas} replicas x {plan.shard_size} shard ranks (HSDP)"
@@ -153,12 +175,14 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
         f"between replicas past backward): ratio {plan.step_ratio:.3f}",
         f"collective calls per step: DMuon up to {plan.calls:,} per rank, FSDP2 "
         f"{plan.fsdp2_calls:,} for the same model and mesh",
-        "",
-        f"  {'per rank':<34}{'min':>12}{'mean':>12}{'max':>12}",
     ]
-    ranks = plan.ranks
+    return lines
+
+
+def _range_rows(ranks: list[RankPlan]) -> list[str]:
+    """Each per-rank figure's minimum, mean and maximum over the ranks."""
     gib = float(GIB)
-    lines += [
+    return [
         _row("float32 masters", ranks, lambda r: r.master_bytes / gib, "GiB"),
         _row("momentum", ranks, lambda r: r.momentum_bytes / gib, "GiB"),
         _row("Newton-Schulz workspace", ranks, lambda r: r.workspace_bytes / gib, "GiB"),
@@ -170,6 +194,11 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
         _row("Newton-Schulz time", ranks, lambda r: r.ns_seconds * 1e3, "ms"),
         _row("collective calls", ranks, lambda r: r.calls, "per step"),
     ]
+
+
+def _collective_rows(ranks: list[RankPlan]) -> list[str]:
+    """Calls and elements of each kind of collective, per mesh dimension."""
+    lines = []
     for dim, pick in (
         ("shard", lambda r: r.shard_collectives),
         ("replicate", lambda r: r.replicate_collectives),
@@ -193,21 +222,21 @@ def format_plan(plan: ClusterPlan, model_name: str, per_rank: bool = False) -> s
                     "M per step",
                 )
             )
-    if per_rank:
-        lines += [
-            "",
-            "  rank replica shard tp  masters GiB  momentum GiB  workspace GiB  NS ms  calls",
-        ]
-        for r in ranks:
-            lines.append(
-                f"  {r.rank:>4} {r.replica:>7} {r.shard:>5} {r.tp:>2} "
-                f"{r.master_bytes / gib:>12.2f} {r.momentum_bytes / gib:>13.2f} "
-                f"{r.workspace_bytes / gib:>14.2f} "
-                f"{r.ns_seconds * 1e3:>6.2f} {r.calls:>6}"
-            )
-    for warning in plan.warnings:
-        lines += ["", f"warning: {warning}"]
-    return "\n".join(lines)
+    return lines
+
+
+def _per_rank_table(ranks: list[RankPlan]) -> list[str]:
+    """One line per rank: its coordinates, memory, Newton-Schulz time and calls."""
+    gib = float(GIB)
+    lines = ["", "  rank replica shard tp  masters GiB  momentum GiB  workspace GiB  NS ms  calls"]
+    for r in ranks:
+        lines.append(
+            f"  {r.rank:>4} {r.replica:>7} {r.shard:>5} {r.tp:>2} "
+            f"{r.master_bytes / gib:>12.2f} {r.momentum_bytes / gib:>13.2f} "
+            f"{r.workspace_bytes / gib:>14.2f} "
+            f"{r.ns_seconds * 1e3:>6.2f} {r.calls:>6}"
+        )
+    return lines
 
 
 _ZERO = Tally()
