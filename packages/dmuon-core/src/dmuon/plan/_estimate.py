@@ -302,8 +302,6 @@ def plan_cluster(
     #: Synchronised backwards per step inside a replica, and between replicas.
     synced = accum if inside_only else 1 if no_sync else accum
     replica_synced = 1 if no_sync else accum
-    # FSDP2's all-reduces between replicas of the other parameters: one per layer and root.
-    fsdp2_reduce_calls = (len(spans) + 1) * replica_synced
     parameters = sum(p.numel() for p in model.parameters())
     active = parameters if active_parameters is None else active_parameters
     forward_backward = (
@@ -335,12 +333,7 @@ def plan_cluster(
         hardware=hardware,
         parameters=parameters,
         dedicated_elements=p_m,
-        fsdp2_reduce_calls=fsdp2_reduce_calls,
     )
-    ranks = rank_plans(setup)
-    units = len(spans) + 1  # FSDP2: each hook boundary's layer and the root
-    gathers = units * accum * (2 if mode == "z3" else 1)
-    fsdp2_calls = gathers + units * synced + (units * replica_synced if replicas > 1 else 0)
     result = ClusterPlan(
         world=world,
         shard_size=shard,
@@ -356,26 +349,16 @@ def plan_cluster(
         parameters=parameters,
         active_parameters=active,
         boundaries=len(spans),
-        fsdp2_calls=fsdp2_calls,
+        fsdp2_calls=setup.fsdp2_calls,
         forward_backward_seconds=forward_backward,
-        ranks=ranks,
+        ranks=rank_plans(setup),
         owner_plan=plan,
         warnings=[],
         ns_gram=ns_gram,
         reduce_bytes=reduce_bytes,
         no_sync_scope=no_sync_scope,
         activation_bytes_per_token=activation_bytes_per_token(model),
-        fsdp2_reduce_seconds=(
-            2
-            * (replicas - 1)
-            / replicas
-            * parameters
-            / (shard * tp)
-            * reduce_bytes
-            * replica_synced
-        )
-        / (hardware.network_gbps * 1e9)
-        + (fsdp2_reduce_calls if replicas > 1 else 0) * hardware.latency_us * 1e-6,
+        fsdp2_reduce_seconds=setup.fsdp2_reduce_seconds,
     )
     result.warnings.extend(plan_warnings(result))
     return result

@@ -133,8 +133,33 @@ class ClusterSetup:
     hardware: Hardware
     parameters: int
     dedicated_elements: int
-    #: FSDP2's all-reduces between replicas of the other parameters, per step.
-    fsdp2_reduce_calls: int
+
+    @property
+    def fsdp2_units(self) -> int:
+        """FSDP2's units on the same model: each hook boundary's layer, and the root."""
+        return len(self.spans) + 1
+
+    @property
+    def fsdp2_reduce_calls(self) -> int:
+        """FSDP2's all-reduces between replicas of the other parameters, per step."""
+        return self.fsdp2_units * self.replica_synced
+
+    @property
+    def fsdp2_calls(self) -> int:
+        """FSDP2's collective calls per step per rank: gathers, reduces, all-reduces."""
+        gathers = self.fsdp2_units * self.accum * (2 if self.mode == "z3" else 1)
+        all_reduces = self.fsdp2_reduce_calls if self.replicas > 1 else 0
+        return gathers + self.fsdp2_units * self.synced + all_reduces
+
+    @property
+    def fsdp2_reduce_seconds(self) -> float:
+        """FSDP2's all-reduce between replicas per step: its bytes and its calls' latency."""
+        if self.replicas == 1:
+            return 0.0
+        per_rank = self.parameters / (self.shard * self.tp) * self.reduce_bytes
+        ring = 2 * (self.replicas - 1) / self.replicas * per_rank * self.replica_synced
+        latency = self.fsdp2_reduce_calls * self.hardware.latency_us * 1e-6
+        return ring / (self.hardware.network_gbps * 1e9) + latency
 
     @property
     def all_spans(self) -> list[Span]:
