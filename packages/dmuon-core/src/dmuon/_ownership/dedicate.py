@@ -366,32 +366,7 @@ def dedicate_params(
     relative scale of the router's rows, which Muon's equal-size orthogonalized update
     would override.
     """
-    if getattr(model, STATE_ATTR, None) is not None:
-        raise ValueError("dedicate_params was already called on this model; call it once")
-    if not isinstance(reshard_after_forward, bool):
-        raise ValueError(
-            f"reshard_after_forward must be True (Z3) or False (Z2), not "
-            f"{reshard_after_forward!r}: dedicated matrices are broadcast whole from their "
-            "owners, so fully_shard's integer form (reshard to a smaller group of ranks) has "
-            "no meaning for them. fully_shard itself may still take the integer."
-        )
-    for name, value in (
-        ("param_dtype", param_dtype),
-        ("reduce_dtype", reduce_dtype),
-        ("broadcast_dtype", broadcast_dtype),
-    ):
-        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
-            raise ValueError(
-                f"{name} must be a floating-point torch.dtype such as torch.bfloat16, or None, "
-                f"got {value!r}"
-            )
-    wrapped = [name or "<root>" for name, m in model.named_modules() if is_fsdp_module(m)]
-    if wrapped:
-        raise ValueError(
-            f"dedicate_params must be called before fully_shard, but {wrapped[:3]} are already "
-            "wrapped by fully_shard. Call dmuon.dedicate_params(model, mesh) first, then "
-            "fully_shard each layer and the model."
-        )
+    _check_arguments(model, reshard_after_forward, param_dtype, reduce_dtype, broadcast_dtype)
     group, replicate_group, device = _resolve_group(model, mesh)
     comm_rank = dist.get_rank(group) if group is not None else 0
     world_size = dist.get_world_size(group) if group is not None else 1
@@ -407,9 +382,10 @@ def dedicate_params(
         split_expert_stacks=split_expert_stacks,
     )
 
-    dedicated: list[DedicatedParam] = []
-    for fqn, module, attr, param, transposed, _ in selected:
-        dedicated += _records(
+    dedicated = [
+        record
+        for fqn, module, attr, param, transposed, _ in selected
+        for record in _records(
             fqn,
             module,
             attr,
@@ -422,7 +398,7 @@ def dedicate_params(
             boundaries[fqn],
             transposed,
         )
-
+    ]
     comm = _communicator(dedicated, group, replicate_group, replicas, device, check_collectives)
     runtime_boundaries = _boundaries(
         model,
@@ -459,6 +435,43 @@ def dedicate_params(
         ),
     )
     return dict(plan.owners)
+
+
+def _check_arguments(
+    model: nn.Module,
+    reshard_after_forward: object,
+    param_dtype: object,
+    reduce_dtype: object,
+    broadcast_dtype: object,
+) -> None:
+    """Refuse a second dedication, an integer ``reshard_after_forward``, a dtype that is
+    not a floating-point one, and a model ``fully_shard`` already wrapped."""
+    if getattr(model, STATE_ATTR, None) is not None:
+        raise ValueError("dedicate_params was already called on this model; call it once")
+    if not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"reshard_after_forward must be True (Z3) or False (Z2), not "
+            f"{reshard_after_forward!r}: dedicated matrices are broadcast whole from their "
+            "owners, so fully_shard's integer form (reshard to a smaller group of ranks) has "
+            "no meaning for them. fully_shard itself may still take the integer."
+        )
+    for name, value in (
+        ("param_dtype", param_dtype),
+        ("reduce_dtype", reduce_dtype),
+        ("broadcast_dtype", broadcast_dtype),
+    ):
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise ValueError(
+                f"{name} must be a floating-point torch.dtype such as torch.bfloat16, or None, "
+                f"got {value!r}"
+            )
+    wrapped = [name or "<root>" for name, m in model.named_modules() if is_fsdp_module(m)]
+    if wrapped:
+        raise ValueError(
+            f"dedicate_params must be called before fully_shard, but {wrapped[:3]} are already "
+            "wrapped by fully_shard. Call dmuon.dedicate_params(model, mesh) first, then "
+            "fully_shard each layer and the model."
+        )
 
 
 def _communicator(
