@@ -53,28 +53,7 @@ def create_app(
     a data directory, database or users file the server cannot use.
     """
     settings = settings or Settings()
-    if users is None:
-        try:
-            users = Users(settings.users_file, settings.token)
-        except UsersFileError as e:
-            raise StartupError(str(e)) from None
-    try:
-        identities = JobIdentities(settings, users)
-    except IdentityError as e:
-        raise StartupError(str(e)) from None
-    check_data_dir(settings.data_dir, settings.jobs_dir)
-    if settings.launcher == "slurm":
-        check_slurm(settings)
-    try:
-        store = Store(settings.db_path)
-    except StoreError as e:
-        raise StartupError(str(e)) from None
-    try:
-        identities.secure_data_dir()
-    except IdentityError as e:
-        raise StartupError(str(e)) from None
-    check_launcher_matches(store, settings.launcher)
-    store.refresh_spec_hashes(stored_spec_fingerprint, FINGERPRINT_PREFIX)
+    users, identities, store = _open(settings, users)
     hub = Hub()
     tailer = MetricsTailer(
         store, hub, lambda job_id, text: PublicPaths(settings, settings.job_dir(job_id)).text(text)
@@ -123,6 +102,40 @@ def create_app(
     app.state.tailer = tailer
     app.state.users = users
     app.state.identities = identities
+    _install_http(app, settings, users)
+    return app
+
+
+def _open(settings: Settings, users: Users | None) -> tuple[Users, JobIdentities, Store]:
+    """Check the users file, the data directory, the launcher and the database, and open
+    them; raise :class:`StartupError` for one the server cannot use."""
+    if users is None:
+        try:
+            users = Users(settings.users_file, settings.token)
+        except UsersFileError as e:
+            raise StartupError(str(e)) from None
+    try:
+        identities = JobIdentities(settings, users)
+    except IdentityError as e:
+        raise StartupError(str(e)) from None
+    check_data_dir(settings.data_dir, settings.jobs_dir)
+    if settings.launcher == "slurm":
+        check_slurm(settings)
+    try:
+        store = Store(settings.db_path)
+    except StoreError as e:
+        raise StartupError(str(e)) from None
+    try:
+        identities.secure_data_dir()
+    except IdentityError as e:
+        raise StartupError(str(e)) from None
+    check_launcher_matches(store, settings.launcher)
+    store.refresh_spec_hashes(stored_spec_fingerprint, FINGERPRINT_PREFIX)
+    return users, identities, store
+
+
+def _install_http(app: FastAPI, settings: Settings, users: Users) -> None:
+    """Error handlers, routes, middleware, the dashboard and the OpenAPI document."""
     install_error_handlers(app)
     app.include_router(service.router)
     app.include_router(jobs.router)
@@ -143,4 +156,3 @@ def create_app(
         return build_openapi(app, settings)
 
     app.openapi = openapi  # type: ignore[method-assign]
-    return app

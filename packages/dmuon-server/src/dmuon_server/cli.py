@@ -343,55 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         exec_without_secrets(sys.argv[1:], token, secrets)
     for name in secrets:  # called in-process (argv given): at least out of os.environ
         os.environ.pop(name, None)
-    if args.no_auth and (token is not None or args.users_file is not None):
-        return _error("--no-auth contradicts --token, --token-file, --users-file and "
-                      f"{TOKEN_ENV}; pass one or the other")  # fmt: skip
-    if not is_loopback(args.host) and args.no_auth:
-        return _error(
-            f"refusing to listen on {args.host} without a token (--no-auth); drop --no-auth "
-            "(the server makes a token), pass --token-file or --users-file, or listen on "
-            "127.0.0.1"
-        )
-    token_file = args.token_file
-    made_token = False
-    if token is None and args.users_file is None and not args.no_auth:
-        try:
-            ensure_dir(args.data_dir, "data directory")
-            token, token_file, _ = generated_token(args.data_dir)
-        except (StartupError, TokenError) as e:
-            return _error(str(e))
-        made_token = True
-    problem = flag_problem(args)
-    if problem is not None:
-        return _error(problem)
     try:
-        gpus = parse_gpus(args.gpus)
-    except GpuSpecError as e:
-        return _error(str(e))
-    try:
-        users = Users(args.users_file, token)
-    except UsersFileError as e:
-        return _error(str(e))
-    if not is_loopback(args.host) and not users.all():
-        return _error(
-            f"refusing to listen on {args.host}: the users file {args.users_file} has no users "
-            "and no token is given, so nobody could sign in; add a user to the file, pass "
-            f"--token-file or set {TOKEN_ENV}, or listen on 127.0.0.1"
-        )
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    settings = settings_from_flags(args, token, token_file, gpus, _allowed_hosts(args, token))
-    try:
-        identities = JobIdentities(settings, users)
-        problem = identities.startup_problem()
-        if problem is not None:
-            return _error(problem)
-        chosen, isolation = sandbox.choose(
-            args.sandbox, args.launcher, identities.job_user, args.job_network
-        )
-        settings = dataclasses.replace(settings, sandbox=chosen)
-    except (IdentityError, StartupError) as e:
+        token, token_file, made_token = _resolve_auth(args, token)
+        settings, users, isolation = _configure(args, token, token_file)
+    except StartupError as e:
         return _error(str(e))
 
     from dmuon_server.app import create_app
@@ -415,6 +370,68 @@ def main(argv: list[str] | None = None) -> int:
     )
     _announce(url, settings, isolation, token if made_token else None, token_file)
     return _serve(app, sock, args.log_level, users, lock)
+
+
+def _resolve_auth(
+    args: argparse.Namespace, token: str | None
+) -> tuple[str | None, Path | None, bool]:
+    """The token, its file, and whether the server made it; refuse contradictory flags and
+    a server open to the network without a token (raises :class:`StartupError`)."""
+    if args.no_auth and (token is not None or args.users_file is not None):
+        raise StartupError(
+            f"--no-auth contradicts --token, --token-file, --users-file and {TOKEN_ENV}; "
+            "pass one or the other"
+        )
+    if not is_loopback(args.host) and args.no_auth:
+        raise StartupError(
+            f"refusing to listen on {args.host} without a token (--no-auth); drop --no-auth "
+            "(the server makes a token), pass --token-file or --users-file, or listen on "
+            "127.0.0.1"
+        )
+    if token is not None or args.users_file is not None or args.no_auth:
+        return token, args.token_file, False
+    try:
+        ensure_dir(args.data_dir, "data directory")
+        token, token_file, _ = generated_token(args.data_dir)
+    except TokenError as e:
+        raise StartupError(str(e)) from None
+    return token, token_file, True
+
+
+def _configure(
+    args: argparse.Namespace, token: str | None, token_file: Path | None
+) -> tuple[Settings, Users, str]:
+    """Check the remaining flags, load the users and choose the sandbox: the settings, the
+    users and how jobs are isolated (raises :class:`StartupError`)."""
+    problem = flag_problem(args)
+    if problem is not None:
+        raise StartupError(problem)
+    try:
+        gpus = parse_gpus(args.gpus)
+        users = Users(args.users_file, token)
+    except (GpuSpecError, UsersFileError) as e:
+        raise StartupError(str(e)) from None
+    if not is_loopback(args.host) and not users.all():
+        raise StartupError(
+            f"refusing to listen on {args.host}: the users file {args.users_file} has no users "
+            "and no token is given, so nobody could sign in; add a user to the file, pass "
+            f"--token-file or set {TOKEN_ENV}, or listen on 127.0.0.1"
+        )
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    settings = settings_from_flags(args, token, token_file, gpus, _allowed_hosts(args, token))
+    try:
+        identities = JobIdentities(settings, users)
+        problem = identities.startup_problem()
+        if problem is not None:
+            raise StartupError(problem)
+        chosen, isolation = sandbox.choose(
+            args.sandbox, args.launcher, identities.job_user, args.job_network
+        )
+    except IdentityError as e:
+        raise StartupError(str(e)) from None
+    return dataclasses.replace(settings, sandbox=chosen), users, isolation
 
 
 def _announce(

@@ -252,6 +252,11 @@ class NewtonSchulzWorkspace:
         self._cast_buffers: dict[torch.dtype, Tensor] = {}
         if out_dtype is not None and out_dtype != dtype:
             self._cast_buffers[out_dtype] = empty((batch, rows, cols), out_dtype)
+        self._plan_chunks(batch, device, emulated_bf16)
+
+    def _plan_chunks(self, batch: int, device: torch.device, emulated_bf16: bool) -> None:
+        """Cut the batch into the pieces one pass iterates together, and plan their products."""
+        empty, dtype = self._empty, self.dtype
         # On a CPU, matrices with a short side of CPU_ONE_AT_A_TIME_MIN_SIDE or more iterate
         # one at a time: each one's products then stay in cache (measured on AMX: 8-20%
         # faster from 512 up, while smaller ones are up to 2x faster batched).

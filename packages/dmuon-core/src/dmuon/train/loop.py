@@ -38,6 +38,7 @@ from typing import Any
 import dmuon_recipe_contract as contract
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dmuon._teardown import before_interpreter_exit
 from dmuon.train import checkpointing
@@ -152,7 +153,29 @@ class Trainer(TrainingSteps):
         self.distributed = env.distributed
         replicas = check_hsdp_degree(config.hsdp, self.world_size)
         self.threads = configure_threads(env.local_world_size, config.threads)
+        self._setup_data()
+        self.mesh = build_mesh(env, replicas)
+        self._setup_model()
+        self.lr = config.effective_lr  # the rate logged as ``lr``
+        self.optimizer, self._lr_factor, self.scheduler = _optimizer_and_schedule(
+            self.model, config
+        )
+        self.tokens_per_step = self.sampler.global_batch_size * config.seq_len
+        self.train_state = TrainState(
+            model=config.model,
+            optimizer=config.optimizer,
+            muon_variant=config.muon_variant if config.optimizer == "dmuon" else None,
+            global_batch_size=self.sampler.global_batch_size,
+            seq_len=config.seq_len,
+            world_size=self.world_size,
+        )
+        self.peak_flops = self._peak_flops()
+        self.checkpoints = CheckpointManager(self)
+        self.checkpoints.restore()
 
+    def _setup_data(self) -> None:
+        """The corpus, the global batch sampler and this rank's validation windows."""
+        config = self.config
         self.corpus = self._load_corpus()
         self.sampler = GlobalBatchSampler(
             self.corpus.train,
@@ -170,7 +193,9 @@ class Trainer(TrainingSteps):
             rank=self.rank,
         )
 
-        self.mesh = build_mesh(env, replicas)
+    def _setup_model(self) -> None:
+        """Build, dedicate, shard and materialise the model on this rank."""
+        config = self.config
         # Same seed on every rank: identical weights. Distributed, a preset is built on the
         # meta device, dedicated and sharded there, then given its weights one layer at a
         # time: no rank holds the whole model.
@@ -202,42 +227,6 @@ class Trainer(TrainingSteps):
         # One process has no FSDP2 to cast with: bfloat16 compute is torch.autocast.
         self._autocast = param_dtype is not None and self.mesh is None
         self.model = model
-
-        self.lr = config.effective_lr  # the rate logged as ``lr``
-        self.optimizer = build_optimizer(
-            model,
-            optimizer=config.optimizer,
-            lr=config.lr,
-            adamw_lr=config.adamw_rate,
-            ns_dtype=config.ns_dtype,
-            variant=config.muon_variant,
-            weight_decay=config.weight_decay,
-            adamw_weight_decay=config.adamw_weight_decay,
-            momentum=config.momentum,
-            adamw_betas=(config.adamw_beta1, config.adamw_beta2),
-            split=config.split,
-            qk_clip=config.qk_clip,
-        )
-        self._lr_factor = lr_factor(
-            config.lr_schedule,
-            config.warmup_steps,
-            config.steps,
-            config.min_lr_ratio,
-            config.decay_fraction,
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
-        self.tokens_per_step = self.sampler.global_batch_size * config.seq_len
-        self.train_state = TrainState(
-            model=config.model,
-            optimizer=config.optimizer,
-            muon_variant=config.muon_variant if config.optimizer == "dmuon" else None,
-            global_batch_size=self.sampler.global_batch_size,
-            seq_len=config.seq_len,
-            world_size=self.world_size,
-        )
-        self.peak_flops = self._peak_flops()
-        self.checkpoints = CheckpointManager(self)
-        self.checkpoints.restore()
 
     def _load_corpus(self) -> Any:
         """Tokenize on local rank 0 while the node's other ranks wait for its cache."""
@@ -547,3 +536,31 @@ def _summary(trainer: Trainer, run: _Run) -> dict[str, Any]:
         "export": None if run.exported is None else str(run.exported),
         "config": asdict(trainer.config),
     }
+
+
+def _optimizer_and_schedule(
+    model: nn.Module, config: TrainConfig
+) -> tuple[torch.optim.Optimizer, Callable[[int], float], torch.optim.lr_scheduler.LambdaLR]:
+    """The run's optimizer, its learning-rate factor per step, and the scheduler applying it."""
+    optimizer = build_optimizer(
+        model,
+        optimizer=config.optimizer,
+        lr=config.lr,
+        adamw_lr=config.adamw_rate,
+        ns_dtype=config.ns_dtype,
+        variant=config.muon_variant,
+        weight_decay=config.weight_decay,
+        adamw_weight_decay=config.adamw_weight_decay,
+        momentum=config.momentum,
+        adamw_betas=(config.adamw_beta1, config.adamw_beta2),
+        split=config.split,
+        qk_clip=config.qk_clip,
+    )
+    factor = lr_factor(
+        config.lr_schedule,
+        config.warmup_steps,
+        config.steps,
+        config.min_lr_ratio,
+        config.decay_fraction,
+    )
+    return optimizer, factor, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -212,26 +212,7 @@ class LocalLauncher:
                     or self.identities.users.host_network_of(job.user or ""),
                     hidden=self.settings.server_files,
                 )
-            cgroup = self._new_cgroup(job, start.number)
-            fds, enroll = cgroup.enroller() if cgroup is not None else ([], None)
-            try:
-                with os.fdopen(attempts.open_job_log(job_dir, start.account), "ab") as logf:
-                    proc = subprocess.Popen(
-                        argv,
-                        cwd=job_dir,
-                        env=start.env,
-                        stdin=subprocess.DEVNULL,
-                        stdout=logf,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        close_fds=True,
-                        # Into the job's cgroup before it runs anything (see cgroups).
-                        preexec_fn=enroll,
-                        **drop_privileges(start.account),
-                    )
-            finally:
-                for fd in fds:
-                    os.close(fd)
+            proc = _start_process(argv, job_dir, start, self._new_cgroup(job, start.number))
         except OSError as e:
             why = f"could not start the job: {e.strerror or e}"
             attempts.fail_to_start(self.store, self._move, job.id, start.number, why, ACTIVE_STATES)
@@ -465,3 +446,28 @@ class LocalLauncher:
         n = signal_ranks(job, root, signal.SIGTERM)
         log.info("job %s: SIGTERM to %d process(es)", job.id, n)
         self.hub.notify(job.id)
+
+
+def _start_process(
+    argv: list[str], job_dir: Path, start: attempts.AttemptStart, cgroup: JobCgroup | None
+) -> subprocess.Popen:
+    """Start an attempt's runner in a session of its own, as the job's account, with its
+    output appended to the job's log; it enters ``cgroup`` before it runs anything."""
+    fds, enroll = cgroup.enroller() if cgroup is not None else ([], None)
+    try:
+        with os.fdopen(attempts.open_job_log(job_dir, start.account), "ab") as logf:
+            return subprocess.Popen(
+                argv,
+                cwd=job_dir,
+                env=start.env,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                close_fds=True,
+                preexec_fn=enroll,
+                **drop_privileges(start.account),
+            )
+    finally:
+        for fd in fds:
+            os.close(fd)
