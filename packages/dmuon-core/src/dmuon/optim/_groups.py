@@ -101,60 +101,28 @@ def build_param_groups(
     names = {id(p): name for name, p in model.named_parameters()}
     claimed: dict[int, int] = {}
     groups: list[dict[str, Any]] = []
-    allowed = (*_OTHER_KEYS, *MUON_KEYS, *ADAMW_KEYS)
     for index, group in enumerate(user_groups or ()):
-        if not isinstance(group, Mapping):
-            raise ValueError(
-                f"param_groups[{index}] must be a dict with 'params' and hyperparameter "
-                f"overrides, got {type(group).__name__}"
-            )
-        unknown = sorted(set(group) - set(allowed))
-        if unknown:
-            raise ValueError(
-                f"param_groups[{index}] has unknown keys {unknown}; a group takes 'params', "
-                f"'name', the Muon hyperparameters {list(MUON_KEYS)} (for its dedicated "
-                f"matrices) and the AdamW ones {list(ADAMW_KEYS)} (for its other parameters)"
-            )
+        _check_group_keys(group, index)
         muon_part: list[int] = []
         adamw_part: list[nn.Parameter] = []
         for p in _params_of(group, index):
-            key = id(p)
-            if key not in records_of and key not in other_ids:
-                raise ValueError(
-                    f"param_groups[{index}] holds a parameter of shape {tuple(p.shape)} that is "
-                    "not one of the model's parameters; take the groups' parameters from "
-                    "model.parameters() after fully_shard (FSDP2 replaces them)"
-                )
-            name = names.get(key, "?")
-            if key in claimed:
-                raise ValueError(
-                    f"{name!r} is in param_groups[{claimed[key]}] and param_groups[{index}]; "
-                    "put each parameter in one group"
-                )
-            if not p.requires_grad:
-                raise ValueError(
-                    f"param_groups[{index}] holds the frozen parameter {name!r}; leave frozen "
-                    "parameters out of param_groups: dmuon.Muon keeps them in its default "
-                    "groups, so they train with the constructor's settings once unfrozen"
-                )
-            claimed[key] = index
-            if key in records_of:
-                muon_part.append(key)
+            _claim(p, index, claimed, records_of, other_ids, names)
+            if id(p) in records_of:
+                muon_part.append(id(p))
             else:
                 adamw_part.append(p)
-        name = group.get("name")
         if muon_part:
             chosen = set(muon_part)
             part = {k: group[k] for k in MUON_KEYS if k in group}
             part.update(
                 params=[dp.param for dp in state.params if id(dp.module_param) in chosen],
                 algorithm="muon",
-                name=name,
+                name=group.get("name"),
             )
             groups.append(part)
         if adamw_part:
             part = {ADAMW_KEYS[k]: group[k] for k in ADAMW_KEYS if k in group}
-            part.update(params=adamw_part, algorithm="adamw", name=name)
+            part.update(params=adamw_part, algorithm="adamw", name=group.get("name"))
             groups.append(part)
     rest_muon = [dp.param for dp in state.params if id(dp.module_param) not in claimed]
     rest_adamw = [p for p in others if id(p) not in claimed]
@@ -166,6 +134,54 @@ def build_param_groups(
         for key, value in defaults.items():
             group.setdefault(key, value)
     return groups
+
+
+def _check_group_keys(group: object, index: int) -> None:
+    """Refuse a user group that is not a mapping, or that has a key no group takes."""
+    if not isinstance(group, Mapping):
+        raise ValueError(
+            f"param_groups[{index}] must be a dict with 'params' and hyperparameter "
+            f"overrides, got {type(group).__name__}"
+        )
+    unknown = sorted(set(group) - {*_OTHER_KEYS, *MUON_KEYS, *ADAMW_KEYS})
+    if unknown:
+        raise ValueError(
+            f"param_groups[{index}] has unknown keys {unknown}; a group takes 'params', "
+            f"'name', the Muon hyperparameters {list(MUON_KEYS)} (for its dedicated "
+            f"matrices) and the AdamW ones {list(ADAMW_KEYS)} (for its other parameters)"
+        )
+
+
+def _claim(
+    p: nn.Parameter,
+    index: int,
+    claimed: dict[int, int],
+    records_of: Mapping[int, object],
+    other_ids: set[int],
+    names: Mapping[int, str],
+) -> None:
+    """Record that user group ``index`` holds ``p``; refuse a parameter that is not the
+    model's, is already in another group, or is frozen."""
+    key = id(p)
+    if key not in records_of and key not in other_ids:
+        raise ValueError(
+            f"param_groups[{index}] holds a parameter of shape {tuple(p.shape)} that is "
+            "not one of the model's parameters; take the groups' parameters from "
+            "model.parameters() after fully_shard (FSDP2 replaces them)"
+        )
+    name = names.get(key, "?")
+    if key in claimed:
+        raise ValueError(
+            f"{name!r} is in param_groups[{claimed[key]}] and param_groups[{index}]; "
+            "put each parameter in one group"
+        )
+    if not p.requires_grad:
+        raise ValueError(
+            f"param_groups[{index}] holds the frozen parameter {name!r}; leave frozen "
+            "parameters out of param_groups: dmuon.Muon keeps them in its default "
+            "groups, so they train with the constructor's settings once unfrozen"
+        )
+    claimed[key] = index
 
 
 def weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:

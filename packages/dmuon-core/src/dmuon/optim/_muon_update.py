@@ -134,19 +134,45 @@ def apply_muon_update(
     other replicas to apply the same way (`dmuon._ownership.replica_updates`).
     """
     lr = group["lr"]
-    momentum = group["momentum"]
-    normuon = group["variant"] == "normuon"
-    foreach_by_dtype(torch._foreach_lerp_, bufs, grads, 1 - momentum)
+    foreach_by_dtype(torch._foreach_lerp_, bufs, grads, 1 - group["momentum"])
     decay = 1 - lr * group["weight_decay"] if group["weight_decay"] != 0 else 1.0
     if group["weight_decay"] != 0:
         decay_(params, decay)
     slots = {id(dp): outgoing(dp) for dp in stepped}
 
-    # Orthogonalize same-shape matrices together (one batched call per bucket), in
-    # buffers kept from step to step. Stacks contribute each of their matrices, split
-    # parameters each of their parts (views, not copies). A (in, out) layout (Conv1D)
-    # gets its own bucket: its learning-rate adjustment reads the shape the other way.
-    # NorMuon's second moments are (out, 1) per matrix: a split part's is a row range.
+    buckets, sharded = _buckets(
+        group, decay, stepped, params, grads, bufs, seconds, split_sizes, slots
+    )
+    for key, bucket in buckets.items():
+        _step_bucket(group, triples, key, bucket, workspaces, max_workspace_bytes)
+    if sharded:
+        _tensor_parallel_step(group, triples, sharded, split_sizes, comm)
+
+
+_Piece = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
+
+
+def _buckets(
+    group: dict[str, Any],
+    decay: float,
+    stepped: list[DedicatedParam],
+    params: list[Tensor],
+    grads: list[Tensor],
+    bufs: list[Tensor],
+    seconds: list[Tensor | None],
+    split_sizes: dict[str, tuple[int, ...]],
+    slots: dict[int, UpdateSlot | None],
+) -> tuple[
+    dict[tuple[Any, ...], list[_Piece]], list[tuple[DedicatedParam, Tensor, Tensor, Tensor]]
+]:
+    """Same-shape matrices to orthogonalize together (one batched call per bucket), and
+    the tensor-parallel shards stepped apart; writes each outgoing slot's scalars.
+
+    Stacks contribute each of their matrices, split parameters each of their parts (views,
+    not copies). A (in, out) layout (Conv1D) gets its own bucket: its learning-rate
+    adjustment reads the shape the other way. NorMuon's second moments are (out, 1) per
+    matrix: a split part's is a row range.
+    """
     buckets: dict[tuple[Any, ...], list[_Piece]] = {}
     sharded: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]] = []
     for dp, p, g, b, s in zip(stepped, params, grads, bufs, seconds, strict=True):
@@ -169,42 +195,53 @@ def apply_muon_update(
             g_piece = piece[0]
             key = (tuple(g_piece.shape), g_piece.dtype, g_piece.device, dp.transposed)
             buckets.setdefault(key, []).append(piece)
-    for (shape, _, device, is_transposed), bucket in buckets.items():
-        ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
-        gram = group.get("ns_gram", False)
-        out_dtype = bucket[0][2].dtype
-        size = chunk_size(max_workspace_bytes, shape, ns_dtype, device, gram, out_dtype)
-        for first in range(0, len(bucket), size):
-            members = bucket[first : first + size]
-            ws = workspaces.get(len(members), shape, ns_dtype, device, gram, out_dtype)
-            views = ws.source_views
-            bucket_grads = [g for g, _, _, _, _ in members]
-            bucket_bufs = [b for _, b, _, _, _ in members]
-            # Straight into the buffers, widened there when the gradients are 16-bit.
-            if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
-                for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
-                    torch.lerp(g, b, momentum, out=v)
-            else:
-                torch._foreach_copy_(views, bucket_bufs)
-            bucket_params = [p for _, _, p, _, _ in members]
-            # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
-            # (adding it directly would allocate a widened temporary per matrix).
-            result = ws.run(triples, group["eps"])
-            ortho = ws.cast(result, bucket_params[0].dtype)
-            if normuon:
-                bucket_seconds = [s for _, _, _, s, _ in members]
-                ortho = normalize_rows_(ortho, bucket_seconds, group["beta2"], is_transposed)  # type: ignore[arg-type]
-                result = ortho
-            _send([u for _, _, _, _, u in members], result)
-            rows, cols = (shape[1], shape[0]) if is_transposed else shape
-            # Scaled, then added: two roundings another replica repeats exactly.
-            ortho.mul_(_multiplier(group, rows, cols))
-            torch._foreach_add_(bucket_params, list(ortho.unbind(0)))
-    if sharded:
-        _tensor_parallel_step(group, triples, sharded, split_sizes, comm)
+    return buckets, sharded
 
 
-_Piece = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
+def _step_bucket(
+    group: dict[str, Any],
+    triples: list[CoefficientTriple],
+    key: tuple[Any, ...],
+    bucket: list[_Piece],
+    workspaces: Workspaces,
+    max_workspace_bytes: int,
+) -> None:
+    """Orthogonalize one bucket's updates, chunk by chunk, in buffers kept from step to
+    step, and add them to its matrices (sending each to the other replicas first)."""
+    shape, _, device, is_transposed = key
+    momentum = group["momentum"]
+    ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
+    gram = group.get("ns_gram", False)
+    out_dtype = bucket[0][2].dtype
+    size = chunk_size(max_workspace_bytes, shape, ns_dtype, device, gram, out_dtype)
+    for first in range(0, len(bucket), size):
+        members = bucket[first : first + size]
+        ws = workspaces.get(len(members), shape, ns_dtype, device, gram, out_dtype)
+        views = ws.source_views
+        bucket_grads = [g for g, _, _, _, _ in members]
+        bucket_bufs = [b for _, b, _, _, _ in members]
+        # Straight into the buffers, widened there when the gradients are 16-bit.
+        if group["nesterov"]:  # U = lerp(G, buf, momentum), one pass per matrix
+            for v, g, b in zip(views, bucket_grads, bucket_bufs, strict=True):
+                torch.lerp(g, b, momentum, out=v)
+        else:
+            torch._foreach_copy_(views, bucket_bufs)
+        bucket_params = [p for _, _, p, _, _ in members]
+        # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
+        # (adding it directly would allocate a widened temporary per matrix).
+        result = ws.run(triples, group["eps"])
+        ortho = ws.cast(result, bucket_params[0].dtype)
+        if group["variant"] == "normuon":
+            bucket_seconds = [s for _, _, _, s, _ in members]
+            ortho = normalize_rows_(ortho, bucket_seconds, group["beta2"], is_transposed)  # type: ignore[arg-type]
+            result = ortho
+        _send([u for _, _, _, _, u in members], result)
+        rows, cols = (shape[1], shape[0]) if is_transposed else shape
+        # Scaled, then added: two roundings another replica repeats exactly.
+        ortho.mul_(_multiplier(group, rows, cols))
+        torch._foreach_add_(bucket_params, list(ortho.unbind(0)))
+
+
 """A matrix Muon orthogonalizes: gradient, momentum, master, NorMuon second moment and
 where its update goes to the other replicas (each a view of its record's)."""
 

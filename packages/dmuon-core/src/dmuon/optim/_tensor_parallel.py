@@ -89,6 +89,18 @@ def tp_updates(
     if not records:
         return []
     tp_group = _group(records)
+    gathered = _gather_to_workers(records, sources, comm, tp_group)
+    updates = _orthogonalize_whole(records, gathered, group, triples, split_sizes, adjust)
+    return _scatter_from_workers(records, sources, updates, comm, tp_group)
+
+
+def _gather_to_workers(
+    records: Sequence[DedicatedParam],
+    sources: Sequence[Tensor],
+    comm: Communicator,
+    tp_group: dist.ProcessGroup,
+) -> list[list[Tensor] | None]:
+    """Each record's shards, on the rank that steps it (None on the others)."""
     rank = dist.get_rank(tp_group)
     gathered: list[list[Tensor] | None] = []
     works = []
@@ -105,7 +117,19 @@ def tp_updates(
         gathered.append(chunks)
     for work in works:
         work.wait()
-    # The worker's matrices, whole, orthogonalized part by part in batches of one shape.
+    return gathered
+
+
+def _orthogonalize_whole(
+    records: Sequence[DedicatedParam],
+    gathered: list[list[Tensor] | None],
+    group: dict[str, Any],
+    triples: Sequence[CoefficientTriple],
+    split_sizes: dict[str, tuple[int, ...]],
+    adjust: Callable[[str | None, int, int], float],
+) -> dict[int, Tensor]:
+    """The scaled update of each matrix this rank steps, whole, by record index; its parts
+    are orthogonalized in batches of one shape."""
     updates: dict[int, Tensor] = {}
     by_shape: dict[tuple[Any, ...], list[tuple[Tensor, Tensor, float]]] = {}
     for index, (record, chunks) in enumerate(zip(records, gathered, strict=True)):
@@ -140,7 +164,17 @@ def tp_updates(
         )
         for (_, target, scale), result in zip(members, ortho.unbind(0), strict=True):
             target.copy_(result).mul_(scale)
-    # Each owner's shard of the update back from the worker.
+    return updates
+
+
+def _scatter_from_workers(
+    records: Sequence[DedicatedParam],
+    sources: Sequence[Tensor],
+    updates: dict[int, Tensor],
+    comm: Communicator,
+    tp_group: dist.ProcessGroup,
+) -> list[Tensor]:
+    """Each owner's shard of its record's update, sent back from the rank that stepped it."""
     locals_: list[Tensor] = []
     works = []
     for index, (record, source) in enumerate(zip(records, sources, strict=True)):
