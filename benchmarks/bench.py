@@ -255,8 +255,12 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
         world_size=world,
     )
     device = "cuda" if args.cuda else "cpu"
-    rows = []
+    rows: list[dict[str, Any]] = []
     not_run: dict[str, dict[str, str]] = {}
+    # Under HSDP the units count the shard dimension, as the formulas do: collectives over
+    # this rank's replicate group (the same shard position in every replica) are left out.
+    shard = world // args.hsdp
+    replicate_ranks = tuple(range(rank % shard, world, shard)) if args.hsdp > 1 else None
     for accum in args.accum:
         built: dict[str, Any] = {}
         for contender in args.contenders:
@@ -266,61 +270,19 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                 built[contender] = model_and_optimizer
             else:
                 not_run.setdefault(contender, {})[str(accum)] = failure
-        times: dict[str, list[float]] = {c: [] for c in built}
-        optim_times: dict[str, list[float]] = {c: [] for c in built}
-        traffic: dict[str, dict[str, int]] = {}
-        # Under HSDP the units count the shard dimension, as the formulas do: collectives
-        # over this rank's replicate group (the same shard position in every replica) are
-        # left out of the count.
-        shard = world // args.hsdp
-        replicate_ranks = tuple(range(rank % shard, world, shard)) if args.hsdp > 1 else None
-        for round_index in range(1 + args.steps):
-            for contender in list(built):
-                model, optimizer, _ = built[contender]
-                _sync(args.cuda)
-                counted = round_index == 1
-                try:
-                    counter_ = TrafficCounter(replicate_ranks) if counted else nullcontext()
-                    with counter_ as counter:
-                        start = time.perf_counter()
-                        optim_elapsed = _train_step(model, optimizer, args, accum)
-                        _sync(args.cuda)
-                        elapsed = time.perf_counter() - start
-                    failure = None
-                except Exception as error:  # the warm-up step of a peer that cannot run
-                    if contender not in PEERS or round_index > 0:
-                        raise
-                    failure = _error_text(error)
-                if round_index == 0 and contender in PEERS:
-                    verdict = _agree(failure)
-                    if verdict is not None:
-                        not_run.setdefault(contender, {})[str(accum)] = verdict
-                        del built[contender]
-                        continue
-                if counter is not None:
-                    traffic[contender] = {
-                        issuer: counter.total(issuer) for issuer in ("dmuon", "torch", "peer")
-                    }
-                if round_index >= 1:
-                    times[contender].append(elapsed)
-                    optim_times[contender].append(optim_elapsed)
+        times, optim_times, traffic = _timed_rounds(built, args, accum, replicate_ranks, not_run)
         p_m = built["dmuon-z3"][2] if "dmuon-z3" in built else None
         rest_z3 = traffic["dmuon-z3"]["torch"] if "dmuon-z3" in built else None
         ran = list(built)
-        model = optimizer = built = None  # the memory rounds count each contender alone
+        built = {}  # the memory rounds count each contender alone
         memory = {c: _memory_round(c, args, device, accum) for c in ran}
         for contender in ran:
-            t = traffic[contender]
             formula = formula_units(contender, accum, world)
-            measured: float | None = None
-            if formula is None or not p_m:
-                pass  # one rank: (N-1)/N x P_M is zero, there is no unit to count in
-            elif contender.startswith("dmuon"):
-                measured = t["dmuon"] / p_m
-            elif rest_z3 is not None:
-                # FSDP2 moves the matrices' elements on top of what it moves for the rest,
-                # which is exactly DMuon Z3's torch-issued traffic (same FSDP2 setting).
-                measured = (t["torch"] - rest_z3 + t["dmuon"] + t["peer"]) / p_m
+            measured = (
+                None
+                if formula is None
+                else _measured_units(contender, traffic[contender], p_m, rest_z3)
+            )
             rows.append(
                 {
                     "contender": contender,
@@ -328,7 +290,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                     "median_step_s": statistics.median(times[contender]),
                     "median_optim_step_s": statistics.median(optim_times[contender]),
                     **memory[contender],
-                    "elements_per_rank": t,
+                    "elements_per_rank": traffic[contender],
                     "muon_elements": p_m,
                     "muon_units": measured,
                     "formula_units": formula,
@@ -340,6 +302,70 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
     if rank == 0:
         out.put((rows, not_run))
     dist.destroy_process_group()
+
+
+def _timed_rounds(
+    built: dict[str, Any],
+    args: argparse.Namespace,
+    accum: int,
+    replicate_ranks: tuple[int, ...] | None,
+    not_run: dict[str, dict[str, str]],
+) -> tuple[dict[str, list[float]], dict[str, list[float]], dict[str, dict[str, int]]]:
+    """A warm-up round, then ``args.steps`` timed ones, the contenders taking turns: each
+    one's step and optimizer-step seconds, and the elements each issuer moved in round 1.
+
+    A peer whose warm-up fails on any rank is dropped from ``built`` into ``not_run``.
+    """
+    times: dict[str, list[float]] = {c: [] for c in built}
+    optim_times: dict[str, list[float]] = {c: [] for c in built}
+    traffic: dict[str, dict[str, int]] = {}
+    for round_index in range(1 + args.steps):
+        for contender in list(built):
+            model, optimizer, _ = built[contender]
+            _sync(args.cuda)
+            counted = round_index == 1
+            try:
+                counter_ = TrafficCounter(replicate_ranks) if counted else nullcontext()
+                with counter_ as counter:
+                    start = time.perf_counter()
+                    optim_elapsed = _train_step(model, optimizer, args, accum)
+                    _sync(args.cuda)
+                    elapsed = time.perf_counter() - start
+                failure = None
+            except Exception as error:  # the warm-up step of a peer that cannot run
+                if contender not in PEERS or round_index > 0:
+                    raise
+                failure = _error_text(error)
+            if round_index == 0 and contender in PEERS:
+                verdict = _agree(failure)
+                if verdict is not None:
+                    not_run.setdefault(contender, {})[str(accum)] = verdict
+                    del built[contender]
+                    continue
+            if counter is not None:
+                traffic[contender] = {
+                    issuer: counter.total(issuer) for issuer in ("dmuon", "torch", "peer")
+                }
+            if round_index >= 1:
+                times[contender].append(elapsed)
+                optim_times[contender].append(optim_elapsed)
+    return times, optim_times, traffic
+
+
+def _measured_units(
+    contender: str, traffic: dict[str, int], p_m: int | None, rest_z3: int | None
+) -> float | None:
+    """The matrices' traffic per rank in units of P_M (None where there is none to count:
+    one rank, or no DMuon Z3 run to subtract FSDP2's traffic for the rest)."""
+    if not p_m:
+        return None
+    if contender.startswith("dmuon"):
+        return traffic["dmuon"] / p_m
+    if rest_z3 is None:
+        return None
+    # FSDP2 moves the matrices' elements on top of what it moves for the rest, which is
+    # exactly DMuon Z3's torch-issued traffic (same FSDP2 setting).
+    return (traffic["torch"] - rest_z3 + traffic["dmuon"] + traffic["peer"]) / p_m
 
 
 def _ratios(rows: list[dict[str, Any]]) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import statistics
 import subprocess
@@ -53,6 +54,15 @@ class Server:
         self.port = 0
         self.url = ""
         self.log = data_dir.parent / "server.log"
+        self.token = secrets.token_urlsafe(32)
+        self.token_file = data_dir.parent / "token"
+        self.token_file.write_text(self.token)
+        self.token_file.chmod(0o600)
+
+    def client(self) -> httpx.Client:
+        """An HTTP client of the server, signed in with its token."""
+        headers = {"Authorization": f"Bearer {self.token}"}
+        return httpx.Client(base_url=self.url, timeout=60, headers=headers)
 
     def start(self) -> None:
         """Start it (on the port of the previous start, if any) and wait for /healthz."""
@@ -60,6 +70,7 @@ class Server:
         (self.data_dir / "server.json").unlink(missing_ok=True)
         argv = [sys.executable, "-m", "dmuon_server.cli", "--data-dir", str(self.data_dir)]
         argv += ["--port", str(self.port), "--allow-same-user-jobs", "--sandbox", "none"]
+        argv += ["--token-file", str(self.token_file)]
         argv += self.flags
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
@@ -129,7 +140,7 @@ class Follower(threading.Thread):
             headers = {"Last-Event-ID": last} if last is not None else {}
             try:
                 with (
-                    httpx.Client(base_url=self.server.url, timeout=60) as c,
+                    self.server.client() as c,
                     c.stream("GET", f"/v1/jobs/{self.job_id}/events", headers=headers) as r,
                 ):
                     if r.status_code == 204:
@@ -157,14 +168,14 @@ class Follower(threading.Thread):
 def poll(server: Server, ids: list[str], stop: threading.Event, out: dict[str, Any]) -> None:
     """Time REST reads and check that active jobs never share a GPU, until ``stop``."""
     i = 0
-    with httpx.Client(timeout=60) as c:
+    with server.client() as c:
         while not stop.is_set():
             try:
                 t0 = time.perf_counter()
-                r = c.get(f"{server.url}/v1/jobs", params={"limit": 200})
+                r = c.get("/v1/jobs", params={"limit": 200})
                 out["list"].append(time.perf_counter() - t0)
                 t0 = time.perf_counter()
-                c.get(f"{server.url}/v1/jobs/{ids[i % len(ids)]}")
+                c.get(f"/v1/jobs/{ids[i % len(ids)]}")
                 out["get"].append(time.perf_counter() - t0)
             except httpx.HTTPError:
                 out["errors"] += 1  # the server is restarting
@@ -184,7 +195,7 @@ def poll(server: Server, ids: list[str], stop: threading.Event, out: dict[str, A
 def count_jobs(server: Server, states: set[str]) -> int:
     """How many jobs are in ``states`` (following the list's pages)."""
     n, cursor = 0, None
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with server.client() as c:
         while True:
             params: dict[str, Any] = {"limit": 200, "state": sorted(states)}
             if cursor:
@@ -212,28 +223,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--restart", choices=["kill", "term"], default="kill")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_")}
-    if args.recipe == "fake":
-        env["PYTHONPATH"] = str(FAKE) + os.pathsep + env.get("PYTHONPATH", "")
-        env["DMUON_SERVER_TRAIN_MODULE"] = "fake_train"
-        env["FAKE_STEP_SECONDS"] = "0.05"
-    else:
-        env.pop("DMUON_SERVER_TRAIN_MODULE", None)
     flags = ["--gpus", "0,1,2,3", "--max-nproc", "2", "--heartbeat", "2"]
     with tempfile.TemporaryDirectory(prefix="dmuon-soak-") as tmp:
         data_dir = Path(tmp) / "data"
-        server = Server(data_dir, flags, env)
+        server = Server(data_dir, flags, _environment(args.recipe))
         server.start()
         t_start = time.monotonic()
-        submit: list[float] = []
-        ids: list[str] = []
-        with httpx.Client(base_url=server.url, timeout=60) as c:
-            for i in range(args.jobs):
-                t0 = time.perf_counter()
-                r = c.post("/v1/jobs", json=spec(i, args.steps, args.recipe))
-                submit.append(time.perf_counter() - t0)
-                r.raise_for_status()
-                ids.append(r.json()["id"])
+        submit, ids = _submit_all(server, args)
         stop = threading.Event()
         timings: dict[str, Any] = {"list": [], "get": [], "errors": 0, "samples": 0, "shared": []}
         poller = threading.Thread(target=poll, args=(server, ids, stop, timings), daemon=True)
@@ -245,7 +241,6 @@ def main(argv: list[str] | None = None) -> int:
         followers = [Follower(server, plain[k * step], stop) for k in range(args.clients)]
         for f in followers:
             f.start()
-
         while count_jobs(server, TERMINAL) < args.jobs // 2:
             time.sleep(1)
         t_restart = time.monotonic() - t_start
@@ -255,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + 3600
         while time.monotonic() < deadline and count_jobs(server, TERMINAL) < args.jobs:
             time.sleep(2)
-        with httpx.Client(base_url=server.url, timeout=60) as c:
+        with server.client() as c:
             jobs = [c.get(f"/v1/jobs/{i}").json() for i in ids]
             prom = c.get("/metrics").text
         wall = time.monotonic() - t_start
@@ -263,96 +258,143 @@ def main(argv: list[str] | None = None) -> int:
             f.join(timeout=60)
         stop.set()
         poller.join(timeout=60)
-        states: dict[str, int] = {}
-        for job in jobs:
-            states[job["state"]] = states.get(job["state"], 0) + 1
-        twice = [j["id"] for j in jobs if len(j["attempts"]) != 1]
-        lost = [j["id"] for j in jobs if j["state"] != "succeeded"]
-        bad_points = [j["id"] for j in jobs if j["summary"]["points"] != args.steps]
-        starts = []
-        for job_id in ids:
-            log = (data_dir / "jobs" / job_id / "job.log").read_text(errors="replace")
-            starts.append(log.count("fake_train rank 0/") if args.recipe == "fake" else 1)
-        run_twice = [i for i, n in zip(ids, starts, strict=True) if n != 1]
-        bad_streams = [
-            f.job_id
-            for f in followers
-            if f.steps != list(range(1, args.steps + 1))
-            or not f.end
-            or f.end.get("state") != "succeeded"
-        ]
-        busy = next(
-            (
-                int(line.split()[1])
-                for line in prom.splitlines()
-                if line.startswith("dmuon_gpus_busy ")
-            ),
-            -1,
-        )
-        marker = str(Path(os.path.realpath(data_dir)))
-        orphans = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get("DMUON_SERVER_DATA_DIR") == marker:
-                    orphans.append(proc.pid)
-            except (psutil.Error, OSError):
-                continue
+        result = _checks(args, data_dir, ids, jobs, followers, prom)
         server.stop("term")
-        reads = timings["list"] + timings["get"]
-        result = {
-            "load_average_at_end": os.getloadavg(),
-            "cpus": os.cpu_count(),
-            "jobs": args.jobs,
-            "clients": args.clients,
-            "steps": args.steps,
-            "recipe": args.recipe,
-            "restart": args.restart,
-            "restart_at_s": round(t_restart, 1),
-            "wall_s": round(wall, 1),
-            "states": states,
-            "lost": lost,
-            "attempts_not_one": twice,
-            "started_not_once": run_twice,
-            "points_not_steps": bad_points,
-            "streams_not_exact": bad_streams,
-            "stream_reconnects": sum(f.reconnects for f in followers),
-            "gpu_samples": timings["samples"],
-            "gpu_shared": timings["shared"],
-            "gpus_busy_at_end": busy,
-            "orphans": orphans,
-            "rest": {
-                name: {
-                    "n": len(v),
-                    "median_ms": statistics.median(v) * 1e3,
-                    "p99_ms": pct(v, 0.99) * 1e3,
-                    "max_ms": max(v) * 1e3,
-                }
-                for name, v in (
-                    ("POST /v1/jobs", submit),
-                    ("GET /v1/jobs", timings["list"]),
-                    ("GET /v1/jobs/{id}", timings["get"]),
-                    ("reads", reads),
-                )
-                if v
-            },
-            "read_errors_during_restart": timings["errors"],
+    result.update(
+        restart_at_s=round(t_restart, 1),
+        wall_s=round(wall, 1),
+        gpu_samples=timings["samples"],
+        gpu_shared=timings["shared"],
+        rest=_latencies(submit, timings),
+        read_errors_during_restart=timings["errors"],
+    )
+    ok = _report(args, result)
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if ok else 1
+
+
+def _environment(recipe: str) -> dict[str, str]:
+    """The server's environment: the fake recipe on the path, or the real one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FAKE_")}
+    if recipe == "fake":
+        env["PYTHONPATH"] = str(FAKE) + os.pathsep + env.get("PYTHONPATH", "")
+        env["DMUON_SERVER_TRAIN_MODULE"] = "fake_train"
+        env["FAKE_STEP_SECONDS"] = "0.05"
+    else:
+        env.pop("DMUON_SERVER_TRAIN_MODULE", None)
+    return env
+
+
+def _submit_all(server: Server, args: argparse.Namespace) -> tuple[list[float], list[str]]:
+    """Submit every job; each submission's seconds, and the job ids."""
+    submit: list[float] = []
+    ids: list[str] = []
+    with server.client() as c:
+        for i in range(args.jobs):
+            t0 = time.perf_counter()
+            r = c.post("/v1/jobs", json=spec(i, args.steps, args.recipe))
+            submit.append(time.perf_counter() - t0)
+            r.raise_for_status()
+            ids.append(r.json()["id"])
+    return submit, ids
+
+
+def _checks(
+    args: argparse.Namespace,
+    data_dir: Path,
+    ids: list[str],
+    jobs: list[dict[str, Any]],
+    followers: list[Follower],
+    prom: str,
+) -> dict[str, Any]:
+    """What the soak checks once every job ended: states, attempts, starts, points,
+    streams, GPUs still marked busy and processes left behind."""
+    states: dict[str, int] = {}
+    for job in jobs:
+        states[job["state"]] = states.get(job["state"], 0) + 1
+    starts = []
+    for job_id in ids:
+        log = (data_dir / "jobs" / job_id / "job.log").read_text(errors="replace")
+        starts.append(log.count("fake_train rank 0/") if args.recipe == "fake" else 1)
+    bad_streams = [
+        f.job_id
+        for f in followers
+        if f.steps != list(range(1, args.steps + 1))
+        or not f.end
+        or f.end.get("state") != "succeeded"
+    ]
+    busy = next(
+        (int(line.split()[1]) for line in prom.splitlines() if line.startswith("dmuon_gpus_busy ")),
+        -1,
+    )
+    marker = str(Path(os.path.realpath(data_dir)))
+    orphans = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("DMUON_SERVER_DATA_DIR") == marker:
+                orphans.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return {
+        "load_average_at_end": os.getloadavg(),
+        "cpus": os.cpu_count(),
+        "jobs": args.jobs,
+        "clients": args.clients,
+        "steps": args.steps,
+        "recipe": args.recipe,
+        "restart": args.restart,
+        "states": states,
+        "lost": [j["id"] for j in jobs if j["state"] != "succeeded"],
+        "attempts_not_one": [j["id"] for j in jobs if len(j["attempts"]) != 1],
+        "started_not_once": [i for i, n in zip(ids, starts, strict=True) if n != 1],
+        "points_not_steps": [j["id"] for j in jobs if j["summary"]["points"] != args.steps],
+        "streams_not_exact": bad_streams,
+        "stream_reconnects": sum(f.reconnects for f in followers),
+        "gpus_busy_at_end": busy,
+        "orphans": orphans,
+    }
+
+
+def _latencies(submit: list[float], timings: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Median, 99th percentile and maximum of each kind of REST call, in ms."""
+    reads = timings["list"] + timings["get"]
+    return {
+        name: {
+            "n": len(v),
+            "median_ms": statistics.median(v) * 1e3,
+            "p99_ms": pct(v, 0.99) * 1e3,
+            "max_ms": max(v) * 1e3,
         }
-    ok = not (lost or twice or run_twice or bad_points or bad_streams or timings["shared"] or busy
-              or orphans)  # fmt: skip
+        for name, v in (
+            ("POST /v1/jobs", submit),
+            ("GET /v1/jobs", timings["list"]),
+            ("GET /v1/jobs/{id}", timings["get"]),
+            ("reads", reads),
+        )
+        if v
+    }
+
+
+def _report(args: argparse.Namespace, result: dict[str, Any]) -> bool:
+    """Print the checks and latencies; whether every check passed."""
+    lost, twice, run_twice = result["lost"], result["attempts_not_one"], result["started_not_once"]
+    bad_points, bad_streams = result["points_not_steps"], result["streams_not_exact"]
+    busy, orphans, shared = result["gpus_busy_at_end"], result["orphans"], result["gpu_shared"]
+    ok = not (lost or twice or run_twice or bad_points or bad_streams or shared or busy or orphans)
     print(f"{args.jobs} jobs, {args.clients} streams, restart ({args.restart}) at "
-          f"{result['restart_at_s']} s, all done at {result['wall_s']} s: {states}")  # fmt: skip
+          f"{result['restart_at_s']} s, all done at {result['wall_s']} s: "
+          f"{result['states']}")  # fmt: skip
     print(f"lost {len(lost)}, more than one attempt {len(twice)}, started twice {len(run_twice)},"
           f" wrong point count {len(bad_points)}, streams not exact {len(bad_streams)} "
           f"({result['stream_reconnects']} reconnects)")  # fmt: skip
-    print(f"GPUs: {timings['samples']} samples, shared {len(timings['shared'])} times, busy at "
+    print(f"GPUs: {result['gpu_samples']} samples, shared {len(shared)} times, busy at "
           f"the end {busy}; orphan processes {len(orphans)}")  # fmt: skip
     for name, r in result["rest"].items():
         print(f"{name:<20} n={r['n']:<6} median {r['median_ms']:7.2f} ms  p99 {r['p99_ms']:8.2f}"
               f" ms  max {r['max_ms']:8.2f} ms")  # fmt: skip
     print("OK" if ok else "FAILED")
-    if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
-    return 0 if ok else 1
+    return ok
 
 
 if __name__ == "__main__":

@@ -123,6 +123,26 @@ def _hold(module: nn.Module, attr: str, param: nn.Parameter, data: torch.Tensor)
     return param
 
 
+def _hold_shard(
+    fqn: str,
+    module: nn.Module,
+    attr: str,
+    param: nn.Parameter,
+    is_owned: bool,
+    device: torch.device,
+) -> nn.Parameter:
+    """Register a tensor-parallel DTensor's local shard as the plain parameter the module
+    holds between forwards (the owner's master, a placeholder elsewhere); forward sees the
+    DTensor."""
+    registered = nn.Parameter(
+        _master_data(param.to_local(), is_owned, device, copy=True),
+        requires_grad=param.requires_grad,
+    )
+    module._parameters[attr] = registered
+    mark_dedicated(registered, fqn)
+    return registered
+
+
 def _records(
     fqn: str,
     module: nn.Module,
@@ -154,23 +174,17 @@ def _records(
             "cannot be split by experts: pass dedicate_params(..., split_expert_stacks=False)"
         )
     if tp is not None:
-        # The module holds this tp position's shard as a plain parameter between
-        # forwards (the owner's master, a placeholder elsewhere); forward sees the DTensor.
-        local = param.to_local()
+        assert isinstance(owners, int)
         is_owned = owners == comm_rank
+        registered = _hold_shard(fqn, module, attr, param, is_owned, device)
         update_replica = replica_of(fqn)
-        registered = nn.Parameter(
-            _master_data(local, is_owned, device, copy=True), requires_grad=param.requires_grad
-        )
-        module._parameters[attr] = registered
-        mark_dedicated(registered, fqn)
         return [
             DedicatedParam(
                 fqn=fqn,
                 module=module,
                 attr=attr,
                 owner=owners,
-                shape=local.shape,
+                shape=param.to_local().shape,
                 param=registered,
                 boundary=boundary,
                 is_owned=is_owned,

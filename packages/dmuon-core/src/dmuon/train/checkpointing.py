@@ -341,33 +341,47 @@ def save_checkpoint(
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         barrier()
-        free = shutil.disk_usage(directory).free if directory.is_dir() else 0
-        # A full disk often surfaces as a short write inside torch.save, not as ENOSPC.
-        if error is None or error.errno == errno.ENOSPC or free < needed:
-            code, cause = errno.ENOSPC, os.strerror(errno.ENOSPC)
-        else:
-            code, cause = error.errno or errno.EIO, str(error.strerror or error)
-        raise CheckpointWriteError(
-            code,
-            f"the checkpoint of step {step} could not be written to {directory} ({cause}): it "
-            f"needs about {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free there. "
-            "Free space (or pass a --checkpoint-dir with room, or lower --keep-checkpoints); "
-            "the earlier checkpoints are intact",
-        )
+        raise _write_error(step, directory, error, needed)
     if rank == 0:
-        if final.exists():  # a later step of an earlier run in the same folder
-            old = directory / f"{contract.TEMPORARY_PREFIX}old_{final.name}"
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(final)
-        manifest.fsync_dir(directory)  # the rename itself is durable
-        remove_incomplete(directory)
-        rotate_checkpoints(directory, keep, protect=final)
+        _put_in_place(tmp, final, keep)
     barrier()
     return final
+
+
+def _write_error(
+    step: int, directory: Path, error: OSError | None, needed: int
+) -> CheckpointWriteError:
+    """The error every rank raises for a checkpoint some rank could not write."""
+    free = shutil.disk_usage(directory).free if directory.is_dir() else 0
+    # A full disk often surfaces as a short write inside torch.save, not as ENOSPC.
+    if error is None or error.errno == errno.ENOSPC or free < needed:
+        code, cause = errno.ENOSPC, os.strerror(errno.ENOSPC)
+    else:
+        code, cause = error.errno or errno.EIO, str(error.strerror or error)
+    return CheckpointWriteError(
+        code,
+        f"the checkpoint of step {step} could not be written to {directory} ({cause}): it "
+        f"needs about {needed / 2**20:.1f} MiB and {free / 2**20:.1f} MiB are free there. "
+        "Free space (or pass a --checkpoint-dir with room, or lower --keep-checkpoints); "
+        "the earlier checkpoints are intact",
+    )
+
+
+def _put_in_place(tmp: Path, final: Path, keep: int) -> None:
+    """Rename a written checkpoint into place (replacing one of an earlier run), durably,
+    then clear interrupted saves and keep the newest ``keep``."""
+    directory = final.parent
+    if final.exists():  # a later step of an earlier run in the same folder
+        old = directory / f"{contract.TEMPORARY_PREFIX}old_{final.name}"
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    manifest.fsync_dir(directory)  # the rename itself is durable
+    remove_incomplete(directory)
+    rotate_checkpoints(directory, keep, protect=final)
 
 
 def load_checkpoint(
