@@ -27,12 +27,14 @@ from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.planner import (
     ExpertRange,
     ModulePredicate,
+    OwnerPlan,
     ParamPredicate,
     SplitStacks,
     range_name,
 )
 from dmuon._ownership.runtime import Boundary, DedicationRuntime
 from dmuon._ownership.selection import plan_dedication
+from dmuon._ownership.split_iterations import SplitBlock, block_of
 from dmuon._ownership.state import STATE_ATTR, DedicationState, attach
 from dmuon._ownership.tp_integration import assign_workers, leaf_for, tensor_parallel_of
 from dmuon._teardown import before_interpreter_exit
@@ -287,6 +289,7 @@ def dedicate_params(
     broadcast_dtype: torch.dtype | None = None,
     check_collectives: bool | None = None,
     split_expert_stacks: SplitStacks = "auto",
+    ns_split: int = 1,
 ) -> dict[str, int]:
     """Give every Muon-target matrix of ``model`` to exactly one owner rank.
 
@@ -352,6 +355,14 @@ def dedicate_params(
             exceeds the per-rank share (total / ranks) when that lowers the largest
             per-rank load; ``True`` splits every stack; ``False`` keeps every stack whole
             on one owner. See `dmuon.plan_owners`.
+        ns_split: Ranks per block that may share one matrix's Newton-Schulz iteration
+            (default 1: every iteration runs whole on one rank). Blocks are consecutive
+            ranks of a shard group, so pass a divisor of its size, typically the GPUs per
+            node. With more ranks than matrices to balance, the planner then spreads the
+            matrices over blocks and splits the iterations that lighten the busiest ranks:
+            each block member iterates a slice of the matrix's long side, and the Gram
+            matrix is all-reduced inside the block every iteration (see the Scaling page).
+            Not with tensor parallelism.
 
     Returns:
         ``{name: owner_rank}`` for every dedicated parameter; on a 2-D mesh the owner's
@@ -394,6 +405,7 @@ def dedicate_params(
         hook_boundary_predicate=hook_boundary_predicate,
         hook_boundary_strict=hook_boundary_strict,
         split_expert_stacks=split_expert_stacks,
+        ns_split=ns_split,
     )
 
     dedicated = [
@@ -413,6 +425,7 @@ def dedicate_params(
             transposed,
         )
     ]
+    split_block = _split_block(plan, dedicated, group, comm_rank, replica_rank)
     comm = _communicator(dedicated, group, replicate_group, replicas, device, check_collectives)
     runtime_boundaries = _boundaries(
         model,
@@ -443,6 +456,7 @@ def dedicate_params(
             runtime=runtime,
             params=dedicated,
             plan=plan,
+            split_block=split_block,
             mesh=mesh
             if mesh is not None or group is None
             else DeviceMesh.from_group(group, device.type),
@@ -486,6 +500,34 @@ def _check_arguments(
             "wrapped by fully_shard. Call dmuon.dedicate_params(model, mesh) first, then "
             "fully_shard each layer and the model."
         )
+
+
+def _split_block(
+    plan: OwnerPlan,
+    dedicated: list[DedicatedParam],
+    group: dist.ProcessGroup | None,
+    comm_rank: int,
+    replica_rank: int,
+) -> SplitBlock | None:
+    """This rank's block of ranks sharing iterations, with a process group of its own
+    (made by its members only), where the plan splits a matrix stepped in it."""
+    if plan.ns_split > 1 and any(dp.tp is not None for dp in dedicated):
+        raise ValueError(
+            "ns_split does not combine with tensor parallelism: a tensor-parallel matrix's "
+            "iteration already runs on its gathered whole; pass ns_split=1"
+        )
+    size = plan.shard_size
+    block = block_of(replica_rank * size + comm_rank, plan.ns_split)
+    stepped_in_block = [
+        n for n in sorted(plan.split) if plan.workers[n] * size + plan.owners[n] in block
+    ]
+    if group is None or not stepped_in_block:
+        return None
+    shard_ranks = dist.get_process_group_ranks(group)
+    members = tuple(shard_ranks[position % size] for position in block)
+    return SplitBlock(
+        dist.new_group(list(members), use_local_synchronization=True), members, block.start
+    )
 
 
 def _communicator(

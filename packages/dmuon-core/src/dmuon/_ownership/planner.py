@@ -13,6 +13,8 @@ from typing import Literal, NamedTuple
 
 from torch import nn
 
+from dmuon._ownership.split_iterations import plan_split_iterations
+
 #: Attribute names of ``nn.ModuleList`` containers whose elements are hook boundaries
 #: (Llama ``layers``, ViT ``blocks``, GPT-2 ``h``).
 BOUNDARY_CONTAINER_NAMES: tuple[str, ...] = ("layers", "blocks", "h")
@@ -128,6 +130,10 @@ class OwnerPlan:
         elements: Elements of the matrices each rank of the whole mesh orthogonalizes:
             the elements of its momentum (4 bytes each).
         shard_size: Ranks per replica.
+        split: The matrices whose iteration is split over their block of ``ns_split``
+            ranks (`dmuon._ownership.split_iterations`); ``loads`` counts each member's
+            share.
+        ns_split: Ranks per block that may share an iteration (1: none is split).
     """
 
     owners: dict[str, int]
@@ -137,6 +143,8 @@ class OwnerPlan:
     workers: dict[str, int] = field(default_factory=dict)
     elements: tuple[int, ...] = ()
     shard_size: int = 0
+    split: frozenset[str] = frozenset()
+    ns_split: int = 1
 
     @property
     def replicas(self) -> int:
@@ -218,15 +226,19 @@ class _Assignment(NamedTuple):
     elements: list[int]
 
 
-def _assign(items: list[_Item], shard_size: int, replicas: int) -> _Assignment:
+def _assign(items: list[_Item], shard_size: int, replicas: int, block: int = 1) -> _Assignment:
     """Longest-processing-time first over every rank of the mesh; the ranges of one stack
     go to different ranks.
 
-    Among the ranks within one item's cost of the least loaded: the shard rank that holds
+    Among the ranks within one item's cost of the least loaded: with blocks of ``block``
+    ranks that may share an iteration, the least loaded block first (matrices spread over
+    blocks, so a block's other ranks are free to help); then the shard rank that holds
     the fewest matrices of the item's boundary (one layer's broadcasts come from several
     ranks), then the fewest elements (momentum and master memory), then the least load.
     """
     world = shard_size * replicas
+    block_loads = [0] * (world // block)
+    position_elements = [0] * shard_size
     order = {item.name: index for index, item in enumerate(items)}
     loads = [0] * world
     elements = [0] * world
@@ -241,7 +253,11 @@ def _assign(items: list[_Item], shard_size: int, replicas: int) -> _Assignment:
         rank = min(
             eligible,
             key=lambda r: (
+                block_loads[r // block] if block > 1 else 0,
                 per_boundary.get((item.boundary, r % shard_size), 0),
+                # With blocks, whole replicas start empty: balance what each shard
+                # position holds in every replica (masters, gathers, reduces) first.
+                position_elements[r % shard_size] if block > 1 else 0,
                 elements[r],
                 loads[r],
                 r,
@@ -250,6 +266,8 @@ def _assign(items: list[_Item], shard_size: int, replicas: int) -> _Assignment:
         assigned[item.name] = rank
         taken.add(rank)
         loads[rank] += item.cost
+        block_loads[rank // block] += item.cost
+        position_elements[rank % shard_size] += item.elements
         elements[rank] += item.elements
         key = (item.boundary, rank % shard_size)
         per_boundary[key] = per_boundary.get(key, 0) + 1
@@ -275,6 +293,7 @@ def plan_owners(
     boundaries: Mapping[str, str] | None = None,
     split_expert_stacks: SplitStacks = "auto",
     replicas: int = 1,
+    ns_split: int = 1,
 ) -> OwnerPlan:
     """Assign every matrix to one owner rank and one rank of the whole mesh that
     orthogonalizes it, balancing Newton-Schulz cost.
@@ -312,13 +331,18 @@ def plan_owners(
         boundaries: Optional ``{fqn: boundary_name}``; matrices of one boundary are spread.
         split_expert_stacks: ``"auto"`` (default), ``True`` or ``False``; see above.
         replicas: Replicas of an HSDP mesh (1 for a 1-D mesh).
+        ns_split: Ranks per block that may share a matrix's iteration (a divisor of
+            ``world_size``); with more than 1, matrices spread over blocks first, and the
+            iterations that lighten the busiest ranks are split over their block
+            (`dmuon._ownership.split_iterations`).
 
     Returns:
         The `OwnerPlan`.
 
     Raises:
         ValueError: If ``world_size`` or ``replicas`` is below 1, a shape is neither 2-D
-            nor 3-D, or ``split_expert_stacks`` is not ``"auto"``, ``True`` or ``False``.
+            nor 3-D, ``split_expert_stacks`` is not ``"auto"``, ``True`` or ``False``, or
+            ``ns_split`` does not divide ``world_size``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be at least 1, got {world_size}")
@@ -335,6 +359,7 @@ def plan_owners(
                 f"plan_owners needs 2-D matrix or 3-D stack shapes; {fqn!r} has shape "
                 f"{tuple(shape)}"
             )
+    check_ns_split(ns_split, world_size)
     boundaries = boundaries or {}
     ranks = world_size * replicas
     candidates = _split_candidates(shapes, ranks, split_expert_stacks)
@@ -349,15 +374,23 @@ def plan_owners(
             pieces[fqn] = max(fewest, min(most, wanted))
         if pieces not in options:
             options.append(pieces)
-    best: tuple[tuple[int, int], list[_Item], _Assignment] | None = None
+    best: tuple[tuple[int, int], list[_Item], _Assignment, frozenset[str]] | None = None
     for pieces in options:
         items = _items(shapes, boundaries, pieces)
-        assignment = _assign(items, world_size, replicas)
-        score = (max(assignment.loads), len(items))  # the lightest heaviest rank, then fewest items
+        assignment = _assign(items, world_size, replicas, ns_split)
+        split, loads = plan_split_iterations(
+            assignment.ranks,
+            {item.name: item.cost for item in items},
+            {item.name: shapes[item.fqn] for item in items if item.experts is None},
+            assignment.loads,
+            ns_split,
+        )
+        assignment = assignment._replace(loads=loads)
+        score = (max(loads), len(items))  # the lightest heaviest rank, then fewest items
         if best is None or score < best[0]:
-            best = (score, items, assignment)
+            best = (score, items, assignment, split)
     assert best is not None
-    _, items, assignment = best
+    _, items, assignment, split = best
     owner_of = {name: rank % world_size for name, rank in assignment.ranks.items()}
     ranges: dict[str, list[ExpertRange]] = {}
     for item in items:
@@ -375,7 +408,21 @@ def plan_owners(
         workers={item.name: assignment.ranks[item.name] // world_size for item in items},
         elements=tuple(assignment.elements),
         shard_size=world_size,
+        split=split,
+        ns_split=ns_split,
     )
+
+
+def check_ns_split(ns_split: object, shard_size: int) -> None:
+    """Refuse an ``ns_split`` that is not a positive integer dividing the shard size."""
+    if isinstance(ns_split, bool) or not isinstance(ns_split, int) or ns_split < 1:
+        raise ValueError(f"ns_split must be a positive integer, got {ns_split!r}")
+    if shard_size % ns_split:
+        raise ValueError(
+            f"ns_split={ns_split} does not divide the {shard_size} ranks of a shard group: a "
+            "block of ranks that share an iteration stays inside one replica (one node at "
+            "best); pass a divisor of the shard size, such as the GPUs per node"
+        )
 
 
 def find_hook_boundary(

@@ -48,6 +48,7 @@ def plan_dedication(
     hook_boundary_predicate: ModulePredicate | None = None,
     hook_boundary_strict: bool = True,
     split_expert_stacks: SplitStacks = "auto",
+    ns_split: int = 1,
 ) -> DedicationPlan:
     """Select the Muon-target parameters of ``model``, find their hook boundaries and plan
     their owners over ``world_size`` shard ranks times ``replicas`` replicas.
@@ -77,6 +78,7 @@ def plan_dedication(
         boundaries,
         split_expert_stacks=split_expert_stacks,
         replicas=replicas,
+        ns_split=ns_split,
     )
     return DedicationPlan(selected, boundaries, plan)
 

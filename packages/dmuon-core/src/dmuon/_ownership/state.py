@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from dmuon._comm_audit import CommAudit
     from dmuon._ownership.planner import OwnerPlan
     from dmuon._ownership.runtime import DedicationRuntime
+    from dmuon._ownership.split_iterations import SplitBlock
 
 STATE_ATTR = "_dmuon_state"
 #: On every module of a dedicated model: a weak reference to the model.
@@ -35,6 +36,9 @@ class DedicationState:
     runtime: DedicationRuntime
     params: list[DedicatedParam] = field(default_factory=list)
     plan: OwnerPlan | None = None
+    #: This rank's block of ranks sharing Newton-Schulz iterations (``ns_split``), where
+    #: the plan splits one stepped in it.
+    split_block: SplitBlock | None = None
     #: The mesh passed to `dedicate_params`, or one over the default process group
     #: (``None`` in one process); state dicts place dedicated tensors on it.
     mesh: DeviceMesh | None = None

@@ -56,6 +56,7 @@ from dmuon.optim._orthogonalize import (
 )
 from dmuon.optim._qk_clip import QKClip, QKClipReport
 from dmuon.optim._split import Split, resolve_split
+from dmuon.optim._split_iteration import share_split_iterations
 from dmuon.optim._validation import (
     ADJUST_LR_FNS,
     NONFINITE_POLICIES,
@@ -407,28 +408,21 @@ class Muon(torch.optim.Optimizer):
         return out
 
     def _muon_step(self, group: dict[str, Any], kept: list[tuple[DedicatedParam, Tensor]]) -> None:
-        """Step the owned matrices of a Muon group that have a finite averaged gradient."""
+        """Step the owned matrices of a Muon group that have a finite averaged gradient,
+        then take this rank's part in its block's split iterations (``ns_split``)."""
         triples = resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-        runtime = self._dedication().runtime
-        stepped, params, grads, bufs, seconds = step_inputs(
-            kept, self.state, group["variant"] == "normuon"
-        )
-        if not params:
-            return
-        apply_muon_update(
-            group,
-            triples,
-            stepped,
-            params,
-            grads,
-            bufs,
-            seconds,
-            self.split_sizes,
-            self._workspaces,
-            self.max_workspace_bytes,
-            runtime.comm,
-            self._outgoing,
-        )
+        state = self._dedication()
+        inputs = step_inputs(kept, self.state, group["variant"] == "normuon")
+        split = state.plan.split if state.plan is not None else frozenset()
+        sizes, workspaces, cap = self.split_sizes, self._workspaces, self.max_workspace_bytes
+        deferred = {}
+        if inputs[1]:
+            deferred = apply_muon_update(
+                group, triples, *inputs, sizes, workspaces, cap, state.runtime.comm,
+                self._outgoing, split,
+            )  # fmt: skip
+        dedicated = self._dedicated_by_id()
+        share_split_iterations(group, triples, deferred, state, dedicated, sizes, workspaces, cap)
 
     @property
     def _workspaces(self) -> Workspaces:

@@ -125,13 +125,18 @@ def apply_muon_update(
     max_workspace_bytes: int,
     comm: Communicator,
     outgoing: Callable[[DedicatedParam], UpdateSlot | None] = lambda dp: None,
-) -> None:
+    split: frozenset[str] = frozenset(),
+) -> dict[str, list[tuple[tuple[Any, ...], Piece]]]:
     """Step ``params`` (the owned masters) with their averaged ``grads``, momentum buffers
     ``bufs`` and NorMuon second moments ``seconds`` (``None`` under Muon), in place.
 
     Each step is decay, then ``multiplier x update`` added, each rounded once; where
     ``outgoing(dp)`` gives a slot (HSDP), the update and the scalars go there too, for the
     other replicas to apply the same way (`dmuon._ownership.replica_updates`).
+
+    The records named in ``split`` get their momentum and decay here, and their pieces
+    (with their bucket keys) are returned by name, for their block to iterate
+    (`dmuon.optim._split_iteration`).
     """
     lr = group["lr"]
     foreach_by_dtype(torch._foreach_lerp_, bufs, grads, 1 - group["momentum"])
@@ -140,16 +145,18 @@ def apply_muon_update(
         decay_(params, decay)
     slots = {id(dp): outgoing(dp) for dp in stepped}
 
+    deferred: dict[str, list[tuple[tuple[Any, ...], Piece]]] = {}
     buckets, sharded = _buckets(
-        group, decay, stepped, params, grads, bufs, seconds, split_sizes, slots
+        group, decay, stepped, params, grads, bufs, seconds, split_sizes, slots, split, deferred
     )
     for key, bucket in buckets.items():
-        _step_bucket(group, triples, key, bucket, workspaces, max_workspace_bytes)
+        step_bucket(group, triples, key, bucket, workspaces, max_workspace_bytes)
     if sharded:
         _tensor_parallel_step(group, triples, sharded, split_sizes, comm)
+    return deferred
 
 
-_Piece = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
+Piece = tuple[Tensor, Tensor, Tensor, Tensor | None, Tensor | None]
 
 
 def _buckets(
@@ -162,18 +169,19 @@ def _buckets(
     seconds: list[Tensor | None],
     split_sizes: dict[str, tuple[int, ...]],
     slots: dict[int, UpdateSlot | None],
-) -> tuple[
-    dict[tuple[Any, ...], list[_Piece]], list[tuple[DedicatedParam, Tensor, Tensor, Tensor]]
-]:
+    split: frozenset[str],
+    deferred: dict[str, list[tuple[tuple[Any, ...], Piece]]],
+) -> tuple[dict[tuple[Any, ...], list[Piece]], list[tuple[DedicatedParam, Tensor, Tensor, Tensor]]]:
     """Same-shape matrices to orthogonalize together (one batched call per bucket), and
     the tensor-parallel shards stepped apart; writes each outgoing slot's scalars.
 
     Stacks contribute each of their matrices, split parameters each of their parts (views,
     not copies). A (in, out) layout (Conv1D) gets its own bucket: its learning-rate
     adjustment reads the shape the other way. NorMuon's second moments are (out, 1) per
-    matrix: a split part's is a row range.
+    matrix: a split part's is a row range. The pieces of the records named in ``split``
+    go to ``deferred`` instead, by name, each with its bucket key.
     """
-    buckets: dict[tuple[Any, ...], list[_Piece]] = {}
+    buckets: dict[tuple[Any, ...], list[Piece]] = {}
     sharded: list[tuple[DedicatedParam, Tensor, Tensor, Tensor]] = []
     for dp, p, g, b, s in zip(stepped, params, grads, bufs, seconds, strict=True):
         if dp.tp_sharded:
@@ -194,20 +202,29 @@ def _buckets(
         for piece in pieces:
             g_piece = piece[0]
             key = (tuple(g_piece.shape), g_piece.dtype, g_piece.device, dp.transposed)
-            buckets.setdefault(key, []).append(piece)
+            if dp.name in split:
+                deferred.setdefault(dp.name, []).append((key, piece))
+            else:
+                buckets.setdefault(key, []).append(piece)
     return buckets, sharded
 
 
-def _step_bucket(
+def step_bucket(
     group: dict[str, Any],
     triples: list[CoefficientTriple],
     key: tuple[Any, ...],
-    bucket: list[_Piece],
+    bucket: list[Piece],
     workspaces: Workspaces,
     max_workspace_bytes: int,
+    orthogonalize: Callable[[NewtonSchulzWorkspace], Tensor] | None = None,
 ) -> None:
     """Orthogonalize one bucket's updates, chunk by chunk, in buffers kept from step to
-    step, and add them to its matrices (sending each to the other replicas first)."""
+    step, and add them to its matrices (sending each to the other replicas first).
+
+    ``orthogonalize(workspace)`` replaces the workspace's own iteration (``run``): it
+    gets the update inputs in ``source`` and returns ``(batch, rows, cols)`` in the
+    iteration dtype.
+    """
     shape, _, device, is_transposed = key
     momentum = group["momentum"]
     ns_dtype = group["ns_dtype"] or default_ns_dtype(device)
@@ -229,7 +246,7 @@ def _step_bucket(
         bucket_params = [p for _, _, p, _, _ in members]
         # Added in the weights' dtype; a bfloat16 result is widened once into a buffer
         # (adding it directly would allocate a widened temporary per matrix).
-        result = ws.run(triples, group["eps"])
+        result = ws.run(triples, group["eps"]) if orthogonalize is None else orthogonalize(ws)
         ortho = ws.cast(result, bucket_params[0].dtype)
         if group["variant"] == "normuon":
             bucket_seconds = [s for _, _, _, s, _ in members]

@@ -112,6 +112,13 @@ def _add_optimizer_options(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="dmuon.Muon's cap on the Newton-Schulz workspace (default 2 GiB)",
     )
+    parser.add_argument(
+        "--ns-split",
+        type=int,
+        default=1,
+        help="dedicate_params(ns_split=...): ranks per block that may share a matrix's "
+        "iteration (a divisor of the shard size, such as the GPUs per node)",
+    )
 
 
 def _row(
@@ -176,6 +183,13 @@ def _summary_lines(plan: ClusterPlan, model_name: str) -> list[str]:
         f"collective calls per step: DMuon up to {plan.calls:,} per rank, FSDP2 "
         f"{plan.fsdp2_calls:,} for the same model and mesh",
     ]
+    if plan.ns_split > 1:
+        slowest = max(plan.ranks, key=lambda r: r.ns_seconds + r.split_seconds)
+        lines.append(
+            f"split iterations: {len(plan.owner_plan.split):,} matrices shared by blocks of "
+            f"{plan.ns_split} ranks; the busiest rank iterates {slowest.ns_seconds * 1e3:,.2f} "
+            f"ms and waits {slowest.split_seconds * 1e3:,.2f} ms for its block's collectives"
+        )
     return lines
 
 
@@ -203,6 +217,7 @@ def _collective_rows(ranks: list[RankPlan]) -> list[str]:
         ("shard", lambda r: r.shard_collectives),
         ("replicate", lambda r: r.replicate_collectives),
         ("tensor", lambda r: r.tensor_collectives),
+        ("split", lambda r: r.split_collectives),
     ):
         kinds = sorted({kind for r in ranks for kind in pick(r)})
         for kind in kinds:
@@ -294,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = parse_tokens(args.tokens_per_step)
         config = load_config(args.model)
         model = meta_model(config)
-        kwargs = {}
+        kwargs = {"ns_split": args.ns_split}
         if args.max_workspace_bytes is not None:
             kwargs["max_workspace_bytes"] = args.max_workspace_bytes
         if args.recommend:

@@ -88,6 +88,8 @@ class ClusterPlan:
     no_sync_scope: str = "all"
     #: Activation bytes per token of a micro-batch (`dmuon.plan._memory`; 0: unknown).
     activation_bytes_per_token: int = 0
+    #: Ranks per block that may share a matrix's iteration (``dedicate_params(ns_split=)``).
+    ns_split: int = 1
 
     @property
     def memory_bytes(self) -> int:
@@ -125,7 +127,9 @@ class ClusterPlan:
     def optimizer_overhead(self) -> float:
         """The slowest rank's optimizer step (Newton-Schulz, tensor parallelism's gathers
         and scatters, the non-finite agreement) over forward+backward's."""
-        slowest = max(r.ns_seconds + r.tp_seconds + r.agreement_seconds for r in self.ranks)
+        slowest = max(
+            r.ns_seconds + r.tp_seconds + r.split_seconds + r.agreement_seconds for r in self.ranks
+        )
         return slowest / self.forward_backward_seconds
 
     @property
@@ -188,6 +192,8 @@ class ClusterPlan:
             "tokens_per_step": self.tokens_per_step,
             "ns_steps": self.ns_steps,
             "ns_gram": self.ns_gram,
+            "ns_split": self.ns_split,
+            "split_matrices": len(self.owner_plan.split),
             "hardware": asdict(self.hardware),
             "matrices": self.matrices,
             "dedicated_elements": self.dedicated_elements,
@@ -236,6 +242,7 @@ def plan_cluster(
     tp_plan: Mapping[str, str] | None = None,
     reduce_bytes: int = FLOAT32,
     no_sync_scope: str = "all",
+    ns_split: int = 1,
 ) -> ClusterPlan:
     """Plan ``model`` (built on the meta device, or a real one: nothing is changed) on a
     cluster of ``world`` ranks: per rank, what DMuon adds in memory, Newton-Schulz work and
@@ -279,6 +286,8 @@ def plan_cluster(
             ``"replicas"`` (every micro-batch reduces inside its replica, the owners hold
             their matrices' sums, and one reduce-scatter crosses replicas per step; FSDP2
             + AdamW then uses ``set_requires_all_reduce(False)`` alike).
+        ns_split: ``dedicate_params(ns_split=...)``: ranks per block that may share a
+            matrix's iteration (a divisor of the shard size; not with ``tp``).
 
     Returns:
         The `ClusterPlan`.
@@ -287,13 +296,15 @@ def plan_cluster(
         ValueError: A layout that does not divide, an unknown mode or hardware, or what
             `dmuon.dedicate_params` would refuse.
     """
-    dp_world, shard = _check_layout(world, shard_size, tp, mode, accum, ns_steps, no_sync_scope)
+    dp_world, shard = _check_layout(
+        world, shard_size, tp, mode, accum, ns_steps, no_sync_scope, ns_split
+    )
     check_max_workspace_bytes(max_workspace_bytes)
     if isinstance(hardware, str):
         hardware = parse_hardware(hardware)
     replicas = dp_world // shard
     selected, boundaries, plan = plan_dedication(
-        model, shard, replicas, split_expert_stacks=split_expert_stacks
+        model, shard, replicas, split_expert_stacks=split_expert_stacks, ns_split=ns_split
     )
     shapes = {fqn: tuple(int(d) for d in p.shape) for fqn, _, _, p, _, _ in selected}
     p_m = sum(math.prod(s) for s in shapes.values())
@@ -342,6 +353,7 @@ def plan_cluster(
         accum=accum,
         no_sync=no_sync,
         tokens_per_step=tokens_per_step,
+        ns_split=ns_split,
         ns_steps=ns_steps,
         hardware=hardware,
         matrices=sum(int(s[0]) if len(s) == 3 else 1 for s in shapes.values()),
@@ -372,6 +384,7 @@ def _check_layout(
     accum: int,
     ns_steps: int,
     no_sync_scope: str,
+    ns_split: int = 1,
 ) -> tuple[int, int]:
     """``(data-parallel ranks, shard size)`` of a layout `plan_cluster` can plan, or
     ``ValueError`` saying why not (what `dmuon.dedicate_params` would refuse too)."""
@@ -383,6 +396,11 @@ def _check_layout(
         raise ValueError(f"the tensor-parallel size must be at least 1, got {tp}")
     if world % tp:
         raise ValueError(f"the tensor-parallel size {tp} must divide the world size {world}")
+    if ns_split > 1 and tp > 1:
+        raise ValueError(
+            "ns_split does not combine with tensor parallelism (dedicate_params refuses it); "
+            "pass ns_split=1 with tp"
+        )
     dp_world = world // tp
     shard = dp_world if shard_size is None else shard_size
     if shard < 1 or dp_world % shard:

@@ -18,6 +18,7 @@ import torch
 from dmuon._ownership.planner import OwnerPlan, newton_schulz_cost, newton_schulz_flops
 from dmuon._ownership.replica_updates import record_nbytes
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
+from dmuon._ownership.split_iterations import block_of, split_iteration_cost
 from dmuon._ownership.tp_integration import spread_over_tp
 from dmuon.optim._orthogonalize import uses_gram
 from dmuon.plan._collectives import (
@@ -72,6 +73,12 @@ class RankPlan:
     #: Seconds the step waits for the ranks' agreement on non-finite gradients (one
     #: all-reduce of one number per mesh dimension: latency only).
     agreement_seconds: float = 0.0
+    #: Collectives over the rank's block per step (``ns_split``): for each split matrix
+    #: stepped in the block, a scatter and a gather of the rank's slice and an all-reduce
+    #: of the Gram matrix per iteration.
+    split_collectives: dict[str, Tally] = field(default_factory=dict)
+    #: Seconds the step waits for those collectives (the stepping rank's volume).
+    split_seconds: float = 0.0
 
     @property
     def added_bytes(self) -> int:
@@ -92,6 +99,7 @@ class RankPlan:
             *self.shard_collectives.values(),
             *self.replicate_collectives.values(),
             *self.tensor_collectives.values(),
+            *self.split_collectives.values(),
         ]
         return sum(t.count for t in tallies)
 
@@ -319,7 +327,9 @@ def _rank_plan(
     """One rank: ``mine`` are the items it steps, ``orthogonalized`` those it iterates
     itself, ``sharded_mine`` its tp-sharded ones; ``where`` is (replica, shard, tp)."""
     replica, shard, t = where
-    flops = sum(
+    split, split_flops, split_seconds = _split_share(setup, replica * setup.shard + shard)
+    whole = [n for n in orthogonalized if n not in setup.plan.split]
+    flops = split_flops + sum(
         newton_schulz_flops(
             setup.item_shapes[n],
             setup.ns_steps,
@@ -327,7 +337,7 @@ def _rank_plan(
                 setup.item_shapes[n][1], setup.item_shapes[n][2], setup.ns_gram, setup.ns_dtype
             ),
         )
-        for n in orthogonalized
+        for n in whole
     )
     tensor_tallies: dict[str, Tally] = {}
     if sharded_mine:
@@ -376,7 +386,46 @@ def _rank_plan(
         update_bytes=update_bytes,
         tp_seconds=tp_moved / (setup.hardware.node_gbps * 1e9) + tp_calls * setup.latency,
         agreement_seconds=dims * setup.latency,
+        split_collectives=split,
+        split_seconds=split_seconds,
     )
+
+
+def _split_share(setup: ClusterSetup, position: int) -> tuple[dict[str, Tally], int, float]:
+    """A rank's part in its block's split iterations (``ns_split``): its collectives, its
+    FLOPs and the seconds the collectives take. Blocks of up to 8 ranks are taken to be
+    inside a node; larger ones send between nodes."""
+    plan, size = setup.plan, setup.plan.ns_split
+    block = block_of(position, size)
+    names = [
+        n for n in setup.item_shapes if n in plan.split
+        and plan.workers[n] * setup.shard + plan.owners[n] in block
+    ]  # fmt: skip
+    if not names:
+        return {}, 0, 0.0
+    itemsize = torch.finfo(setup.ns_dtype).bits // 8
+    rate = (setup.hardware.node_gbps if size <= 8 else setup.hardware.network_gbps) * 1e9
+    slices = grams = flops = 0
+    moved = 0.0
+    for n in names:
+        _, rows, cols = setup.item_shapes[n]
+        m, long_side = sorted((rows, cols))
+        width = math.ceil(long_side / size)
+        slices += m * width
+        grams += m * m
+        flops += 2 * setup.ns_steps * split_iteration_cost((rows, cols), size)
+        # The stepping rank scatters and gathers every other member's slice; each
+        # iteration's all-reduce is a ring over the block.
+        moved += 2 * (size - 1) * m * width * itemsize
+        moved += setup.ns_steps * 2 * (size - 1) / size * m * m * itemsize
+    steps = setup.ns_steps
+    tallies = {
+        "scatter": Tally(len(names), slices),
+        "all_reduce": Tally(len(names) * steps, grams * steps),
+        "gather": Tally(len(names), slices),
+    }
+    calls = sum(t.count for t in tallies.values())
+    return tallies, flops, moved / rate + calls * setup.latency
 
 
 def _replica_seconds(

@@ -75,7 +75,10 @@ def recommend(
     """
     fitting: list[Choice] = []
     planned = 0
+    split = common.get("ns_split", 1)
     for shard in layouts(world):
+        if shard % split:  # type: ignore[operator]
+            continue  # a block of ranks sharing an iteration stays inside a shard group
         for mode in ("z3", "z2"):
             for accum in ACCUMULATIONS:
                 scope = "replicas" if accum > 1 and shard < world else "all"
