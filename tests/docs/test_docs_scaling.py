@@ -122,3 +122,24 @@ def test_the_chunk_of_updated_values_is_the_codes(root: Path, page: str) -> None
     text = (root / page).read_text()
     assert f"{CHUNK_BYTES // 2**20} MiB" in text
     assert "1 GiB of float32" not in text and "1 GiB 的 float32" not in text
+
+
+def test_the_ns_split_figures_are_the_planners() -> None:
+    """The ``ns_split`` section's floors and results at 4,096 H100s (512 x 8, Z3): the
+    optimizer step's share of forward+backward, whole and split over blocks of 8."""
+    en = " ".join(PAGES["en"].read_text(encoding="utf-8").split())
+    zh = " ".join(PAGES["zh"].read_text(encoding="utf-8").split())
+    whole, split = {}, {}
+    for name in ("llama-3-8b", "llama-3-70b"):
+        model, active = _model(name)
+        whole[name] = plan_cluster(model, 4096, 8, active_parameters=active).optimizer_overhead
+        split[name] = plan_cluster(
+            model, 4096, 8, active_parameters=active, ns_split=8
+        ).optimizer_overhead
+        assert split[name] < 0.03 < whole[name]
+    w8, w70 = f"{whole['llama-3-8b']:.1%}", f"{whole['llama-3-70b']:.1%}"
+    s8, s70 = f"{split['llama-3-8b']:.1%}", f"{split['llama-3-70b']:.1%}"
+    assert f"floor is {w8} of forward+backward for Llama-3-8B and {w70} for Llama-3-70B" in en
+    assert f"falls to {s8} and {s70} of forward+backward" in en
+    assert f"对 Llama-3-8B 是前向+反向的 {w8}，对 Llama-3-70B 是 {w70}" in zh
+    assert f"优化器步降到前向+反向的 {s8} 和 {s70}" in zh
