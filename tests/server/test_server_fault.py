@@ -83,9 +83,12 @@ def test_a_rank_killed_after_step_7_restarts_and_matches_an_uninterrupted_run(
             reader = threading.Thread(target=_stream_steps, args=(server.url, faulty, streamed))
             reader.start()
             metrics = data_dir / "jobs" / faulty / "metrics.jsonl"
-            wait_until(lambda: 7 in metrics_file_steps(metrics), 600, "step 7", interval=0.005)
+            # Found before step 7 (a process scan takes a while on a loaded machine), so
+            # the kill follows step 7 at once.
+            wait_until(lambda: metrics_file_steps(metrics), 600, "step 1", interval=0.005)
             victim = rank_process(faulty, 1)
             assert victim is not None
+            wait_until(lambda: 7 in metrics_file_steps(metrics), 600, "step 7", interval=0.005)
             victim.send_signal(signal.SIGKILL)
             seen = max(metrics_file_steps(metrics))
             mark(f"rank 1 (pid {victim.pid}) SIGKILLed; last step in the file: {seen}")
