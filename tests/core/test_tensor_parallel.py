@@ -232,6 +232,30 @@ def full_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def ns_split_refusal(kind: str) -> dict[str, Any]:
+    """``dedicate_params(ns_split=2)`` on a tensor-parallel model: its message, and
+    whether the model was left as it was."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from dmuon._ownership.state import get_dedication
+
+    make, plan = MODELS[kind]
+    model = make()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    parallelize_module(model, mesh["tp"], plan(model))
+    before = dict(model.named_parameters())
+    try:
+        dmuon.dedicate_params(model, mesh["dp"], ns_split=2)
+        message = "not refused"
+    except ValueError as error:
+        message = str(error)
+    untouched = get_dedication(model) is None and all(
+        p is before[n] for n, p in model.named_parameters()
+    )
+    return {"message": message, "untouched": untouched}
+
+
 def run_case(kind: str, mode: str, rank: int, world: int, root: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
@@ -268,9 +292,11 @@ CASES = [(kind, mode) for kind in MODELS for mode in ("z2", "z3")]
 
 
 def _train_worker(rank: int, world: int, root: str) -> dict[Any, Any]:
-    return run_in_order(
+    cases = [
         ((kind, mode), partial(run_case, kind, mode, rank, world, root)) for kind, mode in CASES
-    )
+    ]
+    refusal = ("ns_split", partial(ns_split_refusal, next(iter(MODELS))))
+    return run_in_order([*cases, refusal])
 
 
 def _resume_worker(rank: int, world: int, root: str, shape: tuple[int, int]) -> dict[Any, Any]:
@@ -319,6 +345,13 @@ class _Tokens(nn.Module):
 
 def _strip(params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k.removeprefix("inner."): v for k, v in params.items()}
+
+
+def test_ns_split_with_tensor_parallelism_is_refused_and_changes_nothing(runs) -> None:
+    for result in _ok(runs["trained"], "ns_split"):
+        assert "does not combine with tensor parallelism" in result["message"], result
+        assert "ns_split=1" in result["message"]
+        assert result["untouched"]
 
 
 @pytest.mark.parametrize(("kind", "mode"), CASES)

@@ -62,6 +62,8 @@ class Phase:
     check_collectives: bool = False
     #: ``dmuon.no_sync(scope=...)``: ``"replicas"`` (HSDP) still sums inside each replica.
     no_sync_scope: str = "all"
+    #: ``dedicate_params(ns_split=...)``: ranks per block that may share an iteration.
+    ns_split: int = 1
 
     @property
     def dp(self) -> int:
@@ -191,7 +193,17 @@ def phases(draw: st.DrawFn, model: ModelSpec, steps: int) -> Phase:
         check_collectives=draw(st.booleans()),
         # Drawn last, so the draws above stay what they were for a given seed.
         no_sync_scope=draw(st.sampled_from(("all", "replicas"))) if layout == "hsdp" else "all",
+        ns_split=draw(st.sampled_from(_ns_splits(layout, world, mesh))),
     )
+
+
+def _ns_splits(layout: str, world: int, mesh: tuple[int, int] | None) -> list[int]:
+    """``dedicate_params(ns_split=...)`` values a layout takes: divisors of the shard size
+    (none with tensor parallelism)."""
+    if layout == "tp":
+        return [1]
+    shard = mesh[1] if mesh is not None else world
+    return [d for d in range(1, shard + 1) if shard % d == 0]
 
 
 @st.composite

@@ -109,6 +109,7 @@ def build(case: Case, phase: Phase) -> tuple[nn.Module, nn.Module, dmuon.Muon, A
         reshard_after_forward=phase.mode == "z3",
         param_dtype=torch.bfloat16 if phase.bf16 else None,
         check_collectives=phase.check_collectives,
+        ns_split=phase.ns_split,
     )
     for name in static_frozen(case, AFTER_DEDICATION):
         model.get_parameter(name).requires_grad_(False)

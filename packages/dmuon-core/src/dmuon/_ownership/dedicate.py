@@ -407,7 +407,11 @@ def dedicate_params(
         split_expert_stacks=split_expert_stacks,
         ns_split=ns_split,
     )
-
+    if ns_split > 1 and any(tensor_parallel_of(f, p) is not None for f, _, _, p, *_ in selected):
+        raise ValueError(
+            "ns_split does not combine with tensor parallelism: a tensor-parallel matrix's "
+            "iteration already runs on its gathered whole; pass ns_split=1"
+        )
     dedicated = [
         record
         for fqn, module, attr, param, transposed, _ in selected
@@ -425,7 +429,7 @@ def dedicate_params(
             transposed,
         )
     ]
-    split_block = _split_block(plan, dedicated, group, comm_rank, replica_rank)
+    split_block = _split_block(plan, group, comm_rank, replica_rank)
     comm = _communicator(dedicated, group, replicate_group, replicas, device, check_collectives)
     runtime_boundaries = _boundaries(
         model,
@@ -504,18 +508,12 @@ def _check_arguments(
 
 def _split_block(
     plan: OwnerPlan,
-    dedicated: list[DedicatedParam],
     group: dist.ProcessGroup | None,
     comm_rank: int,
     replica_rank: int,
 ) -> SplitBlock | None:
     """This rank's block of ranks sharing iterations, with a process group of its own
     (made by its members only), where the plan splits a matrix stepped in it."""
-    if plan.ns_split > 1 and any(dp.tp is not None for dp in dedicated):
-        raise ValueError(
-            "ns_split does not combine with tensor parallelism: a tensor-parallel matrix's "
-            "iteration already runs on its gathered whole; pass ns_split=1"
-        )
     size = plan.shard_size
     block = block_of(replica_rank * size + comm_rank, plan.ns_split)
     stepped_in_block = [
