@@ -30,6 +30,39 @@ from fuzzing.worker import run_phase_in_dir
 
 #: Failures the suite found, kept as they were shrunk (each fixed in the library).
 REGRESSIONS: dict[str, Case] = {
+    # ns_split under DDP: the block groups were made by their members alone, so the ranks
+    # counted different numbers of process groups, and DDP's separate group (named from
+    # that count) paired ranks under different names: every rank hung in its creation.
+    "ns-split-ddp-group-names": Case(
+        seed=2261,
+        model=ModelSpec(
+            family="gpt2",
+            vocab=23,
+            heads=3,
+            kv_heads=3,
+            head_dim=2,
+            layers=(
+                LayerSpec("dense", 6),
+                LayerSpec("fused", 6, 4, top_k=1, idle=0),
+                LayerSpec("fused", 12, 2, top_k=1, idle=0),
+            ),
+            tied=True,
+        ),
+        steps=1,
+        rows=4,
+        seq=8,
+        run=Phase(world=4, layout="ddp", mode="z2", check_collectives=True, ns_split=2),
+        freezes=(
+            Freeze(param="h.2.attn.c_attn.weight", at=0),
+            Freeze(param="h.2.mlp.experts.down_proj", at=-2),
+            Freeze(param="h.1.mlp.experts.down_proj", at=-2),
+            Freeze(param="embed.weight", at=-2),
+            Freeze(param="h.2.attn_norm.bias", at=-2),
+        ),
+        clip=0.5,
+        groups="custom",
+        adjust_lr_fn="original",
+    ),
     # Tensor parallelism without data parallelism ((dp, tp) = (1, 2)): the sharded state
     # dict of a tp-split matrix asserted that the dedication had a mesh.
     "tp-only-checkpoint": Case(

@@ -412,6 +412,7 @@ def dedicate_params(
             "ns_split does not combine with tensor parallelism: a tensor-parallel matrix's "
             "iteration already runs on its gathered whole; pass ns_split=1"
         )
+    split_block = _split_block(plan, mesh, group, comm_rank, replica_rank)
     dedicated = [
         record
         for fqn, module, attr, param, transposed, _ in selected
@@ -429,7 +430,6 @@ def dedicate_params(
             transposed,
         )
     ]
-    split_block = _split_block(plan, group, comm_rank, replica_rank)
     comm = _communicator(dedicated, group, replicate_group, replicas, device, check_collectives)
     runtime_boundaries = _boundaries(
         model,
@@ -508,24 +508,41 @@ def _check_arguments(
 
 def _split_block(
     plan: OwnerPlan,
+    mesh: DeviceMesh | None,
     group: dist.ProcessGroup | None,
     comm_rank: int,
     replica_rank: int,
 ) -> SplitBlock | None:
-    """This rank's block of ranks sharing iterations, with a process group of its own
-    (made by its members only), where the plan splits a matrix stepped in it."""
-    size = plan.shard_size
-    block = block_of(replica_rank * size + comm_rank, plan.ns_split)
-    stepped_in_block = [
-        n for n in sorted(plan.split) if plan.workers[n] * size + plan.owners[n] in block
-    ]
-    if group is None or not stepped_in_block:
+    """This rank's block of ranks sharing iterations, where the plan splits a matrix
+    stepped in it.
+
+    Every rank makes the process group of every block of the mesh, in block order, as
+    ``DeviceMesh`` makes its groups, so every rank counts as many groups made and as many
+    it belongs to (one): torch names a group made by its members alone from that count,
+    and counts apart would pair ranks wrongly in a later group (DDP's, for one). So the
+    mesh must hold every rank of the default process group.
+    """
+    if not plan.split or group is None:
         return None
-    shard_ranks = dist.get_process_group_ranks(group)
-    members = tuple(shard_ranks[position % size] for position in block)
-    return SplitBlock(
-        dist.new_group(list(members), use_local_synchronization=True), members, block.start
-    )
+    ranks = mesh.mesh.flatten().tolist() if mesh is not None else list(range(dist.get_world_size()))
+    if len(ranks) != dist.get_world_size():
+        raise ValueError(
+            f"ns_split={plan.ns_split} needs the mesh to hold every rank of the default process "
+            f"group ({len(ranks)} of {dist.get_world_size()} here, as under pipeline "
+            "parallelism): every rank makes the blocks' process groups. Pass ns_split=1 on a "
+            "sub-mesh"
+        )
+    size, mine = plan.shard_size, replica_rank * plan.shard_size + comm_rank
+    used = {
+        block_of(plan.workers[n] * size + plan.owners[n], plan.ns_split).start for n in plan.split
+    }
+    own = None
+    for first in range(0, len(ranks), plan.ns_split):
+        members = tuple(int(ranks[p]) for p in range(first, first + plan.ns_split))
+        made = dist.new_group(list(members))
+        if first <= mine < first + plan.ns_split and first in used:
+            own = SplitBlock(made, members, first)
+    return own
 
 
 def _communicator(
