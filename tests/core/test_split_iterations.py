@@ -94,6 +94,18 @@ def _worker(rank: int, world: int, mesh_name: str) -> dict[str, Any]:
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     out: dict[str, Any] = {}
+    if mesh_name == "flat4":  # a sub-mesh, as a pipeline stage's data-parallel ranks
+        sub = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))["dp"]
+        model = _model()
+        before = dict(model.named_parameters())
+        try:
+            dmuon.dedicate_params(model, sub, ns_split=2)
+            out["sub_mesh"] = "not refused"
+        except ValueError as error:
+            out["sub_mesh"] = str(error)
+        out["sub_mesh_untouched"] = get_dedication(model) is None and all(
+            p is before[n] for n, p in model.named_parameters()
+        )
     for case, spec in CASES.items():
         model = _case_model(mesh_name, case)
         dmuon.dedicate_params(model, mesh, reshard_after_forward=spec["mode"] == "z3", ns_split=2)
@@ -265,3 +277,10 @@ def test_each_rank_issues_and_computes_what_the_plan_says(mesh: str) -> None:
         for step in result[case]["steps"]:
             assert _tally(step["collectives"]) == expected, (mesh, rank)
             assert step["flops"] == predicted.ns_flops, (mesh, rank)
+
+
+def test_ns_split_on_a_sub_mesh_is_refused_and_changes_nothing() -> None:
+    for result in _spawned("flat4"):
+        assert "every rank of the default process group" in result["sub_mesh"], result
+        assert "ns_split=1" in result["sub_mesh"]
+        assert result["sub_mesh_untouched"]

@@ -522,7 +522,7 @@ def _split_block(
     and counts apart would pair ranks wrongly in a later group (DDP's, for one). So the
     mesh must hold every rank of the default process group.
     """
-    if not plan.split or group is None:
+    if plan.ns_split == 1 or group is None:
         return None
     ranks = mesh.mesh.flatten().tolist() if mesh is not None else list(range(dist.get_world_size()))
     if len(ranks) != dist.get_world_size():
@@ -532,6 +532,8 @@ def _split_block(
             "parallelism): every rank makes the blocks' process groups. Pass ns_split=1 on a "
             "sub-mesh"
         )
+    if not plan.split:
+        return None
     size, mine = plan.shard_size, replica_rank * plan.shard_size + comm_rank
     used = {
         block_of(plan.workers[n] * size + plan.owners[n], plan.ns_split).start for n in plan.split
