@@ -7,7 +7,8 @@ its owner and broadcasts the updated matrices in the next forward.
 Oracles: `dist_harness.reference_run` (the plain model on the whole global batch, float32
 Newton-Schulz Muon written out and torch.optim.AdamW; 1e-5 absolute on every parameter),
 the communication formulas (Z2: 2 units per step, Z3: 2k + 1 with ``no_sync``), and the
-global gradient norm of the reference's first step (relative 1e-5).
+global gradient norm of the reference's first step (relative 1e-5). On 3 ranks, ranks 0
+and 1 first make a group of their own, as a user's script may.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ CASES = [(world, s.name) for world, scenarios in WORLDS.items() for s in scenari
 
 
 def _worker(rank: int, world: int, scenarios: list[Scenario], root: str) -> dict[str, Any]:
+    if world == 3 and rank < 2:
+        # A user's group of ranks 0 and 1, made by its members alone: DMuon's group beside
+        # DDP's must still pair every rank (it hung when named from per-rank group counts).
+        torch.distributed.new_group([0, 1], use_local_synchronization=True)
     results = run_in_order((s.name, lambda s=s: run_scenario(s, rank, world)) for s in scenarios)
     results["__wrapper__"] = run_in_order([("calls", lambda: _wrapper_calls(rank, world))])
     results["__checkpoint__"] = run_in_order(

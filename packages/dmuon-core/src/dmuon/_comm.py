@@ -63,13 +63,17 @@ def all_reduce_plain(
 def separate_group(group: dist.ProcessGroup, other: dist.ProcessGroup) -> dist.ProcessGroup:
     """``group``, or a new process group over its ranks when it shares ranks with ``other``.
 
-    Only ``group``'s members call this (``use_local_synchronization``), all at the same
-    point of their schedule.
+    ``group``'s members call this, all at the same point of their schedule. A group of
+    every rank is made as the default group's members make any group; a smaller one by
+    its members alone (``use_local_synchronization``), which torch names from how many
+    groups each member has made, so ranks that made different numbers of groups of their
+    own (a user's subgroup) would not meet there.
     """
     ranks = dist.get_process_group_ranks(group)
     if not set(ranks) & set(dist.get_process_group_ranks(other)):
         return group
-    return dist.new_group(ranks=ranks, use_local_synchronization=True)
+    every_rank = len(ranks) == dist.get_world_size()
+    return dist.new_group(ranks=ranks, use_local_synchronization=not every_rank)
 
 
 class Communicator:

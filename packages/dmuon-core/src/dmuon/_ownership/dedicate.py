@@ -33,7 +33,7 @@ from dmuon._ownership.planner import (
 )
 from dmuon._ownership.runtime import Boundary, DedicationRuntime
 from dmuon._ownership.selection import plan_dedication
-from dmuon._ownership.split_iterations import make_split_block
+from dmuon._ownership.split_blocks import make_split_block
 from dmuon._ownership.state import STATE_ATTR, DedicationState, attach
 from dmuon._ownership.tp_integration import assign_workers, leaf_for, tensor_parallel_of
 from dmuon._teardown import before_interpreter_exit
@@ -361,7 +361,8 @@ def dedicate_params(
             matrices over blocks and splits the iterations that lighten the busiest ranks:
             each block member iterates a slice of the matrix's long side, and the Gram
             matrix is all-reduced inside the block every iteration (see the Scaling page).
-            Not with tensor parallelism.
+            Not with tensor parallelism, and the mesh must hold every rank of the
+            default process group (every rank makes the blocks' process groups).
 
     Returns:
         ``{name: owner_rank}`` for every dedicated parameter; on a 2-D mesh the owner's
