@@ -50,6 +50,8 @@ ADAMW_KEYS: dict[str, str] = {
 }
 
 _OTHER_KEYS = ("params", "name")
+#: Every key a user param group may have.
+_GROUP_KEYS = frozenset({*_OTHER_KEYS, *MUON_KEYS, *ADAMW_KEYS})
 
 
 def _params_of(group: Mapping[str, Any], index: int) -> list[nn.Parameter]:
@@ -143,7 +145,7 @@ def _check_group_keys(group: object, index: int) -> None:
             f"param_groups[{index}] must be a dict with 'params' and hyperparameter "
             f"overrides, got {type(group).__name__}"
         )
-    unknown = sorted(set(group) - {*_OTHER_KEYS, *MUON_KEYS, *ADAMW_KEYS})
+    unknown = sorted(set(group) - _GROUP_KEYS)
     if unknown:
         raise ValueError(
             f"param_groups[{index}] has unknown keys {unknown}; a group takes 'params', "
@@ -240,7 +242,7 @@ def route_group(param_group: Mapping[str, Any], state: DedicationState) -> list[
     if not (muon and adamw):
         algorithm = "muon" if muon else "adamw"
         return [{**keys, "params": muon or adamw, "algorithm": algorithm}]
-    unknown = sorted(set(keys) - {*_OTHER_KEYS, *MUON_KEYS, *ADAMW_KEYS})
+    unknown = sorted(set(keys) - _GROUP_KEYS)
     if unknown:
         raise ValueError(
             f'this param group has no "algorithm" and holds {len(muon)} dedicated '
