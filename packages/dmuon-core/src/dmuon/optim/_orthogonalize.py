@@ -294,9 +294,7 @@ class NewtonSchulzWorkspace:
         The returned tensor (a buffer, or a transposed view of one) is owned by the
         workspace: read it before the next `run`.
         """
-        torch.linalg.vector_norm(self.source, dim=(-2, -1), keepdim=True, out=self._norm)
-        self._norm.clamp_min_(eps)
-        self.source.div_(self._norm)
+        self.normalize_source(eps)
         if self._x is not self.source:
             # (torch.div(..., out=) into another dtype would allocate a temporary.)
             self._x.copy_(self.source.mT if self._result_transposed else self.source)
@@ -304,6 +302,13 @@ class NewtonSchulzWorkspace:
             last = self._iterate(x, y, small, triples)
         result = self._y if last is y else self._x  # every chunk ends in the same buffer
         return result.mT if self._result_transposed else result
+
+    def normalize_source(self, eps: float) -> None:
+        """Divide each matrix of `source` by its Frobenius norm (at least ``eps``), in
+        place: what `run` iterates from, and what a split iteration starts from."""
+        torch.linalg.vector_norm(self.source, dim=(-2, -1), keepdim=True, out=self._norm)
+        self._norm.clamp_min_(eps)
+        self.source.div_(self._norm)
 
     def cast(self, result: Tensor, dtype: torch.dtype) -> Tensor:
         """``result`` (from `run`) in ``dtype``, copied into a buffer kept for the next call."""

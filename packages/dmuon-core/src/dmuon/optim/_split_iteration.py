@@ -101,13 +101,15 @@ def share_split_iterations(
     if block is None or plan is None:
         return
     members = range(block.first, block.first + len(block.ranks))
+    device = state.runtime.comm.device
+    dtype = group["ns_dtype"] or default_ns_dtype(device)
     for p in group["params"]:
         dp = dedicated.get(id(p))
-        if dp is None or dp.name not in plan.split or _position(state, dp) not in members:
+        if dp is None or dp.name not in plan.split:
             continue
         root = _position(state, dp)
-        device = block_device(state)
-        dtype = group["ns_dtype"] or default_ns_dtype(device)
+        if root not in members:
+            continue
         if dp.name in deferred:
             iterate = functools.partial(
                 _iterate_source,
@@ -139,15 +141,8 @@ def _iterate_source(
 ) -> Tensor:
     """A workspace's one matrix, normalized as `NewtonSchulzWorkspace.run` normalizes it,
     iterated over the block: ``(1, rows, cols)`` in the iteration dtype."""
-    source = ws.source
-    norm = torch.linalg.vector_norm(source, dim=(-2, -1), keepdim=True).clamp_min_(eps)
-    source.div_(norm)
-    x = source[0].to(dtype)
+    ws.normalize_source(eps)
+    x = ws.source[0].to(dtype)
     result = split_newton_schulz(x, (x.shape[0], x.shape[1]), triples, dtype, x.device, block, root)
     assert result is not None
     return result.unsqueeze(0)
-
-
-def block_device(state: DedicationState) -> torch.device:
-    """The device the dedication's buffers live on."""
-    return state.runtime.comm.device
