@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from dmuon.checkpoint._export import load_full_weights
+from dmuon.checkpoint._manifest import replace_folder
 
 __all__ = ["KEYS_FILE", "check_export_target", "export_hf", "save_hf_model"]
 
@@ -125,14 +126,7 @@ def save_hf_model(
                 if item.is_file() and item.name not in _NOT_TOKENIZER:
                     shutil.copy2(item, tmp / item.name)
         tmp.chmod(0o755)
-        if out.exists():
-            old = out.with_name(f".tmp_old_{out.name}")
-            shutil.rmtree(old, ignore_errors=True)
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        replace_folder(tmp, out, out.with_name(f".tmp_old_{out.name}"))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

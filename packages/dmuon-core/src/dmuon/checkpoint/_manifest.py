@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ __all__ = [
     "check",
     "fsync_dir",
     "fsync_tree",
+    "replace_folder",
     "verify",
     "write_manifest",
 ]
@@ -49,6 +51,18 @@ def _digest(path: Path) -> str:
 
 def _files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def replace_folder(tmp: Path, final: Path, old: Path) -> None:
+    """Rename the finished folder ``tmp`` to ``final``; a ``final`` already there is moved
+    to ``old`` first and removed afterwards, so ``final`` never holds a mix of both."""
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
 
 
 def fsync_dir(path: Path) -> None:

@@ -371,14 +371,8 @@ def _put_in_place(tmp: Path, final: Path, keep: int) -> None:
     """Rename a written checkpoint into place (replacing one of an earlier run), durably,
     then clear interrupted saves and keep the newest ``keep``."""
     directory = final.parent
-    if final.exists():  # a later step of an earlier run in the same folder
-        old = directory / f"{contract.TEMPORARY_PREFIX}old_{final.name}"
-        shutil.rmtree(old, ignore_errors=True)
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(final)
+    # An existing final folder: a later step of an earlier run in the same folder.
+    manifest.replace_folder(tmp, final, directory / f"{contract.TEMPORARY_PREFIX}old_{final.name}")
     manifest.fsync_dir(directory)  # the rename itself is durable
     remove_incomplete(directory)
     rotate_checkpoints(directory, keep, protect=final)
