@@ -125,8 +125,9 @@ def test_the_chunk_of_updated_values_is_the_codes(root: Path, page: str) -> None
 
 
 def test_the_ns_split_figures_are_the_planners() -> None:
-    """The ``ns_split`` section's floors and results at 4,096 H100s (512 x 8, Z3): the
-    optimizer step's share of forward+backward, whole and split over blocks of 8."""
+    """The ``ns_split`` section's floors and results at 4,096 H100s (512 x 8, Z3), and the
+    changelog's: the optimizer step's share of forward+backward, whole and split over
+    blocks of 8."""
     en = " ".join(PAGES["en"].read_text(encoding="utf-8").split())
     zh = " ".join(PAGES["zh"].read_text(encoding="utf-8").split())
     whole, split = {}, {}
@@ -143,3 +144,8 @@ def test_the_ns_split_figures_are_the_planners() -> None:
     assert f"falls to {s8} and {s70} of forward+backward" in en
     assert f"对 Llama-3-8B 是前向+反向的 {w8}，对 Llama-3-70B 是 {w70}" in zh
     assert f"优化器步降到前向+反向的 {s8} 和 {s70}" in zh
+    # The changelog's entry states the same figures.
+    log_en = " ".join((DOCS / "changelog.md").read_text(encoding="utf-8").split())
+    log_zh = " ".join((ZH / "changelog.md").read_text(encoding="utf-8").split())
+    assert f"falls from {w8} and {w70} of forward+backward to {s8} and {s70}" in log_en
+    assert f"从前向+反向的 {w8} 和 {w70} 降到 {s8} 和 {s70}" in log_zh
