@@ -124,7 +124,7 @@ def test_text_output_states_every_assumption(
     assert "a 1-D mesh of 4 ranks" in out
     assert "Newton-Schulz at 1365 TFLOP/s" in out and "40% of 2250 TFLOP/s" in out
     assert "512,000 tokens per step" in out
-    assert "FSDP2" in out and "float32 masters" in out
+    assert "FSDP2" in out and "masters" in out and "momentum" in out
 
 
 @pytest.mark.parametrize(
@@ -364,7 +364,8 @@ def test_tensor_parallel_gathers_and_scatters_are_timed_inside_the_node() -> Non
 def test_memory_per_rank_is_counted_alike_for_both_sides() -> None:
     """DMuon's and FSDP2 + AdamW's memory per rank, by hand from the documented parts
     (`dmuon.plan._memory`): 16 bytes a sharded element, two bfloat16 layers, the
-    micro-batch's activations; DMuon adds its rank's share and the owners' gradients."""
+    micro-batch's activations; DMuon adds its rank's share and the averaged gradients of
+    the matrices it steps (as many elements as its momentum)."""
     from dmuon.plan._memory import ACTIVATION_BYTES
 
     model, active = _model("llama-3-8b")
@@ -382,7 +383,7 @@ def test_memory_per_rank_is_counted_alike_for_both_sides() -> None:
     assert plan.fsdp2_memory_bytes == int(common(plan.parameters))
     other = plan.parameters - plan.dedicated_elements
     dmuon = max(
-        int(common(other) + r.added_bytes + r.master_bytes + r.update_bytes) for r in plan.ranks
+        int(common(other) + r.added_bytes + r.momentum_bytes + r.update_bytes) for r in plan.ranks
     )
     assert plan.memory_bytes == dmuon
     assert plan.as_dict()["memory_bytes"] == dmuon

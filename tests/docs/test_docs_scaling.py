@@ -149,3 +149,43 @@ def test_the_ns_split_figures_are_the_planners() -> None:
     log_zh = " ".join((ZH / "changelog.md").read_text(encoding="utf-8").split())
     assert f"falls from {w8} and {w70} of forward+backward to {s8} and {s70}" in log_en
     assert f"从前向+反向的 {w8} 和 {w70} 降到 {s8} 和 {s70}" in log_zh
+
+
+def test_the_masters_once_per_world_figures_are_the_planners() -> None:
+    """The HSDP page's and the changelog's figures for Llama-3-70B on 1,024 H100 (128 x 8,
+    a bfloat16 forward): the busiest rank's masters with a float32 master on every owner
+    (``param_bytes=4`` plans the same owners) and with copies off the stepping replica,
+    and DMuon's memory per rank before (every owner's float32 master, and an averaged
+    gradient counted per owned element) and now, beside FSDP2 + AdamW's."""
+    from dmuon.plan._memory import dmuon_memory_bytes
+
+    model, active = _model("llama-3-70b")
+    narrow = plan_cluster(model, 1024, 8, active_parameters=active, param_bytes=2)
+    wide = plan_cluster(model, 1024, 8, active_parameters=active, param_bytes=4)
+    before_masters = max(r.master_bytes for r in wide.ranks) / GIB
+    after_masters = max(r.master_bytes for r in narrow.ranks) / GIB
+    assert after_masters < 0.55 * before_masters
+    before_memory = max(
+        dmuon_memory_bytes(narrow, now)
+        + 2 * then.master_bytes
+        - now.master_bytes
+        - now.momentum_bytes
+        + then.update_bytes
+        - now.update_bytes
+        for now, then in zip(narrow.ranks, wide.ranks, strict=True)
+    )
+    figures = [f"{before_masters:.2f}", f"{after_masters:.2f}"]
+    en = " ".join((DOCS / "hsdp.md").read_text(encoding="utf-8").split())
+    zh = (ZH / "hsdp.md").read_text(encoding="utf-8")
+    assert f"masters at {figures[1]} GiB, from {figures[0]} GiB" in en
+    assert (
+        f"主副本为 {figures[1]} GiB，而每个所有者都保存 float32 主副本时为 {figures[0]} GiB" in zh
+    )
+    memory = [f"{before_memory / GIB:.2f}", f"{narrow.memory_bytes / GIB:.2f}"]
+    fsdp2 = f"{narrow.fsdp2_memory_bytes / GIB:.2f}"
+    log_en = " ".join((DOCS / "changelog.md").read_text(encoding="utf-8").split())
+    log_zh = " ".join((ZH / "changelog.md").read_text(encoding="utf-8").split())
+    assert f"fall from {figures[0]} GiB to {figures[1]} GiB" in log_en
+    assert f"is {memory[1]} GiB, from {memory[0]} GiB (FSDP2 + AdamW: {fsdp2} GiB)" in log_en
+    assert f"从 {figures[0]} GiB 降到 {figures[1]} GiB" in log_zh
+    assert f"内存为 {memory[1]} GiB，此前为 {memory[0]} GiB（FSDP2 + AdamW：{fsdp2} GiB）" in log_zh

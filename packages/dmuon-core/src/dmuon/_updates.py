@@ -18,10 +18,15 @@ def parameters_updated(model: nn.Module) -> None:
     values. Such an in-place change without this call is detected at the next forward,
     which raises a ``RuntimeError`` naming the parameter.
 
+    Under HSDP with a forward dtype narrower than float32, only the replica that steps a
+    matrix holds its float32 master; the other replicas' owners hold a copy in the
+    forward's dtype. This call then sends every stepping owner's values to those copies
+    (the stepping replica's edit wins), so the replicas stay identical.
+
     Raises:
         ValueError: ``model`` was never passed to `dmuon.dedicate_params`.
     """
-    require_dedication(model).runtime.invalidate_buffers()
+    require_dedication(model).runtime.masters_changed_by_hand()
 
 
 def wait_for_updates(model: nn.Module) -> None:

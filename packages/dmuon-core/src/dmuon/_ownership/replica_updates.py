@@ -19,6 +19,16 @@ bit-identical and each iteration still runs once in the whole world. A matrix th
 left alone (no gradient anywhere, a skipped non-finite one, a frozen one) keeps the
 header's defaults (decay 1, multiplier -0.0, factor 1, update 0), which change no bit.
 
+Masters live once per world where the forward runs in a narrower dtype than the masters
+(``param_dtype=torch.bfloat16``, or a narrower ``broadcast_dtype``): before the first
+forward (`ReplicaUpdates.hold_narrow`) the owners of a matrix in the replicas that do not
+step it replace their float32 master with a copy in that dtype, which is all their
+forward broadcasts need. Such a matrix's record carries no header and no update but the
+stepping owner's new values in that dtype, cast from its master after the whole step
+(QK-clip included): the same bits every replica's forward would have cast, and as many
+bytes as a bfloat16 update. Only the stepping owner keeps the float32 master and the
+momentum; `ReplicaUpdates.exact_master` hands the master to the others' state dicts.
+
 The messages are issued when the step ends and waited for only where the values are read:
 each hook boundary's forward pre-hook waits for the chunks holding its matrices and the
 next boundary's (the one it prefetches), in forward order, so the transfer overlaps the
@@ -83,6 +93,13 @@ def record_nbytes(
     """Bytes one record takes in its chunk: its header and its update, each aligned.
     `dmuon.plan` counts the traffic between replicas with this function too."""
     return sum(_record_parts(numel, out_features, update_dtype, master_dtype))
+
+
+def values_nbytes(numel: int, itemsize: int) -> int:
+    """Bytes a record held narrow off its stepping replica takes in its chunk: its new
+    values in the forward's dtype (``itemsize`` bytes each), aligned, with no header.
+    `dmuon.plan` counts the traffic between replicas with this function too."""
+    return _aligned(numel * itemsize)
 
 
 def update_chunks(
@@ -193,21 +210,75 @@ class ReplicaUpdates:
         self._in_flight: deque[tuple[Pending, int]] = deque()
         self._dtype_of: dict[str, torch.dtype] = {}
         self._begun = False
+        #: Records held narrow off their stepping replica: the dtype their values travel in.
+        self._narrow: dict[str, torch.dtype] = {}
+        self._master_dtype: dict[str, torch.dtype] = {}
+        self._held_narrow = False
 
     @property
     def pending(self) -> bool:
         """Whether updates are still on their way."""
         return bool(self._in_flight)
 
+    def hold_narrow(self, wire_dtype: Callable[[DedicatedParam], torch.dtype]) -> None:
+        """Masters once per world: where ``wire_dtype(dp)`` (what ``dp``'s owner packs for
+        forward, the same on every rank) is narrower than the master, the owners in the
+        replicas that do not step ``dp`` keep only a copy in that dtype from now on, and
+        steps send them the stepping owner's new values in it. Called on every rank before
+        the first forward gathers anything; later calls do nothing."""
+        if self._held_narrow:
+            return
+        self._held_narrow = True
+        self.wait_all()
+        for dp in self._owned:
+            dtype = wire_dtype(dp)
+            master = dp.param.dtype
+            if not dtype.is_floating_point or dtype.itemsize >= master.itemsize:
+                continue
+            self._narrow[dp.name] = dtype
+            self._master_dtype[dp.name] = master
+            if not dp.updates_here:
+                with torch.no_grad():
+                    dp.param.data = dp.param.data.to(dtype)
+        self._dtype_of = {}  # lay the chunks out again
+
+    def is_narrow(self, dp: DedicatedParam) -> bool:
+        """Whether ``dp``'s master lives on its stepping replica alone."""
+        return dp.name in self._narrow
+
+    def exact_master(self, dp: DedicatedParam) -> Tensor:
+        """``dp``'s master as the owner that steps it holds it, on every replica's owner of
+        ``dp``: for a record held narrow, one broadcast between them, so every owner of
+        ``dp`` calls this alike (in the same order)."""
+        master = dp.param.detach()
+        if dp.name not in self._narrow:
+            return master
+        self.wait_all()
+        if not dp.updates_here:
+            master = torch.empty(dp.shape, dtype=self._master_dtype[dp.name], device=master.device)
+        self.comm.broadcast_replicas_now(master, dp.update_replica)
+        return master
+
+    def resend_values(self) -> None:
+        """Bring the copies held narrow to their stepping owners' masters (after the
+        masters were changed by hand); the other records' defaults change nothing. Call on
+        every rank alike."""
+        if not self._narrow:
+            return
+        self.begin(lambda dp: self._dtype_of.get(dp.name, dp.param.dtype))
+        self.share()
+        self.wait_all()
+
     def begin(self, update_dtype: Callable[[DedicatedParam], torch.dtype]) -> None:
         """Open a step: ``update_dtype(dp)`` is the dtype ``dp``'s update travels in (the
-        same on every rank). Lays out this step's chunks; this rank's sections start at
-        the defaults that change nothing."""
+        same on every rank; a record held narrow travels as values in its own). Lays out
+        this step's chunks; this rank's sections start at the defaults that change
+        nothing."""
         self.wait_all()
         self._slots = {}
         if not self._owned:
             return
-        dtype_of = {dp.name: update_dtype(dp) for dp in self._owned}
+        dtype_of = {dp.name: self._narrow.get(dp.name) or update_dtype(dp) for dp in self._owned}
         if dtype_of != self._dtype_of:
             self._lay_out(dtype_of)
         me = self.comm.replica_rank
@@ -219,20 +290,30 @@ class ReplicaUpdates:
                 wire[start:headers_end].copy_(template)
                 wire[headers_end:end].zero_()
             self._wires.append(wire)
-            self._slots.update((dp.name, self._slot(wire, chunk, dp)) for dp in chunk.records[me])
+            self._slots.update(
+                (dp.name, self._slot(wire, chunk, dp))
+                for dp in chunk.records[me]
+                if dp.name not in self._narrow
+            )
         self._begun = True
 
     def outgoing(self, dp: DedicatedParam) -> UpdateSlot | None:
-        """Where the step of ``dp`` (which this rank steps) goes, if other replicas need it."""
+        """Where the step of ``dp`` (which this rank steps) goes, if other replicas need it
+        as an update (``None`` for a record held narrow: its values go at `share`)."""
         return self._slots.get(dp.name)
 
     def share(self) -> None:
-        """Issue every chunk's message (not waited for here)."""
+        """Issue every chunk's message (not waited for here), with the new values of the
+        records held narrow that this rank steps."""
         if not self._begun:
             return
         self._begun = False
+        me = self.comm.replica_rank
         for index, (chunk, wire) in enumerate(zip(self._chunks, self._wires, strict=True)):
             assert wire is not None
+            for dp in chunk.records[me]:
+                if dp.name in self._narrow:
+                    self._values(wire, chunk, dp).copy_(dp.param.detach())
             first = next(records[0] for records in chunk.records if records)
             what = f", updates of {first.name} and more"
             pieces = [[wire[start:end]] if end > start else [] for start, _, end in chunk.sections]
@@ -257,7 +338,9 @@ class ReplicaUpdates:
     def _lay_out(self, dtype_of: dict[str, torch.dtype]) -> None:
         self._dtype_of = dtype_of
         parts_of = {
-            dp.name: _record_parts(dp.numel, out_features(dp), dtype_of[dp.name], dp.param.dtype)
+            dp.name: (0, values_nbytes(dp.numel, dtype_of[dp.name].itemsize))
+            if dp.name in self._narrow
+            else _record_parts(dp.numel, out_features(dp), dtype_of[dp.name], dp.param.dtype)
             for dp in self._owned
         }
         cut = update_chunks(
@@ -298,6 +381,8 @@ class ReplicaUpdates:
         start, headers_end, _ = chunk.sections[self.comm.replica_rank]
         template = torch.zeros(headers_end - start, dtype=torch.uint8, device=self.comm.device)
         for dp in mine:
+            if dp.name in self._narrow:
+                continue
             offset = chunk.offsets[dp.name][0] - start
             header = self._typed(template, offset, header_length(out_features(dp)),
                                  header_dtype(dp.param.dtype))  # fmt: skip
@@ -317,6 +402,11 @@ class ReplicaUpdates:
         update = self._typed(wire, update_at, dp.numel, dtype).view(dp.shape)
         return UpdateSlot(dp, header, update)
 
+    def _values(self, wire: Tensor, chunk: _Chunk, dp: DedicatedParam) -> Tensor:
+        """The new values of a record held narrow, in its chunk."""
+        at = chunk.offsets[dp.name][1]
+        return self._typed(wire, at, dp.numel, self._dtype_of[dp.name]).view(dp.shape)
+
     # ----- receiving ------------------------------------------------------------------------
     def _finish_next(self) -> None:
         pending, index = self._in_flight.popleft()
@@ -327,5 +417,8 @@ class ReplicaUpdates:
         for replica, records in enumerate(chunk.records):
             if replica != me:
                 for dp in records:
-                    self._slot(wire, chunk, dp).apply()
+                    if dp.name in self._narrow:
+                        dp.param.detach().copy_(self._values(wire, chunk, dp))
+                    else:
+                        self._slot(wire, chunk, dp).apply()
         self._wires[index] = None

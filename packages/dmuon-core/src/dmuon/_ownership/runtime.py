@@ -153,6 +153,10 @@ class DedicationRuntime:
             self.boundaries[prefetch].buffer.unshard_async()
         boundary.buffer.wait_unshard()
 
+    def _wire_dtypes(self) -> dict[DedicatedParam, torch.dtype]:
+        """Each record's forward dtype as its owner packs it."""
+        return {e.record: b.buffer.wire_dtype for b in self.boundaries for e in b.buffer.entries}
+
     def _check_param_dtype(self) -> None:
         # Without FSDP2's mixed precision, the boundary's other parameters stay float32 and
         # meet bfloat16 activations and weights inside the same layer.
@@ -209,6 +213,7 @@ class DedicationRuntime:
         if not self._policies_adopted:
             self._policies_adopted = True
             adopt_fsdp_policies(self.boundaries, self._root, self.param_dtype, self.reduce_dtype)
+            self._replica_updates.hold_narrow(self._wire_dtypes().__getitem__)
         if not self._checked_param_dtype:
             self._check_param_dtype()
         if not self.reshard_after_forward:
@@ -399,6 +404,18 @@ class DedicationRuntime:
     def wait_for_updates(self) -> None:
         """Wait until every replica's masters hold the last step's values (HSDP)."""
         self._replica_updates.wait_all()
+
+    def exact_master(self, dp: DedicatedParam) -> torch.Tensor:
+        """``dp``'s master as its stepping owner holds it (call on every owner of ``dp``
+        alike: under HSDP with a narrower forward dtype, one broadcast between replicas)."""
+        return self._replica_updates.exact_master(dp)
+
+    def masters_changed_by_hand(self) -> None:
+        """Owners changed their masters outside a step: the copies other replicas hold in
+        the forward's dtype follow their stepping owners' masters, and the next forward
+        broadcasts again. Every rank calls it alike."""
+        self._replica_updates.resend_values()
+        self.invalidate_buffers()
 
     def invalidate_buffers(self) -> None:
         """Owners changed their masters: the next forward broadcasts them again."""

@@ -55,11 +55,15 @@ def get_dedicated_model_state_dict(
     layout = DedicatedLayout(state)
     rank0_only = options.full_state_dict and options.cpu_offload
     ranges = ranges_by_stack(state)
+    # Under HSDP with a narrower forward dtype, the replicas that do not step a matrix
+    # hold only a copy in that dtype: every owner exports the stepping owner's master.
+    exact = state.runtime.exact_master
     for dp in included(state, options):
         if dp.fqn in ranges:
-            owned = collect_on_lead(layout.comm, ranges[dp.fqn], lambda r: r.param.detach())
+            pieces = {r.name: exact(r) for r in ranges[dp.fqn] if r.is_owned}
+            owned = collect_on_lead(layout.comm, ranges[dp.fqn], lambda r, p=pieces: p[r.name])
         else:
-            owned = dp.param.detach() if dp.is_owned else None
+            owned = exact(dp) if dp.is_owned else None
         value = layout.export(dp, owned, options.full_state_dict, rank0_only)
         if value is not None:
             result[dp.fqn] = value

@@ -197,7 +197,7 @@ def _range_rows(ranks: list[RankPlan]) -> list[str]:
     """Each per-rank figure's minimum, mean and maximum over the ranks."""
     gib = float(GIB)
     return [
-        _row("float32 masters", ranks, lambda r: r.master_bytes / gib, "GiB"),
+        _row("masters", ranks, lambda r: r.master_bytes / gib, "GiB"),
         _row("momentum", ranks, lambda r: r.momentum_bytes / gib, "GiB"),
         _row("Newton-Schulz workspace", ranks, lambda r: r.workspace_bytes / gib, "GiB"),
         _row("packed buffers", ranks, lambda r: r.buffer_bytes / gib, "GiB"),

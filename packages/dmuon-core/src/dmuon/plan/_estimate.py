@@ -13,11 +13,12 @@ same code) and from the library's own rules:
   synchronised backward and, per step, one all-gather (a broadcast when one replica sends
   all of it) per chunk of updates (`update_chunks`): what ``dmuon.comm_audit``
   counts;
-- **memory**: float32 masters of the matrices a shard position owns, momentum of those the
-  rank steps, the Newton-Schulz workspace (`dmuon.optim.workspace_nbytes`, within the
-  optimizer's cap), the packed buffers, the ``no_sync`` accumulator and the reduce buffers
-  (float32, of the ``REDUCES_IN_FLIGHT + 2`` boundaries whose reduces backward keeps in
-  flight).
+- **memory**: masters of the matrices a shard position owns (float32 where the rank steps
+  them; under HSDP with a narrower ``param_bytes``, in that width on the other replicas'
+  owners), momentum of those the rank steps, the Newton-Schulz workspace
+  (`dmuon.optim.workspace_nbytes`, within the optimizer's cap), the packed buffers, the
+  ``no_sync`` accumulator and the reduce buffers (float32, of the ``REDUCES_IN_FLIGHT + 2``
+  boundaries whose reduces backward keeps in flight).
 """
 
 from __future__ import annotations

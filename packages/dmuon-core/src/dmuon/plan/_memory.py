@@ -11,10 +11,12 @@ Both sides hold, per rank:
   size and number of layers;
 * under ``no_sync`` (scope ``"all"``), the unsharded float32 gradients FSDP2 keeps.
 
-DMuon adds, per rank, what `dmuon.plan.RankPlan` counts (float32 masters, momentum, the
-Newton-Schulz workspace, the packed buffers, the accumulator, the reduce buffers), the
-owners' averaged float32 gradients (one per owned element) and, under HSDP, the step's
-updates on their way between replicas (every replica's section of the rank's chunks).
+DMuon adds, per rank, what `dmuon.plan.RankPlan` counts (the masters: float32 where the
+rank steps them, the forward's dtype on the other replicas' owners under HSDP; momentum,
+the Newton-Schulz workspace, the packed buffers, the accumulator, the reduce buffers), the
+averaged float32 gradients of the matrices it steps (as many as its momentum) and, under
+HSDP, the step's updates on their way between replicas (every replica's section of the
+rank's chunks).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class RankPlan(Protocol):
     """What this module reads of a `dmuon.plan.RankPlan`."""
 
     master_bytes: int
+    momentum_bytes: int
     update_bytes: int
 
     @property
@@ -95,7 +98,7 @@ def dmuon_memory_bytes(plan: ClusterPlan, rank: RankPlan) -> int:
     """DMuon's memory on ``rank``: FSDP2 + AdamW for the parameters it does not
     dedicate, and the dedicated matrices' share of this rank."""
     staging = rank.update_bytes
-    averaged_gradients = rank.master_bytes
+    averaged_gradients = rank.momentum_bytes  # float32, on the owner that steps them
     return int(
         _common(plan, plan.parameters - plan.dedicated_elements)
         + rank.added_bytes

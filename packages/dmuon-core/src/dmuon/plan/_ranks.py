@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dmuon._ownership.planner import OwnerPlan, newton_schulz_cost, newton_schulz_flops
-from dmuon._ownership.replica_updates import record_nbytes
+from dmuon._ownership.replica_updates import record_nbytes, values_nbytes
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.split_iterations import block_of, split_iteration_cost
 from dmuon._ownership.tp_integration import spread_over_tp
@@ -191,8 +191,17 @@ class ClusterSetup:
         part = max(0, min(chunk, length - t * chunk))
         return matrices * part * ((cols, rows)[dim])
 
+    @property
+    def narrow_masters(self) -> bool:
+        """Whether masters live once per world: under HSDP with a forward dtype narrower
+        than float32, the replicas that do not step a matrix hold it in that dtype."""
+        return self.replicas > 1 and self.param_bytes < FLOAT32
+
     def update_nbytes(self, name: str, t: int) -> int:
-        """Bytes of ``name``'s update between replicas (header and update)."""
+        """Bytes of ``name``'s step between replicas: its new values in the forward's
+        dtype where masters live once per world, else its header and update."""
+        if self.narrow_masters:
+            return values_nbytes(self.local(name, t), self.param_bytes)
         _, rows, cols = self.item_shapes[name]
         out = cols if name.split("[", 1)[0] in self.transposed else rows
         return record_nbytes(self.local(name, t), out, self.ns_dtype, torch.float32)
@@ -327,6 +336,8 @@ def _rank_plan(
     """One rank: ``mine`` are the items it steps, ``orthogonalized`` those it iterates
     itself, ``sharded_mine`` its tp-sharded ones; ``where`` is (replica, shard, tp)."""
     replica, shard, t = where
+    stepped = sum(setup.local(n, t) for n in mine)
+    held_bytes = setup.param_bytes if setup.narrow_masters else FLOAT32
     split, split_flops, split_seconds = _split_share(setup, replica * setup.shard + shard)
     whole = [n for n in orthogonalized if n not in setup.plan.split]
     flops = split_flops + sum(
@@ -361,8 +372,8 @@ def _rank_plan(
         ns_flops=flops,
         ns_seconds=flops / (setup.hardware.ns_tflops * 1e12),
         update_seconds=update,
-        master_bytes=owned_elements * FLOAT32,
-        momentum_bytes=sum(setup.local(n, t) for n in mine) * FLOAT32,
+        master_bytes=stepped * FLOAT32 + (owned_elements - stepped) * held_bytes,
+        momentum_bytes=stepped * FLOAT32,
         workspace_bytes=workspace_bytes(
             [setup.item_shapes[n] for n in orthogonalized],
             setup.ns_dtype,
