@@ -198,8 +198,10 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if name in records:
             pieces = []
             for dp in records[name]:
+                # Under HSDP with a bfloat16 forward only the replica that steps a matrix
+                # holds its float32 master: every owner takes that one.
                 tensor = (
-                    dp.param.detach().clone()
+                    state.runtime.replica_updates.exact_master(dp).clone()
                     if dp.is_owned
                     else torch.empty(dp.shape, dtype=dp.param.dtype, device=dp.param.device)
                 )

@@ -64,7 +64,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
             _loss(model, tokens).backward()
             optimizer.step()
             optimizer.zero_grad()
-            in_flight.append(runtime._replica_updates.pending)
+            in_flight.append(runtime.replica_updates.pending)
 
             if READS[step] == "state dict":
                 weights.append(_read(model))

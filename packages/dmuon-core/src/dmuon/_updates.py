@@ -26,7 +26,9 @@ def parameters_updated(model: nn.Module) -> None:
     Raises:
         ValueError: ``model`` was never passed to `dmuon.dedicate_params`.
     """
-    require_dedication(model).runtime.masters_changed_by_hand()
+    runtime = require_dedication(model).runtime
+    runtime.replica_updates.resend_values()  # HSDP: the copies follow the stepping owners
+    runtime.invalidate_buffers()
 
 
 def wait_for_updates(model: nn.Module) -> None:

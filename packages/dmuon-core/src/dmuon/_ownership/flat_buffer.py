@@ -238,11 +238,6 @@ class FlatBuffer:
         """The dtype the forward computes with (the views')."""
         return self.buffer.dtype
 
-    @property
-    def wire_dtype(self) -> torch.dtype:
-        """The dtype the owners pack their matrices in for forward (the broadcast's)."""
-        return self.broadcast_dtype or self.buffer.dtype
-
     def retype(self, dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
         """Compute in ``dtype`` and reduce in ``reduce_dtype`` from now on (before the first
         forward: the buffer holds no values and no gradient yet). The views are made

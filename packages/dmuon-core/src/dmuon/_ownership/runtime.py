@@ -95,7 +95,7 @@ class DedicationRuntime:
         self.params = params
         self.boundaries = boundaries
         self.comm = comm
-        self._replica_updates = ReplicaUpdates(params, comm, [b.name for b in boundaries])
+        self.replica_updates = ReplicaUpdates(params, comm, [b.name for b in boundaries])
         self.reshard_after_forward = reshard_after_forward
         self.param_dtype = param_dtype
         self.sync_grads = True
@@ -146,16 +146,12 @@ class DedicationRuntime:
     def _unshard(self, index: int, prefetch: int | None) -> None:
         # The masters this boundary and the prefetched one gather from must hold the
         # last step's values on every replica.
-        self._replica_updates.wait_for_boundary(index if prefetch is None else prefetch)
+        self.replica_updates.wait_for_boundary(index if prefetch is None else prefetch)
         boundary = self.boundaries[index]
         boundary.buffer.unshard_async()
         if prefetch is not None and 0 <= prefetch < len(self.boundaries):
             self.boundaries[prefetch].buffer.unshard_async()
         boundary.buffer.wait_unshard()
-
-    def _wire_dtypes(self) -> dict[DedicatedParam, torch.dtype]:
-        """Each record's forward dtype as its owner packs it."""
-        return {e.record: b.buffer.wire_dtype for b in self.boundaries for e in b.buffer.entries}
 
     def _check_param_dtype(self) -> None:
         # Without FSDP2's mixed precision, the boundary's other parameters stay float32 and
@@ -213,7 +209,9 @@ class DedicationRuntime:
         if not self._policies_adopted:
             self._policies_adopted = True
             adopt_fsdp_policies(self.boundaries, self._root, self.param_dtype, self.reduce_dtype)
-            self._replica_updates.hold_narrow(self._wire_dtypes().__getitem__)
+            packed = {e.record: b.buffer.broadcast_dtype or b.buffer.dtype
+                      for b in self.boundaries for e in b.buffer.entries}  # fmt: skip
+            self.replica_updates.hold_narrow(packed.__getitem__)
         if not self._checked_param_dtype:
             self._check_param_dtype()
         if not self.reshard_after_forward:
@@ -403,19 +401,7 @@ class DedicationRuntime:
 
     def wait_for_updates(self) -> None:
         """Wait until every replica's masters hold the last step's values (HSDP)."""
-        self._replica_updates.wait_all()
-
-    def exact_master(self, dp: DedicatedParam) -> torch.Tensor:
-        """``dp``'s master as its stepping owner holds it (call on every owner of ``dp``
-        alike: under HSDP with a narrower forward dtype, one broadcast between replicas)."""
-        return self._replica_updates.exact_master(dp)
-
-    def masters_changed_by_hand(self) -> None:
-        """Owners changed their masters outside a step: the copies other replicas hold in
-        the forward's dtype follow their stepping owners' masters, and the next forward
-        broadcasts again. Every rank calls it alike."""
-        self._replica_updates.resend_values()
-        self.invalidate_buffers()
+        self.replica_updates.wait_all()
 
     def invalidate_buffers(self) -> None:
         """Owners changed their masters: the next forward broadcasts them again."""
@@ -426,12 +412,12 @@ class DedicationRuntime:
     def begin_step(self, update_dtype: Callable[[DedicatedParam], torch.dtype]) -> None:
         """An optimizer step starts: under HSDP, lay out where the matrices' updates go to
         the other replicas (``update_dtype(dp)``: the dtype ``dp``'s update travels in)."""
-        self._replica_updates.begin(update_dtype)
+        self.replica_updates.begin(update_dtype)
 
     def outgoing_update(self, dp: DedicatedParam) -> UpdateSlot | None:
         """Where the optimizer writes the step of ``dp`` for the other replicas (``None``
         on a 1-D mesh)."""
-        return self._replica_updates.outgoing(dp)
+        return self.replica_updates.outgoing(dp)
 
     def step_finished(self) -> None:
         """An optimizer step changed the masters: send the updates to the other replicas
@@ -441,7 +427,7 @@ class DedicationRuntime:
             boundary.pending.clear()
         for buffer in self.buffers():
             buffer.invalidate()
-        self._replica_updates.share()
+        self.replica_updates.share()
         self.comm.audit.close_step()
 
     def _drop_cleared_gradients(self) -> None:

@@ -57,7 +57,7 @@ def get_dedicated_model_state_dict(
     ranges = ranges_by_stack(state)
     # Under HSDP with a narrower forward dtype, the replicas that do not step a matrix
     # hold only a copy in that dtype: every owner exports the stepping owner's master.
-    exact = state.runtime.exact_master
+    exact = state.runtime.replica_updates.exact_master
     for dp in included(state, options):
         if dp.fqn in ranges:
             pieces = {r.name: exact(r) for r in ranges[dp.fqn] if r.is_owned}
