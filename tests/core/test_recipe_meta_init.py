@@ -10,6 +10,7 @@ is far below the whole model.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -93,3 +94,112 @@ def test_no_rank_holds_the_whole_model_while_it_is_given_weights(
               f"whole {whole / 2**20:.1f} MiB")  # fmt: skip
         assert r["kept"] <= r["peak"] <= r["kept"] + 3 * layer + (4 << 20), rank
         assert r["peak"] < 0.75 * whole, rank
+
+
+#: Hugging Face directories, (arch, with weights, mesh shape, mode): a config-only llama
+#: (seeded init), a Mixtral and a GPT-2 with tied embeddings loaded from safetensors.
+HF_CASES = [
+    ("llama", False, (4,), "z3"),
+    ("mixtral", True, (2, 2), "z2"),
+    ("gpt2", True, (4,), "z3"),
+]
+
+
+def _hf_path(root: str, arch: str, weights: bool) -> str:
+    return str(Path(root) / f"{arch}-{weights}")
+
+
+def _write_hf_dir(root: str, arch: str, weights: bool) -> None:
+    from hf_models import model_dir
+
+    overrides: dict[str, Any] = {"num_hidden_layers": 8}
+    if arch == "gpt2":
+        overrides = {"tie_word_embeddings": True, "n_layer": 8}
+    seed = 7 if weights else None
+    model_dir(Path(_hf_path(root, arch, weights)), arch, weights_seed=seed, **overrides)
+
+
+def _hf_worker(rank: int, world: int, root: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from dmuon._ownership.state import get_dedication
+    from dmuon.train.models import build, resolve_model
+    from dmuon.train.parallelize import parallelize
+
+    out: dict[str, Any] = {}
+    for arch, weights, shape, mode in HF_CASES:
+        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        source = resolve_model(_hf_path(root, arch, weights), 32)
+        with _peak_cpu_bytes() as built_at:
+            built = build(
+                source, seed=SEED, seq_len=32, device=torch.device("cpu"),
+                dtype=torch.float32, meta=True,
+            )  # fmt: skip
+        assert all(p.is_meta for p in built.module.parameters())
+        parallelize(
+            built.module, built.layers, mesh, optimizer="dmuon", mode=mode, param_dtype=None,
+            activation_checkpointing=False, compile=False,
+        )  # fmt: skip
+        with _peak_cpu_bytes() as setup:
+            built.materialize(torch.device("cpu"), SEED)
+        model = built.module
+        state = get_dedication(model)
+        shards = sum(p.to_local().numel() * 4 for p in model.parameters() if isinstance(p, DTensor))
+        masters = sum(dp.param.numel() * 4 for dp in state.params if dp.is_owned)
+        out[arch] = {
+            "params": full_parameters(model),
+            "buffers": {n: b.clone() for n, b in model.named_buffers()},
+            "peak": max(built_at.peak, setup.peak),
+            "kept": shards + masters,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_per_rank(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
+    root = str(tmp_path_factory.mktemp("hf-meta"))
+    for arch, weights, _, _ in HF_CASES:
+        _write_hf_dir(root, arch, weights)
+    return root, spawn_ranks(4, _hf_worker, root)
+
+
+@pytest.mark.parametrize(("arch", "weights", "shape", "mode"), HF_CASES)
+def test_a_hugging_face_model_built_on_meta_gets_one_processs_weights(
+    hf_per_rank: tuple[str, list[dict[str, Any]]],
+    arch: str,
+    weights: bool,
+    shape: tuple[int, ...],
+    mode: str,
+) -> None:
+    """Every parameter and buffer equals `build_hf_model` in one process bit for bit.
+    Every rank but rank 0 (which builds the model whole) allocates at most what it keeps
+    (its FSDP2 shards and owned masters) plus one whole tensor at a time (what the load
+    sends from rank 0) and its shard: on 8 layers, less than halfway from its share to the
+    whole model."""
+    from dmuon.train.models import resolve_model
+    from dmuon.train.models.hf import build_hf_model
+
+    root, per_rank = hf_per_rank
+    source = resolve_model(_hf_path(root, arch, weights), 32)
+    assert source.hf is not None
+    whole = build_hf_model(source.hf, seed=SEED, dtype=torch.float32)
+    params = {n: p.detach() for n, p in whole.named_parameters()}
+    buffers = dict(whole.named_buffers())
+    size = sum(t.numel() * 4 for t in params.values())
+    largest = max(t.numel() * 4 for t in params.values())
+    for rank, result in enumerate(per_rank):
+        got = result[arch]
+        assert got["params"].keys() == params.keys(), rank
+        for name, value in params.items():
+            assert torch.equal(got["params"][name], value), f"rank {rank} {name}"
+        assert got["buffers"].keys() == buffers.keys(), rank
+        for name, value in buffers.items():
+            assert torch.equal(got["buffers"][name], value), f"rank {rank} {name}"
+        print(f"{arch} rank {rank}: peak {got['peak']}, kept {got['kept']}, whole {size}")
+        if rank > 0:
+            assert got["kept"] <= got["peak"] <= got["kept"] + 2 * largest + (64 << 10), rank
+            assert got["peak"] < (got["kept"] + size) / 2, (rank, got["peak"], size)
+        else:
+            assert got["peak"] >= size  # rank 0 alone holds it whole

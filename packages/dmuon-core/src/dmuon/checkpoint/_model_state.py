@@ -86,9 +86,12 @@ def set_dedicated_model_state_dict(
     wanted = included(state, options)
     dedicated_names = {dp.fqn for dp in state.params}
 
+    split = set(ranges_by_stack(state))
+
     def land(dp: DedicatedParam, value: torch.Tensor) -> bool:
-        """A whole matrix goes into its owner's master as soon as it arrives."""
-        if dp.is_range or not dp.is_owned:
+        """A whole matrix goes into its owner's master as soon as it arrives (a stack split
+        by experts reaches its ranges' owners below)."""
+        if dp.fqn in split or not dp.is_owned:
             return False
         with torch.no_grad():
             dp.param.copy_(value)

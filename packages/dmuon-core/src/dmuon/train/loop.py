@@ -196,9 +196,9 @@ class Trainer(TrainingSteps):
     def _setup_model(self) -> None:
         """Build, dedicate, shard and materialise the model on this rank."""
         config = self.config
-        # Same seed on every rank: identical weights. Distributed, a preset is built on the
-        # meta device, dedicated and sharded there, then given its weights one layer at a
-        # time: no rank holds the whole model.
+        # Same seed on every rank: identical weights. Distributed, the model is built on the
+        # meta device, dedicated and sharded there, then given its weights: a preset's one
+        # layer at a time, a Hugging Face model's from rank 0, which alone builds it whole.
         self.built: BuiltModel = build(
             self.inputs.model,
             seed=config.seed,

@@ -15,7 +15,14 @@ import dmuon_recipe_contract as contract
 import torch
 from torch import Tensor, nn
 
-from dmuon.train.models.hf import HFModelInfo, build_hf_model, decoder_layers, inspect_model_dir
+from dmuon.train.models.hf import (
+    HFModelInfo,
+    build_hf_model,
+    decoder_layers,
+    inspect_model_dir,
+    materialize_hf,
+    meta_hf_model,
+)
 from dmuon.train.models.preset import (
     PRESETS,
     ModelConfig,
@@ -98,14 +105,22 @@ class BuiltModel:
     matmul_params: float = 0.0
     #: Built on the meta device: `materialize` after dedicating and sharding it.
     on_meta: bool = False
+    #: A Hugging Face model built on the meta device: on rank 0, the model built whole
+    #: whose weights `materialize` loads (None elsewhere).
+    rank0_whole: nn.Module | None = None
 
     def materialize(self, device: torch.device, seed: int) -> None:
         """Give a model built on the meta device (and dedicated, sharded) memory on
-        ``device`` and its seed's weights, one layer at a time (call on every rank)."""
+        ``device`` and its weights (call on every rank): a preset's seed's weights one
+        layer at a time; a Hugging Face model's from rank 0, which built it whole."""
         if not self.on_meta:
             return
-        self.module.to_empty(device=device)
-        init_sharded(self.module, seed)  # type: ignore[arg-type]
+        if self.source.is_preset:
+            self.module.to_empty(device=device)
+            init_sharded(self.module, seed)  # type: ignore[arg-type]
+        else:
+            materialize_hf(self.module, self.rank0_whole, device)
+            self.rank0_whole = None
         self.on_meta = False
 
     def logits(self, tokens: Tensor) -> Tensor:
@@ -153,9 +168,11 @@ def build(source: ModelSource, *, seed: int, seq_len: int, device: torch.device,
           dtype: torch.dtype, meta: bool = False) -> BuiltModel:  # fmt: skip
     """Build ``source`` on ``device`` in ``dtype``: identical on every rank for one seed.
 
-    With ``meta`` a preset is built on the meta device instead (``on_meta``): dedicate and
-    shard it, then `BuiltModel.materialize` gives it memory and the same weights. A
-    Hugging Face model is always built whole.
+    With ``meta`` (under a process group) the model is built on the meta device instead
+    (``on_meta``): dedicate and shard it, then `BuiltModel.materialize` gives it memory
+    and the same weights. A preset's come from its seed layer by layer; a Hugging Face
+    model is built whole on rank 0 alone (from its weights or its seed), which sends
+    every other rank its part.
     """
     if source.hf is None:
         if meta:
@@ -177,7 +194,13 @@ def build(source: ModelSource, *, seed: int, seq_len: int, device: torch.device,
             _matmul_params(module, preset_config),
             on_meta=meta,
         )
-    module = build_hf_model(source.hf, seed=seed, dtype=dtype).to(device)
+    whole = None
+    if meta:
+        if torch.distributed.get_rank() == 0:
+            whole = build_hf_model(source.hf, seed=seed, dtype=dtype)
+        module = meta_hf_model(source.hf, dtype=dtype)
+    else:
+        module = build_hf_model(source.hf, seed=seed, dtype=dtype).to(device)
     layers = decoder_layers(module)
     if not layers:
         raise ValueError(
@@ -185,4 +208,6 @@ def build(source: ModelSource, *, seed: int, seq_len: int, device: torch.device,
             "(neither its _no_split_modules classes nor a layers/h/blocks module list)"
         )
     hf = module.config.to_dict()
-    return BuiltModel(module, layers, source, hf, {}, _matmul_params(module, hf))
+    return BuiltModel(
+        module, layers, source, hf, {}, _matmul_params(module, hf), on_meta=meta, rank0_whole=whole
+    )

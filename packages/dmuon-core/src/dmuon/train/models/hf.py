@@ -8,6 +8,11 @@
 * with ``*.safetensors`` weights (one file, or shards with their index): those weights,
   through ``AutoModelForCausalLM.from_pretrained``; every parameter must be in them.
 
+Distributed, the model is built on the meta device on every rank (`meta_hf_model`),
+dedicated and sharded there; rank 0 alone builds it whole on the CPU, and
+`materialize_hf` loads rank 0's weights into every rank's shards and owned matrices
+(``broadcast_from_rank0``), so no other rank ever holds the whole model.
+
 Nothing reaches the network (``local_files_only``) and no code from the directory runs
 (``trust_remote_code=False``). `inspect_model_dir` checks a directory from its config
 alone, before any process group or file exists; `build_hf_model` builds it.
@@ -28,7 +33,14 @@ import dmuon_recipe_contract as contract
 import torch
 from torch import nn
 
-__all__ = ["HFModelInfo", "build_hf_model", "decoder_layers", "inspect_model_dir"]
+__all__ = [
+    "HFModelInfo",
+    "build_hf_model",
+    "decoder_layers",
+    "inspect_model_dir",
+    "materialize_hf",
+    "meta_hf_model",
+]
 
 
 @dataclass(frozen=True)
@@ -191,3 +203,55 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in _CONTAINER_NAMES:
             return list(module)
     return []
+
+
+def meta_hf_model(info: HFModelInfo, *, dtype: torch.dtype) -> nn.Module:
+    """The model of ``info`` on the meta device (no memory, no values), in ``dtype``: to
+    dedicate and shard before `materialize_hf`."""
+    from transformers import AutoModelForCausalLM
+
+    config = _load_config(info.path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="sdpa"
+        )
+    model.config.use_cache = False
+    return model.to(dtype=dtype)
+
+
+def non_persistent_buffers(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s buffers that its state dict leaves out (rotary frequencies), in
+    ``named_buffers`` order."""
+    owners = dict(module.named_modules())
+    found = []
+    for name, buffer in module.named_buffers():
+        prefix, _, attr = name.rpartition(".")
+        if attr in owners[prefix]._non_persistent_buffers_set:
+            found.append((name, buffer))
+    return found
+
+
+def materialize_hf(module: nn.Module, whole: nn.Module | None, device: torch.device) -> None:
+    """Give a `meta_hf_model` (dedicated and sharded) memory on ``device`` and the weights
+    of ``whole``, the model `build_hf_model` built on rank 0 (``None`` on every other
+    rank). Call on every rank.
+
+    The state dict goes through ``dmuon.set_model_state_dict(..., full_state_dict=True,
+    broadcast_from_rank0=True)``, which sends each tensor from rank 0 to the ranks that
+    keep a part of it; the buffers a state dict leaves out are broadcast from rank 0.
+    """
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    import dmuon
+
+    module.to_empty(device=device)
+    full = whole.state_dict() if whole is not None else {}
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dmuon.set_model_state_dict(module, full, options=options)
+    del full
+    given = dict(non_persistent_buffers(whole)) if whole is not None else {}
+    for name, buffer in non_persistent_buffers(module):
+        if whole is not None:
+            buffer.copy_(given[name])
+        dist.broadcast(buffer, src=0)
