@@ -34,6 +34,8 @@ STEPS = 3
 CASES = {"2x2-z3": ((2, 2), "z3"), "2x2-z2": ((2, 2), "z2"), "3x2-z3": ((3, 2), "z3")}
 #: Relative error of the update against the autocast oracle (test_distributed's bound).
 TOLERANCE = 0.1
+#: A QK-clip threshold the tiny Mixtral's logits exceed.
+QK_TAU = 0.05
 
 
 def _train(rank: int, world: int, shape: tuple[int, int], mode: str, narrow: bool) -> dict:
@@ -205,16 +207,22 @@ def _mixtral_worker(rank: int, world: int) -> dict[str, Any]:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    optimizer = dmuon.Muon(model, lr=LR, split="auto", adamw_lr=ADAMW_LR)
+    optimizer = dmuon.Muon(
+        model, lr=LR, split="auto", weight_decay=0.1, qk_clip=QK_TAU, adamw_lr=ADAMW_LR
+    )
     generator = torch.Generator().manual_seed(1)
+    clipped = 0
     for _ in range(2):
         ids = torch.randint(0, 64, (world, 1, 17), generator=generator)[rank]
         model(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        report = optimizer.qk_clip_report
+        clipped += report.clipped_heads if report is not None else 0
     state = get_dedication(model)
     full = dmuon.get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     return {
+        "clipped": clipped,
         "full": {dp.fqn: full[dp.fqn] for dp in state.params},
         "held": {
             dp.name: (dp.param.detach().clone(), dp.experts, bool(dp.updates_here))
@@ -226,11 +234,13 @@ def _mixtral_worker(rank: int, world: int) -> dict[str, Any]:
 
 def test_expert_ranges_export_their_stepping_owners_masters() -> None:
     """A Mixtral whose expert stacks are split across owners, HSDP 2x2 under a bfloat16
-    policy: every rank's full state dict holds each range as its stepping owner's float32
-    master, and the other replica's owner holds that master's bfloat16 cast."""
+    policy, with weight decay and QK-clip scaling heads: every rank's full state dict
+    holds each range as its stepping owner's float32 master, and the other replica's owner
+    holds that master's bfloat16 cast (the values travel after QK-clip)."""
     per_rank = spawn_ranks(4, _mixtral_worker)
     ranges = 0
     for rank, result in enumerate(per_rank):
+        assert result["clipped"] > 0, rank  # QK-clip scaled heads
         for fqn, value in result["full"].items():
             assert value.dtype == torch.float32
             assert torch.equal(_bits(value), _bits(per_rank[0]["full"][fqn])), (rank, fqn)
