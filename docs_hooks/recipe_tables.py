@@ -54,6 +54,10 @@ MEANING: dict[str, dict[str, str]] = {
         "(`reshard_after_forward` of both)",
         "--hsdp": "replicate degree R of an [HSDP](hsdp.md) mesh: R replicas of world size / R "
         "shards (usually R = the number of nodes); `1` = a 1-D mesh over every process",
+        "--ns-split": "consecutive ranks G of a shard group (a node's GPUs) that share the "
+        "Newton-Schulz iterations of the largest matrices, for shard groups with more ranks "
+        "than matrices to balance ([`ns_split`](scaling.md#ns-split)); G divides the shard "
+        "size; `1` = each matrix iterated whole",
         "--reduce-dtype": "dtype the dedicated matrices' gradients are summed in on their way "
         "to the owner; `bfloat16` halves the reduce's bytes "
         "([half-precision communication](communication.md#comm-dtype))",
@@ -124,6 +128,9 @@ MEANING: dict[str, dict[str, str]] = {
         "（两者的 `reshard_after_forward`）",
         "--hsdp": "[HSDP](hsdp.md) 网格的复制度 R：R 个副本，每个副本 world size / R 个分片"
         "（通常 R = 节点数）；`1` = 覆盖所有进程的一维网格",
+        "--ns-split": "分片组中共同承担最大矩阵 Newton-Schulz 迭代的连续 rank 数 G"
+        "（一个节点的 GPU），用于 rank 多于可均衡的矩阵的分片组"
+        "（[`ns_split`](scaling.md#ns-split)）；G 须整除分片大小；`1` = 每个矩阵整体迭代",
         "--reduce-dtype": "专属矩阵的梯度在归约到所有者途中求和所用的数据类型；"
         "`bfloat16` 使归约的字节数减半"
         "（[半精度通信](communication.md#comm-dtype)）",

@@ -205,6 +205,38 @@ def test_comm_dtype_flags_reach_dedicate_params(
     assert (seen["reduce_dtype"], seen["broadcast_dtype"]) == (reduce, broadcast)
 
 
+def test_ns_split_reaches_dedicate_params(
+    base: TrainConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--ns-split`` is `dedicate_params`' ``ns_split`` (one process cannot split, so the
+    shard-size check is bypassed here and the spy stops the set-up)."""
+    import dmuon.train.loop as loop
+
+    seen: dict[str, object] = {}
+
+    def spy(*args: object, **kwargs: object) -> object:
+        seen.update(kwargs)
+        raise KeyboardInterrupt  # stop here: nothing to undo
+
+    monkeypatch.setattr(loop, "check_ns_split", lambda *args: None)
+    monkeypatch.setattr(dmuon, "dedicate_params", spy)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(replace(base, optimizer="dmuon", ns_split=4))
+    assert seen["ns_split"] == 4
+
+
+def test_an_ns_split_that_does_not_divide_the_shard_size_is_a_clear_error(
+    base: TrainConfig,
+) -> None:
+    from dmuon.train.parallelize import check_ns_split
+
+    check_ns_split(4, 16, 2)  # 8 per replica: fine
+    with pytest.raises(ValueError, match=r"--ns-split 3 needs a shard size divisible by 3"):
+        check_ns_split(3, 16, 2)
+    with pytest.raises(ValueError, match=r"--ns-split 2 .* 1 process\(es\) per replica"):
+        Trainer(replace(base, optimizer="dmuon", ns_split=2))
+
+
 def _params_after_first_step(cfg: TrainConfig) -> dict[str, torch.Tensor]:
     trainer = Trainer(cfg)
     try:

@@ -7,6 +7,10 @@ checkpoint with torch's ``dcp_to_torch_save``). Every data format (text folder, 
 lines, parquet, ``.bin`` tokens) runs in Z2 and in Z3, on the four architectures in turn.
 The 2-rank runs start with an empty cache, so rank 0 tokenizes while rank 1 waits for it.
 
+``--ns-split 2``: on a one-layer Llama whose three MLP matrices outweigh the rest, the 2
+ranks share the iterations of the matrices the plan splits, and still end within 1e-5 of
+the same one-process run.
+
 Resume: 2 ranks trained 2 steps and resumed to 4 end bit for bit where 4 uninterrupted
 steps end (model and optimizer state).
 """
@@ -78,7 +82,18 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     ]
     resumed = root / "resumed"
     llama = ("jsonl", "llama", "z3", 2)
+    wide = h.model_dir(
+        root / "llama-wide", "llama", tokenizer=tokenizer, num_hidden_layers=1,
+        intermediate_size=256,
+    )  # fmt: skip
+
+    def split_argv(accum: int, where: Path) -> list[str]:
+        return [*common, "--model", str(wide), "--data", str(data["text"]),
+                "--accum-steps", str(accum), "--steps", str(STEPS),
+                "--checkpoint-dir", str(where)]  # fmt: skip
+
     two += [
+        ("ns-split", [*split_argv(2, root / "ns-split"), "--ns-split", "2"]),
         ("uninterrupted", argv(*llama, root / "uninterrupted", 4)),
         ("first half", argv(*llama, resumed, 2)),
         ("resumed", argv(*llama, resumed, 4)),
@@ -86,7 +101,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     results = spawn_ranks(2, h.rank_runs, two)
     for f, a, m in CASES:  # the oracle: one process, accumulation 4
         run(argv(f, a, m, 4, root / "one" / f"{f}-{a}-{m}", STEPS))
-    return {"root": root, "results": results}
+    run(split_argv(4, root / "one" / "ns-split"))
+    return {"root": root, "results": results, "wide": wide}
 
 
 @pytest.mark.parametrize("case", CASES, ids=["-".join(c) for c in CASES])
@@ -103,6 +119,26 @@ def test_two_ranks_equal_one_process(runs: dict[str, Any], case: tuple[str, str,
     for key, want in one.items():
         assert two[key].shape == want.shape and want.numel() > 0, key
         torch.testing.assert_close(two[key], want, rtol=0, atol=1e-5, msg=key)
+
+
+def test_ns_split_shares_iterations_and_equals_one_process(runs: dict[str, Any]) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dmuon.plan import plan_cluster
+
+    for result in runs["results"]:
+        assert "error" not in result["ns-split"], result["ns-split"]["error"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(runs["wide"]))
+    plan = plan_cluster(model, 2, 2, ns_split=2, device_type="cpu")
+    assert any(r.split_collectives for r in plan.ranks)  # some matrices were split
+    root = runs["root"]
+    step = f"step_{STEPS:08d}"
+    split = _weights(root / "ns-split" / step, root / "ns-split.pt")["model"]
+    one = _weights(root / "one" / "ns-split" / step, root / "ns-split-one.pt")["model"]
+    assert split.keys() == one.keys()
+    for key, want in one.items():
+        torch.testing.assert_close(split[key], want, rtol=0, atol=1e-5, msg=key)
 
 
 def test_resume_at_the_same_world_size_is_bit_identical(runs: dict[str, Any]) -> None:

@@ -183,7 +183,7 @@ def test_every_recipe_flag_is_a_spec_field_but_the_ones_the_server_sets(tmp_path
         "qk_clip": 42.5, "split": "per_head", "lr_schedule": "wsd", "decay_fraction": 0.3,
         "weight_decay": 0.1, "adamw_weight_decay": 0.05, "momentum": 0.9, "adamw_beta1": 0.8,
         "adamw_beta2": 0.95, "clip_grad": 0.5, "min_lr_ratio": 0.2, "val_fraction": 0.1,
-        "eval_sequences": 16, "hsdp": 1, "dtype": "float64", "peak_tflops": 12.5,
+        "eval_sequences": 16, "hsdp": 1, "ns_split": 2, "dtype": "float64", "peak_tflops": 12.5,
         "report_to": "tensorboard", "run_name": "r1", "device": "cpu", "threads": 2,
         "log_every": 5, "progress": "plain", "sample_every": 3, "sample_prompt": "Hi",
         "sample_tokens": 4, "profile_steps": "2:3", "memory_snapshot": True,

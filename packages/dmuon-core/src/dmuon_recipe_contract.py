@@ -407,6 +407,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("hsdp", "int", 1, "replicate degree of an HSDP (replicate, shard) mesh: R replicas "
          "of world_size / R shards each (usually R = number of nodes); 1 = a 1-D mesh",
          _OPT, minimum=1, metavar="R"),
+    Flag("ns_split", "int", 1, "consecutive ranks of a shard group that share the "
+         "Newton-Schulz iterations of the largest matrices (dedicate_params(ns_split=G)); "
+         "G must divide the shard size (world size / --hsdp); 1 = each matrix iterated "
+         "whole by the rank that steps it", _OPT, minimum=1, metavar="G"),
     Flag("reduce_dtype", "choice", "float32", "dtype dmuon sums the dedicated matrices' "
          "gradients in on their way to the owner; bfloat16 halves the reduce's bytes "
          "(accumulation, masters and momentum stay float32)", _OPT,

@@ -69,6 +69,7 @@ class TrainConfig:
     optimizer: str = _default("optimizer")
     mode: str = _default("mode")
     hsdp: int = _default("hsdp")
+    ns_split: int = _default("ns_split")
     reduce_dtype: str = _default("reduce_dtype")
     broadcast_dtype: str = _default("broadcast_dtype")
     ns_dtype: str = _default("ns_dtype")

@@ -54,6 +54,7 @@ from dmuon.train.parallelize import (
     build_mesh,
     build_optimizer,
     check_hsdp_degree,
+    check_ns_split,
     init_distributed,
     parallelize,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "Trainer",
     "TrainingDiverged",
     "check_hsdp_degree",
+    "check_ns_split",
     "configure_threads",
     "lr_lambda",
     "preflight",
@@ -152,6 +154,7 @@ class Trainer(TrainingSteps):
         self.rank, self.world_size, self.device = env.rank, env.world_size, env.device
         self.distributed = env.distributed
         replicas = check_hsdp_degree(config.hsdp, self.world_size)
+        check_ns_split(config.ns_split, self.world_size, replicas)
         self.threads = configure_threads(env.local_world_size, config.threads)
         self._setup_data()
         self.mesh = build_mesh(env, replicas)
@@ -222,6 +225,7 @@ class Trainer(TrainingSteps):
             compile=config.compile,
             reduce_dtype=DTYPES.get(config.reduce_dtype),
             broadcast_dtype=DTYPES.get(config.broadcast_dtype),
+            ns_split=config.ns_split,
         )
         self.built.materialize(self.device, config.seed)
         # One process has no FSDP2 to cast with: bfloat16 compute is torch.autocast.

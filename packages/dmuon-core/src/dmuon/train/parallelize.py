@@ -116,6 +116,22 @@ def check_hsdp_degree(replicas: int, world_size: int) -> int:
     return replicas
 
 
+def check_ns_split(ns_split: int, world_size: int, replicas: int) -> None:
+    """Validate ``--ns-split G`` against the shard size (``world_size / replicas``).
+
+    Raises:
+        ValueError: ``G`` does not divide the shard size.
+    """
+    shard = world_size // replicas
+    if shard % ns_split != 0:
+        raise ValueError(
+            f"--ns-split {ns_split} needs a shard size divisible by {ns_split}, but this run "
+            f"has {shard} process(es) per replica ({world_size} processes, --hsdp "
+            f"{replicas}). Pass --ns-split G with G dividing {shard} (the GPUs of one node, "
+            "usually), or --ns-split 1."
+        )
+
+
 def build_mesh(env: DistEnv, replicas: int) -> Any:
     """The data-parallel mesh: 1-D, or HSDP's 2-D ``(replicate, shard)``; None for one process."""
     if not env.distributed:
@@ -165,6 +181,7 @@ def parallelize(
     compile: bool,
     reduce_dtype: torch.dtype | None = None,
     broadcast_dtype: torch.dtype | None = None,
+    ns_split: int = 1,
 ) -> dict[str, int]:
     """Apply compile, activation checkpointing, dedication and FSDP2 to ``model`` in place.
 
@@ -172,7 +189,8 @@ def parallelize(
     gradient reduction and dedication's forward dtype; it needs a mesh (one process uses
     ``torch.autocast`` instead, see `dmuon.train.loop`). ``reduce_dtype`` and
     ``broadcast_dtype`` are dedication's communication dtypes (None: float32 and the
-    compute dtype). Returns `dedicate_params`'s owners (empty for the AdamW baseline).
+    compute dtype); ``ns_split`` is `dedicate_params`'s. Returns `dedicate_params`'s owners
+    (empty for the AdamW baseline).
     """
     if compile:
         apply_compile(layers)
@@ -191,6 +209,7 @@ def parallelize(
             param_dtype=distributed_dtype,
             reduce_dtype=reduce_dtype,
             broadcast_dtype=broadcast_dtype,
+            ns_split=ns_split,
         )
     if mesh is not None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
