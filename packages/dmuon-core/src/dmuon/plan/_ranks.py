@@ -248,6 +248,11 @@ def rank_plans(setup: ClusterSetup) -> list[RankPlan]:
         replicate_by = [
             _replicate_tallies(setup, t, p, names_by[p], elements_by[p]) for p in range(setup.shard)
         ]
+        # What a shard position sends between replicas is the same in every replica.
+        update_by = [
+            sum(setup.update_nbytes(n, t) for n in names_by[p]) if setup.replicas > 1 else 0
+            for p in range(setup.shard)
+        ]
         for dp_rank in range(setup.replicas * setup.shard):
             replica, shard = divmod(dp_rank, setup.shard)
             mine = [n for n in names_by[shard] if setup.plan.workers[n] == replica]
@@ -262,7 +267,7 @@ def rank_plans(setup: ClusterSetup) -> list[RankPlan]:
                     position,
                     replicate_by[shard],
                     elements_by[shard],
-                    names_by[shard],
+                    update_by[shard],
                 )
             )
     ranks.sort(key=lambda r: r.rank)
@@ -331,7 +336,7 @@ def _rank_plan(
     position: _Position,
     replicate_tallies: dict[str, Tally],
     owned_elements: int,
-    owned_names: list[str],
+    owned_update_bytes: int,
 ) -> RankPlan:
     """One rank: ``mine`` are the items it steps, ``orthogonalized`` those it iterates
     itself, ``sharded_mine`` its tp-sharded ones; ``where`` is (replica, shard, tp)."""
@@ -358,7 +363,7 @@ def _rank_plan(
             "scatter": Tally(len(sharded_mine), whole),
         }
     update, reduce, update_bytes = _replica_seconds(
-        setup, t, owned_names, owned_elements, replicate_tallies
+        setup, owned_update_bytes, owned_elements, replicate_tallies
     )
     # tp: each sharded matrix the rank steps is gathered in float32 and its update
     # scattered back, inside the node, while the step waits.
@@ -441,17 +446,16 @@ def _split_share(setup: ClusterSetup, position: int) -> tuple[dict[str, Tally], 
 
 def _replica_seconds(
     setup: ClusterSetup,
-    t: int,
-    owned_names: list[str],
+    update_bytes: int,
     owned_elements: int,
     replicate_tallies: dict[str, Tally],
 ) -> tuple[float, float, int]:
-    """``(update seconds, backward reduce seconds, update bytes)`` between replicas."""
+    """``(update seconds, backward reduce seconds, update bytes)`` between replicas;
+    ``update_bytes`` are the rank's owned records' (`ClusterSetup.update_nbytes`)."""
     if setup.replicas == 1:
         return 0.0, 0.0, 0
     share = (setup.replicas - 1) / setup.replicas
     rate = setup.hardware.network_gbps * 1e9
-    update_bytes = sum(setup.update_nbytes(n, t) for n in owned_names)
     update_calls = sum(
         replicate_tallies[k].count for k in ("broadcast", "all_gather") if k in replicate_tallies
     )
