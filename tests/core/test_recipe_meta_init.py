@@ -23,6 +23,18 @@ SEED = 11
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for preset, shape, mode in CASES:
+        model, _, peak, kept = _set_up(preset, 64, shape, mode)
+        out[preset] = {"params": full_parameters(model), "peak": peak, "kept": kept}
+    return out
+
+
+def _set_up(model: str, seq_len: int, shape: tuple[int, ...], mode: str) -> tuple[Any, ...]:
+    """Build ``model`` (a preset or a model directory) on meta on ``shape``'s mesh, dedicate
+    and shard it in ``mode``, and materialise it: ``(model, CPU bytes allocated at peak
+    while building, and while materialising, bytes it keeps)``, the kept ones being its
+    FSDP2 shards and owned float32 masters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
@@ -30,32 +42,27 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     from dmuon.train.models import build, resolve_model
     from dmuon.train.parallelize import parallelize
 
-    out: dict[str, Any] = {}
-    for preset, shape, mode in CASES:
-        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        source = resolve_model(preset, 64)
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    source = resolve_model(model, seq_len)
+    with _peak_cpu_bytes() as building:
         built = build(
-            source, seed=SEED, seq_len=64, device=torch.device("cpu"), dtype=torch.float32,
+            source, seed=SEED, seq_len=seq_len, device=torch.device("cpu"), dtype=torch.float32,
             meta=True,
         )  # fmt: skip
-        assert all(p.is_meta for p in built.module.parameters())
-        parallelize(
-            built.module, built.layers, mesh, optimizer="dmuon", mode=mode, param_dtype=None,
-            activation_checkpointing=False, compile=False,
-        )  # fmt: skip
-        with _peak_cpu_bytes() as setup:
-            built.materialize(torch.device("cpu"), SEED)
-        model = built.module
-        state = get_dedication(model)
-        shards = sum(p.to_local().numel() * 4 for p in model.parameters() if isinstance(p, DTensor))
-        masters = sum(dp.param.numel() * 4 for dp in state.params if dp.is_owned)
-        out[preset] = {
-            "params": full_parameters(model),
-            "peak": setup.peak,
-            "kept": shards + masters,
-        }
-    return out
+    assert all(p.is_meta for p in built.module.parameters())
+    parallelize(
+        built.module, built.layers, mesh, optimizer="dmuon", mode=mode, param_dtype=None,
+        activation_checkpointing=False, compile=False,
+    )  # fmt: skip
+    with _peak_cpu_bytes() as setup:
+        built.materialize(torch.device("cpu"), SEED)
+    state = get_dedication(built.module)
+    shards = sum(
+        p.to_local().numel() * 4 for p in built.module.parameters() if isinstance(p, DTensor)
+    )
+    masters = sum(dp.param.numel() * 4 for dp in state.params if dp.is_owned)
+    return built.module, building.peak, setup.peak, shards + masters
 
 
 @pytest.fixture(scope="module")
@@ -120,39 +127,14 @@ def _write_hf_dir(root: str, arch: str, weights: bool) -> None:
 
 
 def _hf_worker(rank: int, world: int, root: str) -> dict[str, Any]:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
-
-    from dmuon._ownership.state import get_dedication
-    from dmuon.train.models import build, resolve_model
-    from dmuon.train.parallelize import parallelize
-
     out: dict[str, Any] = {}
     for arch, weights, shape, mode in HF_CASES:
-        names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        source = resolve_model(_hf_path(root, arch, weights), 32)
-        with _peak_cpu_bytes() as built_at:
-            built = build(
-                source, seed=SEED, seq_len=32, device=torch.device("cpu"),
-                dtype=torch.float32, meta=True,
-            )  # fmt: skip
-        assert all(p.is_meta for p in built.module.parameters())
-        parallelize(
-            built.module, built.layers, mesh, optimizer="dmuon", mode=mode, param_dtype=None,
-            activation_checkpointing=False, compile=False,
-        )  # fmt: skip
-        with _peak_cpu_bytes() as setup:
-            built.materialize(torch.device("cpu"), SEED)
-        model = built.module
-        state = get_dedication(model)
-        shards = sum(p.to_local().numel() * 4 for p in model.parameters() if isinstance(p, DTensor))
-        masters = sum(dp.param.numel() * 4 for dp in state.params if dp.is_owned)
+        model, building, setup, kept = _set_up(_hf_path(root, arch, weights), 32, shape, mode)
         out[arch] = {
             "params": full_parameters(model),
             "buffers": {n: b.clone() for n, b in model.named_buffers()},
-            "peak": max(built_at.peak, setup.peak),
-            "kept": shards + masters,
+            "peak": max(building, setup),
+            "kept": kept,
         }
     return out
 

@@ -102,6 +102,21 @@ def values_nbytes(numel: int, itemsize: int) -> int:
     return _aligned(numel * itemsize)
 
 
+def from_stepping_replica(
+    comm: Communicator, dp: DedicatedParam, held: Tensor | None, dtype: torch.dtype
+) -> Tensor:
+    """``held``, a tensor of ``dp``'s shape that the owner stepping ``dp`` keeps (a master, a
+    momentum), in ``dtype`` on every replica's owner of ``dp``: one broadcast over the
+    replicate group, so every owner of ``dp`` calls this alike (in the same order)."""
+    if dp.updates_here:
+        assert held is not None, f"{dp.name}: the replica that steps it holds nothing"
+        buffer = held.detach().to(comm.device, dtype).contiguous()
+    else:
+        buffer = torch.empty(dp.shape, dtype=dtype, device=comm.device)
+    comm.broadcast_replicas_now(buffer, dp.update_replica)
+    return buffer
+
+
 def update_chunks(
     records: list[tuple[int, int]], replicas: int, cap: int | None = None
 ) -> list[list[list[int]]]:
@@ -213,7 +228,6 @@ class ReplicaUpdates:
         #: Records held narrow off their stepping replica: the dtype their values travel in.
         self._narrow: dict[str, torch.dtype] = {}
         self._master_dtype: dict[str, torch.dtype] = {}
-        self._held_narrow = False
 
     @property
     def pending(self) -> bool:
@@ -224,11 +238,8 @@ class ReplicaUpdates:
         """Masters once per world: where ``wire_dtype(dp)`` (what ``dp``'s owner packs for
         forward, the same on every rank) is narrower than the master, the owners in the
         replicas that do not step ``dp`` keep only a copy in that dtype from now on, and
-        steps send them the stepping owner's new values in it. Called on every rank before
-        the first forward gathers anything; later calls do nothing."""
-        if self._held_narrow:
-            return
-        self._held_narrow = True
+        steps send them the stepping owner's new values in it. Called once, on every rank,
+        before the first forward gathers anything."""
         self.wait_all()
         for dp in self._owned:
             dtype = wire_dtype(dp)
@@ -242,22 +253,14 @@ class ReplicaUpdates:
                     dp.param.data = dp.param.data.to(dtype)
         self._dtype_of = {}  # lay the chunks out again
 
-    def is_narrow(self, dp: DedicatedParam) -> bool:
-        """Whether ``dp``'s master lives on its stepping replica alone."""
-        return dp.name in self._narrow
-
     def exact_master(self, dp: DedicatedParam) -> Tensor:
         """``dp``'s master as the owner that steps it holds it, on every replica's owner of
         ``dp``: for a record held narrow, one broadcast between them, so every owner of
         ``dp`` calls this alike (in the same order)."""
-        master = dp.param.detach()
         if dp.name not in self._narrow:
-            return master
+            return dp.param.detach()
         self.wait_all()
-        if not dp.updates_here:
-            master = torch.empty(dp.shape, dtype=self._master_dtype[dp.name], device=master.device)
-        self.comm.broadcast_replicas_now(master, dp.update_replica)
-        return master
+        return from_stepping_replica(self.comm, dp, dp.param, self._master_dtype[dp.name])
 
     def resend_values(self) -> None:
         """Bring the copies held narrow to their stepping owners' masters (after the

@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.planner import state_dict_name
+from dmuon._ownership.replica_updates import from_stepping_replica
 from dmuon._ownership.state import DedicationState
 from dmuon.checkpoint._dedicated_values import gather_to_owners
 from dmuon.checkpoint._layout import DedicatedLayout
@@ -125,17 +126,9 @@ def _on_every_replica(
     if comm.replicas == 1:
         return
     for dp in records:
-        if not dp.is_owned:
-            continue
-        dtype = torch.promote_types(dp.param.dtype, torch.float32)
-        if dp.updates_here:
-            value = values.get(dp.name)
-            assert value is not None, f"{dp.name}: the replica that steps it has no state"
-            buffer = value.detach().to(comm.device, dtype).contiguous()
-        else:
-            buffer = torch.empty(dp.shape, dtype=dtype, device=comm.device)
-        comm.broadcast_replicas_now(buffer, dp.update_replica)
-        values[dp.name] = buffer
+        if dp.is_owned:
+            dtype = torch.promote_types(dp.param.dtype, torch.float32)
+            values[dp.name] = from_stepping_replica(comm, dp, values.get(dp.name), dtype)
 
 
 def _full_value(value: Any, options: StateDictOptions) -> Any:
