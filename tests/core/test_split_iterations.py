@@ -129,7 +129,14 @@ def _worker(rank: int, world: int, mesh_name: str) -> dict[str, Any]:
                 # (the non-finite agreement's one-number all-reduce aside)
                 if tuple(ranks) == block.ranks and (kind != "all_reduce" or numel > 1):
                     in_block.append((kind, numel))
-            steps.append({"collectives": in_block, "flops": flops.get_total_flops()})
+            audited = dmuon.comm_audit(model).last_step().split
+            steps.append(
+                {
+                    "collectives": in_block,
+                    "flops": flops.get_total_flops(),
+                    "audit": {k: (t.count, t.elements, t.bytes) for k, t in audited.items()},
+                }
+            )
         out[case] = {
             "params": full_parameters(model),
             "steps": steps,
@@ -277,6 +284,42 @@ def test_each_rank_issues_and_computes_what_the_plan_says(mesh: str) -> None:
         for step in result[case]["steps"]:
             assert _tally(step["collectives"]) == expected, (mesh, rank)
             assert step["flops"] == predicted.ns_flops, (mesh, rank)
+
+
+@pytest.mark.parametrize("mesh", list(MESHES))
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_audit_reports_the_block_collectives_the_plan_prices(mesh: str, case: str) -> None:
+    """`dmuon.comm_audit`'s split dimension holds what the block's members issued (counted
+    independently at ``torch.distributed``) and, for whole matrices, the planner's figures
+    element for element, in float32 bytes (the iteration's dtype here)."""
+    from dmuon.plan import plan_cluster
+
+    shard, replicas = _layout(mesh)
+    spec = CASES[case]
+    plan = plan_cluster(
+        _case_model(mesh, case),
+        shard * replicas,
+        shard,
+        mode=spec["mode"],
+        ns_dtype=torch.float32,
+        device_type="cpu",
+        ns_split=2,
+    )
+    for rank, result in enumerate(_spawned(mesh)):
+        assert "error" not in result, result.get("error")
+        steps = result[case]["steps"]
+        if result[case]["block"] is not None:
+            assert all(step["audit"] for step in steps), (mesh, case, rank)
+        for step in steps:
+            counted = _tally(step["collectives"])
+            audited = {k: (count, n) for k, (count, n, _) in step["audit"].items()}
+            assert audited == counted, (mesh, case, rank)
+            for kind, (_, elements, nbytes) in step["audit"].items():
+                assert nbytes == 4 * elements, (kind, nbytes, elements)
+            if spec["split"] is None:
+                predicted = plan.ranks[rank].split_collectives
+                expected = {k: (t.count, t.elements) for k, t in predicted.items()}
+                assert audited == expected, (mesh, case, rank)
 
 
 def test_ns_split_on_a_sub_mesh_is_refused_and_changes_nothing() -> None:

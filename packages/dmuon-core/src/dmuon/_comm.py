@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon._comm_audit import CONTROL, REPLICATE, SHARD, TENSOR, CommAudit
+from dmuon._comm_audit import CONTROL, REPLICATE, SHARD, SPLIT, TENSOR, CommAudit
 from dmuon._comm_collectives import check_signatures, uneven_all_gather
 from dmuon._comm_pending import (
     RECENT_WORK_KEPT,
@@ -363,6 +363,54 @@ class Communicator:
             numel=numel,
             group=group,
         )
+
+    # ----- a block's shared Newton-Schulz iteration (ns_split): synchronous, audited ------
+    def scatter_block(
+        self,
+        out: torch.Tensor,
+        chunks: list[torch.Tensor] | None,
+        src: int,
+        group: dist.ProcessGroup,
+    ) -> None:
+        """Scatter ``chunks`` (given on global rank ``src`` only) into each block member's
+        ``out``, and wait; audited as ``out``'s elements over the split dimension."""
+        self._issue(
+            "scatter",
+            out,
+            src,
+            lambda: dist.scatter(out, chunks, src=src, group=group, async_op=True),
+            dim=SPLIT,
+            group=group,
+        ).wait()
+
+    def all_reduce_block(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """SUM-all-reduce ``tensor`` over a block's ``group`` in place, and wait."""
+        self._issue(
+            "all_reduce",
+            tensor,
+            -1,
+            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            dim=SPLIT,
+            group=group,
+        ).wait()
+
+    def gather_block(
+        self,
+        tensor: torch.Tensor,
+        chunks: list[torch.Tensor] | None,
+        dst: int,
+        group: dist.ProcessGroup,
+    ) -> None:
+        """Gather every block member's ``tensor`` into ``chunks`` on global rank ``dst``,
+        and wait."""
+        self._issue(
+            "gather",
+            tensor,
+            dst,
+            lambda: dist.gather(tensor, chunks, dst=dst, group=group, async_op=True),
+            dim=SPLIT,
+            group=group,
+        ).wait()
 
     # ----- checkpoint transfers: synchronous, not audited ---------------------------------
     def _checked(self, kind: str, tensor: torch.Tensor, root: int) -> None:

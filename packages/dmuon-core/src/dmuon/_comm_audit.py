@@ -34,8 +34,9 @@ class CollectiveTally:
 
 
 #: The mesh dimensions the audit tells apart: the ranks sharing owners (data parallel), the
-#: replicas of HSDP, and tensor parallelism.
-SHARD, REPLICATE, TENSOR = "shard", "replicate", "tensor"
+#: replicas of HSDP, tensor parallelism, and the blocks that share a matrix's Newton-Schulz
+#: iteration (``dedicate_params(ns_split=...)``).
+SHARD, REPLICATE, TENSOR, SPLIT = "shard", "replicate", "tensor", "split"
 
 #: Small control collectives (gradient norms for clipping and the non-finite check), kept
 #: apart from the dedicated matrices' traffic.
@@ -67,7 +68,10 @@ class StepComm:
     the all-gathers of the step's updates among the owners of the same matrices in the
     different replicas (empty on a 1-D mesh). ``tensor`` is the
     tensor-parallel dimension: the gathers and scatters of ``optimizer.step()`` among the
-    owners of a tp-sharded matrix' shards.
+    owners of a tp-sharded matrix' shards. ``split`` is the block of ``ns_split`` ranks
+    that share a matrix's Newton-Schulz iteration: per split matrix a scatter and a gather
+    of the slices and an all-reduce of the Gram matrix per iteration (the planner's
+    ``RankPlan.split_collectives``, element for element).
     """
 
     dedicated_elements: int
@@ -83,6 +87,7 @@ class StepComm:
         default_factory=lambda: defaultdict(CollectiveTally)
     )
     tensor: dict[str, CollectiveTally] = field(default_factory=lambda: defaultdict(CollectiveTally))
+    split: dict[str, CollectiveTally] = field(default_factory=lambda: defaultdict(CollectiveTally))
     control: dict[str, CollectiveTally] = field(
         default_factory=lambda: defaultdict(CollectiveTally)
     )
@@ -138,6 +143,8 @@ class StepComm:
                 "units": self.tensor_units,
                 "collectives": _tallies(self.tensor),
             }
+        if self.split:
+            dimensions[SPLIT] = {"collectives": _tallies(self.split)}
         if dimensions:
             shard = {SHARD: {"units": self.units, "collectives": _tallies(self.by_kind)}}
             summary["dimensions"] = shard | dimensions
@@ -178,7 +185,13 @@ class CommAudit:
         (``numel`` elements of its dtype, when they are not ``tensor``'s own). ``nbytes``,
         given, is what moved when ``numel`` counts values that travel packed as bytes (the
         updates between replicas)."""
-        attr = {SHARD: "by_kind", REPLICATE: "replicate", TENSOR: "tensor", CONTROL: "control"}[dim]
+        attr = {
+            SHARD: "by_kind",
+            REPLICATE: "replicate",
+            TENSOR: "tensor",
+            SPLIT: "split",
+            CONTROL: "control",
+        }[dim]
         tallies = (getattr(self.current, attr)[kind], getattr(self.total, attr)[kind])
         elements = tensor.numel() if numel is None else numel
         moved = elements * tensor.element_size() if nbytes is None else nbytes

@@ -20,9 +20,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
+from dmuon._comm import Communicator
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.split_iterations import SplitBlock
 from dmuon._ownership.state import DedicationState
@@ -39,11 +39,13 @@ def split_newton_schulz(
     device: torch.device,
     block: SplitBlock,
     root: int,
+    comm: Communicator,
 ) -> Tensor | None:
     """Iterate one normalized ``rows x cols`` matrix over ``block``.
 
     ``x`` is the matrix (in the iteration dtype) on the rank at position ``root``, which
-    gets the result back; the other members pass ``None`` and get ``None``.
+    gets the result back; the other members pass ``None`` and get ``None``. The block's
+    collectives go through ``comm`` (its audit's split dimension).
     """
     rows, cols = shape
     tall = rows > cols
@@ -58,18 +60,18 @@ def split_newton_schulz(
         chunks = list(padded.split(width, dim=1))
         chunks = [chunk.contiguous() for chunk in chunks]
     mine = torch.empty((m, width), dtype=dtype, device=device)
-    dist.scatter(mine, chunks, src=root_rank, group=block.group)
+    comm.scatter_block(mine, chunks, root_rank, block.group)
     gram = torch.empty((m, m), dtype=dtype, device=device)
     poly = torch.empty_like(gram)
     other = torch.empty_like(mine)
     for a, b, c in triples:
         torch.mm(mine, mine.mT, out=gram)
-        dist.all_reduce(gram, group=block.group)
+        comm.all_reduce_block(gram, block.group)
         torch.addmm(gram, gram, gram, beta=b, alpha=c, out=poly)
         torch.addmm(mine, poly, mine, beta=a, out=other)
         mine, other = other, mine
     slices = [torch.empty_like(mine) for _ in range(size)] if x is not None else None
-    dist.gather(mine, slices, dst=root_rank, group=block.group)
+    comm.gather_block(mine, slices, root_rank, block.group)
     if slices is None:
         return None
     whole = torch.cat(slices, dim=1)[:, :n]
@@ -101,7 +103,8 @@ def share_split_iterations(
     if block is None or plan is None:
         return
     members = range(block.first, block.first + len(block.ranks))
-    device = state.runtime.comm.device
+    comm = state.runtime.comm
+    device = comm.device
     dtype = group["ns_dtype"] or default_ns_dtype(device)
     for p in group["params"]:
         dp = dedicated.get(id(p))
@@ -118,6 +121,7 @@ def share_split_iterations(
                 dtype=dtype,
                 block=block,
                 root=root,
+                comm=comm,
             )
             for key, piece in deferred[dp.name]:
                 step_bucket(group, triples, key, [piece], workspaces, max_workspace_bytes, iterate)
@@ -128,7 +132,7 @@ def share_split_iterations(
             rows, cols = piece.shape
             # The stepping rank without this matrix's update this step iterates zeros.
             x = torch.zeros((rows, cols), dtype=dtype, device=device) if dp.updates_here else None
-            split_newton_schulz(x, (rows, cols), triples, dtype, device, block, root)
+            split_newton_schulz(x, (rows, cols), triples, dtype, device, block, root, comm)
 
 
 def _iterate_source(
@@ -138,11 +142,13 @@ def _iterate_source(
     dtype: torch.dtype,
     block: SplitBlock,
     root: int,
+    comm: Communicator,
 ) -> Tensor:
     """A workspace's one matrix, normalized as `NewtonSchulzWorkspace.run` normalizes it,
     iterated over the block: ``(1, rows, cols)`` in the iteration dtype."""
     ws.normalize_source(eps)
     x = ws.source[0].to(dtype)
-    result = split_newton_schulz(x, (x.shape[0], x.shape[1]), triples, dtype, x.device, block, root)
+    shape = (x.shape[0], x.shape[1])
+    result = split_newton_schulz(x, shape, triples, dtype, x.device, block, root, comm)
     assert result is not None
     return result.unsqueeze(0)

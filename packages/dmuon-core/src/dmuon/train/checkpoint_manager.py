@@ -93,6 +93,7 @@ class CheckpointManager:
 
             found[0] = checkpointing.latest_checkpoint(self.trainer.config.checkpoint_dir, damaged)
         if self.trainer.distributed:
+            # not audited: rank 0's choice of checkpoint, a path, not a tensor of the model
             dist.broadcast_object_list(found, src=0)
         return found[0]
 

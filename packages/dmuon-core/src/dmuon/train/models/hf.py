@@ -254,4 +254,5 @@ def materialize_hf(module: nn.Module, whole: nn.Module | None, device: torch.dev
     for name, buffer in non_persistent_buffers(module):
         if whole is not None:
             buffer.copy_(given[name])
+        # not audited: a buffer the state dict leaves out (rotary tables), once at load
         dist.broadcast(buffer, src=0)
