@@ -134,14 +134,16 @@ def test_memory_snapshot_on_cuda_is_the_allocators(tmp_path, cache_dir: str) -> 
 
 @pytest.mark.parametrize("master_dtype", [torch.float32, torch.bfloat16])
 def test_a_replicas_update_gives_the_steppers_bits_on_cuda(master_dtype: torch.dtype) -> None:
-    """The stepping owner decays with a foreach multiply (`decay_`), scales its update and adds it
-    with a foreach add over many matrices (CUDA's fused foreach kernels); another replica
-    applies the same scalars from the header with plain broadcast kernels
-    (`UpdateSlot.apply`). Each product and sum is rounded once either way, so the bits
-    agree."""
+    """The stepping owner's path (`decay_`, `scale_update_` by a `step_scalar`,
+    `add_updates_`, CUDA's foreach add over many matrices) against another replica's
+    `UpdateSlot.apply` of the same header: both go through
+    `dmuon._ownership.step_arithmetic`, so the bits agree, and the decay is 0.998 rounded
+    once in float32 (a 0-dim factor would be rounded to bfloat16 first on CUDA:
+    0.99609375). ``test_step_bits.py`` runs the same on CPU with CUDA's rounding emulated."""
     from types import SimpleNamespace
 
     from dmuon._ownership.replica_updates import UpdateSlot
+    from dmuon._ownership.step_arithmetic import add_updates_, scale_update_, step_scalar
     from dmuon.optim._muon_update import decay_
 
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -150,11 +152,15 @@ def test_a_replicas_update_gives_the_steppers_bits_on_cuda(master_dtype: torch.d
     updates = [torch.randn(s, device="cuda", generator=gen).bfloat16() for s in shapes]
     decay, multipliers = 1 - 0.02 * 0.1, [-0.02 * 0.2 * 512**0.5, -0.004, -0.02 * 0.2 * 384**0.5]
     stepped = [m.clone() for m in masters]
+    f32_decay = torch.tensor(decay, dtype=torch.float32).item()
+    asked = [(m.double() * f32_decay).float().to(master_dtype) for m in masters]
     decay_(stepped, decay)
+    for got, want in zip(stepped, asked, strict=True):
+        assert torch.equal(got, want), "the decay is not the one asked for"
     widened = [u.to(master_dtype, copy=True) for u in updates]
     for w, k in zip(widened, multipliers, strict=True):
-        w.mul_(k)
-    torch._foreach_add_(stepped, widened)
+        scale_update_(w, step_scalar(k, master_dtype, w.device))
+    add_updates_(stepped, widened)
     for master, update, k, expected in zip(masters, updates, multipliers, stepped, strict=True):
         out = master.shape[-2]
         header = torch.tensor([decay, *[k] * out, *[1.0] * out], device="cuda")

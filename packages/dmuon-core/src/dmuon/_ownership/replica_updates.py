@@ -55,6 +55,12 @@ from torch import Tensor
 from dmuon._comm import Communicator, Pending
 from dmuon._comm_audit import REPLICATE
 from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.step_arithmetic import (
+    add_updates_,
+    decay_masters_,
+    header_dtype,
+    scale_update_,
+)
 
 #: Bytes per chunk of updates (256 MiB).
 CHUNK_BYTES = 2**28
@@ -65,12 +71,6 @@ _ALIGN = 16
 
 def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def header_dtype(master_dtype: torch.dtype) -> torch.dtype:
-    """The header's dtype: the scalars as the stepping owner's kernels used them (float32,
-    float64 for float64 weights)."""
-    return torch.promote_types(master_dtype, torch.float32)
 
 
 def header_length(out_features: int) -> int:
@@ -181,10 +181,9 @@ class UpdateSlot:
         scaled update added, then the QK-clip factors, each product and sum rounded once
         in the master's dtype (so the result is the same bits)."""
         master = self.dp.param.detach()
-        master.mul_(self.decay)
-        step = self.update.to(master.dtype)
-        step.mul_(along_out(self.multipliers, self.dp))
-        master.add_(step)
+        decay_masters_([master], self.decay)
+        step = scale_update_(self.update.to(master.dtype), along_out(self.multipliers, self.dp))
+        add_updates_([master], [step])
         master.mul_(along_out(self.factors, self.dp).to(master.dtype))
 
 

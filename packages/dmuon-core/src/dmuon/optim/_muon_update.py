@@ -18,8 +18,14 @@ from torch import Tensor
 
 from dmuon._comm import Communicator
 from dmuon._ownership.param import DedicatedParam
-from dmuon._ownership.replica_updates import UpdateSlot, header_dtype
+from dmuon._ownership.replica_updates import UpdateSlot
 from dmuon._ownership.runtime import DedicationRuntime
+from dmuon._ownership.step_arithmetic import (
+    add_updates_,
+    decay_masters_,
+    scale_update_,
+    step_scalar,
+)
 from dmuon.optim._adamw_step import new_adamw_state
 from dmuon.optim._blocks import Arena
 from dmuon.optim._normuon import SECOND_MOMENT, normalize_rows_, second_moment_shape
@@ -255,8 +261,9 @@ def step_bucket(
         _send([u for _, _, _, _, u in members], result)
         rows, cols = (shape[1], shape[0]) if is_transposed else shape
         # Scaled, then added: two roundings another replica repeats exactly.
-        ortho.mul_(_multiplier(group, rows, cols))
-        torch._foreach_add_(bucket_params, list(ortho.unbind(0)))
+        multiplier = step_scalar(_multiplier(group, rows, cols), ortho.dtype, ortho.device)
+        scale_update_(ortho, multiplier)
+        add_updates_(bucket_params, list(ortho.unbind(0)))
 
 
 """A matrix Muon orthogonalizes: gradient, momentum, master, NorMuon second moment and
@@ -409,17 +416,14 @@ def _nones(tensor: Tensor, sizes: tuple[int, ...] | None) -> list[None]:
 
 
 def decay_(params: list[Tensor], decay: float) -> None:
-    """Multiply ``params`` by ``decay`` in place, as another replica does from its header.
-
-    The factor is a 0-dim tensor of the header's dtype: torch's foreach multiply by a
-    Python number rounds the number to a bfloat16 weight's dtype first, which a replica's
-    broadcast multiply does not.
-    """
-    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    """Multiply ``params`` by ``decay`` in place, through the function another replica
+    applies its header's decay with (`dmuon._ownership.step_arithmetic`)."""
+    factors: dict[tuple[torch.dtype, torch.device], Tensor] = {}
     for p in params:
-        groups.setdefault((p.dtype, p.device), []).append(p)
-    for (dtype, device), same in groups.items():
-        torch._foreach_mul_(same, torch.tensor(decay, dtype=header_dtype(dtype), device=device))
+        key = (p.dtype, p.device)
+        if key not in factors:
+            factors[key] = step_scalar(decay, p.dtype, p.device)
+        decay_masters_([p], factors[key])
 
 
 def foreach_by_dtype(op: Callable[..., Any], first: list[Tensor], *rest: Any) -> None:
