@@ -333,9 +333,12 @@ def test_an_adamw_state_loads_its_moments_with_strict_false_and_is_explained_wit
     adamw_state = torch_sd.get_optimizer_state_dict(plain, adamw)
     model, optimizer = _single_process_model()
     before = copy.deepcopy(optimizer.state_dict())
-    with pytest.raises(ValueError, match="written by another optimizer") as error:
+    with pytest.raises(ValueError, match="written by other optimizers") as error:
         dmuon.set_optimizer_state_dict(model, optimizer, adamw_state)
     assert "StateDictOptions(strict=False)" in str(error.value)
+    dedicated = len(dmuon.dedicated_parameters(model))
+    assert f"the Muon momentum of {dedicated} matrices" in str(error.value)
+    assert "AdamW moments" not in str(error.value)  # those it has
     assert optimizer.state_dict()["param_groups"] == before["param_groups"]
     dmuon.set_optimizer_state_dict(
         model, optimizer, adamw_state, options=StateDictOptions(strict=False)
@@ -352,6 +355,42 @@ def test_an_adamw_state_loads_its_moments_with_strict_false_and_is_explained_wit
         assert buffer is None or torch.count_nonzero(buffer) == 0
     cs._loss(model, cs.batch(1)).backward()
     optimizer.step()  # and it trains from there
+
+
+def test_a_torch_muon_and_adamw_state_loads_in_strict_mode() -> None:
+    """Moving a run from torch.optim.Muon (the matrices) + torch.optim.AdamW (the rest) to
+    dmuon.Muon: torch's state dict of both holds every momentum and moment dmuon.Muon keeps,
+    so strict mode loads it (each momentum and moment equal to torch's), keeping this
+    optimizer's settings; one momentum removed, the error names it and nothing else."""
+    from torch.distributed.checkpoint import state_dict as torch_sd
+
+    torch.manual_seed(0)
+    plain = TinyLlama(vocab=VOCAB)
+    model, optimizer = _single_process_model()
+    matrices = {dp.fqn for dp in dmuon.dedicated_parameters(model)}
+    named = dict(plain.named_parameters())
+    muon = torch.optim.Muon([named[n] for n in sorted(matrices)], lr=0.02)
+    adamw = torch.optim.AdamW([p for n, p in named.items() if n not in matrices], lr=1e-3)
+    cs._loss(plain, cs.batch(0)).backward()
+    muon.step()
+    adamw.step()
+    theirs = torch_sd.get_optimizer_state_dict(plain, (muon, adamw))
+    dmuon.set_optimizer_state_dict(model, optimizer, copy.deepcopy(theirs))
+    assert optimizer.param_groups[0]["lr"] == 0.02 and optimizer.param_groups[1]["lr"] == 1e-3
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p in optimizer.param_groups[0]["params"]:
+        got = optimizer.state[p]["momentum_buffer"]
+        assert torch.equal(got, theirs["state"][names[id(p)]]["momentum_buffer"])
+    for p in optimizer.param_groups[1]["params"]:
+        assert torch.equal(optimizer.state[p]["exp_avg"], theirs["state"][names[id(p)]]["exp_avg"])
+    cs._loss(model, cs.batch(1)).backward()
+    optimizer.step()
+    gone = sorted(matrices)[0]
+    del theirs["state"][gone]["momentum_buffer"]
+    with pytest.raises(
+        ValueError, match=r"the Muon momentum of 1 matrices \(\['" + re.escape(gone)
+    ):
+        dmuon.set_optimizer_state_dict(model, optimizer, theirs)
 
 
 def test_missing_muon_momentum_is_refused_in_strict_mode() -> None:

@@ -15,7 +15,9 @@ Each case either matches its oracle or raises a clear error on every rank:
   units, not 6);
 - a gradient of zeros is a gradient: momentum still acts, as in ``torch.optim.Muon``;
 - ``step()`` after a window in which every backward ran under ``no_sync`` raises on every
-  rank, naming the missing synchronised backward, before any weight changes.
+  rank, naming the missing synchronised backward, before any weight changes;
+- a loss computed through a module inside a hook boundary (``model.layers[0].mlp(x)``)
+  raises at the step, naming the matrix and the boundary, before any weight changes.
 
 Tolerances: 1e-6 absolute on gradients, 1e-5 on parameters after training (float32 sums
 in another order).
@@ -37,8 +39,10 @@ from dist_harness import (
     SEQ,
     VOCAB,
     Scenario,
+    _loss,
     full_gradients,
     full_parameters,
+    global_batch,
     make_model,
     reference_train,
     run_in_order,
@@ -515,3 +519,29 @@ def test_a_stalled_rank_is_a_clear_error_within_the_timeout() -> None:
     assert "DMuon's all_gather" in message and "hook boundary 'layers.0'" in message
     assert "init_process_group(..., timeout=" in message
     assert STALL_TIMEOUT_S - 1 <= rank0["seconds"] <= STALL_TIMEOUT_S + 30
+
+
+@pytest.mark.parametrize("mode", ["z3", "z2"])
+def test_a_loss_through_a_child_of_a_hook_boundary_is_refused_naming_it(mode: str) -> None:
+    """Distillation, linear probes and expert code call a module inside a boundary
+    (``model.layers[0].mlp(x)``): its weights then get a plain ``.grad`` that DMuon never
+    sees, and the step used to change nothing. It raises, naming the matrix and the
+    boundary, before any weight changes."""
+    from tiny_llama import TinyLlama
+
+    torch.manual_seed(0)
+    model = TinyLlama(vocab=VOCAB, dim=16, hidden=32, n_layers=2)
+    dmuon.dedicate_params(model, reshard_after_forward=mode == "z3")
+    optimizer = dmuon.Muon(model, lr=LR)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.layers[0].mlp(torch.randn(2, 4, 16)).square().mean().backward()
+    with pytest.raises(RuntimeError, match=r"'layers\.0\.mlp\.\w+\.weight'.*boundary 'layers\.0'"):
+        optimizer.step()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    optimizer.zero_grad()
+    _loss(model, global_batch(0, 1, 1)).backward()  # through the boundary: it trains
+    optimizer.step()
+    assert not torch.equal(
+        model.layers[0].mlp.up_proj.weight, before["layers.0.mlp.up_proj.weight"]
+    )

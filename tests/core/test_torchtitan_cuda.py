@@ -96,7 +96,10 @@ def _run(root: Path, steps: int, nproc: int) -> dict[str, int]:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torchtitan's trainer needs CUDA")
 def test_torchtitan_trains_checkpoints_and_resumes_with_dmuon(tmp_path: Path) -> None:
-    pytest.importorskip("torchtitan", reason="pip install 'dmuon[torchtitan]'")
+    pytest.importorskip(
+        "torchtitan",
+        reason="torchtitan is not installed: pip install -e 'packages/dmuon-core[torchtitan]'",
+    )
     from dmuon.checkpoint import load_full_weights
 
     _assets(tmp_path)

@@ -42,7 +42,8 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon._comm_audit import CONTROL, REPLICATE, SHARD, SPLIT, TENSOR, CommAudit
+from dmuon._comm_audit import CONTROL, REPLICATE, SHARD, TENSOR, CommAudit
+from dmuon._comm_blocks import BlockCollectives
 from dmuon._comm_collectives import check_signatures, uneven_all_gather
 from dmuon._comm_pending import (
     RECENT_WORK_KEPT,
@@ -76,7 +77,7 @@ def separate_group(group: dist.ProcessGroup, other: dist.ProcessGroup) -> dist.P
     return dist.new_group(ranks=ranks, use_local_synchronization=not every_rank)
 
 
-class Communicator:
+class Communicator(BlockCollectives):
     """Collectives over one process group (and its replicate group under HSDP), audited.
 
     With no process group (one process) every call is a no-op that returns a finished
@@ -105,6 +106,15 @@ class Communicator:
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._recent_work: deque[dist.Work] = deque(maxlen=RECENT_WORK_KEPT)
+
+    def move_to(self, device: torch.device) -> None:
+        """Compute on ``device`` from now on (one process: nothing is sent)."""
+        if device == self.device:
+            return
+        if self.group is not None or self.replicate_group is not None:
+            raise ValueError(f"a communicator over a process group stays on {self.device}")
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def separate_from(self, other: dist.ProcessGroup) -> None:
         """Issue collectives on process groups of their own where this communicator's share
@@ -363,54 +373,6 @@ class Communicator:
             numel=numel,
             group=group,
         )
-
-    # ----- a block's shared Newton-Schulz iteration (ns_split): synchronous, audited ------
-    def scatter_block(
-        self,
-        out: torch.Tensor,
-        chunks: list[torch.Tensor] | None,
-        src: int,
-        group: dist.ProcessGroup,
-    ) -> None:
-        """Scatter ``chunks`` (given on global rank ``src`` only) into each block member's
-        ``out``, and wait; audited as ``out``'s elements over the split dimension."""
-        self._issue(
-            "scatter",
-            out,
-            src,
-            lambda: dist.scatter(out, chunks, src=src, group=group, async_op=True),
-            dim=SPLIT,
-            group=group,
-        ).wait()
-
-    def all_reduce_block(self, tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
-        """SUM-all-reduce ``tensor`` over a block's ``group`` in place, and wait."""
-        self._issue(
-            "all_reduce",
-            tensor,
-            -1,
-            lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True),
-            dim=SPLIT,
-            group=group,
-        ).wait()
-
-    def gather_block(
-        self,
-        tensor: torch.Tensor,
-        chunks: list[torch.Tensor] | None,
-        dst: int,
-        group: dist.ProcessGroup,
-    ) -> None:
-        """Gather every block member's ``tensor`` into ``chunks`` on global rank ``dst``,
-        and wait."""
-        self._issue(
-            "gather",
-            tensor,
-            dst,
-            lambda: dist.gather(tensor, chunks, dst=dst, group=group, async_op=True),
-            dim=SPLIT,
-            group=group,
-        ).wait()
 
     # ----- checkpoint transfers: synchronous, not audited ---------------------------------
     def _checked(self, kind: str, tensor: torch.Tensor, root: int) -> None:

@@ -292,8 +292,11 @@ def dedicate_params(
 ) -> dict[str, int]:
     """Give every Muon-target matrix of ``model`` to exactly one owner rank.
 
-    Call it on every rank, after moving the model to its device (or on a model built on
-    the meta device) and before ``fully_shard``. The owner keeps the full matrix as a
+    Call it on every rank, before ``fully_shard``. A model moved afterwards (``model.to``,
+    ``to_empty``, or ``fully_shard`` moving the parameters it manages) is followed before
+    the next forward: its dedicated masters and buffers go to FSDP2's device, or to where
+    the model was moved, in its new dtype (in one process; a process group's device is
+    fixed, so move the model first there). The owner keeps the full matrix as a
     float32 master; every other rank keeps a 0-element placeholder. FSDP2 leaves
     dedicated parameters alone. From the meta device the owner's master is allocated on
     the mesh's device without values: ``to_empty`` then ``init_weights``, or a state dict

@@ -238,18 +238,19 @@ class FlatBuffer:
         """The dtype the forward computes with (the views')."""
         return self.buffer.dtype
 
-    def retype(self, dtype: torch.dtype, reduce_dtype: torch.dtype) -> None:
-        """Compute in ``dtype`` and reduce in ``reduce_dtype`` from now on (before the first
-        forward: the buffer holds no values and no gradient yet). The views are made
-        again over the new storage."""
+    def retype(
+        self, dtype: torch.dtype, reduce_dtype: torch.dtype, device: torch.device | None = None
+    ) -> None:
+        """Compute in ``dtype``, reduce in ``reduce_dtype``, on ``device`` (default: here),
+        holding no values or gradient yet; the views are made again over the new storage."""
         if self.state is not BufferState.FREED or any(v.leaf.grad is not None for v in self.views):
             raise RuntimeError(f"a flat buffer{self.label} can change dtype only before use")
         self.reduce_dtype = reduce_dtype
         requested = self._requested_broadcast_dtype
         self.broadcast_dtype = None if requested in (None, dtype) else requested
-        if dtype == self.buffer.dtype:
+        if (dtype, device or self.buffer.device) == (self.buffer.dtype, self.buffer.device):
             return
-        self.buffer = torch.empty(self.numel, dtype=dtype, device=self.buffer.device)
+        self.buffer = torch.empty(self.numel, dtype=dtype, device=device or self.buffer.device)
         self._nbytes = self.numel * self.buffer.element_size()
         for view in self.views:
             view.leaf = self._leaf_over(view.lo, view.hi, view.holder, view.entries[0])

@@ -133,6 +133,12 @@ class GradientMarker(torch.Tensor):
         if name in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        if name in ("to", "cuda", "cpu", "double", "float", "half", "bfloat16", "_apply"):
+            raise DedicatedGradientError(
+                "the model was moved (or cast) while gradients wait for optimizer.step(): "
+                "move it before the backward, or after optimizer.step() and "
+                "optimizer.zero_grad()"
+            )
         raise DedicatedGradientError(f"{name or func} on a dedicated parameter's .grad. {_HINT}")
 
 
@@ -185,6 +191,13 @@ def _mark(holder: nn.Parameter, param: nn.Parameter) -> None:
         marker._governed.append(param)
     if holder.grad is not marker:
         holder.grad = marker
+
+
+def is_plain_grad(holder: nn.Parameter) -> bool:
+    """Whether autograd wrote ``holder.grad`` itself: a forward reached the module's
+    parameter without its hook boundary (nothing of DMuon's stored it)."""
+    grad = holder.grad
+    return grad is not None and not isinstance(grad, GradientMarker)
 
 
 def reduced(param: nn.Parameter, holder: nn.Parameter | None = None) -> torch.Tensor | None:

@@ -1,5 +1,6 @@
 """What the runtime's hooks refuse at once, on every rank alike: torch's DCP state-dict
-functions on a dedicated model, and pipeline schedules that split backward."""
+functions on a dedicated model, pipeline schedules that split backward, and a step whose
+dedicated gradients never reached DMuon's reduction."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import sys
 from typing import Any
 
 from torch import nn
+
+from dmuon._ownership import gradients
+from dmuon._ownership.param import DedicatedParam
 
 #: The module of torch's DCP state-dict functions, which see dedicated matrices as the 0-element
 #: placeholders non-owners hold.
@@ -80,3 +84,31 @@ def refuse_split_backward_schedule() -> None:
                 )
             return
         frame = frame.f_back
+
+
+def refuse_unsynchronised_step(unsynced_backwards: int, params: list[DedicatedParam]) -> None:
+    """Raise before a step whose dedicated gradients never reached their owners: every
+    backward since the last step ran under ``no_sync`` (the same on every rank), or a
+    matrix got its gradient from a forward that bypassed its hook boundary."""
+    if unsynced_backwards:
+        raise RuntimeError(
+            f"optimizer.step() after {unsynced_backwards} backward(s) that all ran "
+            "under dmuon.no_sync: their dedicated gradients were only accumulated on "
+            "the ranks that computed them and never reduced to their owners, so this "
+            "step would change no dedicated weight and the next zero_grad() would discard "
+            "them. Run the last micro-batch's backward outside no_sync (wrap only the "
+            "others: `with dmuon.no_sync(model) if i < accum - 1 else nullcontext():`). "
+            "No weight was changed."
+        )
+    stray = next((dp for dp in params if gradients.is_plain_grad(dp.module_param)), None)
+    if stray is not None:
+        where = stray.boundary or "<root>"
+        raise RuntimeError(
+            f"{stray.fqn!r} has a gradient that did not come through its hook boundary "
+            f"{where!r}: a module inside that boundary was called directly (for example "
+            f"model.{where}.mlp(x) instead of model.{where}(x)), so DMuon neither gathered "
+            "its weights for that forward nor reduced its gradient to its owner, and this "
+            "step would not change it. Run the loss through the boundary module itself, or "
+            "make the module you call a boundary: dedicate_params(..., "
+            "hook_boundary_predicate=lambda name, module: ...). No weight was changed."
+        )

@@ -67,8 +67,10 @@ from dmuon._ownership.flat_buffer import FlatBuffer
 from dmuon._ownership.fsdp_integration import adopt_fsdp_policies
 from dmuon._ownership.guards import (
     refuse_split_backward_schedule,
+    refuse_unsynchronised_step,
 )
 from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.placement import Placement, current_placement, follow_placement
 from dmuon._ownership.replica_updates import ReplicaUpdates, UpdateSlot
 from dmuon._ownership.state_dict_hooks import install_state_dict_hooks
 
@@ -120,6 +122,10 @@ class DedicationRuntime:
         #: buffers stay allocated until that backward ends.
         self._resident_until_backward_ends: list[Boundary] = []
         self._root = model
+        #: Where the dedicated matrices, buffers and communicator are (`placement`).
+        self.placement: Placement = (comm.device, torch.float32)
+        self.fsdp_probe: tuple[tuple[type, ...], torch.Tensor | None] | None = None
+        self.placement = current_placement(self)
         #: The DistributedDataParallel wrapper the model ran in, once seen (a weak reference).
         self.ddp: Callable[[], DistributedDataParallel | None] = lambda: None
         for index, boundary in enumerate(boundaries):
@@ -205,6 +211,7 @@ class DedicationRuntime:
             self._drop_cleared_gradients()
             if not in_backward():  # not the recomputation of a checkpointed forward
                 self._free_frozen_residents()
+                follow_placement(self)  # a model moved since the last forward
         self._watch_for_ddp()
         if not self._policies_adopted:
             self._policies_adopted = True
@@ -451,18 +458,9 @@ class DedicationRuntime:
             setattr(self, flag, previous)
 
     def check_synchronised(self) -> None:
-        """Raise before a step whose dedicated gradients never reached their owners: every
-        backward since the last step ran under ``no_sync`` (the same on every rank)."""
-        if self.unsynced_backwards:
-            raise RuntimeError(
-                f"optimizer.step() after {self.unsynced_backwards} backward(s) that all ran "
-                "under dmuon.no_sync: their dedicated gradients were only accumulated on "
-                "the ranks that computed them and never reduced to their owners, so this "
-                "step would change no dedicated weight and the next zero_grad() would discard "
-                "them. Run the last micro-batch's backward outside no_sync (wrap only the "
-                "others: `with dmuon.no_sync(model) if i < accum - 1 else nullcontext():`). "
-                "No weight was changed."
-            )
+        """Raise before a step that could not change the dedicated weights it should
+        (`dmuon._ownership.guards.refuse_unsynchronised_step`)."""
+        refuse_unsynchronised_step(self.unsynced_backwards, self.params)
 
     def clear_gradients(self, set_to_none: bool = True) -> None:
         """Clear (or zero) every stored gradient of every dedicated parameter."""

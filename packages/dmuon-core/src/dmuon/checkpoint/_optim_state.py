@@ -44,15 +44,43 @@ from dmuon.optim._normuon import SECOND_MOMENT, second_moment_record
 MOMENTUM = "momentum_buffer"
 
 _FOREIGN_HINT = (
-    "the optimizer state dict was written by another optimizer (its param groups have no "
-    "'algorithm', as torch.optim.AdamW's): it holds no Muon momentum, and its "
-    "hyperparameters are not dmuon.Muon's. To fine-tune from it, either load it with "
+    "the optimizer state dict was written by other optimizers (its param groups have no "
+    "'algorithm': torch.optim.Muon and torch.optim.AdamW, say), and it lacks state this "
+    "optimizer keeps: {missing}. To fine-tune from it, either load it with "
     "dmuon.set_optimizer_state_dict(model, optimizer, state, "
-    "options=StateDictOptions(strict=False)), which keeps this optimizer's settings, loads "
-    "the AdamW moments of every parameter that is not dedicated and starts the Muon momenta "
-    "at zero, or load only the model part (dmuon.set_model_state_dict) and start the "
-    "optimizer fresh. Nothing was changed."
+    "options=StateDictOptions(strict=False)), which loads every Muon momentum and AdamW "
+    "moment it holds and starts those it lacks at zero, or load only the model part "
+    "(dmuon.set_model_state_dict) and start the optimizer fresh. Nothing was changed."
 )
+
+
+def _foreign_gaps(
+    loaded: dict[str, dict[str, Any]],
+    state: DedicationState,
+    optimizers: tuple,
+    names: dict[int, str],
+) -> list[str]:
+    """What a state dict of torch's optimizers lacks of this one's state: the dedicated
+    matrices without a ``momentum_buffer``, the trainable AdamW parameters without moments
+    (at most five of each, named)."""
+    momenta = _unique([dp.fqn for dp in state.params if MOMENTUM not in loaded.get(dp.fqn, {})])
+    dedicated = {id(dp.param) for dp in state.params}
+    moments = [
+        names[id(p)]
+        for optim in optimizers
+        for group in optim.param_groups
+        if group.get("algorithm") != "muon"
+        for p in group["params"]
+        if id(p) not in dedicated
+        and p.requires_grad
+        and "exp_avg" not in loaded.get(names[id(p)], {})
+    ]
+    gaps = []
+    if momenta:
+        gaps.append(f"the Muon momentum of {len(momenta)} matrices ({momenta[:5]})")
+    if moments:
+        gaps.append(f"the AdamW moments of {len(moments)} parameters ({moments[:5]})")
+    return gaps
 
 
 def as_tuple(optimizers: torch.optim.Optimizer | Iterable[torch.optim.Optimizer]) -> tuple:
@@ -316,7 +344,11 @@ def set_dedicated_optimizer_state_dict(
     # groups: its moments fit this optimizer's AdamW groups, and nothing fits Muon's.
     loaded.foreign = bool(loaded.groups) and all("algorithm" not in g for g in loaded.groups)
     if loaded.foreign and options.strict:
-        raise ValueError(_FOREIGN_HINT)
+        # torch.optim.Muon + AdamW (a migration) hold everything this optimizer keeps but
+        # its settings, which stay this optimizer's.
+        gaps = _foreign_gaps(loaded.state, state, optimizers, names)
+        if gaps:
+            raise ValueError(_FOREIGN_HINT.format(missing="; ".join(gaps)))
     # Parameters whose groups have the checkpoint's variant (the same on every rank).
     same_variant = (
         set() if loaded.foreign else _same_variant(optimizers, loaded.groups, names, options)
@@ -390,7 +422,7 @@ def _group_source(
 ) -> dict[str, Any] | None:
     """The loaded group whose settings ``group`` takes; refuse one of another algorithm."""
     source = next((g for g in loaded.groups if fqns and fqns[0] in g["params"]), None)
-    if loaded.foreign:  # this optimizer's own settings; only the AdamW moments load
+    if loaded.foreign:  # this optimizer's own settings; the momenta and moments load
         source = {k: v for k, v in group.items() if k != "params"}
     if source is None and fqns:
         if options.strict:

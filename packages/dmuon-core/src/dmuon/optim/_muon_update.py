@@ -18,6 +18,7 @@ from torch import Tensor
 
 from dmuon._comm import Communicator
 from dmuon._ownership.param import DedicatedParam
+from dmuon._ownership.placement import state_to_param
 from dmuon._ownership.replica_updates import UpdateSlot
 from dmuon._ownership.runtime import DedicationRuntime
 from dmuon._ownership.step_arithmetic import (
@@ -390,6 +391,7 @@ def step_inputs(
     seconds: list[Tensor | None] = []
     for dp, grad in kept:
         state = states[dp.param]
+        state_to_param(state, dp.param)  # made before the model moved
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
         if normuon and SECOND_MOMENT not in state:
