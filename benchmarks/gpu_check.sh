@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# One GPU machine, under 8 minutes: the CUDA tests, a short CUDA/NCCL side-by-side benchmark
-# (`small` and `base`) and the optimizer step alone on the GPU.
+# One GPU machine, under 8 minutes: every test marked `cuda` (tests/core: test_cuda.py,
+# test_comm_pieces.py, test_integrations_cuda.py, test_torchtitan_cuda.py), a short
+# CUDA/NCCL side-by-side benchmark (`small` and `base`) and the optimizer step alone on the
+# GPU.
 #
 #   bash benchmarks/gpu_check.sh
 #
 # Results: benchmarks/results/cuda-small-nN.json, cuda-base-nN.json,
-# optimizer_step_cuda.json and cuda-tests.log (the CUDA tests' pytest output) (N = GPUs used, at most 2); each stage's output also goes to
+# optimizer_step_cuda.json, cuda-tests.log (the CUDA tests' pytest output) and gpu-check.json
+# (each stage's exit status and seconds, and the whole run's) (N = GPUs used, at most 2);
+# each stage's output also goes to
 # $LOG_DIR (default benchmarks/results/gpu-logs). PY picks the interpreter (default
 # .venv/bin/python if it exists, else python3). Where `dmuon` is not installed (a machine
 # with its own torch), the sources are put on PYTHONPATH. Each stage runs under its own time
@@ -26,6 +30,7 @@ export PYTHONUNBUFFERED=1
 LOG_DIR=${LOG_DIR:-benchmarks/results/gpu-logs}
 mkdir -p "$LOG_DIR"
 failed=()
+stages=()
 
 stage() {  # stage NAME SECONDS COMMAND...
     local name=$1 limit=$2 start=$SECONDS status
@@ -34,6 +39,7 @@ stage() {  # stage NAME SECONDS COMMAND...
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$LOG_DIR/$name.log"
     status=${PIPESTATUS[0]}
     echo "=== $name: exit $status after $((SECONDS - start))s"
+    stages+=("$name $status $((SECONDS - start))")
     if [[ $status -ne 0 ]]; then failed+=("$name"); fi
 }
 
@@ -46,15 +52,22 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
 EOF
 NPROC=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
 
-stage tests 90 "$PY" -m pytest tests/core/test_cuda.py -q -p no:cacheprovider
+stage tests 150 "$PY" -m pytest tests/core -m cuda -q -p no:cacheprovider -rs
 cp "$LOG_DIR/tests.log" benchmarks/results/cuda-tests.log  # the docs cite its summary line
-stage bench-small 200 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model small \
+stage bench-small 140 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model small \
     --accum 1 4 8 --steps 5 --save-partial --name "cuda-small-n$NPROC"
 stage bench-base 100 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model base \
     --accum 1 8 --steps 5 --save-partial --name "cuda-base-n$NPROC"
 stage optimizer-step 60 "$PY" benchmarks/optimizer_step.py --device cuda --model small,base \
     --rounds 20 --warmup 3 --json benchmarks/results/optimizer_step_cuda.json
 
+printf '%s\n' "${stages[@]}" | "$PY" -c '
+import json, sys
+rows = [line.split() for line in sys.stdin if line.strip()]
+stages = {name: {"exit": int(code), "seconds": int(secs)} for name, code, secs in rows}
+json.dump({"stages": stages, "seconds": int(sys.argv[1])}, open(sys.argv[2], "w"), indent=2)
+' "$SECONDS" benchmarks/results/gpu-check.json
+echo "gpu_check: ${SECONDS}s in all"
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "failed stages: ${failed[*]}"
     exit 1

@@ -170,3 +170,32 @@ def test_a_replicas_update_gives_the_steppers_bits_on_cuda(master_dtype: torch.d
             master.view(torch.int16 if master_dtype == torch.bfloat16 else torch.int32),
             expected.view(torch.int16 if master_dtype == torch.bfloat16 else torch.int32),
         )
+
+
+def test_adamw_half_is_torchs_fused_adamw_on_cuda() -> None:
+    """`dmuon.Muon`'s AdamW group runs torch's fused kernel on CUDA: three steps of a
+    model's other parameters equal ``torch.optim.AdamW(fused=True)``'s bit for bit, and the
+    step counters live on the GPU as torch's fused optimizer keeps them."""
+    torch.manual_seed(0)
+    plain = TinyLlama(vocab=64, dim=32, hidden=64, n_layers=2).cuda()
+    ours = copy.deepcopy(plain)
+    dmuon.dedicate_params(ours)
+    names = {d.fqn for d in dmuon.dedicated_parameters(ours)}
+    # Muon at lr 0: the matrices stay as the plain model's, so both see the same gradients.
+    optimizer = dmuon.Muon(ours, lr=0.0, weight_decay=0.0, adamw_lr=1e-3, adamw_weight_decay=0.01)
+    others = [p for n, p in plain.named_parameters() if n not in names]
+    reference = torch.optim.AdamW(others, lr=1e-3, weight_decay=0.01, fused=True)
+    tokens = torch.randint(0, 64, (2, 12), device="cuda")
+    for _ in range(3):
+        for model in (plain, ours):
+            model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        reference.step()
+        optimizer.zero_grad()
+        reference.zero_grad()
+    mine = dict(ours.named_parameters())
+    for name, p in plain.named_parameters():
+        if name not in names:
+            assert torch.equal(mine[name], p), name
+    steps = [s["step"] for p, s in optimizer.state.items() if "step" in s]
+    assert steps and all(step.is_cuda for step in steps)

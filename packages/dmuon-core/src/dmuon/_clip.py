@@ -130,21 +130,37 @@ def _global_norm(
     reduce: Reduce,
 ) -> Tensor:
     """Combine the local parts into the global norm (float64): one all-reduce per group."""
+    norms = _part_norms(parts, norm_type, device)
     if norm_type == math.inf:
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for grad, _ in parts:
-            if grad.numel():
-                total = torch.maximum(total, grad.detach().abs().max().to(device, torch.float64))
+        for local in norms:
+            total = torch.maximum(total, local)
         for group in groups:
             reduce(total, dist.ReduceOp.MAX, group)
         return total
     total = torch.zeros((), dtype=torch.float64, device=device)
-    for grad, replicas in parts:
-        local = torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64) ** norm_type
-        total += local.to(device) / replicas
+    for local, (_, replicas) in zip(norms, parts, strict=True):
+        total += local**norm_type / replicas
     for group in groups:
         reduce(total, dist.ReduceOp.SUM, group)
     return total ** (1.0 / norm_type)
+
+
+def _part_norms(parts: Parts, norm_type: float, device: torch.device) -> list[Tensor]:
+    """Each part's ``norm_type``-norm as a float64 scalar on ``device``: one
+    ``torch._foreach_norm`` per device and dtype, accumulated in float32 (float64 for
+    float64 gradients), so no gradient is copied into a wider dtype."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, (grad, _) in enumerate(parts):
+        if grad.numel():
+            by_kind.setdefault((grad.device, grad.dtype), []).append(index)
+    norms = [torch.zeros((), dtype=torch.float64, device=device) for _ in parts]
+    for (_, dtype), indices in by_kind.items():
+        wide = torch.promote_types(dtype, torch.float32)
+        grads = [parts[i][0].detach() for i in indices]
+        for i, norm in zip(indices, torch._foreach_norm(grads, norm_type, dtype=wide), strict=True):
+            norms[i] = norm.to(device, torch.float64)
+    return norms
 
 
 @torch.no_grad()

@@ -36,10 +36,13 @@ class Arena:
         return self.block.numel()
 
     def reserve(self, nbytes: int) -> bool:
-        """Make the block hold at least ``nbytes``; ``True`` when it had to grow (views
-        carved before then no longer share it)."""
+        """Make the block hold at least ``nbytes``; ``True`` when it had to grow.
+
+        The old block is dropped before the new one is allocated, so the two are never
+        alive together: drop every view carved from it first (`Workspaces` does)."""
         if nbytes <= self.block.numel():
             return False
+        self.block = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         return True
 

@@ -90,9 +90,13 @@ class Workspaces:
             return ws
         arena = self._arenas.setdefault(device, Arena(device))
         rows, cols = shape
-        if arena.reserve(workspace_nbytes(batch, rows, cols, dtype, device, gram, out_dtype)):
+        needed = workspace_nbytes(batch, rows, cols, dtype, device, gram, out_dtype)
+        if needed > arena.nbytes:
+            # The workspaces carved from the old block go first, so that the old and the
+            # new block are never alive together.
             for stale in [k for k in self._cache if k[3] == device]:
                 del self._cache[stale]
+            arena.reserve(needed)
         allocate, _ = arena.carver()
         ws = self._cache[key] = NewtonSchulzWorkspace(
             batch, rows, cols, dtype, device, gram=gram, allocate=allocate, out_dtype=out_dtype

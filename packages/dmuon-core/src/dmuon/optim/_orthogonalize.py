@@ -240,11 +240,11 @@ class NewtonSchulzWorkspace:
         # costs accuracy (measured: the smallest singular value fell below the band).
         self._fold_identity = torch.finfo(dtype).bits >= 32
         if self.gram:
-            self._iterate = self._run_gram
+            self._iterate = NewtonSchulzWorkspace._run_gram
         elif self._long_first:
-            self._iterate = self._run_long_first
+            self._iterate = NewtonSchulzWorkspace._run_long_first
         else:
-            self._iterate = self._run_standard
+            self._iterate = NewtonSchulzWorkspace._run_standard
         square = (batch, self.short, self.short)
         count = 5 if self.gram else 2
         self._small = [empty(square, dtype) for _ in range(count)]
@@ -279,7 +279,7 @@ class NewtonSchulzWorkspace:
             one_at_a_time and CPU_SYMMETRIC_BLOCKS and not self.gram and not emulated_bf16
         )
         if self._blocked:
-            self._iterate = self._run_blocked
+            self._iterate = NewtonSchulzWorkspace._run_blocked
             h = self.short // 2
             scratch = empty((h, self.short - h), dtype)
             scratch_t = empty((self.short - h, h), dtype)
@@ -299,7 +299,7 @@ class NewtonSchulzWorkspace:
             # (torch.div(..., out=) into another dtype would allocate a temporary.)
             self._x.copy_(self.source.mT if self._result_transposed else self.source)
         for x, y, small in self._chunks:
-            last = self._iterate(x, y, small, triples)
+            last = self._iterate(self, x, y, small, triples)
         result = self._y if last is y else self._x  # every chunk ends in the same buffer
         return result.mT if self._result_transposed else result
 
