@@ -44,9 +44,13 @@ SCHEMA_TESTS := tests/server/test_server_schemathesis.py
 # Plugins only the schemathesis module needs stay unloaded elsewhere: 1.2 s of start-up
 # for each pytest process (the two workers and their controller).
 LEAN := -p no:schemathesis -p no:hypothesispytest -p no:anyio
+# Progress: one line per finished test file (its kind, counts and time), no dots; the
+# slowest tests are listed at the end, and each of the two runs prints its time.
+timed = start=$$(date +%s); status=0; $(2) || status=$$?; \
+	echo "make test: $(1) took $$(( $$(date +%s) - start )) s"; exit $$status
 test: setup
-	$(BIN)/python -m pytest -n 2 --dist loadfile --ignore=$(SCHEMA_TESTS) $(LEAN)
-	$(BIN)/python -m pytest $(SCHEMA_TESTS)
+	@$(call timed,pytest,$(BIN)/python -m pytest -n 2 --dist loadfile --file-progress --ignore=$(SCHEMA_TESTS) $(LEAN))
+	@$(call timed,schemathesis,$(BIN)/python -m pytest --file-progress $(SCHEMA_TESTS))
 
 # The tests that start no process, server, site build or browser (kinds are marked by
 # tests/conftest.py: pure, subprocess, multi_process, live_server, site_build, browser).

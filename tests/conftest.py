@@ -1,18 +1,28 @@
-"""What every test run shares: in CI, a skip must have a declared environment reason.
+"""What every test run shares: in CI, a skip must have a declared environment reason; no
+process a test started outlives pytest.
 
 A test that skips for any other reason (a broken import, a missing tool that CI installs)
 would let a broken suite pass, so under ``CI=true`` such a skip is reported as a failure.
 The declared reasons are the hardware CI machines lack.
+
+When pytest ends, however it ends (Ctrl-C and ``timeout -s INT`` included), each pytest
+process (the controller and every xdist worker) terminates what is left of the processes
+it started, their own sessions included (rank processes, servers, torchrun jobs), and
+kills those still alive 3 seconds later.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
 from collections.abc import Iterator
 
 import pytest
+
+#: One line per finished test file (``--file-progress``, which ``make test`` passes).
+pytest_plugins = ["file_progress"]
 
 #: Skips CI accepts: the machines it runs on have no GPU.
 DECLARED_CI_SKIPS = re.compile(r"\bCUDA\b")
@@ -81,6 +91,28 @@ def _kind(item: pytest.Item) -> str:
     if "subprocess" in names or fixtures & {"client", "spawned"}:
         return "subprocess"
     return "pure"
+
+
+def _end_descendants(grace: float = 3.0) -> None:
+    """Terminate this process's remaining descendants; kill those alive after ``grace``."""
+    import psutil
+
+    try:
+        left = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    for child in left:
+        with contextlib.suppress(psutil.Error):
+            child.terminate()
+    _, alive = psutil.wait_procs(left, timeout=grace)
+    for child in alive:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """No process a test started outlives pytest (see the module docstring)."""
+    _end_descendants()
 
 
 def pytest_configure(config: pytest.Config) -> None:

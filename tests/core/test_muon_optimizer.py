@@ -449,7 +449,9 @@ def test_grad_norm_single_process() -> None:
     for dp in get_dedication(model).params:
         dp.param._reduced_grad = dp.param.grad.clone()
         dp.param.grad = None
-    assert opt.grad_norm() == pytest.approx(expected, rel=1e-12)
+    # Each gradient's norm accumulates in float32 (as torch's clip_grad_norm_ does: no
+    # float64 copy of any gradient); they are combined in float64.
+    assert opt.grad_norm() == pytest.approx(expected, rel=1e-6)
 
 
 # ------------------------------------------------------------------------------ errors
@@ -593,8 +595,11 @@ def test_gram_switch_matches_standard_iteration(dtype: torch.dtype) -> None:
     # Oracle: the same optimizer with the standard iteration (itself checked against the
     # written-out algorithm and torch.optim.Muon above). float32: the Gram iteration differs
     # from it by float32 rounding only, measured 2.2e-7 after 5 steps (bound 1e-5, i.e. 1e-3
-    # of the adjusted lr 0.02 * 0.2 * sqrt(64) = 0.032 per step). bfloat16 never takes the
-    # Gram path, so the two runs are bit-identical.
+    # of the adjusted lr 0.02 * 0.2 * sqrt(64) = 0.032 per step). Asked for in bfloat16,
+    # the Gram path runs in float16 while the standard one runs in bfloat16: the runs differ
+    # by bfloat16's rounding of the update, 2^-8 relative on entries of at most the
+    # adjusted lr, a couple of ulps a step: bound 5 steps x 0.032 x 2 x 2^-8 = 1.25e-3
+    # (measured 5.2e-4).
     names = ["up.weight", "down.weight"]
     models = []
     for gram in (True, False):
@@ -607,7 +612,7 @@ def test_gram_switch_matches_standard_iteration(dtype: torch.dtype) -> None:
     if dtype == torch.float32:
         assert 0 < diff <= 1e-5
     else:
-        assert diff == 0
+        assert 0 < diff <= 5 * 0.032 * 2 * 2**-8
 
 
 def test_rejects_non_bool_ns_gram() -> None:

@@ -28,7 +28,9 @@ from dmuon.optim import (
     resolve_coefficients,
     uses_gram,
 )
+from dmuon.optim import _gram as gram_module
 from dmuon.optim import _orthogonalize as orthogonalize
+from dmuon.optim._gram import gram_restarts
 
 # Published numbers (facts.md), retyped here so the oracle does not share the code's constants.
 KELLER = (3.4445, -4.7750, 2.0315)
@@ -280,12 +282,85 @@ def test_gram_matches_svd_oracle_like_standard(coef: str, shape: tuple) -> None:
     assert abs(gram_err - std_err) <= 1e-4
 
 
-def test_gram_is_not_used_in_bfloat16() -> None:
-    # bfloat16 keeps the standard iteration: gram=True and gram=False are bit-identical.
-    assert not uses_gram(32, 96, dtype=torch.bfloat16)
+def test_a_16_bit_gram_iteration_runs_in_float16() -> None:
+    """Asked for in bfloat16, the Gram iteration runs in float16 (never bfloat16, whose
+    rounding turns the Gram matrix's small eigenvalues negative): the same bits as asking
+    for float16, and the result comes back in float16 before the caller's cast."""
+    assert uses_gram(32, 96, dtype=torch.bfloat16)
+    assert orthogonalize.iteration_dtype(32, 96, True, torch.bfloat16) == torch.float16
+    assert orthogonalize.iteration_dtype(32, 40, True, torch.bfloat16) == torch.bfloat16
     G, *_ = _spectrum_matrix(32, 96, seed=11)
     on = newton_schulz(G.float(), dtype=torch.bfloat16, gram=True)
-    assert torch.equal(on, newton_schulz(G.float(), dtype=torch.bfloat16, gram=False))
+    assert torch.equal(on, newton_schulz(G.float(), dtype=torch.float16, gram=True))
+    ws = orthogonalize.NewtonSchulzWorkspace(1, 32, 96, torch.bfloat16, torch.device("cpu"))
+    ws.source.copy_(G.float())
+    assert ws.run([(3.4445, -4.7750, 2.0315)] * 5, 1e-7).dtype == torch.float16
+
+
+def _polar_error(X: torch.Tensor, polar: torch.Tensor) -> float:
+    return ((X.double() - polar).norm() / polar.norm()).item()
+
+
+def _conditioned(rows: int, cols: int, kind: str, seed: int) -> torch.Tensor:
+    """A random Gaussian matrix, or one with singular values spread log-evenly over
+    1e-3..1 (an ill-conditioned momentum)."""
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        return torch.randn(rows, cols, generator=gen)
+    m = min(rows, cols)
+    U, _ = torch.linalg.qr(torch.randn(rows, m, generator=gen, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(cols, m, generator=gen, dtype=torch.float64))
+    return ((U * torch.logspace(-3, 0, m, dtype=torch.float64)) @ V.T).float()
+
+
+@pytest.mark.parametrize("kind", ["random", "ill-conditioned"])
+@pytest.mark.parametrize("shape", [(96, 384), (384, 96), (64, 512)])
+def test_the_float16_gram_iteration_is_as_close_to_the_polar_factor_as_bfloat16(
+    kind: str, shape: tuple
+) -> None:
+    """Against the float64 polar factor ``U Vᵀ`` (relative Frobenius error): the float16
+    Gram iteration with its restart is within torch.optim.Muon's bfloat16 error and within
+    2% of the standard bfloat16 iteration it replaces; the float32 Gram iteration within
+    1e-3 of the float32 standard one. Without the restart the float16 Gram iteration does
+    worse on ill-conditioned matrices (measured 0.38 against 0.25 at 128 x 512)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    G = _conditioned(*shape, kind, seed=sum(shape))
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    polar = U @ Vh
+    gram16 = _polar_error(newton_schulz(G, dtype=torch.float16, gram=True), polar)
+    standard_bf16 = _polar_error(newton_schulz(G, dtype=torch.bfloat16), polar)
+    torch_bf16 = _polar_error(_zeropower_via_newtonschulz(G, KELLER, 5, 1e-7), polar)
+    assert gram16 <= torch_bf16, (gram16, torch_bf16)
+    assert gram16 <= 1.02 * standard_bf16, (gram16, standard_bf16)
+    gram32 = _polar_error(newton_schulz(G, dtype=torch.float32, gram=True), polar)
+    standard32 = _polar_error(newton_schulz(G, dtype=torch.float32), polar)
+    assert abs(gram32 - standard32) <= 1e-3
+
+
+def test_the_restart_is_what_keeps_float16_accurate(monkeypatch: Any) -> None:
+    G = _conditioned(128, 512, "ill-conditioned", seed=3)
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    restarted = _polar_error(newton_schulz(G, dtype=torch.float16, gram=True), U @ Vh)
+    monkeypatch.setattr(gram_module, "GRAM_RESTARTS", ())
+    plain = _polar_error(newton_schulz(G, dtype=torch.float16, gram=True), U @ Vh)
+    assert restarted < 0.8 * plain, (restarted, plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(3, 32, 96), (3, 96, 32)])
+def test_the_planner_counts_the_gram_iterations_flops(dtype: torch.dtype, shape: tuple) -> None:
+    """`newton_schulz_flops` (the planner's) against torch's FLOP counter, restarts included."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dmuon._ownership.planner import newton_schulz_flops
+
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(2))
+    with FlopCounterMode(display=False) as counter:
+        newton_schulz(G, dtype=dtype, gram=True)
+    restarts = len(gram_restarts(5, dtype))
+    assert restarts == (1 if dtype == torch.float16 else 0)
+    assert counter.get_total_flops() == newton_schulz_flops(shape, 5, True, restarts)
 
 
 def test_gram_switch_and_threshold() -> None:

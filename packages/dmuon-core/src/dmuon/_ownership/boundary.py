@@ -105,7 +105,8 @@ class Boundary:
 
     def grad_leaves(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(fqn, full-tensor view) pairs whose gradients this boundary reduces."""
-        yield from self.buffer.grad_leaves()
+        for view in self.buffer.views:
+            yield view.name, view.leaf
 
     def sync_requires_grad(self, on_grad: Any) -> bool:
         """Leaves follow their holders' ``requires_grad``; return whether any needs grads.
@@ -122,13 +123,13 @@ class Boundary:
 
     def register_views(self) -> None:
         """Put the full-matrix views on their modules (forward and recomputation use them)."""
-        for module, attr, leaf in self.buffer.registered_views():
-            module._parameters[attr] = leaf
+        for view in self.buffer.views:
+            view.module._parameters[view.attr] = view.leaf
 
     def register_params(self) -> None:
         """Put the registered parameters (master / placeholder) back on their modules."""
-        for module, attr, param in self.buffer.placeholders():
-            module._parameters[attr] = param
+        for view in self.buffer.views:
+            view.module._parameters[view.attr] = view.holder
 
     def covered_by_fsdp(self, root: nn.Module) -> bool:
         """Whether ``fully_shard`` wraps this boundary's module or one of its ancestors."""

@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from dmuon._comm import Communicator, Pending
-from dmuon._ownership import gradients
+from dmuon._ownership import aliasing, gradients
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.tp_integration import local_grad
 
@@ -160,6 +160,8 @@ class FlatBuffer:
         self.buffer = torch.empty(self.numel, dtype=dtype, device=device)
         self._nbytes = self.numel * self.buffer.element_size()
         self.state = BufferState.STALE
+        #: One process: the masters are views of this buffer (`dmuon._ownership.aliasing`).
+        self.aliased = False
         self.reduce_state = ReduceState.IDLE
         self._broadcasts: list[Pending] = []
         self._reduces: list[Pending] = []
@@ -226,6 +228,7 @@ class FlatBuffer:
                      lo, hi, list(covered), name)
             )  # fmt: skip
         flat.free()  # the views were made on the storage; they stay when it goes
+        aliasing.alias(flat)
         return flat
 
     def _leaf_over(self, lo: int, hi: int, holder: nn.Parameter, first: int) -> nn.Parameter:
@@ -243,33 +246,23 @@ class FlatBuffer:
     ) -> None:
         """Compute in ``dtype``, reduce in ``reduce_dtype``, on ``device`` (default: here),
         holding no values or gradient yet; the views are made again over the new storage."""
+        aliasing.unalias(self)
         if self.state is not BufferState.FREED or any(v.leaf.grad is not None for v in self.views):
             raise RuntimeError(f"a flat buffer{self.label} can change dtype only before use")
         self.reduce_dtype = reduce_dtype
         requested = self._requested_broadcast_dtype
         self.broadcast_dtype = None if requested in (None, dtype) else requested
         if (dtype, device or self.buffer.device) == (self.buffer.dtype, self.buffer.device):
-            return
+            return aliasing.alias(self)
         self.buffer = torch.empty(self.numel, dtype=dtype, device=device or self.buffer.device)
         self._nbytes = self.numel * self.buffer.element_size()
         for view in self.views:
             view.leaf = self._leaf_over(view.lo, view.hi, view.holder, view.entries[0])
         self.state = BufferState.STALE
         self.free()
+        aliasing.alias(self)
 
     # ----- what the boundary registers ----------------------------------------------------
-    def registered_views(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
-        """``(module, attribute, full-tensor view)`` for forward and backward."""
-        return [(view.module, view.attr, view.leaf) for view in self.views]
-
-    def placeholders(self) -> list[tuple[nn.Module, str, nn.Parameter]]:
-        """``(module, attribute, registered parameter)`` between forwards."""
-        return [(view.module, view.attr, view.holder) for view in self.views]
-
-    def grad_leaves(self) -> list[tuple[str, nn.Parameter]]:
-        """``(fqn, leaf)`` whose gradients this buffer reduces."""
-        return [(view.name, view.leaf) for view in self.views]
-
     def sync_requires_grad(self) -> bool:
         """Give each leaf its holder's ``requires_grad`` (frozen and unfrozen since
         dedication); return whether any leaf needs a gradient."""
@@ -344,13 +337,13 @@ class FlatBuffer:
     def free(self) -> None:
         """Release the buffer's storage; the views stay, pointing at no memory."""
         self.wait_unshard()
-        if self.state is not BufferState.FREED:
+        if self.state is not BufferState.FREED and not self.aliased:
             self.buffer.untyped_storage().resize_(0)
             self.state = BufferState.FREED
 
     def changed_since_broadcast(self) -> list[str]:
         """Owned records edited in place while their broadcast values are still in use."""
-        if self.state is not BufferState.VALID:
+        if self.state is not BufferState.VALID or self.aliased:
             return []
         return [
             self.entries[index].record.name
@@ -360,6 +353,8 @@ class FlatBuffer:
 
     def invalidate(self) -> None:
         """The owners' values changed: the next use must broadcast again."""
+        if self.aliased:  # the buffer is the masters; one may have been given new storage
+            return aliasing.realias(self)
         self.wait_unshard()
         if self.state is BufferState.VALID:
             self.state = BufferState.STALE

@@ -73,7 +73,9 @@ def newton_schulz_cost(shape: Sequence[int]) -> int:
     return count * (2 * m * m * n + m**3)
 
 
-def newton_schulz_flops(shape: Sequence[int], steps: int, gram: bool = False) -> int:
+def newton_schulz_flops(
+    shape: Sequence[int], steps: int, gram: bool = False, restarts: int = 0
+) -> int:
     """FLOPs of ``steps`` Newton-Schulz iterations on a matrix (or a 3-D stack), as
     `torch.utils.flop_counter.FlopCounterMode` counts them: 2 per multiply-add.
 
@@ -81,13 +83,15 @@ def newton_schulz_flops(shape: Sequence[int], steps: int, gram: bool = False) ->
     (``gram``: `dmuon.Muon(ns_gram=True)` where `dmuon.optim.uses_gram` says so) forms
     ``R = X Xᵀ`` once (``m² n``), runs on ``m x m`` matrices (``m³`` for the first step,
     ``4 m³`` for each later one) and applies the result to ``X`` once (``m² n``):
-    ``2 m² n + (4 steps - 3) m³`` multiply-adds per matrix.
+    ``2 m² n + (4 steps - 3) m³`` multiply-adds per matrix. Each of ``restarts`` (a 16-bit
+    Gram iteration's, `dmuon.optim.GRAM_RESTARTS`) applies ``Q`` to ``X`` and forms ``R``
+    afresh (``2 m² n``) and skips one update of ``R`` and one of ``Q`` (``3 m³``).
     """
     if not gram:
         return 2 * steps * newton_schulz_cost(shape)
     count = int(shape[0]) if len(shape) == 3 else 1
     m, n = sorted((int(shape[-2]), int(shape[-1])))
-    return 2 * count * (2 * m * m * n + (4 * steps - 3) * m**3)
+    return 2 * count * (2 * (1 + restarts) * m * m * n + (4 * steps - 3 - 3 * restarts) * m**3)
 
 
 #: ``split_expert_stacks`` values: always split stacks, never, or when it balances better.

@@ -460,7 +460,8 @@ class DedicationRuntime:
     def check_synchronised(self) -> None:
         """Raise before a step that could not change the dedicated weights it should
         (`dmuon._ownership.guards.refuse_unsynchronised_step`)."""
-        refuse_unsynchronised_step(self.unsynced_backwards, self.params)
+        hooked = [e.record for b in self.boundaries for e in b.buffer.entries]
+        refuse_unsynchronised_step(self.unsynced_backwards, hooked)
 
     def clear_gradients(self, set_to_none: bool = True) -> None:
         """Clear (or zero) every stored gradient of every dedicated parameter."""

@@ -34,6 +34,7 @@ from dmuon.optim._orthogonalize import (
     CoefficientTriple,
     NewtonSchulzWorkspace,
     default_ns_dtype,
+    iteration_dtype,
 )
 from dmuon.optim._split import matrix_pieces
 from dmuon.optim._tensor_parallel import tp_updates
@@ -352,7 +353,9 @@ def update_dtypes(
             if group["variant"] == "normuon" or dp.tp_sharded:
                 dtypes[dp.fqn] = p.dtype
             else:
-                dtypes[dp.fqn] = group["ns_dtype"] or default_ns_dtype(p.device)
+                asked = group["ns_dtype"] or default_ns_dtype(p.device)
+                rows, cols = dp.out_in_shape
+                dtypes[dp.fqn] = iteration_dtype(rows, cols, group.get("ns_gram", False), asked)
     return lambda dp: dtypes.get(dp.fqn, dp.param.dtype)
 
 

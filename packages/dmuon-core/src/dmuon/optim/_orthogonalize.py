@@ -36,10 +36,19 @@ from dmuon.optim._coefficients import (
     _is_real,
     resolve_coefficients,
 )
+from dmuon.optim._gram import (
+    GRAM_MIN_ASPECT,
+    GRAM_RESTARTS,
+    gram_dtype,
+    iteration_dtype,
+    run_gram,
+    uses_gram,
+)
 
 __all__ = [
     "COEFFICIENT_SETS",
     "GRAM_MIN_ASPECT",
+    "GRAM_RESTARTS",
     "KELLER_COEFFICIENTS",
     "POLAR_EXPRESS_COEFFICIENTS",
     "POLAR_EXPRESS_PUBLISHED_COEFFICIENTS",
@@ -50,6 +59,8 @@ __all__ = [
     "cpu_bf16_unit",
     "cpu_has_native_bf16",
     "default_ns_dtype",
+    "gram_dtype",
+    "iteration_dtype",
     "newton_schulz",
     "resolve_coefficients",
     "uses_gram",
@@ -133,30 +144,6 @@ def _check_eps(eps: object) -> float:
     return float(eps)
 
 
-GRAM_MIN_ASPECT: float = 2.0
-"""Long side / short side from which ``gram=True`` switches to the Gram iteration.
-
-Per step the standard iteration costs ``2·m²n + m³`` multiply-adds for an ``m x n`` matrix
-(``m <= n``); the Gram iteration costs ``4·m³`` per step plus ``2·m²n`` once. Over five
-steps the two break even near ``n = 2m``; beyond it the Gram iteration does less work.
-"""
-
-
-def uses_gram(rows: int, cols: int, gram: bool = True, dtype: torch.dtype = torch.float32) -> bool:
-    """Whether a ``rows x cols`` matrix is orthogonalized with the Gram iteration.
-
-    True when ``gram`` is on, the iteration dtype has at least float32's precision, and the
-    long side is at least `GRAM_MIN_ASPECT` times the short one. In 16-bit dtypes the
-    standard iteration is used: the Gram matrix squares the condition number, and with
-    bfloat16's 8 significant bits its small eigenvalues round to negative values that the
-    iteration then amplifies (measured: relative error up to 5e3 on a matrix whose singular
-    values span 1e-2..1, where the standard bfloat16 iteration stays within 1.3e-2).
-    """
-    short, long = min(rows, cols), max(rows, cols)
-    precise = torch.finfo(dtype).bits >= 32
-    return gram and precise and long >= GRAM_MIN_ASPECT * short
-
-
 CPU_ONE_AT_A_TIME_MIN_SIDE: int = 512
 """Short side from which a CPU workspace iterates its matrices one at a time, not batched."""
 
@@ -200,6 +187,7 @@ class NewtonSchulzWorkspace:
     ) -> None:
         empty = allocate or (lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device))
         self.gram = uses_gram(rows, cols, gram, dtype)
+        dtype = iteration_dtype(rows, cols, gram, dtype)
         self.dtype = dtype
         self.short, self.long = min(rows, cols), max(rows, cols)
         tall = rows > cols
@@ -240,7 +228,7 @@ class NewtonSchulzWorkspace:
         # costs accuracy (measured: the smallest singular value fell below the band).
         self._fold_identity = torch.finfo(dtype).bits >= 32
         if self.gram:
-            self._iterate = NewtonSchulzWorkspace._run_gram
+            self._iterate = run_gram
         elif self._long_first:
             self._iterate = NewtonSchulzWorkspace._run_long_first
         else:
@@ -383,35 +371,6 @@ class NewtonSchulzWorkspace:
             plans.append((gram, square_of_a, B.diagonal(), left, right, src, dst))
         return plans
 
-    def _run_gram(
-        self, X0: Tensor, out: Tensor, small: list[Tensor], triples: Sequence[CoefficientTriple]
-    ) -> Tensor:
-        # Every iterate is X_k = Q_k X_0 with Q_k a polynomial of R_0 = X_0 X_0ᵀ, and
-        # X_k X_kᵀ = h R h with h = aI + bR + cR² (all polynomials of R_0 commute). So the
-        # iteration runs on short x short matrices and touches the long side twice.
-        R, Z, T, Q, Q2 = small
-        if self._long_first:  # X0 holds Xᵀ
-            torch.bmm(X0.mT, X0, out=R)
-        else:
-            torch.bmm(X0, X0.mT, out=R)
-        last = len(triples) - 1
-        for k, (a, b, c) in enumerate(triples):
-            torch.baddbmm(R, R, R, beta=b, alpha=c, out=Z)  # Z = bR + cR²
-            if k == 0:
-                Q.copy_(Z)
-                Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = aI + Z
-            else:
-                torch.baddbmm(Q, Z, Q, beta=a, out=Q2)  # Q = (aI + Z) Q
-                Q, Q2 = Q2, Q
-            if k < last:
-                torch.baddbmm(R, R, Z, beta=a, out=T)  # T = R h
-                torch.baddbmm(T, Z, T, beta=a, out=R)  # R = h R h
-        if self._long_first:
-            torch.bmm(X0, Q.mT, out=out)  # (Q X)ᵀ
-        else:
-            torch.bmm(Q, X0, out=out)
-        return out
-
 
 def _newton_schulz_unchecked(
     G: Tensor,
@@ -455,10 +414,11 @@ def newton_schulz(
         eps: lower clamp of the norm, so a zero matrix maps to zero.
         gram: iterate on the short side's Gram matrix ``X Xᵀ`` and apply the result to the
             matrix once, for matrices at least `GRAM_MIN_ASPECT` times wider than tall (or
-            taller than wide) when ``dtype`` is float32 or float64 (see `uses_gram`); other
-            matrices take the standard iteration. Equal to the standard iteration in exact
-            arithmetic; in float32 the two differ by at most 4e-5 per entry (measured, see
-            the Newton-Schulz docs page).
+            taller than wide; see `uses_gram`); other matrices take the standard
+            iteration. Equal to the standard iteration in exact arithmetic; in float32 the
+            two differ by at most 4e-5 per entry (measured, see the Newton-Schulz docs
+            page). With a 16-bit ``dtype`` it runs in float16 with restarts
+            (`GRAM_RESTARTS`), and its result comes back through float16.
 
     Returns:
         A tensor of ``G``'s shape and dtype.

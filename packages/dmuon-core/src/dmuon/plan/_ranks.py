@@ -20,7 +20,7 @@ from dmuon._ownership.replica_updates import record_nbytes, values_nbytes
 from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.split_iterations import block_of, split_iteration_cost
 from dmuon._ownership.tp_integration import spread_over_tp
-from dmuon.optim._orthogonalize import uses_gram
+from dmuon.optim._gram import gram_restarts, uses_gram
 from dmuon.plan._collectives import (
     Span,
     Tally,
@@ -345,15 +345,15 @@ def _rank_plan(
     held_bytes = setup.param_bytes if setup.narrow_masters else FLOAT32
     split, split_flops, split_seconds = _split_share(setup, replica * setup.shard + shard)
     whole = [n for n in orthogonalized if n not in setup.plan.split]
+    restarts = len(gram_restarts(setup.ns_steps, setup.ns_dtype))
     flops = split_flops + sum(
-        newton_schulz_flops(
-            setup.item_shapes[n],
-            setup.ns_steps,
+        newton_schulz_flops(setup.item_shapes[n], setup.ns_steps, gram, restarts if gram else 0)
+        for n in whole
+        for gram in [
             uses_gram(
                 setup.item_shapes[n][1], setup.item_shapes[n][2], setup.ns_gram, setup.ns_dtype
-            ),
-        )
-        for n in whole
+            )
+        ]
     )
     tensor_tallies: dict[str, Tally] = {}
     if sharded_mine:
