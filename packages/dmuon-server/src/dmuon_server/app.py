@@ -55,8 +55,20 @@ def create_app(
     settings = settings or Settings()
     users, identities, store = _open(settings, users)
     hub = Hub()
+
+    def metrics_cap(job_id: str) -> tuple[int, str] | None:
+        job = store.get_job(job_id)
+        limit, source = settings.max_job_metrics_bytes, "--max-job-metrics-bytes"
+        disk = users.limits_of(job.user).disk_gib if job is not None else None
+        if disk is not None and disk * 2**30 < limit:
+            limit, source = int(disk * 2**30), f"user {job.user}'s disk_gib in the users file"
+        return limit, source
+
     tailer = MetricsTailer(
-        store, hub, lambda job_id, text: PublicPaths(settings, settings.job_dir(job_id)).text(text)
+        store,
+        hub,
+        lambda job_id, text: PublicPaths(settings, settings.job_dir(job_id)).text(text),
+        metrics_cap,
     )
 
     def move(job_id: str, state: JobState, reason: str, **kw: Any) -> bool:

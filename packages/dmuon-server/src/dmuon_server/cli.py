@@ -211,6 +211,15 @@ def _capacity_flags(p: argparse.ArgumentParser) -> None:
         help="CPU time of a local job, in CPUs (its cgroup; default: no limit)",
     )
     p.add_argument(
+        "--max-job-metrics-bytes",
+        type=int,
+        default=256 << 20,
+        metavar="BYTES",
+        help="bytes of the server's database one job's metric points and events may take "
+        "(lower where its user's disk_gib is); a job past it is stopped and fails "
+        "(default: 256 MiB)",
+    )
+    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,

@@ -107,6 +107,9 @@ class Settings:
             the job's cgroup (:mod:`dmuon_server.launching.cgroups`).
         max_job_cpus: CPUs' worth of time a local job may use (its cgroup's CPU quota);
             None: the usable CPUs. ``max_job_memory`` is the cgroup's memory limit.
+        max_job_metrics_bytes: Bytes of the server's database a job's metric points and
+            events may take (lower where its user's ``disk_gib`` is lower); a job past it
+            is stopped and fails, naming the limit.
         allowed_hosts: Host names requests may name besides the loopback ones
             (``--allowed-host``); see :mod:`dmuon_server.http.hosts`. Given, they turn the
             ``Host`` and ``Origin`` checks on for a server with a token too.
@@ -144,6 +147,7 @@ class Settings:
     job_env: tuple[str, ...] = ()
     max_job_pids: int = 4096
     max_job_cpus: float | None = None
+    max_job_metrics_bytes: int = 256 << 20
     working_dir: Path = field(default_factory=lambda: Path(os.getcwd()))
 
     @property
@@ -229,6 +233,8 @@ def flag_problem(args: Any) -> str | None:
                          ("--max-job-cpus", args.max_job_cpus)):  # fmt: skip
         if number is not None and not number > 0:
             return f"{flag} must be a positive number"
+    if args.max_job_metrics_bytes < 1 << 20:
+        return "--max-job-metrics-bytes must be at least 1 MiB (1048576)"
     if args.max_job_pids < 16:
         return "--max-job-pids must be at least 16 (torchrun and a rank need a few)"
     for flag, roots in (
@@ -268,6 +274,7 @@ def settings_from_flags(
         ),
         max_job_pids=args.max_job_pids,
         max_job_cpus=args.max_job_cpus,
+        max_job_metrics_bytes=args.max_job_metrics_bytes,
         secret_env=tuple(args.secret_env),
         job_env=tuple(args.job_env),
         launcher=args.launcher,

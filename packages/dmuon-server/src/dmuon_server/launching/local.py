@@ -355,6 +355,10 @@ class LocalLauncher:
             and self.volumes.full(self.settings.job_dir(job.id))
         ):
             self._stop_over_quota(job)
+        over = self.tailer.over_limit.get(job.id)
+        if not ended and over is not None and job.id not in self._over_quota:
+            self._over_quota[job.id] = over  # the metrics it may store: stopped like a quota
+            log.warning("job %s: SIGKILL to %d process(es)", job.id, self._kill(job))
         if not ended:
             deadline = self._cancel_deadline.get(job.id)
             if deadline is not None and time.time() >= deadline:
@@ -409,6 +413,7 @@ class LocalLauncher:
             log.info("job %s: %s (%s)", job.id, outcome.state, outcome.reason)
         self._children.pop(job.id, None)
         self.full_disk.forget(job.id)
+        self.tailer.forget(job.id)
 
     def _restart(self, job: JobRecord, attempt: int, outcome: attempts.Outcome) -> bool:
         """Relaunch a job whose attempt failed, if restarts are left; whether it was.

@@ -18,6 +18,7 @@ cannot be stored, and the server gives back its reserve to record the end
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -143,6 +144,8 @@ class SlurmLauncher:
         self.capacity: int | None = None
         self.launched_total = 0
         self._cancel_deadline: dict[str, float] = {}
+        #: Jobs stopped for a limit of the server's (their metrics), with the cause.
+        self._stopped_by: dict[str, str] = {}
         self._next_query: dict[str, float] = {}
         self.full_disk = FullDisk(settings)
 
@@ -254,6 +257,11 @@ class SlurmLauncher:
             job_id,
             lambda: self.tailer.poll(job_id, path, stream=metrics_stream(attempt), attempt=attempt),
         )
+        over = self.tailer.over_limit.get(job_id)
+        if over is not None and job_id not in self._stopped_by:
+            self._stopped_by[job_id] = over  # past what its metrics may store
+            self._cancel_deadline[job_id] = float("inf")
+            self._scancel(slurm_id)
         deadline = self._cancel_deadline.get(job_id)
         if deadline is not None and time.time() >= deadline:
             log.warning("job %s: grace period over, scancel %s", job_id, slurm_id)
@@ -299,8 +307,15 @@ class SlurmLauncher:
         report = read_exit_report(self.settings.job_dir(job.id))
         end = SchedulerEnd(mapped.state, mapped.reason)
         outcome = attempts.conclude(self.settings, fresh, report, sj.exit_code, end, disk_full=full)
+        stopped_by = self._stopped_by.pop(job.id, None)
+        if stopped_by is not None:  # the server's limit is the cause: a failure, not retried
+            failure = {**(outcome.failure or {}), "limit": stopped_by}
+            outcome = dataclasses.replace(
+                outcome, state=JobState.FAILED, reason=stopped_by, failure=failure, retry=False
+            )
         if attempts.record(self.store, self._move, job.id, attempt, outcome, SLURM_HELD_STATES):
             log.info("job %s: %s (%s)", job.id, outcome.state, outcome.reason)
+        self.tailer.forget(job.id)
 
     # -------------------------------------------------------------------- cancel
 

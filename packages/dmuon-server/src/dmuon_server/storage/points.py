@@ -60,6 +60,16 @@ class PointsTable(Database):
         )
         return int(rows[0]["byte_offset"]) if rows else 0
 
+    def stored_metrics_bytes(self, job_id: str) -> int:
+        """Bytes a job's stored metric points and events take (their text)."""
+        rows = self._query(
+            "SELECT (SELECT COALESCE(SUM(LENGTH(m.data)), 0) FROM metrics m JOIN jobs j "
+            "ON m.job = j.seq WHERE j.id = ?) + (SELECT COALESCE(SUM(LENGTH(message)), 0) "
+            "FROM events WHERE job_id = ?) AS n",
+            (job_id, job_id),
+        )
+        return int(rows[0]["n"]) if rows else 0
+
     def ingest(
         self,
         job_id: str,

@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,17 @@ log = logging.getLogger("dmuon_server.streams.metrics")
 METRICS_STREAM = "metrics"
 #: Largest chunk read from a metrics file in one go.
 _CHUNK = 4 << 20
+#: Longest line of a metrics file that is stored: the contract's points take a few hundred
+#: bytes, so a longer one is rejected (counted, never stored).
+MAX_LINE_BYTES = 64 << 10
+#: The offset of a stream that is read no more: its file shrank, so what follows its old
+#: offset is no longer the lines after those already stored.
+CLOSED_OFFSET = 1 << 62
+#: Rejected lines a job may write before it is stopped (its log stays bounded either way).
+MAX_REJECTED_LINES = 10_000
+#: Seconds between two log records of one job's rejected lines; the lines in between are
+#: counted ("and N more"), never echoed one by one.
+REJECTED_LOG_INTERVAL_S = 60.0
 
 
 def metrics_stream(attempt: int) -> str:
@@ -58,6 +70,8 @@ class ParsedChunk:
     consumed: int = 0
     rejected: list[RejectedLine] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
+    #: Bytes of the lines that became points, events or the summary.
+    kept_bytes: int = 0
 
 
 #: Numeric keys of the metrics contract; a value of another type is moved aside.
@@ -135,20 +149,21 @@ def parse_lines(buf: bytes, *, final: bool) -> ParsedChunk:
         if not line:
             continue
         excerpt = line[:200].decode("utf-8", "replace")
+        if len(line) > MAX_LINE_BYTES:
+            out.rejected.append(RejectedLine(f"longer than {MAX_LINE_BYTES >> 10} KiB", excerpt))
+            continue
+        out.kept_bytes += len(line)
         try:
             obj = json.loads(line)
         except (ValueError, UnicodeDecodeError):
-            out.rejected.append(RejectedLine("not JSON", excerpt))
-            continue
+            why = "not JSON"
         except RecursionError:
-            out.rejected.append(RejectedLine(f"nested deeper than {MAX_DEPTH} levels", excerpt))
-            continue
-        if not isinstance(obj, dict):
-            out.rejected.append(RejectedLine("not a JSON object", excerpt))
-            continue
-        why = unstorable(obj)
+            why = f"nested deeper than {MAX_DEPTH} levels"
+        else:
+            why = "not a JSON object" if not isinstance(obj, dict) else unstorable(obj)
         if why is not None:
             out.rejected.append(RejectedLine(why, excerpt))
+            out.kept_bytes -= len(line)
             continue
         if "event" in obj:
             # Not a point: the recipe's notes such as {"event": "stopped", "step": k, ...}
@@ -231,17 +246,103 @@ class _Subscription:
 PublicText = Callable[[str, str], str]
 
 
-class MetricsTailer:
-    """Moves new lines of jobs' metrics files into the store."""
+#: How many bytes of metric points and events a job may have stored: ``cap_of(job_id)``
+#: (``None``: no limit), and the words that name where that limit comes from.
+MetricsCap = Callable[[str], tuple[int, str] | None]
 
-    def __init__(self, store: Store, hub: Hub, public: PublicText | None = None) -> None:
+
+@dataclass
+class _RejectedLog:
+    """When a job's rejected lines may be logged next, and how many wait to be counted."""
+
+    next_at: float = 0.0
+    unlogged: int = 0
+    total: int = 0
+
+
+class MetricsTailer:
+    """Moves new lines of jobs' metrics files into the store, within each job's limits.
+
+    What a job's metrics cost the server is bounded: a line over `MAX_LINE_BYTES` is
+    rejected; the points and events a job has stored may take at most ``cap_of(job_id)``
+    bytes, and it may write at most `MAX_REJECTED_LINES` rejected lines; a metrics file that
+    shrinks closes its attempt's stream (it is never read again from the start). Past any
+    of these, the job's lines are no longer read and `over_limit` names the cause (the
+    launchers stop the job with it). Rejected lines are logged at most once per
+    `REJECTED_LOG_INTERVAL_S` per job, the others counted.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        hub: Hub,
+        public: PublicText | None = None,
+        cap_of: MetricsCap | None = None,
+    ) -> None:
         """Tail into ``store`` and wake streams through ``hub``; the recipe's event
-        messages are stored as ``public`` shows them."""
+        messages are stored as ``public`` shows them; ``cap_of`` gives each job's limit."""
         self.store = store
         self.hub = hub
         self.public: PublicText = public or (lambda job_id, text: text)
+        self.cap_of: MetricsCap = cap_of or (lambda job_id: None)
         self.points_total = 0
         self.rejected_total = 0
+        #: Per job over a limit: the cause, for the job's failure reason.
+        self.over_limit: dict[str, str] = {}
+        self._stored_bytes: dict[str, int] = {}
+        self._rejected: dict[str, _RejectedLog] = {}
+
+    def forget(self, job_id: str) -> None:
+        """Drop what is kept about a job (its attempt ended and was recorded)."""
+        self.over_limit.pop(job_id, None)
+        self._stored_bytes.pop(job_id, None)
+        log_state = self._rejected.pop(job_id, None)
+        if log_state is not None and log_state.unlogged:
+            log.warning("job %s: and %d more rejected metrics lines", job_id, log_state.unlogged)
+
+    def _log_rejected(self, job_id: str, rejected: list[RejectedLine]) -> None:
+        state = self._rejected.setdefault(job_id, _RejectedLog())
+        now = time.monotonic()
+        for bad in rejected:
+            state.total += 1
+            if now < state.next_at:
+                state.unlogged += 1
+                continue
+            more = f" (and {state.unlogged} more since the last)" if state.unlogged else ""
+            log.warning("job %s: rejected metrics line (%s)%s: %r", job_id, bad.why, more, bad.line)
+            state.unlogged = 0
+            state.next_at = now + REJECTED_LOG_INTERVAL_S
+        if state.total > MAX_REJECTED_LINES and job_id not in self.over_limit:
+            self._stop(
+                job_id,
+                f"stopped: it wrote {state.total:,} lines to its metrics file that are no "
+                f"metric points (at most {MAX_REJECTED_LINES:,}); write one JSON object per "
+                "line, as dmuon.train.log_metrics does",
+            )
+
+    def _within_cap(self, job_id: str, adding: int) -> bool:
+        """Whether ``adding`` more stored bytes keep ``job_id`` within its cap."""
+        cap = self.cap_of(job_id)
+        if cap is None:
+            return True
+        if job_id not in self._stored_bytes:
+            self._stored_bytes[job_id] = self.store.stored_metrics_bytes(job_id)
+        total = self._stored_bytes[job_id] + adding
+        limit, source = cap
+        if total <= limit:
+            self._stored_bytes[job_id] = total
+            return True
+        self._stop(
+            job_id,
+            f"stopped: its metric points and events would take {total:,} bytes of the "
+            f"server's database, over the {limit:,} bytes a job may store ({source}); log "
+            "fewer or smaller values per step",
+        )
+        return False
+
+    def _stop(self, job_id: str, cause: str) -> None:
+        self.over_limit[job_id] = cause
+        log.warning("job %s: %s", job_id, cause)
 
     def poll(
         self,
@@ -260,6 +361,8 @@ class MetricsTailer:
         Returns the number of points stored.
         """
         offset = self.store.get_offset(job_id, stream)
+        if offset >= CLOSED_OFFSET or job_id in self.over_limit:
+            return 0
         stored = noted = 0
         try:
             # A job may put a link (to a file of the server) or a FIFO in its file's place.
@@ -272,8 +375,16 @@ class MetricsTailer:
         with f:
             size = os.fstat(f.fileno()).st_size
             if size < offset:
-                log.warning("metrics file of job %s shrank; re-reading it from the start", job_id)
-                offset = 0
+                # Re-read from the start, a file that restarts would be stored again and
+                # again: the attempt's stream closes, and the job ends on this contract.
+                self.store.ingest(job_id, stream, CLOSED_OFFSET, [])
+                self._stop(
+                    job_id,
+                    f"stopped: its metrics file shrank from {offset:,} to {size:,} bytes "
+                    f"(attempt {attempt}); the service reads it as append-only: append one "
+                    "JSON object per step, never truncate or rewrite it",
+                )
+                return 0
             while True:
                 f.seek(offset)
                 buf = f.read(_CHUNK)
@@ -289,9 +400,10 @@ class MetricsTailer:
                     chunk.consumed = nl + 1 if nl >= 0 else len(buf)
                     excerpt = buf[:200].decode("utf-8", "replace")
                     chunk.rejected.append(RejectedLine("longer than 4 MiB", excerpt))
-                for bad in chunk.rejected:
-                    log.warning("job %s: rejected metrics line (%s): %r", job_id, bad.why, bad.line)
+                self._log_rejected(job_id, chunk.rejected)
                 self.rejected_total += len(chunk.rejected)
+                if job_id in self.over_limit or not self._within_cap(job_id, chunk.kept_bytes):
+                    break
                 offset += chunk.consumed
                 events = [self._event(job_id, obj, attempt) for obj in chunk.events]
                 stored += self._ingest(job_id, stream, offset, chunk, events)
