@@ -16,12 +16,26 @@ is next invalidated (every path that changes weights does that).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from dmuon._ownership.flat_buffer import FlatBuffer
+from dmuon._comm import Communicator
+
+
+class FlatBuffer(Protocol):
+    """What aliasing reads and writes of `dmuon._ownership.flat_buffer.FlatBuffer`."""
+
+    comm: Communicator
+    broadcast_dtype: torch.dtype | None
+    views: list[Any]
+    entries: list[Any]
+    buffer: torch.Tensor
+    numel: int
+    aliased: bool
+    state: Any
+
+    def free(self) -> None: ...
 
 
 def qualifies(flat: FlatBuffer) -> bool:
@@ -57,9 +71,7 @@ def alias(flat: FlatBuffer) -> None:
             place.copy_(entry.record.param.detach())
             entry.record.param.data = place
     flat.aliased = True
-    from dmuon._ownership.flat_buffer import BufferState
-
-    flat.state = BufferState.VALID
+    flat.state = type(flat.state).VALID  # the buffer holds the masters' values, always
 
 
 def realias(flat: FlatBuffer) -> None:

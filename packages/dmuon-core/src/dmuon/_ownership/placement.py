@@ -25,18 +25,33 @@ over two devices.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-if TYPE_CHECKING:
-    from dmuon._ownership.runtime import DedicationRuntime
+from dmuon._comm import Communicator
+from dmuon._ownership.boundary import Boundary
+from dmuon._ownership.param import DedicatedParam
 
 #: ``(device, dtype)`` of the registered dedicated parameters.
 Placement = tuple[torch.device, torch.dtype]
+
+
+class DedicationRuntime(Protocol):
+    """What placement reads and writes of `dmuon._ownership.runtime.DedicationRuntime`."""
+
+    params: list[DedicatedParam]
+    boundaries: Sequence[Boundary]
+    comm: Communicator
+    unsynced_backwards: int
+    placement: Placement
+    fsdp_probe: tuple[tuple[type, ...], torch.Tensor | None] | None
+    _root: nn.Module
+
+    def reduced_grad(self, dp: DedicatedParam) -> torch.Tensor | None: ...
 
 
 def _one(values: Iterable[object], what: str) -> object:

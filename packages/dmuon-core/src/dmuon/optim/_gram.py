@@ -8,15 +8,21 @@ Used by `dmuon.optim._orthogonalize.NewtonSchulzWorkspace` where `uses_gram` say
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from dmuon.optim._coefficients import CoefficientTriple
 
-if TYPE_CHECKING:
-    from dmuon.optim._orthogonalize import NewtonSchulzWorkspace
+
+class NewtonSchulzWorkspace(Protocol):
+    """What the Gram iteration reads of `dmuon.optim._orthogonalize.NewtonSchulzWorkspace`:
+    its iteration dtype and whether the iterate is held as ``Xᵀ``."""
+
+    dtype: torch.dtype
+    _long_first: bool
+
 
 GRAM_MIN_ASPECT: float = 2.0
 """Long side / short side from which ``gram=True`` switches to the Gram iteration.
