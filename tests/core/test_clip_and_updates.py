@@ -154,7 +154,27 @@ def test_grad_norm_is_the_clip_norm_single_process() -> None:
     assert dmuon.clip_grad_norm_(model, 1e9).item() == pytest.approx(expected, rel=1e-6)
 
 
-def test_in_place_edit_in_z2_is_caught_and_parameters_updated_fixes_it() -> None:
+def test_in_place_edit_in_one_process_reaches_the_forward_at_once() -> None:
+    """In one process a boundary's masters are its buffer (`dmuon._ownership.aliasing`):
+    an edit is what the next forward reads, as with the plain model."""
+    model, plain = make_model(Scenario("edit")), make_model(Scenario("edit"))
+    dmuon.dedicate_params(model, reshard_after_forward=False)
+    tokens = _batch(1)
+    with torch.no_grad():
+        _loss(model, tokens)
+        model.layers[0].attn.q_proj.weight.mul_(0.5)
+        plain.layers[0].attn.q_proj.weight.mul_(0.5)
+        assert _loss(model, tokens).item() == pytest.approx(_loss(plain, tokens).item(), abs=1e-6)
+
+
+def test_in_place_edit_in_z2_is_caught_and_parameters_updated_fixes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the buffers are a copy (several ranks; here one process made to keep one), a
+    resident Z2 buffer would go stale: the forward refuses until `parameters_updated`."""
+    from dmuon._ownership import aliasing
+
+    monkeypatch.setattr(aliasing, "qualifies", lambda flat: False)
     model, plain = make_model(Scenario("edit")), make_model(Scenario("edit"))
     dmuon.dedicate_params(model, reshard_after_forward=False)
     tokens = _batch(1)
