@@ -314,7 +314,7 @@ def _conditioned(rows: int, cols: int, kind: str, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["random", "ill-conditioned"])
-@pytest.mark.parametrize("shape", [(96, 384), (384, 96), (64, 512)])
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (32, 320)])
 def test_the_float16_gram_iteration_is_as_close_to_the_polar_factor_as_bfloat16(
     kind: str, shape: tuple
 ) -> None:
@@ -339,7 +339,7 @@ def test_the_float16_gram_iteration_is_as_close_to_the_polar_factor_as_bfloat16(
 
 
 def test_the_restart_is_what_keeps_float16_accurate(monkeypatch: Any) -> None:
-    G = _conditioned(128, 512, "ill-conditioned", seed=3)
+    G = _conditioned(96, 384, "ill-conditioned", seed=3)
     U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
     restarted = _polar_error(newton_schulz(G, dtype=torch.float16, gram=True), U @ Vh)
     monkeypatch.setattr(gram_module, "GRAM_RESTARTS", ())
