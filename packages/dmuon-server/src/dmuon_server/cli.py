@@ -211,15 +211,6 @@ def _capacity_flags(p: argparse.ArgumentParser) -> None:
         help="CPU time of a local job, in CPUs (its cgroup; default: no limit)",
     )
     p.add_argument(
-        "--max-job-metrics-bytes",
-        type=int,
-        default=256 << 20,
-        metavar="BYTES",
-        help="bytes of the server's database one job's metric points and events may take "
-        "(lower where its user's disk_gib is); a job past it is stopped and fails "
-        "(default: 256 MiB)",
-    )
-    p.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -229,6 +220,15 @@ def _capacity_flags(p: argparse.ArgumentParser) -> None:
 
 def _job_flags(p: argparse.ArgumentParser) -> None:
     """What reaches a job and how it runs: environment, account, sandbox, network."""
+    p.add_argument(
+        "--max-job-metrics-bytes",
+        type=int,
+        default=256 << 20,
+        metavar="BYTES",
+        help="bytes of the server's database one job's metric points and events may take "
+        "(lower where its user's disk_gib is); a job past it is stopped and fails "
+        "(default: 256 MiB)",
+    )
     p.add_argument(
         "--secret-env",
         action="append",
