@@ -5,7 +5,7 @@ A test that skips for any other reason (a broken import, a missing tool that CI 
 would let a broken suite pass, so under ``CI=true`` such a skip is reported as a failure.
 The declared reasons are the hardware CI machines lack.
 
-When pytest ends, however it ends (Ctrl-C and ``timeout -s INT`` included), each pytest
+When pytest ends, however it ends (Ctrl-C, SIGTERM and ``timeout`` included), each pytest
 process (the controller and every xdist worker) terminates what is left of the processes
 it started, their own sessions included (rank processes, servers, torchrun jobs), and
 kills those still alive 3 seconds later.
@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -110,13 +111,19 @@ def _end_descendants(grace: float = 3.0) -> None:
             child.kill()
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     """No process a test started outlives pytest (see the module docstring)."""
     _end_descendants()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Register the kinds as markers."""
+    """Register the kinds as markers; SIGTERM (``timeout``'s default) ends the run as
+    Ctrl-C does, so the clean-up above runs in every pytest process."""
+    signal.signal(signal.SIGTERM, _interrupt)
     for kind in KINDS:
         config.addinivalue_line("markers", f"{kind}: a test of kind {kind} (set automatically)")
 
