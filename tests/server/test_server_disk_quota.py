@@ -280,3 +280,18 @@ def test_a_user_over_quota_is_stopped_and_another_users_job_keeps_running(
             assert _end(alice, r.json()["id"])["state"] == "succeeded"
     finally:
         server.stop()
+
+
+def test_the_quota_tools_are_found_without_sbin_on_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root server started with cron's PATH (``/usr/bin:/bin``) used to warn that disk
+    quotas "cannot be held here"; the tools live in /usr/sbin and /sbin."""
+    if os.geteuid() != 0:
+        pytest.skip("loop-mounted volumes need root")
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    data = tmp_path / "data"
+    (data / "jobs").mkdir(parents=True)
+    found, note = UserVolumes.detect(data, data / "jobs")
+    assert found is not None, note
+    assert os.environ["PATH"].split(os.pathsep)[-2:] == ["/usr/sbin", "/sbin"]

@@ -44,6 +44,19 @@ _IMAGE_SUFFIX = ".img"
 #: Tools the volumes need (util-linux and e2fsprogs).
 _TOOLS = ("mount", "umount", "losetup", "mkfs.ext4", "resize2fs", "dumpe2fs", "e2fsck")
 _GIB = 1 << 30
+#: Where the administrator's tools live; cron's and some service units' ``PATH`` lacks them.
+SYSTEM_FOLDERS = ("/usr/sbin", "/sbin")
+
+
+def add_system_folders_to_path() -> None:
+    """Put `SYSTEM_FOLDERS` at the end of this process's ``PATH`` where they are missing,
+    so the volumes' tools (``losetup``, ``mkfs.ext4``) are found as a root shell finds them."""
+    folders = os.environ.get("PATH", "").split(os.pathsep)
+    missing = [f for f in SYSTEM_FOLDERS if f not in folders and os.path.isdir(f)]
+    if missing:
+        os.environ["PATH"] = os.pathsep.join([p for p in folders if p] + missing)
+
+
 #: A volume counts as full below this much free space, or 1% of its size if more: ext4
 #: refuses a large write with a little space left (what it keeps for its own metadata).
 FULL_BELOW_BYTES = 4 << 20
@@ -91,6 +104,7 @@ class UserVolumes:
     def detect(cls, data_dir: Path, jobs_dir: Path) -> tuple[UserVolumes | None, str]:
         """The volumes where this machine can mount them (None otherwise), and a line for
         the start-up log saying which."""
+        add_system_folders_to_path()
         missing = [tool for tool in _TOOLS if shutil.which(tool) is None]
         if os.geteuid() != 0:
             why = "the server does not run as root"
