@@ -25,8 +25,9 @@ def header_dtype(master_dtype: torch.dtype) -> torch.dtype:
 
 def step_scalar(value: float, master_dtype: torch.dtype, device: torch.device) -> Tensor:
     """``value`` as the factor `decay_masters_` and `scale_update_` take: a one-element
-    1-D tensor of `header_dtype` on ``device``."""
-    return torch.tensor([value], dtype=header_dtype(master_dtype), device=device)
+    1-D tensor of `header_dtype` on ``device``, filled there (on CUDA a fill kernel, not a
+    copy from the host that would wait for the stream)."""
+    return torch.full((1,), value, dtype=header_dtype(master_dtype), device=device)
 
 
 def decay_masters_(masters: Iterable[Tensor], factor: Tensor) -> None:

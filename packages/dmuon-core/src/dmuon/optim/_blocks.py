@@ -35,16 +35,15 @@ class Arena:
         """Bytes the block holds."""
         return self.block.numel()
 
-    def reserve(self, nbytes: int) -> bool:
-        """Make the block hold at least ``nbytes``; ``True`` when it had to grow.
+    def reserve(self, nbytes: int) -> None:
+        """Make the block hold at least ``nbytes``.
 
         The old block is dropped before the new one is allocated, so the two are never
         alive together: drop every view carved from it first (`Workspaces` does)."""
         if nbytes <= self.block.numel():
-            return False
+            return
         self.block = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.block = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return True
 
     def carver(self, measure_only: bool = False) -> tuple[Allocate, Callable[[], int]]:
         """``(allocate, used)``: buffers from the block's start on (meta tensors with
