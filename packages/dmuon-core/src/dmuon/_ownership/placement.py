@@ -5,8 +5,8 @@ afterwards: ``model.to("cuda")``, ``model.to(torch.bfloat16)``, ``to_empty``, or
 ``fully_shard``, which moves the parameters it manages to its mesh's device and leaves
 the dedicated ones (taken out of its list) where they were; Accelerate does not move an
 FSDP2 model itself. Before each forward the runtime compares where the model runs with
-where its dedicated masters, flat buffers and communicator are (one comparison of a
-device and a dtype), and on a change:
+where its dedicated masters, flat buffers and communicator are (a pass over the registered
+dedicated parameters' devices and dtypes), and on a change:
 
 * the device is FSDP2's (the device of the parameters ``fully_shard`` manages) when the
   model is sharded, else the one every registered dedicated parameter is on;
@@ -70,10 +70,15 @@ def _fsdp_parameter(root: nn.Module) -> torch.Tensor | None:
     return next((p for p in root.parameters() if isinstance(p, DTensor)), None)
 
 
+def _follows_the_model(dp: DedicatedParam) -> bool:
+    """Whether ``dp``'s tensors take the model's device and dtype: a master that steps here
+    or a placeholder (an HSDP replica's narrow copy keeps its own dtype and device)."""
+    return dp.updates_here or not dp.is_owned
+
+
 def _held(runtime: DedicationRuntime) -> list[nn.Parameter]:
-    """The registered dedicated parameters whose dtype the model sets: masters that step
-    here and placeholders (an HSDP replica's narrow copy keeps its own dtype)."""
-    return [dp.module_param for dp in runtime.params if dp.updates_here or not dp.is_owned]
+    """The registered dedicated parameters whose device and dtype the model sets."""
+    return [dp.module_param for dp in runtime.params if _follows_the_model(dp)]
 
 
 def current_placement(runtime: DedicationRuntime) -> Placement:
@@ -90,7 +95,7 @@ def current_placement(runtime: DedicationRuntime) -> Placement:
     device = probe.device if probe is not None else _one((p.device for p in held), "device")
     dtype = _one((p.dtype for p in held), "dtype")
     assert isinstance(device, torch.device) and isinstance(dtype, torch.dtype)
-    if device.type == "meta" or any(p.is_meta for p in held[:1]):
+    if device.type == "meta" or held[0].is_meta:
         return runtime.placement  # not materialised yet: nothing to follow
     return _normalized(device), dtype
 
@@ -136,9 +141,7 @@ def follow_placement(runtime: DedicationRuntime) -> None:
             "backward or after the step"
         )
     with torch.no_grad():
-        for dp in runtime.params:
-            if dp.is_owned and not dp.updates_here:
-                continue  # an HSDP narrow copy: on the group's device already
+        for dp in filter(_follows_the_model, runtime.params):
             for param in {id(p): p for p in (dp.param, dp.module_param)}.values():
                 if param.device != device or param.dtype != dtype:
                     param.data = param.data.to(device, dtype)
