@@ -238,13 +238,19 @@ class LocalLauncher:
     def _stop_over_quota(self, job: JobRecord) -> None:
         """Kill a job whose user's volume is full, and keep the cause for its attempt."""
         quota = self.identities.users.limits_of(job.user).disk_gib
-        self._over_quota[job.id] = (
+        self._stop_for_limit(
+            job,
             f"stopped: user {job.user}'s disk quota on the data directory "
             f"({quota:g} GiB, disk_gib in the users file) is full; delete finished jobs or "
-            "checkpoints (keep_checkpoints), or ask for a larger disk_gib"
+            "checkpoints (keep_checkpoints), or ask for a larger disk_gib",
         )
+
+    def _stop_for_limit(self, job: JobRecord, cause: str) -> None:
+        """Kill ``job`` for a limit of the server's and keep ``cause`` for its attempt's
+        failure (its quota, or what its metrics may cost)."""
+        self._over_quota[job.id] = cause
         n = self._kill(job)
-        log.warning("job %s: its user's disk quota is full; SIGKILL to %d process(es)", job.id, n)
+        log.warning("job %s: %s; SIGKILL to %d process(es)", job.id, cause, n)
 
     def _kill(self, job: JobRecord) -> int:
         """SIGKILL to every process of the job, its cgroup's included; how many."""
@@ -357,8 +363,7 @@ class LocalLauncher:
             self._stop_over_quota(job)
         over = self.tailer.over_limit.get(job.id)
         if not ended and over is not None and job.id not in self._over_quota:
-            self._over_quota[job.id] = over  # the metrics it may store: stopped like a quota
-            log.warning("job %s: SIGKILL to %d process(es)", job.id, self._kill(job))
+            self._stop_for_limit(job, over)
         if not ended:
             deadline = self._cancel_deadline.get(job.id)
             if deadline is not None and time.time() >= deadline:
