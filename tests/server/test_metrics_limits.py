@@ -234,3 +234,19 @@ def test_the_server_fails_a_job_that_floods_its_metrics(data_dir: Path, tmp_path
             assert grown < cap + (2 << 20), grown
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("page", ["job-service.md", "zh/job-service.md"])
+def test_the_docs_state_the_limits_the_code_holds(page: str) -> None:
+    """The job-service page (EN and ZH) gives the code's own numbers."""
+    from dmuon_server.config import Settings
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    text = (docs / page).read_text(encoding="utf-8")
+    section = text.split("{#metrics-limits}", 1)[1].split("####", 1)[0]
+    assert f"{MAX_LINE_BYTES >> 10} KiB" in section
+    assert f"{Settings.max_job_metrics_bytes >> 20} MiB" in section
+    assert f"{MAX_REJECTED_LINES:,}" in section
+    assert metrics_module.REJECTED_LOG_INTERVAL_S == 60.0  # "once a minute" / "每分钟"
+    flag_row = next(line for line in text.splitlines() if "`--max-job-metrics-bytes" in line)
+    assert f"`{Settings.max_job_metrics_bytes}`" in flag_row
