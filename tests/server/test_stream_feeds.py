@@ -127,6 +127,11 @@ def test_idle_streams_read_nothing_and_get_their_heartbeats(tmp_path: Path) -> N
     async def run() -> list[list[str]]:
         streams = EventStreams(store, hub, heartbeat_s=0.2)
         followers = [asyncio.create_task(_follow(streams, store)) for _ in range(100)]
+        # Every follower's first read done (on a loaded machine that takes more than a
+        # fixed 0.3 s), then a moment for the last to settle: from there on, idle.
+        deadline = asyncio.get_running_loop().time() + 10
+        while store.reads < len(followers) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
         await asyncio.sleep(0.3)
         reads = store.reads
         await asyncio.sleep(1.0)
