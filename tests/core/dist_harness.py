@@ -407,7 +407,12 @@ def run_scenario(
 
 class _peak_cpu_bytes:
     """The most CPU memory allocated at once inside the block beyond what was there at its
-    start (torch.profiler's allocation and free events, in time order)."""
+    start, from the profiler's allocation and free events in the allocator's order.
+
+    The profiler sees only this thread's frees. A gloo worker thread sometimes drops the
+    last reference to a received buffer, and that free goes unrecorded; an address the
+    allocator hands out again must have been freed, so a new block at a live address
+    replaces the old one rather than adding to it."""
 
     def __enter__(self) -> _peak_cpu_bytes:
         from torch.profiler import ProfilerActivity, profile
@@ -417,18 +422,26 @@ class _peak_cpu_bytes:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        import json
+        import tempfile
+
         self._profile.__exit__(*exc)
-        changes = []
-        for event in self._profile.events():
-            if event.name == "[memory]":
-                change = event.cpu_memory_usage
-            else:
-                change = event.self_cpu_memory_usage
-            if change:
-                changes.append((event.time_range.start, change))
+        with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+            self._profile.export_chrome_trace(trace.name)
+            with open(trace.name) as f:
+                events = json.load(f)["traceEvents"]
+        changes = sorted(
+            (e["args"]["Ev Idx"], e["args"]["Addr"], e["args"]["Bytes"])
+            for e in events
+            if e.get("name") == "[memory]" and e["args"].get("Device Type") == 0
+        )
+        blocks: dict[int, int] = {}
         live = self.peak = 0
-        for _, change in sorted(changes):
-            live += change
+        for _, address, change in changes:
+            live -= blocks.pop(address, 0)
+            if change > 0:
+                blocks[address] = change
+                live += change
             self.peak = max(self.peak, live)
 
 

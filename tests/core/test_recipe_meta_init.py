@@ -119,9 +119,9 @@ def _hf_path(root: str, arch: str, weights: bool) -> str:
 def _write_hf_dir(root: str, arch: str, weights: bool) -> None:
     from hf_models import model_dir
 
-    overrides: dict[str, Any] = {"num_hidden_layers": 8}
+    overrides: dict[str, Any] = {"num_hidden_layers": 16}
     if arch == "gpt2":
-        overrides = {"tie_word_embeddings": True, "n_layer": 8}
+        overrides = {"tie_word_embeddings": True, "n_layer": 16}
     seed = 7 if weights else None
     model_dir(Path(_hf_path(root, arch, weights)), arch, weights_seed=seed, **overrides)
 
@@ -158,7 +158,8 @@ def test_a_hugging_face_model_built_on_meta_gets_one_processs_weights(
     """Every parameter and buffer equals `build_hf_model` in one process bit for bit.
     Every rank but rank 0 (which builds the model whole) allocates at most what it keeps
     (its FSDP2 shards and owned masters) plus one whole tensor at a time (what the load
-    sends from rank 0) and its shard: on 8 layers, less than halfway from its share to the
+    sends from rank 0) and its shard, and up to two more whole tensors whose frees a gloo
+    thread made, unseen by the profiler (see `_peak_cpu_bytes`): on 16 layers, less than halfway from its share to the
     whole model."""
     from dmuon.train.models import resolve_model
     from dmuon.train.models.hf import build_hf_model
@@ -181,7 +182,7 @@ def test_a_hugging_face_model_built_on_meta_gets_one_processs_weights(
             assert torch.equal(got["buffers"][name], value), f"rank {rank} {name}"
         print(f"{arch} rank {rank}: peak {got['peak']}, kept {got['kept']}, whole {size}")
         if rank > 0:
-            assert got["kept"] <= got["peak"] <= got["kept"] + 2 * largest + (64 << 10), rank
+            assert got["kept"] <= got["peak"] <= got["kept"] + 4 * largest + (64 << 10), rank
             assert got["peak"] < (got["kept"] + size) / 2, (rank, got["peak"], size)
         else:
             assert got["peak"] >= size  # rank 0 alone holds it whole
