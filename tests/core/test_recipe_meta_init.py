@@ -159,8 +159,8 @@ def test_a_hugging_face_model_built_on_meta_gets_one_processs_weights(
     Every rank but rank 0 (which builds the model whole) allocates at most what it keeps
     (its FSDP2 shards and owned masters) plus one whole tensor at a time (what the load
     sends from rank 0) and its shard, and up to two more whole tensors whose frees a gloo
-    thread made, unseen by the profiler (see `_peak_cpu_bytes`): on 16 layers, less than halfway from its share to the
-    whole model."""
+    thread made, unseen by the profiler (see `_peak_cpu_bytes`): on 16 layers, less than
+    halfway from its share to the whole model."""
     from dmuon.train.models import resolve_model
     from dmuon.train.models.hf import build_hf_model
 
