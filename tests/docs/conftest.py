@@ -132,30 +132,7 @@ def site(build: Build) -> Path:
     return build.site
 
 
-#: A normal account the docs' shell examples also run as (made if missing).
-NORMAL_ACCOUNT = "dmuon-t-readme"
-
-
-def normal_account() -> tuple[int, int] | None:
-    """``(uid, gid)`` of `NORMAL_ACCOUNT`, made if missing; None unless the tests run as
-    root (with ``useradd``)."""
-    import pwd
-    import shutil
-    import subprocess
-
-    if os.geteuid() != 0 or shutil.which("useradd") is None:
-        return None
-    try:
-        entry = pwd.getpwnam(NORMAL_ACCOUNT)
-    except KeyError:
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin",
-             NORMAL_ACCOUNT],
-            check=True,
-            capture_output=True,
-        )  # fmt: skip
-        entry = pwd.getpwnam(NORMAL_ACCOUNT)
-    return entry.pw_uid, entry.pw_gid
+from accounts import NORMAL_ACCOUNT, normal_account  # noqa: E402,F401  (tests import them from here)
 
 
 def account_env(folder: Path) -> dict[str, str]:

@@ -48,6 +48,7 @@ class FakeLauncher:
         self.move = move
         self.capacity: int | None = settings.job_slots
         self.launched_total = 0
+        self.limit_statuses = ()  # a fake runs nothing the kernel would hold
         self._runs: dict[str, _Run] = {}
 
     def recover(self) -> None:

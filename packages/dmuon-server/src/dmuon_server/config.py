@@ -21,6 +21,8 @@ DATA_DIR_ENV_MARKER = "DMUON_SERVER_DATA_DIR"
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 #: Share of the host's RAM one job may be estimated to use, by default.
 DEFAULT_JOB_MEMORY_FRACTION = 0.5
+#: Processes and threads a local job may run at once unless ``--max-job-pids`` says.
+DEFAULT_JOB_PIDS = 4096
 
 
 def default_max_job_memory() -> int:
@@ -110,6 +112,12 @@ class Settings:
         max_job_metrics_bytes: Bytes of the server's database a job's metric points and
             events may take (lower where its user's ``disk_gib`` is lower); a job past it
             is stopped and fails, naming the limit.
+        limits_asked: The kernel limits a flag asked for (``memory``, ``pids``, ``cpus``):
+            a local server that cannot hold one refuses to start
+            (:mod:`dmuon_server.launching.enforcement`); a default it cannot hold is
+            reported.
+        allow_unenforced_limits: Start anyway (``--allow-unenforced-limits``), reporting
+            the limits that are off in ``GET /v1/server`` and on the dashboard.
         allowed_hosts: Host names requests may name besides the loopback ones
             (``--allowed-host``); see :mod:`dmuon_server.http.hosts`. Given, they turn the
             ``Host`` and ``Origin`` checks on for a server with a token too.
@@ -145,9 +153,11 @@ class Settings:
     token_file: Path | None = None
     host_network: bool = False
     job_env: tuple[str, ...] = ()
-    max_job_pids: int = 4096
+    max_job_pids: int = DEFAULT_JOB_PIDS
     max_job_cpus: float | None = None
     max_job_metrics_bytes: int = 256 << 20
+    limits_asked: tuple[str, ...] = ()
+    allow_unenforced_limits: bool = False
     working_dir: Path = field(default_factory=lambda: Path(os.getcwd()))
 
     @property
@@ -235,7 +245,7 @@ def flag_problem(args: Any) -> str | None:
             return f"{flag} must be a positive number"
     if args.max_job_metrics_bytes < 1 << 20:
         return "--max-job-metrics-bytes must be at least 1 MiB (1048576)"
-    if args.max_job_pids < 16:
+    if args.max_job_pids is not None and args.max_job_pids < 16:
         return "--max-job-pids must be at least 16 (torchrun and a rank need a few)"
     for flag, roots in (
         ("--data-root", args.data_root),
@@ -272,7 +282,17 @@ def settings_from_flags(
             if args.max_job_memory is not None
             else default_max_job_memory()
         ),
-        max_job_pids=args.max_job_pids,
+        max_job_pids=args.max_job_pids or DEFAULT_JOB_PIDS,
+        limits_asked=tuple(
+            name
+            for name, value in (
+                ("memory", args.max_job_memory),
+                ("pids", args.max_job_pids),
+                ("cpus", args.max_job_cpus),
+            )
+            if value is not None
+        ),
+        allow_unenforced_limits=args.allow_unenforced_limits,
         max_job_cpus=args.max_job_cpus,
         max_job_metrics_bytes=args.max_job_metrics_bytes,
         secret_env=tuple(args.secret_env),

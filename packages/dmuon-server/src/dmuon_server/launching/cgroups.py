@@ -200,7 +200,8 @@ class Cgroups:
 
     @classmethod
     def detect(cls) -> tuple[Cgroups | None, str]:
-        """The job cgroups of this machine, and what the server says of them at start-up."""
+        """The job cgroups of this machine and what the server says of them at start-up,
+        or None and why this machine offers none."""
         own = _own_cgroups()
         mounts = _mounts()
         v2 = next((m for m in mounts if m[2] == "cgroup2"), None)
@@ -216,10 +217,8 @@ class Cgroups:
         absent = [c for c in REQUIRED if c not in parents]
         if absent:
             return None, (
-                "WARNING: jobs run without kernel limits: this machine offers the server no "
-                f"cgroup controller for {', '.join(absent)} (cgroup v2 delegated to the "
-                "server's cgroup, or cgroup v1 mounted); a job may use all memory and "
-                "processes, and a process it detaches may outlive it"
+                f"this machine offers the server no cgroup controller for {', '.join(absent)} "
+                "(cgroup v2 delegated to the server's cgroup, or cgroup v1 mounted)"
             )
         try:
             for parent in parents.values():
@@ -229,10 +228,7 @@ class Cgroups:
         else:  # the folder may be an earlier root server's, this server unable to write it
             failed = _probe(parents)
         if failed is not None:
-            return None, (
-                f"WARNING: jobs run without kernel limits: cannot create {failed.filename} "
-                f"({failed.strerror}); run the server as root or give it a cgroup of its own"
-            )
+            return None, f"the server cannot create {failed.filename} ({failed.strerror})"
         found = cls(1, parents, missing=[] if "cpu" in parents else ["cpu"])
         return found, found.describe()
 

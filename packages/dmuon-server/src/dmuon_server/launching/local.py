@@ -42,6 +42,7 @@ from dmuon_server.config import Settings
 from dmuon_server.launching import attempts, sandbox
 from dmuon_server.launching.attempts import Move
 from dmuon_server.launching.cgroups import CgroupError, Cgroups, JobCgroup, JobLimits, limit_hit
+from dmuon_server.launching.enforcement import limit_statuses, refuse_unheld
 from dmuon_server.launching.full_disk import FullDisk
 from dmuon_server.launching.identity import IdentityError, JobIdentities, drop_privileges
 from dmuon_server.launching.procs import (
@@ -90,15 +91,23 @@ class LocalLauncher:
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._cancel_deadline: dict[str, float] = {}
         self.full_disk = FullDisk(settings)
-        self.cgroups, note = Cgroups.detect()
-        (log.info if self.cgroups is not None else log.warning)("%s", note)
+        self.cgroups, cgroups_note = Cgroups.detect()
         self.limits = JobLimits(
             settings.max_job_memory, settings.max_job_pids, settings.max_job_cpus
         )
         self._cgroup: dict[str, JobCgroup] = {}
-        self.volumes, note = UserVolumes.detect(settings.data_dir, settings.jobs_dir)
-        wanted = any(u.limits.disk_gib for u in identities.users.all())
-        (log.warning if wanted and self.volumes is None else log.info)("%s", note)
+        self.volumes, volumes_note = UserVolumes.detect(settings.data_dir, settings.jobs_dir)
+        self.limit_statuses = limit_statuses(
+            settings, identities.users.all(), self.cgroups, cgroups_note,
+            self.volumes is not None, volumes_note,
+        )  # fmt: skip
+        warnings = refuse_unheld(self.limit_statuses, settings.allow_unenforced_limits)
+        if self.cgroups is not None:
+            log.info("%s", cgroups_note)
+        if self.volumes is not None:
+            log.info("%s", volumes_note)
+        for line in warnings:
+            log.warning("%s", line)
         #: Why a job was stopped for its user's disk quota, by job id.
         self._over_quota: dict[str, str] = {}
 

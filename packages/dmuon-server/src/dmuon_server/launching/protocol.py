@@ -6,6 +6,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
+from dmuon_server.launching.enforcement import LimitStatus
 from dmuon_server.storage.records import JobRecord
 
 #: ``move(job_id, state, reason, from_states=..., **fields)``: the one way a launcher
@@ -30,6 +31,9 @@ class Launcher(Protocol):
     capacity: int | None
     #: Attempts launched by this server process.
     launched_total: int
+    #: The kernel limits the launcher holds for jobs, and those it cannot (empty where a
+    #: scheduler such as Slurm holds its own).
+    limit_statuses: tuple[LimitStatus, ...]
 
     def recover(self) -> None:
         """Re-attach to the jobs a previous server launched."""

@@ -27,6 +27,7 @@ from dmuon_server.config import Settings
 from dmuon_server.launching import attempts
 from dmuon_server.launching.attempts import Move, SchedulerEnd, write_job_file
 from dmuon_server.launching.command import program_of
+from dmuon_server.launching.enforcement import LimitStatus
 from dmuon_server.launching.full_disk import FullDisk
 from dmuon_server.launching.identity import Account, IdentityError, JobIdentities
 from dmuon_server.launching.protocol import Isolated
@@ -143,6 +144,7 @@ class SlurmLauncher:
         self.client = client or SlurmClient()
         self.capacity: int | None = None
         self.launched_total = 0
+        self.limit_statuses: tuple[LimitStatus, ...] = ()  # Slurm holds its own
         self._cancel_deadline: dict[str, float] = {}
         #: Jobs stopped for a limit of the server's (their metrics), with the cause.
         self._stopped_by: dict[str, str] = {}

@@ -114,10 +114,7 @@ class UserVolumes:
             probe = subprocess.run(["losetup", "-f"], capture_output=True, text=True)
             why = "" if probe.returncode == 0 else "no free loop device (losetup -f failed)"
         if why:
-            return None, (
-                f"disk quotas (disk_gib in the users file) cannot be held here: {why}; "
-                "jobs write to the data directory's disk without a quota"
-            )
+            return None, why
         return cls(data_dir, jobs_dir), (
             "disk quotas: each user with disk_gib gets a loop-mounted volume of that size "
             f"under {data_dir / VOLUMES_FOLDER}"

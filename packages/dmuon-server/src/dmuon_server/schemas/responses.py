@@ -370,6 +370,33 @@ class Health(BaseModel):
     version: str
 
 
+class LimitInfo(BaseModel):
+    """One kind of kernel limit on local jobs."""
+
+    name: Literal["memory", "pids", "cpus", "disk"]
+    asked_by: str | None = Field(
+        description="What asked for it: a flag or the users file; null: a server default."
+    )
+    held: bool = Field(description="Whether the kernel holds it for every job.")
+    why: str = Field("", description="Why it is not held (empty when it is).")
+
+
+class ServerInfo(BaseModel):
+    """Response of ``GET /v1/server``: how this server runs jobs, and which limits on
+    them are off."""
+
+    version: str
+    launcher: Literal["local", "slurm"]
+    sandbox: Literal["bwrap", "none"]
+    allow_unenforced_limits: bool = Field(
+        description="Whether the server was started with --allow-unenforced-limits."
+    )
+    limits: list[LimitInfo] = Field(
+        description="The local launcher's kernel limits (empty under Slurm, which holds its own)."
+    )
+    unenforced: list[str] = Field(description="The names of the limits that are not held.")
+
+
 class FieldError(BaseModel):
     """One invalid field of a request."""
 

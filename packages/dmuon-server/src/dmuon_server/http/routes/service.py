@@ -17,7 +17,15 @@ from dmuon_server.http.dependencies import (
     UsersDep,
 )
 from dmuon_server.http.errors import error_responses
-from dmuon_server.schemas import ACTIVE_STATES, ALL_STATES, Health, UserInfo, UserList
+from dmuon_server.schemas import (
+    ACTIVE_STATES,
+    ALL_STATES,
+    Health,
+    LimitInfo,
+    ServerInfo,
+    UserInfo,
+    UserList,
+)
 
 router = APIRouter(tags=["service"])
 
@@ -33,6 +41,26 @@ def me(user: UserDep) -> UserInfo:
     """Who the token belongs to: your name, and whether you are an admin (null name: a
     server without users, where everyone may do everything)."""
     return UserInfo(name=user.name or None, admin=user.admin)
+
+
+@router.get("/v1/server", response_model=ServerInfo, responses=error_responses(401))
+def server(_: UserDep, settings: SettingsDep, supervisor: SupervisorDep) -> ServerInfo:
+    """How this server runs jobs: its launcher and sandbox, and each kernel limit on local
+    jobs with what asked for it and whether it is held (``unenforced`` names those that
+    are not: the server was started with ``--allow-unenforced-limits``, or they are
+    defaults this machine cannot hold)."""
+    limits = [
+        LimitInfo(name=s.name, asked_by=s.asked_by, held=s.held, why=s.why)
+        for s in supervisor.launcher.limit_statuses
+    ]
+    return ServerInfo(
+        version=__version__,
+        launcher=settings.launcher,
+        sandbox=settings.sandbox,
+        allow_unenforced_limits=settings.allow_unenforced_limits,
+        limits=limits,
+        unenforced=[limit.name for limit in limits if not limit.held],
+    )
 
 
 @router.get("/v1/users", response_model=UserList, responses=error_responses(401, 403))

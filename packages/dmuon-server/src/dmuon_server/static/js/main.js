@@ -1,6 +1,6 @@
 // Entry point: theme, language, token dialog and the hash router (#/jobs, #/job/<id>,
 // #/compare?ids=a,b, #/submit?from=<id>).
-import { onTokenNeeded, setToken, token } from "./api.js";
+import { api, onTokenNeeded, setToken, token } from "./api.js";
 import { applyStaticText, lang, setLang, t } from "./i18n.js";
 import { renderCompare } from "./pages/compare.js";
 import { renderJob } from "./pages/job.js";
@@ -80,6 +80,23 @@ function route() {
   else cleanup = renderJobs(main, params);
 }
 
+/** The banner naming the limits on jobs this server does not hold (`GET /v1/server`):
+ * started with --allow-unenforced-limits, or defaults the machine cannot hold. */
+async function showUnheldLimits() {
+  const banner = document.getElementById("limits-banner");
+  let info;
+  try {
+    info = await api("GET", "/v1/server");
+  } catch {
+    banner.hidden = true; // an older server, or no token yet
+    return;
+  }
+  const off = info.limits.filter((limit) => !limit.held);
+  const names = off.map((limit) => (limit.asked_by ? `${limit.name} (${limit.asked_by})` : limit.name));
+  banner.textContent = off.length ? t("limits.off", { names: names.join(", ") }) : "";
+  banner.hidden = off.length === 0;
+}
+
 /** `#token=...`, the address the server prints at start-up: keep the token for this tab
  * and take it out of the address bar and the history. */
 function takeTokenFromAddress() {
@@ -97,6 +114,7 @@ function start() {
     setLang(lang() === "zh" ? "en" : "zh");
     applyLanguage();
     route();
+    showUnheldLimits();
   });
   document.getElementById("theme-switch").addEventListener("click", () => {
     localStorage.setItem(THEME_KEY, currentTheme() === "dark" ? "light" : "dark");
@@ -108,6 +126,7 @@ function start() {
     if (value) {
       setToken(value);
       route();
+      showUnheldLimits();
     }
   });
   window.addEventListener("hashchange", () => {
@@ -115,6 +134,7 @@ function start() {
     document.getElementById("main").focus({ preventScroll: true });
   });
   route();
+  showUnheldLimits();
 }
 
 if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
