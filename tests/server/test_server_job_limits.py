@@ -146,7 +146,7 @@ def test_a_job_over_its_memory_or_process_limit_ends_with_that_cause(world: Worl
             big = _end(alice, _submit(alice, "hungry.py", "1024"))
             assert big["state"] == "failed", big
             assert big["failure"]["limit"].startswith("the job went beyond its memory limit")
-            assert "0.2 GiB (--max-job-memory)" in big["reason"], big["reason"]
+            assert "0.25 GiB (--max-job-memory)" in big["reason"], big["reason"]
             forks = _end(alice, _submit(alice, "forker.py", "200"))
             assert forks["state"] == "failed", forks
             assert "more than 64 processes at once (--max-job-pids)" in forks["failure"]["limit"]
@@ -169,7 +169,7 @@ def test_a_users_memory_gib_is_their_jobs_limit_at_admission_and_in_the_kernel(
             assert small["state"] == "succeeded", small
             big = _end(alice, _submit(alice, "hungry.py", "1024"))
             assert big["state"] == "failed", big
-            assert "0.2 GiB (memory_gib in the users file)" in big["failure"]["limit"], big
+            assert "0.25 GiB (memory_gib in the users file)" in big["failure"]["limit"], big
             # The recipe's estimate is held to the same limit before anything runs.
             spec = {"nproc_per_node": 1, "train": {"model": "base", "micro_batch_size": 64}}
             r = alice.post("/v1/jobs:validate", json=spec)

@@ -25,6 +25,16 @@ DEFAULT_JOB_MEMORY_FRACTION = 0.5
 DEFAULT_JOB_PIDS = 4096
 
 
+def format_gib(n: int) -> str:
+    """``n`` bytes in GiB with the precision a person gave it: the fewest decimals (up to
+    6) that give back the same bytes (``0.25 GiB``, ``1.5 GiB``), else two."""
+    value = n / 2**30
+    for decimals in range(7):
+        if int(round(value, decimals) * 2**30) == n:
+            return f"{value:.{decimals}f} GiB"
+    return f"{value:.2f} GiB"
+
+
 def default_max_job_memory() -> int:
     """Half of the host's RAM: room for the server, other jobs and the page cache."""
     import psutil

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dmuon_server.config import format_gib
+
 #: The folder under the server's cgroup that holds one cgroup per job attempt.
 JOBS_FOLDER = "dmuon-jobs"
 #: The controllers a job's limits need (cpu is used where present).
@@ -95,7 +97,7 @@ def limit_hit(cgroup: JobCgroup, limits: JobLimits) -> str | None:
     """Why the kernel stopped the job, when one of its limits did; None otherwise."""
     if cgroup.out_of_memory():
         return (
-            f"the job went beyond its memory limit of {limits.memory_bytes / 2**30:.1f} GiB "
+            f"the job went beyond its memory limit of {format_gib(limits.memory_bytes)} "
             f"({limits.memory_source}), and the kernel killed it"
         )
     if cgroup.out_of_pids():

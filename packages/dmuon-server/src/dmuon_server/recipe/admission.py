@@ -43,6 +43,7 @@ from pathlib import Path
 import dmuon_recipe_contract as contract
 import psutil
 
+from dmuon_server.config import format_gib
 from dmuon_server.recipe.data_survey import DataFiles, builtin_corpus, scan_data, split_tokens
 from dmuon_server.recipe.hf_models import HFModel
 from dmuon_server.schemas import Admission, DataEstimate, MemoryEstimate, TrainSpec
@@ -108,10 +109,6 @@ def estimate_memory(
         host_total_bytes=vm.total,
         host_available_bytes=vm.available,
     )
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f} GiB"
 
 
 @dataclass(frozen=True)
@@ -290,20 +287,21 @@ def _check_memory(
 ) -> None:
     """Refuse a job over the server's limit or the host's RAM; warn past the free memory."""
     loc = ("body", "train", "micro_batch_size")
-    need = f"{_gib(memory.job_bytes)} ({_gib(memory.per_rank_bytes)} per rank x {nproc})"
+    per_rank = format_gib(memory.per_rank_bytes)
+    need = f"{format_gib(memory.job_bytes)} ({per_rank} per rank x {nproc})"
     lower = "lower micro_batch_size, seq_len or nproc_per_node"
     if memory.job_bytes > limit:
         refusals.append(Refusal(loc, (
             f"the job needs an estimated {need}, more than this server allows per job "
-            f"({_gib(limit)}, {limit_name}); {lower}"
+            f"({format_gib(limit)}, {limit_name}); {lower}"
         )))  # fmt: skip
     elif memory.job_bytes > memory.host_total_bytes:
         refusals.append(Refusal(loc, (
             f"the job needs an estimated {need}, more than the host's RAM "
-            f"({_gib(memory.host_total_bytes)}); {lower}"
+            f"({format_gib(memory.host_total_bytes)}); {lower}"
         )))  # fmt: skip
     elif memory.job_bytes > memory.host_available_bytes:
         warnings.append(
             f"the job needs an estimated {need}, more than the host has free right now "
-            f"({_gib(memory.host_available_bytes)})"
+            f"({format_gib(memory.host_available_bytes)})"
         )
