@@ -5,11 +5,13 @@ server's environment at start-up. Users and their token hashes are
 
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import stat
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -128,6 +130,55 @@ def exec_without_secrets(argv: list[str], token: str | None, secrets: list[str])
     os.execve(sys.executable, [sys.executable, "-m", "dmuon_server", *args], env)
 
 
+class FailureThrottle:
+    """How many failed authentications each client may make: a burst of ``burst``, then
+    one per ``1 / per_second`` seconds (a token bucket per client address).
+
+    Tokens are 32 random bytes, so guessing is hopeless at any rate; the throttle bounds
+    the work and the log a client's failures cost. A right token is never throttled: a
+    person behind the same address (a shared NAT, loopback) is not locked out by another.
+    """
+
+    #: Clients remembered at most; past it, those whose bucket has refilled are forgotten.
+    MAX_CLIENTS = 10_000
+
+    def __init__(
+        self,
+        burst: int = 20,
+        per_second: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``burst`` failures at once, then ``per_second``."""
+        self.burst = burst
+        self.per_second = per_second
+        self.clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # client: (tokens, at)
+
+    def _tokens(self, client: str, now: float) -> float:
+        tokens, at = self._buckets.get(client, (self.burst, now))
+        return min(self.burst, tokens + (now - at) * self.per_second)
+
+    def retry_after(self, client: str) -> int | None:
+        """Seconds ``client`` must wait before its next failure is answered 401, or None
+        when it may fail now."""
+        tokens = self._tokens(client, self.clock())
+        if tokens >= 1:
+            return None
+        return max(1, math.ceil((1 - tokens) / self.per_second))
+
+    def failed(self, client: str) -> None:
+        """Count one failed authentication of ``client``."""
+        now = self.clock()
+        if len(self._buckets) >= self.MAX_CLIENTS:
+            self._buckets = {
+                c: (t, at) for c, (t, at) in self._buckets.items()
+                if self._tokens(c, now) < self.burst
+            }  # fmt: skip
+            while len(self._buckets) >= self.MAX_CLIENTS:
+                self._buckets.pop(next(iter(self._buckets)))
+        self._buckets[client] = (max(0.0, self._tokens(client, now) - 1), now)
+
+
 class BearerAuthMiddleware:
     """Requires ``Authorization: Bearer <token>`` of a known user everywhere but
     ``/healthz``, and tells the routes who it is (``request.state.user``).
@@ -136,13 +187,15 @@ class BearerAuthMiddleware:
     (:meth:`dmuon_server.users.Users.authenticate`).
     """
 
-    def __init__(self, app: ASGIApp, users: Users) -> None:
-        """Wrap ``app``."""
+    def __init__(self, app: ASGIApp, users: Users, throttle: FailureThrottle | None = None) -> None:
+        """Wrap ``app``; failures are throttled per client by ``throttle``."""
         self.app = app
         self.users = users
+        self.throttle = throttle or FailureThrottle()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """Let authorised requests (and health checks) through, answer 401 otherwise."""
+        """Let authorised requests (and health checks) through, answer 401 otherwise, or
+        429 with ``Retry-After`` to a client past its failures (see :class:`FailureThrottle`)."""
         if scope["type"] != "http" or scope.get("path") == "/healthz":
             await self.app(scope, receive, send)
             return
@@ -162,6 +215,20 @@ class BearerAuthMiddleware:
             state["token"] = credentials.strip().decode("latin-1")
             await self.app(scope, receive, send)
             return
+        client = (scope.get("client") or ("?", 0))[0]
+        wait = self.throttle.retry_after(client)
+        if wait is not None:
+            response = problem_response(
+                429,
+                "Too many failed authentications",
+                f"this address sent too many requests without a known token; wait {wait} s, "
+                "then send your own token",
+                kind="auth-throttled",
+                headers={"Retry-After": str(wait)},
+            )
+            await response(scope, receive, send)
+            return
+        self.throttle.failed(client)
         detail = (
             "send the header 'Authorization: Bearer <token>' with your token"
             if not auth

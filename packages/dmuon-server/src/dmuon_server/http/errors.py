@@ -117,9 +117,21 @@ def problem_ref() -> dict[str, Any]:
     return {PROBLEM_JSON: {"schema": {"$ref": "#/components/schemas/Problem"}}}
 
 
+#: What a documented status means where it has more causes than its title.
+_DESCRIPTIONS = {
+    429: "Over the user's limit of queued jobs, or too many failed authentications from "
+    "this address (Retry-After says when to try again)",
+}
+
+
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` entries for error statuses."""
-    return {code: {"description": ERROR_TEXT[code], "content": problem_ref()} for code in codes}
+    """OpenAPI ``responses`` entries for error statuses (a route that may answer 401 may
+    also answer 429, to a client past its failed authentications)."""
+    documented = sorted(set(codes) | ({429} if 401 in codes else set()))
+    return {
+        code: {"description": _DESCRIPTIONS.get(code, ERROR_TEXT[code]), "content": problem_ref()}
+        for code in documented
+    }
 
 
 async def _api_error(request: Request, exc: Refusal) -> JSONResponse:
