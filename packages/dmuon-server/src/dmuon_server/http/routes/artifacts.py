@@ -6,12 +6,14 @@ job's Unix account owns, with one link (:func:`dmuon_server.storage.safefiles.se
 with ``..``, a symbolic link anywhere on the way, a hard link (to the server's database,
 say), another account's file, anything under a folder being written (``.tmp_...``, a save
 in progress) or any other file of the folder (``spec.json``, ``exit.json``, ``init/``) is
-answered with 404.
+answered with 404. A path with a control character (a newline, say) is neither listed
+nor served: it could not be asked for again in a URL.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tarfile
 from collections.abc import Iterator
 from itertools import islice
@@ -40,9 +42,17 @@ from dmuon_server.storage.safefiles import open_in, servable
 router = APIRouter(prefix="/v1/jobs", tags=["artifacts"])
 
 
+#: Characters a served path may not hold: C0 controls and DEL. A newline cannot come back
+#: in a URL's path (the route would not match it), and none belongs in a header.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
 def artifact_kind(relative: str) -> ArtifactKind | None:
-    """The kind of the file at ``relative`` (a POSIX path in the job folder), or None."""
+    """The kind of the file at ``relative`` (a POSIX path in the job folder), or None:
+    never for a path with a control character, which could not be asked for again."""
     parts = relative.split("/")
+    if _CONTROL.search(relative):
+        return None
     if any(p.startswith(contract.TEMPORARY_PREFIX) or p in ("", ".", "..") for p in parts):
         return None  # folders of saves in progress, and anything odd
     if parts[0] == CHECKPOINT_DIR and len(parts) > 1:
@@ -197,7 +207,7 @@ def get_artifact(
 ) -> StreamingResponse:
     """One artifact, streamed; paths never leave the job's folder."""
     root = Path(os.path.realpath(settings.job_dir(job.id)))
-    if "\x00" in path or artifact_kind(path) is None:
+    if artifact_kind(path) is None:
         raise _not_found(job.id, path)
     try:
         fd = open_in(root, path)
