@@ -11,6 +11,9 @@ wrapped so that the job sees, besides the operating system's read-only folders (
 * a private ``/proc`` (its own processes only: not the server's, not other jobs'), a fresh
   ``/dev`` (plus the GPU device nodes when the server has GPUs), an empty ``/tmp`` and
   ``/dev/shm``;
+* no user namespace of its own to make: the sandbox is a user namespace that refuses
+  nested ones (``--disable-userns``, bubblewrap 0.8 and later), so a job cannot
+  ``unshare -Urn`` its way to a network or mounts of its own choosing;
 * a network of its own: a network namespace with nothing but loopback, so its torchrun
   rendezvous store, its ports and its abstract Unix sockets are its alone, and no other
   job's are reachable. A job whose user may use the host's network (``host_network`` in
@@ -24,6 +27,7 @@ whether it works.
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import shutil
@@ -105,6 +109,16 @@ def _masks(hidden: Iterable[Path], shown: list[str], roots: list[str]) -> list[s
     return out
 
 
+@functools.cache
+def _refuses_nested_userns() -> bool:
+    """Whether this bwrap can refuse nested user namespaces (``--disable-userns``)."""
+    bwrap = bwrap_path()
+    if bwrap is None:
+        return False
+    out = subprocess.run([bwrap, "--help"], capture_output=True, text=True)
+    return "--disable-userns" in out.stdout + out.stderr
+
+
 def wrap(
     argv: list[str],
     *,
@@ -133,6 +147,7 @@ def wrap(
         "--unshare-ipc",
         "--unshare-uts",
         "--unshare-cgroup-try",
+        *(("--unshare-user", "--disable-userns") if _refuses_nested_userns() else ()),
         *(() if host_network else ("--unshare-net",)),
         *_system_binds(),
         "--proc",
@@ -187,7 +202,11 @@ def choose(
             if network == "host"
             else "a loopback-only network of their own (users with host_network keep the host's)"
         )
-        return "bwrap", f"jobs run in a bubblewrap sandbox ({bwrap_path()}), with {kept}"
+        nested = (
+            "" if _refuses_nested_userns()
+            else "; WARNING: this bubblewrap (before 0.8) cannot refuse nested user namespaces"
+        )  # fmt: skip
+        return "bwrap", f"jobs run in a bubblewrap sandbox ({bwrap_path()}), with {kept}{nested}"
     if mode == "bwrap":
         raise StartupError(f"--sandbox bwrap: {why}; install bubblewrap, or pass --sandbox none")
     return "none", f"WARNING: jobs run without a sandbox ({why}): {UNSANDBOXED}"
