@@ -49,7 +49,9 @@ def test_a_toml_file_gives_the_config_its_flags_give(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("stepz = 3\n", "stepz are no flags of the recipe"),
+        ("stepz = 3\n", "stepz (did you mean steps?) are no flags of the recipe"),
+        ("micro_batch = 4\n", "micro_batch (did you mean micro_batch_size?) are no flags"),
+        ("zzzz = 4\n", "--config {path}: zzzz are no flags of the recipe"),
         ("steps = [1, 2]\n", "steps takes one int value"),
         ("compile = 1\n", "compile is a switch: true or false"),
         ("steps = \n", "is not TOML"),
@@ -64,7 +66,7 @@ def test_a_file_the_recipe_cannot_use_is_refused_naming_the_key(
     with pytest.raises(SystemExit) as exit_info:
         parse_args(["--config", str(path)])
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    assert message.format(path=path) in capsys.readouterr().err
 
 
 def test_a_run_writes_its_resolved_settings_beside_the_metrics_and_in_checkpoints(

@@ -14,6 +14,7 @@ job's ``train`` spec.
 
 from __future__ import annotations
 
+import difflib
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, fields
@@ -49,6 +50,14 @@ def _flatten(table: Mapping[str, Any], path: Path) -> dict[str, Any]:
     return flat
 
 
+def _closest(key: str) -> str | None:
+    """The flag a mistyped ``key`` most likely meant, or None."""
+    found = difflib.get_close_matches(key, list(_SPECS), n=1, cutoff=0.6)
+    if not found:  # a prefix: micro_batch for micro_batch_size
+        found = sorted(f for f in _SPECS if f.startswith(key) or key.startswith(f))[:1]
+    return found[0] if found else None
+
+
 def read(path: str | Path) -> dict[str, Any]:
     """The flags of the TOML file ``path``, ``{field: value}``; raises
     :class:`ConfigFileError` naming the file and the key."""
@@ -63,8 +72,12 @@ def read(path: str | Path) -> dict[str, Any]:
     values = _flatten(table, path)
     unknown = sorted(k for k in values if k not in _SPECS)
     if unknown:
+        said = ", ".join(
+            key + (f" (did you mean {guess}?)" if (guess := _closest(key)) else "")
+            for key in unknown
+        )
         raise ConfigFileError(
-            f"--config {path}: {', '.join(unknown)} are no flags of the recipe "
+            f"--config {path}: {said} are no flags of the recipe "
             "(keys are the flags' names, e.g. micro_batch_size or micro-batch-size; see "
             "python -m dmuon.train --help)"
         )
