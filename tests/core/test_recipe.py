@@ -403,9 +403,15 @@ def test_plain_progress_lines_give_percent_elapsed_and_eta(
     progress.step(15, loss=2.5, tokens_per_s=1234.0, lr=0.02)
     line = capsys.readouterr().out.strip()
     assert line == ("step 15/40 (38%) loss 2.5000 lr 0.02 tokens/s 1,234 elapsed 00:10 eta 00:50")
-    progress.step(40, loss=2.0, tokens_per_s=1000.0, lr=0.0)
+    progress.step(40, loss=2.0, tokens_per_s=1000.0, lr=0.0, adamw_lr=0.0)
     last = capsys.readouterr().out.strip()
-    assert last.endswith("(100%) loss 2.0000 lr 0 tokens/s 1,000 elapsed 00:10 eta 00:00")
+    assert last.endswith(
+        "(100%) loss 2.0000 lr 0 adamw_lr 0 tokens/s 1,000 elapsed 00:10 eta 00:00"
+    )
+    # A metrics line of a dmuon run gives both rates to the reporter.
+    progress.write({"step": 40, "loss": 2.0, "tokens_per_s": 1000.0, "lr": 0.02,
+                    "adamw_lr": 0.006})  # fmt: skip
+    assert " lr 0.02 adamw_lr 0.006 tokens/s" in capsys.readouterr().out
 
 
 def _expected_factor(schedule: str, i: int, warmup: int, total: int, low: float) -> float:

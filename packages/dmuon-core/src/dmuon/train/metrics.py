@@ -210,21 +210,44 @@ class ProgressReporter:
         if isinstance(record.get("val_loss"), float):
             self.message(f"step {step} val_loss {record['val_loss']:.4f}")
         if record.get("loss") is not None:
-            self.step(step, record["loss"], record["tokens_per_s"], record["lr"])
+            self.step(
+                step, record["loss"], record["tokens_per_s"], record["lr"], record.get("adamw_lr")
+            )
 
-    def step(self, step: int, loss: float, tokens_per_s: float, lr: float) -> None:
-        """Report a finished optimizer step."""
+    def step(
+        self,
+        step: int,
+        loss: float,
+        tokens_per_s: float,
+        lr: float,
+        adamw_lr: float | None = None,
+    ) -> None:
+        """Report a finished optimizer step (``adamw_lr``: AdamW's rate for the parameters
+        Muon does not update, under dmuon)."""
         if not self.enabled:
             return
         if self._bar is not None:
-            self._bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+            rates = {"lr": f"{lr:.3g}"}
+            if adamw_lr is not None:
+                rates["adamw_lr"] = f"{adamw_lr:.3g}"
+            self._bar.set_postfix(
+                loss=f"{loss:.4f}", **rates, tok_s=f"{tokens_per_s:,.0f}", refresh=False
+            )
             self._bar.update(1)
         elif step % self.log_every == 0 or step == self.total_steps:
-            print(self.plain_line(step, loss, tokens_per_s, lr), flush=True)
+            print(self.plain_line(step, loss, tokens_per_s, lr, adamw_lr), flush=True)
 
-    def plain_line(self, step: int, loss: float, tokens_per_s: float, lr: float) -> str:
-        """The line a plain log gets for ``step``: progress, loss, rate, elapsed and ETA (at
-        the rate of the steps this process ran, not counting those a resume skipped)."""
+    def plain_line(
+        self,
+        step: int,
+        loss: float,
+        tokens_per_s: float,
+        lr: float,
+        adamw_lr: float | None = None,
+    ) -> str:
+        """The line a plain log gets for ``step``: progress, loss, both learning rates,
+        rate, elapsed and ETA (at the rate of the steps this process ran, not counting
+        those a resume skipped)."""
         from tqdm import tqdm
 
         elapsed = self._clock() - self._started
@@ -234,7 +257,8 @@ class ProgressReporter:
         eta = tqdm.format_interval(remaining) if remaining is not None else "?"
         return (
             f"step {step}/{self.total_steps} ({percent:.0f}%) loss {loss:.4f} lr {lr:.3g} "
-            f"tokens/s {tokens_per_s:,.0f} elapsed {tqdm.format_interval(elapsed)} eta {eta}"
+            + (f"adamw_lr {adamw_lr:.3g} " if adamw_lr is not None else "")
+            + f"tokens/s {tokens_per_s:,.0f} elapsed {tqdm.format_interval(elapsed)} eta {eta}"
         )
 
     def close(self) -> None:
