@@ -16,7 +16,11 @@ import pytest
 from dmuon.train import TrainConfig, parse_args, run
 
 
-def test_a_profiled_run_leaves_a_trace_of_its_steps(tmp_path: Path, cache_dir: str) -> None:
+def test_a_profiled_run_leaves_a_trace_of_its_steps(
+    tmp_path: Path, cache_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The trace holds the steps' operators, and the run prints where it went, its size
+    and what opens it."""
     base = TrainConfig(
         model="tiny", seq_len=32, micro_batch_size=2, steps=3, eval_every=0,
         progress="plain", cache_dir=cache_dir, threads=1, tracking_dir=str(tmp_path / "runs"),
@@ -26,6 +30,12 @@ def test_a_profiled_run_leaves_a_trace_of_its_steps(tmp_path: Path, cache_dir: s
         replace(base, profile_steps="2:3", metrics_file=str(tmp_path / "profiled.jsonl"))
     )
     trace = tmp_path / "runs" / "tensorboard" / "profile" / "step_2-3" / "rank0.pt.trace.json"
+    size = trace.stat().st_size / 2**20
+    assert (
+        f"profiler: steps 2-3 traced to {trace} ({size:.1f} MiB on this rank; every rank "
+        f"writes its own): open it in ui.perfetto.dev, or run tensorboard --logdir "
+        f"{tmp_path / 'runs' / 'tensorboard'} and choose the profile run"
+    ) in capsys.readouterr().out
     events = json.loads(trace.read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any(n.startswith("aten::mm") for n in names) and len(events) > 100
@@ -46,7 +56,9 @@ def test_a_range_that_is_no_range_is_refused(
     assert "argument --profile-steps" in capsys.readouterr().err
 
 
-def test_a_memory_snapshot_on_cpu_gives_each_phase_s_peak(tmp_path: Path, cache_dir: str) -> None:
+def test_a_memory_snapshot_on_cpu_gives_each_phase_s_peak(
+    tmp_path: Path, cache_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """``--memory-snapshot`` without ``--profile-steps`` records step 1: the optimizer step
     creates the optimizer's state there (a float32 momentum per Muon element, two moments
     per AdamW one), so its peak holds at least 4 bytes per parameter; the run's losses are
@@ -58,8 +70,13 @@ def test_a_memory_snapshot_on_cpu_gives_each_phase_s_peak(tmp_path: Path, cache_
         progress="plain", cache_dir=cache_dir, threads=1, tracking_dir=str(tmp_path / "runs"),
     )  # fmt: skip
     run(replace(base, metrics_file=str(tmp_path / "plain.jsonl")))
+    capsys.readouterr()
     run(replace(base, memory_snapshot=True, metrics_file=str(tmp_path / "snapshot.jsonl")))
-    record = json.loads((tmp_path / "runs" / "memory" / "step_1-1" / "rank0.json").read_text())
+    written = tmp_path / "runs" / "memory" / "step_1-1" / "rank0.json"
+    assert f"memory snapshot written to {written} (JSON: the peak bytes of each phase)" in (
+        capsys.readouterr().out
+    )
+    record = json.loads(written.read_text())
     assert record["steps"] == [1, 1] and record["rank"] == 0
     peaks = record["peak_bytes"]
     parameters = sum(p.numel() for p in build_model("tiny").parameters())

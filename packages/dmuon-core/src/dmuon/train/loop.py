@@ -335,7 +335,8 @@ class Trainer(TrainingSteps):
                 for step in range(self.start_step + 1, cfg.steps + 1):
                     profiler.before(step)
                     stats = self._guarded(f"step {step}", self.train_step, step)
-                    profiler.after(step)
+                    if profiled := profiler.after(step):
+                        progress.message(profiled)
                     stopping = self._record_step(step, stats, run, writer, elapsed)
                     if self._after_step(step, stopping, run, writer, progress, elapsed):
                         break

@@ -120,20 +120,25 @@ class StepProfiler:
             )
             self._profile.__enter__()
 
-    def after(self, step: int) -> None:
-        """Stop and write what was asked for when ``step`` is the last profiled one."""
+    def after(self, step: int) -> str | None:
+        """Stop and write what was asked for when ``step`` is the last profiled one; then
+        a line saying where it went and how to open it (None otherwise)."""
         if self.steps is None or step != self.steps[1]:
-            return
+            return None
         name = f"step_{self.steps[0]}-{self.steps[1]}"
         if self._cuda_history:
             self.snapshot = self._place(self.memory_folder / name, "pickle")
             torch.cuda.memory._dump_snapshot(str(self.snapshot))
             torch.cuda.memory._record_memory_history(enabled=None)
             self._cuda_history = False
-        if self._profile is None:
-            return
-        recorded, self._profile = self._profile, None
+        if self._profile is not None:
+            recorded, self._profile = self._profile, None
+            self._write(recorded, name)
+        return self._where()
+
+    def _write(self, recorded: profile, name: str) -> None:
         recorded.__exit__(None, None, None)
+        assert self.steps is not None
         if self.memory_snapshot and not self._cuda_snapshot:
             self.snapshot = self._place(self.memory_folder / name, "json")
             peaks = phase_peaks(recorded.profiler.kineto_results.events())
@@ -142,6 +147,27 @@ class StepProfiler:
         if self.trace_steps:
             self.trace = self._place(self.folder / name, "pt.trace.json")
             recorded.export_chrome_trace(str(self.trace))
+
+    def _where(self) -> str:
+        """Where this rank's files went, their sizes, and what opens them."""
+        assert self.steps is not None
+        lines = []
+        if self.trace is not None:
+            size = self.trace.stat().st_size / 2**20
+            lines.append(
+                f"profiler: steps {self.steps[0]}-{self.steps[1]} traced to {self.trace} "
+                f"({size:.1f} MiB on this rank; every rank writes its own): open it in "
+                "ui.perfetto.dev, or run tensorboard --logdir "
+                f"{self.folder.parent} and choose the profile run"
+            )
+        if self.snapshot is not None:
+            what = (
+                "open it in pytorch.org/memory_viz"
+                if self.snapshot.suffix == ".pickle"
+                else "JSON: the peak bytes of each phase"
+            )
+            lines.append(f"memory snapshot written to {self.snapshot} ({what})")
+        return "\n".join(lines)
 
     def _place(self, folder: Path, suffix: str) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
