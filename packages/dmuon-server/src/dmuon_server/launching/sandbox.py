@@ -179,8 +179,10 @@ def wrap(
 #: What a server without a sandbox says at start-up.
 UNSANDBOXED = (
     "every job shares the host's network, so a job can reach another job's torchrun "
-    "rendezvous store, ports and sockets (and, as the same account, its files); install "
-    "bubblewrap (Debian package bubblewrap) and pass --sandbox bwrap to keep jobs apart"
+    "rendezvous store, ports and sockets (and, as the same account, its files); and the "
+    "host's /tmp and /dev/shm, where what a job leaves outlives it (a file in /dev/shm "
+    "keeps its memory taken after the job is killed); install bubblewrap (Debian package "
+    "bubblewrap) and pass --sandbox bwrap to keep jobs apart"
 )
 
 
