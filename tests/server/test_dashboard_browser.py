@@ -260,6 +260,29 @@ def test_submit_through_form_and_watch_it_run(page: Page, service: Service) -> N
     expect(panel.locator("tbody tr")).to_have_count(len(steps))
     expect(page.locator("#job-attempts tbody tr")).to_have_count(1)
     expect(page.locator("#resume-job")).to_be_hidden()
+    assert_finished_job_reads_well(page, job)
+
+
+def assert_finished_job_reads_well(page: Page, job: dict[str, Any]) -> None:
+    """A finished job's page: tokens/s grouped as the API's number rounds, no ETA, the
+    attempts table in words with local times, the log opened at its newest line."""
+    tps = round(job["summary"]["tokens_per_s"])
+    expected = f"{tps:,}" if tps >= 1000 else None
+    if expected is not None:
+        expect(page.locator("#tile-tps dd")).to_have_text(expected)
+    expect(page.locator("#tile-eta dd")).to_have_text("—")
+    headers = page.locator("#job-attempts thead th").all_inner_texts()
+    assert headers[:3] == ["#", "Cause", "Resumed from step"], headers
+    assert all("_" not in h for h in headers), headers
+    started = page.locator("#job-attempts th[data-key=started_at]")
+    expect(started).to_have_text("Started")
+    column = page.locator("#job-attempts thead th").all_inner_texts().index("Started")
+    cell = page.locator("#job-attempts tbody tr td").nth(column).inner_text()
+    assert "T" not in cell and cell != job["attempts"][0]["started_at"], cell
+    logs = page.locator("#job-logs")
+    expect(logs).not_to_be_empty()
+    at_end = logs.evaluate("el => el.scrollTop + el.clientHeight >= el.scrollHeight - 4")
+    assert at_end, "the log opened at its oldest lines"
 
 
 def assert_form_holds(page: Page, job: dict[str, Any]) -> None:

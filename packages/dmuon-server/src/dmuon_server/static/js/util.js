@@ -39,6 +39,22 @@ export function fmtInt(value) {
   return Number(value).toLocaleString(lang() === "zh" ? "zh-CN" : "en");
 }
 
+/** A rate (tokens/s): a whole number with digit grouping from 1,000 up ("8,780"), three
+ * significant digits below. */
+export function fmtRate(value) {
+  if (typeof value !== "number" || !Number.isFinite(value)) return fmt(value);
+  return Math.abs(value) >= 1000 ? fmtInt(Math.round(value)) : fmt(value, 3);
+}
+
+/** The heading of an API field's column: its text in the reader's language, else the
+ * field's name in words ("exit_code" gives "Exit code"). */
+export function columnTitle(key) {
+  const text = t(`field.${key}`);
+  if (text !== `field.${key}`) return text;
+  const words = key.replaceAll("_", " ");
+  return words.charAt(0).toUpperCase() + words.slice(1);
+}
+
 /** Seconds as "1h 02m", "3m 07s" or "12.3s". */
 export function fmtDuration(seconds) {
   if (seconds === null || seconds === undefined || !Number.isFinite(seconds)) return t("none");

@@ -8,10 +8,12 @@ import { followEvents } from "../sse.js";
 import { confirmDialog, navigate } from "../ui.js";
 import {
   TERMINAL,
+  columnTitle,
   errorText,
   fmt,
   fmtDuration,
   fmtInt,
+  fmtRate,
   fmtTime,
   h,
   jobLabel,
@@ -268,9 +270,10 @@ export function renderJob(main, jobId) {
       ...tile(t("col.step"), s.steps ? `${s.last_step ?? 0} / ${s.steps}` : `${s.last_step ?? 0}`, "tile-step"),
       ...tile(t("col.loss"), fmt(s.last_loss), "tile-loss"),
       ...tile(t("col.val"), fmt(s.last_val_loss), "tile-val"),
-      ...tile(t("col.tps"), fmt(s.tokens_per_s, 3), "tile-tps"),
+      ...tile(t("col.tps"), fmtRate(s.tokens_per_s), "tile-tps"),
       ...tile(t("col.elapsed"), fmtDuration(s.elapsed_s), "tile-elapsed"),
-      ...tile(t("col.eta"), fmtDuration(s.eta_s), "tile-eta"),
+      // A finished job has nothing left to wait for: no estimate, not "0.0s".
+      ...tile(t("col.eta"), TERMINAL.has(job.state) ? t("none") : fmtDuration(s.eta_s), "tile-eta"),
     );
     history.replaceChildren(
       ...job.history.map((tr, i) =>
@@ -335,10 +338,13 @@ export function renderJob(main, jobId) {
 
   function genericTable(items) {
     const keys = [...new Set(items.flatMap((item) => Object.keys(item)))];
-    const cell = (v) => (v !== null && typeof v === "object" ? JSON.stringify(v) : fmt(v, 6));
+    const cell = (k, v) => {
+      if (v !== null && typeof v === "object") return JSON.stringify(v);
+      return k.endsWith("_at") && typeof v === "string" ? fmtTime(v) : fmt(v, 6);
+    };
     return h("div", { class: "table-wrap" }, h("table", {},
-      h("thead", {}, h("tr", {}, keys.map((k) => h("th", { scope: "col" }, k)))),
-      h("tbody", {}, items.map((item) => h("tr", {}, keys.map((k) => h("td", {}, cell(item[k]))))))));
+      h("thead", {}, h("tr", {}, keys.map((k) => h("th", { scope: "col", "data-key": k }, columnTitle(k))))),
+      h("tbody", {}, items.map((item) => h("tr", {}, keys.map((k) => h("td", {}, cell(k, item[k]))))))));
   }
 
   async function refresh() {
@@ -349,7 +355,12 @@ export function renderJob(main, jobId) {
   async function loadLogs() {
     try {
       const out = await api("GET", `${path}/logs?tail=${LOG_LINES}`);
-      if (!closed) logs.textContent = out.lines.join("\n");
+      if (!closed) {
+        // Open at the newest lines, and follow them unless the reader scrolled up.
+        const following = !logs.textContent || logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
+        logs.textContent = out.lines.join("\n");
+        if (following) logs.scrollTop = logs.scrollHeight;
+      }
     } catch (err) {
       if (!closed) logs.textContent = errorText(err);
     }

@@ -11,6 +11,7 @@ import {
   errorText,
   fmt,
   fmtDuration,
+  fmtRate,
   h,
   jobLabel,
   stateBadge,
@@ -117,9 +118,9 @@ export function renderJobs(main, params) {
       step: stepText,
       loss: fmt(s.last_loss),
       val: fmt(s.last_val_loss),
-      tps: fmt(s.tokens_per_s, 3),
+      tps: fmtRate(s.tokens_per_s),
       elapsed: fmtDuration(s.elapsed_s),
-      eta: TERMINAL.has(job.state) && job.state !== "succeeded" ? t("none") : fmtDuration(s.eta_s),
+      eta: TERMINAL.has(job.state) ? t("none") : fmtDuration(s.eta_s),
     };
   }
 
