@@ -66,3 +66,37 @@ def test_a_sandboxed_job_cannot_unshare_a_user_namespace(
                account, folder)  # fmt: skip
     assert ran.returncode == 0, ran.stderr
     assert (folder / "uid.txt").read_text().strip() == str(account[0])
+
+
+GLOO_JOB = """
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+dist.destroy_process_group()
+"""
+HOSTNAME_WARNING = "hostname of the client socket cannot be retrieved"
+
+
+def test_a_job_on_its_own_network_resolves_loopback_without_warnings(
+    account_dir: tuple[tuple[int, int], Path],
+) -> None:
+    """Two gloo ranks meeting over loopback in the sandbox's network: with the job's
+    /etc/hosts they resolve every peer address, and torch warns of no unresolvable
+    hostname (it does with the host's file, which may lack an IPv6 loopback line)."""
+    import sys
+
+    account, folder = account_dir
+    (folder / "job.py").write_text(GLOO_JOB)
+    os.chown(folder / "job.py", *account)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2", "job.py"]  # fmt: skip
+    hosts = sandbox.write_loopback_hosts(folder / ".sandbox-hosts")
+    view = {"job_dir": folder, "env": {}, "read_only": (), "gpus": False}
+    ran = _run(sandbox.wrap(torchrun, **view, hosts_file=hosts), account, folder)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert HOSTNAME_WARNING not in ran.stderr, ran.stderr[-3000:]
+    lines = Path("/etc/hosts").read_text().splitlines()
+    # Where the host's file lacks the IPv6 line, it is the cause: without ours, torch warns.
+    if not any(line.split()[:1] == ["::1"] for line in lines):
+        before = _run(sandbox.wrap(torchrun, **view), account, folder)
+        assert HOSTNAME_WARNING in before.stderr, before.stderr[-3000:]

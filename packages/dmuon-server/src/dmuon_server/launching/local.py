@@ -66,6 +66,10 @@ from dmuon_server.streams.metrics import Hub, MetricsTailer, metrics_stream
 log = logging.getLogger("dmuon_server.launching.local")
 
 
+#: The ``/etc/hosts`` a sandboxed job with a network of its own sees, in its folder.
+HOSTS_FILE = ".sandbox-hosts"
+
+
 class LocalLauncher:
     """torchrun on this host (see the module docstring)."""
 
@@ -220,6 +224,7 @@ class LocalLauncher:
                     host_network=self.settings.host_network
                     or self.identities.users.host_network_of(job.user or ""),
                     hidden=self.settings.server_files,
+                    hosts_file=sandbox.write_loopback_hosts(job_dir / HOSTS_FILE),
                 )
             proc = _start_process(argv, job_dir, start, self._new_cgroup(job, start.number))
         except OSError as e:

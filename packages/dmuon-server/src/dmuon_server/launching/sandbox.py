@@ -31,6 +31,7 @@ import functools
 import glob
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -119,6 +120,17 @@ def _refuses_nested_userns() -> bool:
     return "--disable-userns" in out.stdout + out.stderr
 
 
+def write_loopback_hosts(path: Path) -> Path:
+    """Write at ``path`` the ``/etc/hosts`` of a job with a loopback-only network: the
+    loopback names and this host's name on both address families. Without an IPv6 line
+    every connection over ``::1`` costs a failed name lookup, and torch's c10d warns
+    ("The hostname of the client socket cannot be retrieved") on each."""
+    names = " ".join(dict.fromkeys(["localhost", socket.gethostname()]))
+    path.write_text(f"127.0.0.1 {names}\n::1 {names} ip6-localhost ip6-loopback\n")
+    path.chmod(0o644)
+    return path
+
+
 def wrap(
     argv: list[str],
     *,
@@ -128,6 +140,7 @@ def wrap(
     gpus: bool,
     host_network: bool = False,
     hidden: Iterable[Path] = (),
+    hosts_file: Path | None = None,
 ) -> list[str]:
     """``argv`` run inside the sandbox of a job (see the module docstring).
 
@@ -135,7 +148,8 @@ def wrap(
     (its ``PYTHONPATH`` entries are bound read-only too). ``host_network`` keeps the
     host's network instead of a loopback-only one; ``hidden`` are the server's own files
     and folders (data directory, users and token files, working directory), masked where a
-    bound folder holds them.
+    bound folder holds them. ``hosts_file`` (see :func:`write_loopback_hosts`) becomes the
+    job's ``/etc/hosts`` when its network is its own.
     """
     bwrap = bwrap_path()
     if bwrap is None:
@@ -172,6 +186,8 @@ def wrap(
     system = [d for d in _SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
     roots = [os.path.realpath(r) for r in read_only]
     args += _masks(hidden, [*system, *shown], roots)
+    if hosts_file is not None and not host_network:
+        args += ["--ro-bind", str(hosts_file), "/etc/hosts"]
     args += ["--bind", str(job_dir), str(job_dir), "--chdir", str(job_dir), "--", *argv]
     return args
 
