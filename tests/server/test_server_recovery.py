@@ -99,9 +99,13 @@ def test_demo_client_end_to_end_with_the_fake_recipe(tmp_path: Path) -> None:
     assert "result: succeeded" in out
     assert "validation loss: start 5.0000" in out and "server stopped" in out
     assert "train: 100%" in r.stderr  # the tqdm bar reached the end
-    kept = out.split("the run's folder (metrics, checkpoints, export, log) is kept: ")[1]
-    folder = Path(kept.split("\n")[0])
+    kept = out.split("the run's folder is kept: ")[1].split("\n")[0]
+    folder = Path(kept.split(" (")[0])
     assert folder.parent == data / "jobs" and (folder / "metrics.jsonl").is_file()
+    # It names what is there, and only that (no export folder the run did not make).
+    listed = kept.split(" (", 1)[1].removesuffix(")").split(", ")
+    there = sorted(e.name + ("/" if e.is_dir() else "") for e in folder.iterdir())
+    assert listed == [name for name in there if not name.startswith(".")], (listed, there)
     info = json.loads((data / "server.json").read_text())
     assert not psutil.pid_exists(info["pid"]) or psutil.Process(info["pid"]).status() == "zombie"
 

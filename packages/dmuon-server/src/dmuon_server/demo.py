@@ -204,6 +204,15 @@ def print_summary(job: dict[str, Any], wall_s: float) -> bool:
     return ok
 
 
+def _contents(folder: Path) -> str:
+    """What ``folder`` holds, as a person would list it (folders with a slash)."""
+    try:
+        entries = sorted(e for e in folder.iterdir() if not e.name.startswith("."))
+    except OSError:
+        return "nothing"
+    return ", ".join(e.name + ("/" if e.is_dir() else "") for e in entries) or "nothing"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the demo; returns the exit status."""
     ap = argparse.ArgumentParser(prog="python -m dmuon_server.demo", description=__doc__)
@@ -248,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         print("server stopped")
         where = data_dir / "jobs" / job["id"] if job.get("id") else data_dir
         print(
-            f"the run's folder (metrics, checkpoints, export, log) is kept: {where}\n"
+            f"the run's folder is kept: {where} ({_contents(where)})\n"
             f"  again with its dashboard: dmuon-server --data-dir {data_dir} "
             "--allow-same-user-jobs"
         )
