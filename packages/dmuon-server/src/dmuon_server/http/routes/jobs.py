@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import base64
 import binascii
+import os
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Response
 
-from dmuon_server.config import Settings
+from dmuon_server.config import Settings, format_gib
 from dmuon_server.http.dependencies import (
     IdentitiesDep,
     JobDep,
@@ -23,11 +24,14 @@ from dmuon_server.http.errors import ApiError, error_responses, field_error, inv
 from dmuon_server.http.views import job_view, ts
 from dmuon_server.launching.command import plan_view
 from dmuon_server.launching.identity import JobIdentities
+from dmuon_server.launching.volumes import UserVolumes, quota_bytes
+from dmuon_server.recipe.checkpoint_space import quota_refusal
 from dmuon_server.recipe.review import Review, review
 from dmuon_server.scheduling import requests
 from dmuon_server.schemas import (
     Checkpoint,
     CheckpointList,
+    FieldError,
     Job,
     JobCreate,
     JobList,
@@ -74,6 +78,27 @@ def _decode_cursor(cursor: str) -> int:
         ) from None
 
 
+def _checkpoint_space_refusal(
+    settings: Settings, user: User, disk_gib: float | None, accepted: Review
+) -> FieldError | None:
+    """Refuse a local job whose checkpoints cannot fit what is free of its user's disk
+    quota: the mounted volume's free space, or the whole quota before the volume exists."""
+    train = accepted.spec.train if accepted.spec is not None else None
+    if disk_gib is None or train is None or accepted.admission is None:
+        return None
+    if settings.launcher != "local":
+        return None  # Slurm's shared file system has quotas of its own
+    name = user_name(user) or ""
+    point = UserVolumes(settings.data_dir, settings.jobs_dir).mount_point(name)
+    if os.path.ismount(point):
+        st = os.statvfs(point)
+        free = st.f_bavail * st.f_frsize
+    else:
+        free = quota_bytes(disk_gib)
+    quota = f"user {name}'s disk quota ({format_gib(quota_bytes(disk_gib))}, disk_gib)"
+    return quota_refusal(train, accepted.admission.model_params, free, quota)
+
+
 def _accepted(
     settings: Settings, store: Store, identities: JobIdentities, user: User, body: JobCreate
 ) -> Review:
@@ -97,6 +122,9 @@ def _accepted(
                 "value_error",
             )
         )
+    space = _checkpoint_space_refusal(settings, user, limits.disk_gib, accepted)
+    if space is not None:
+        accepted.errors.append(space)
     refusal = identities.refusal(user_name(user) or "", script=body.script is not None)
     if refusal is not None:
         where = ("body", "script") if body.script is not None else ("body",)
