@@ -337,9 +337,10 @@ def test_real_hf_job_runs_streams_and_lists_its_export(
 def test_artifact_names_a_job_chose_are_escaped_in_listings_and_renamed_in_archives(
     client: TestClient, data_dir: Path
 ) -> None:
-    """A file named with a right-to-left override and a line break (U+202E, U+000A): the
-    listing keeps its exact path (to fetch it) and shows it escaped; the archive's member
-    is renamed to the escaped name, so no entry can pass for another."""
+    """A file named with a right-to-left override (U+202E): the listing keeps its exact
+    path (to fetch it) and shows it escaped; the archive's member is renamed to the
+    escaped name, so no entry can pass for another. One with a line break (U+000A) could
+    not be asked for again in a URL: it is neither listed nor archived."""
     import io
     import tarfile
 
@@ -348,19 +349,20 @@ def test_artifact_names_a_job_chose_are_escaped_in_listings_and_renamed_in_archi
     job = client.post("/v1/jobs", json=job_spec(steps=2)).json()
     finish_all_jobs(client)
     job_dir = data_dir / "jobs" / job["id"]
-    tricky = "export/model\u202egpj.exe\nconfig.json"
+    tricky = "export/model\u202egpj.exe.config.json"
     (job_dir / "export").mkdir(parents=True, exist_ok=True)
     (job_dir / tricky).write_bytes(b"payload")
+    (job_dir / "export/line\nbreak.json").write_bytes(b"unreachable")
     (job_dir / "export/plain.json").write_bytes(b"{}")
     listed = client.get(f"/v1/jobs/{job['id']}/artifacts", params={"under": "export"}).json()
     by_path = {a["path"]: a["shown"] for a in listed["items"]}
     assert by_path == {
-        tricky: "export/model\\u202egpj.exe\\u000aconfig.json",
+        tricky: "export/model\\u202egpj.exe.config.json",
         "export/plain.json": "export/plain.json",
     }
     r = client.get(f"/v1/jobs/{job['id']}/archive/export")
     assert r.status_code == 200
     with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
         names = tar.getnames()
-        assert names == ["export/model\\u202egpj.exe\\u000aconfig.json", "export/plain.json"]
+        assert names == ["export/model\\u202egpj.exe.config.json", "export/plain.json"]
         assert tar.extractfile(names[0]).read() == b"payload"

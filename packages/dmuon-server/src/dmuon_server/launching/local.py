@@ -44,7 +44,12 @@ from dmuon_server.launching.attempts import Move
 from dmuon_server.launching.cgroups import CgroupError, Cgroups, JobCgroup, JobLimits, limit_hit
 from dmuon_server.launching.enforcement import limit_statuses, refuse_unheld
 from dmuon_server.launching.full_disk import FullDisk
-from dmuon_server.launching.identity import IdentityError, JobIdentities, drop_privileges
+from dmuon_server.launching.identity import IdentityError, JobIdentities
+from dmuon_server.launching.job_process import (
+    env_folders,
+    private_tmp_unavailable,
+    start_process,
+)
 from dmuon_server.launching.procs import (
     find_job_processes,
     find_runner,
@@ -95,6 +100,8 @@ class LocalLauncher:
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._cancel_deadline: dict[str, float] = {}
         self.full_disk = FullDisk(settings)
+        #: Whether each unsandboxed job gets a /tmp and /dev/shm of its own.
+        self.private_tmp = settings.sandbox == "none" and private_tmp_unavailable() is None
         self.cgroups, cgroups_note = Cgroups.detect()
         self.limits = JobLimits(
             settings.max_job_memory, settings.max_job_pids, settings.max_job_cpus
@@ -226,7 +233,9 @@ class LocalLauncher:
                     hidden=self.settings.server_files,
                     hosts_file=sandbox.write_loopback_hosts(job_dir / HOSTS_FILE),
                 )
-            proc = _start_process(argv, job_dir, start, self._new_cgroup(job, start.number))
+            private = self._private_tmp_keeps(job_dir, start) if self.private_tmp else None
+            cgroup = self._new_cgroup(job, start.number)
+            proc = start_process(argv, job_dir, start, cgroup, private)
         except OSError as e:
             why = f"could not start the job: {e.strerror or e}"
             attempts.fail_to_start(self.store, self._move, job.id, start.number, why, ACTIVE_STATES)
@@ -308,6 +317,15 @@ class LocalLauncher:
             if left:
                 log.warning("job %s: killed %d process(es) left in its cgroup", job_id, left)
             cgroup.remove()
+
+    def _private_tmp_keeps(self, job_dir: Path, start: attempts.AttemptStart) -> list[Path]:
+        """The folders an unsandboxed job needs from the host's /tmp: its own, its code,
+        the roots and its home (see :mod:`dmuon_server.launching.job_process`)."""
+        pythonpath = [p for p in start.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        home = [start.env["HOME"]] if "HOME" in start.env else []
+        code = sandbox.code_dirs(pythonpath)
+        named = env_folders(start.env)
+        return [job_dir, *map(Path, [*code, *home]), *named, *self._read_only_roots()]
 
     def _read_only_roots(self) -> list[Path]:
         """What a sandboxed job may read besides its code: the code, data and model roots."""
@@ -470,28 +488,3 @@ class LocalLauncher:
         n = signal_ranks(job, root, signal.SIGTERM)
         log.info("job %s: SIGTERM to %d process(es)", job.id, n)
         self.hub.notify(job.id)
-
-
-def _start_process(
-    argv: list[str], job_dir: Path, start: attempts.AttemptStart, cgroup: JobCgroup | None
-) -> subprocess.Popen:
-    """Start an attempt's runner in a session of its own, as the job's account, with its
-    output appended to the job's log; it enters ``cgroup`` before it runs anything."""
-    fds, enroll = cgroup.enroller() if cgroup is not None else ([], None)
-    try:
-        with os.fdopen(attempts.open_job_log(job_dir, start.account), "ab") as logf:
-            return subprocess.Popen(
-                argv,
-                cwd=job_dir,
-                env=start.env,
-                stdin=subprocess.DEVNULL,
-                stdout=logf,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                close_fds=True,
-                preexec_fn=enroll,
-                **drop_privileges(start.account),
-            )
-    finally:
-        for fd in fds:
-            os.close(fd)

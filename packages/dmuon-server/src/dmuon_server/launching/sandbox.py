@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Literal
 
 from dmuon_server.launching.identity import Account, drop_privileges
+from dmuon_server.launching.job_process import private_tmp_unavailable
 from dmuon_server.storage.datadir import StartupError
 
 #: Read-only system folders every job sees (a link, as ``/bin`` is on merged-/usr systems,
@@ -73,7 +74,7 @@ def _server_path() -> list[str]:
     return [p for p in sys.path if p and os.path.realpath(p) != cwd]
 
 
-def _code_dirs(extra: Iterable[str]) -> list[str]:
+def code_dirs(extra: Iterable[str]) -> list[str]:
     """Folders holding the code a job imports: the interpreter's installation and every
     existing folder on ``sys.path`` (but the server's working directory) and in ``extra``
     (the job's ``PYTHONPATH``), outermost first and without folders nested in others."""
@@ -180,7 +181,7 @@ def wrap(
         for node in sorted(glob.glob("/dev/nvidia*")):
             args += ["--dev-bind", node, node]
     pythonpath = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    shown = [*_code_dirs(pythonpath), *(os.path.realpath(r) for r in read_only)]
+    shown = [*code_dirs(pythonpath), *(os.path.realpath(r) for r in read_only)]
     for d in shown:
         args += ["--ro-bind", d, d]
     system = [d for d in _SYSTEM_DIRS if os.path.isdir(d) and not os.path.islink(d)]
@@ -192,14 +193,22 @@ def wrap(
     return args
 
 
-#: What a server without a sandbox says at start-up.
-UNSANDBOXED = (
-    "every job shares the host's network, so a job can reach another job's torchrun "
-    "rendezvous store, ports and sockets (and, as the same account, its files); and the "
-    "host's /tmp and /dev/shm, where what a job leaves outlives it (a file in /dev/shm "
-    "keeps its memory taken after the job is killed); install bubblewrap (Debian package "
-    "bubblewrap) and pass --sandbox bwrap to keep jobs apart"
-)
+def unsandboxed() -> str:
+    """What a server without a sandbox says at start-up: what its jobs share."""
+    why = private_tmp_unavailable()
+    tmp = (
+        "each job still gets a /tmp and /dev/shm of its own"
+        if why is None
+        else f"they also share the host's /tmp and /dev/shm ({why}), where what a job "
+        "leaves outlives it (a file in /dev/shm keeps its memory taken after the job is "
+        "killed)"
+    )
+    return (
+        "every job shares the host's network, so a job can reach another job's torchrun "
+        f"rendezvous store, ports and sockets (and, as the same account, its files); {tmp}; "
+        "install bubblewrap (Debian package bubblewrap) and pass --sandbox bwrap to keep "
+        "jobs apart"
+    )
 
 
 def choose(
@@ -212,7 +221,7 @@ def choose(
     if launcher != "local":
         return "none", "jobs run under Slurm, which keeps them apart"
     if mode == "none":
-        return "none", f"WARNING: jobs run without a sandbox (--sandbox none): {UNSANDBOXED}"
+        return "none", f"WARNING: jobs run without a sandbox (--sandbox none): {unsandboxed()}"
     why = probe(account)
     if why is None:
         kept = (
@@ -227,7 +236,7 @@ def choose(
         return "bwrap", f"jobs run in a bubblewrap sandbox ({bwrap_path()}), with {kept}{nested}"
     if mode == "bwrap":
         raise StartupError(f"--sandbox bwrap: {why}; install bubblewrap, or pass --sandbox none")
-    return "none", f"WARNING: jobs run without a sandbox ({why}): {UNSANDBOXED}"
+    return "none", f"WARNING: jobs run without a sandbox ({why}): {unsandboxed()}"
 
 
 def probe(account: Account | None) -> str | None:

@@ -1,0 +1,90 @@
+"""Without the sandbox, each job attempt of a root server gets a /tmp and /dev/shm of its
+own: what it writes there is gone when it ends, even when it is killed, and it sees none
+of the host's files there but the folders it needs.
+
+Oracles: the job itself, reporting what it sees; the host's /tmp and /dev/shm, listed
+after the job was killed; a real server and HTTP client.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from isolation_helpers import script_job
+from server_helpers import LiveServer, wait_until
+
+from dmuon_server.launching.job_process import private_tmp_unavailable
+
+#: Fills /tmp and /dev/shm under names the test gives, reports what it sees, then waits
+#: to be killed.
+FILLER = r"""
+import json, os, sys, time
+from pathlib import Path
+
+tag, marker = sys.argv[1], sys.argv[2]
+for folder in ("/tmp", "/dev/shm"):
+    with open(f"{folder}/{tag}", "wb") as f:
+        f.write(os.urandom(8 << 20))
+report = {
+    "tmp": sorted(os.listdir("/tmp")),
+    "shm": sorted(os.listdir("/dev/shm")),
+    "marker_seen": Path(marker).exists(),
+    "own_folder": os.getcwd(),
+}
+Path("report.json").write_text(json.dumps(report))
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def code_root() -> Iterator[Path]:
+    why = private_tmp_unavailable()
+    if why is not None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"the private /tmp test must run in CI: {why}")
+        pytest.skip(why)
+    root = Path(tempfile.mkdtemp(prefix="dmuon-private-tmp-", dir="/tmp"))
+    (root / "filler.py").write_text(FILLER)
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_killed_job_leaves_nothing_in_tmp_or_dev_shm(tmp_path: Path, code_root: Path) -> None:
+    tag = f"dmuon-fill-{secrets.token_hex(6)}"
+    marker = Path(tempfile.mkdtemp(prefix="dmuon-host-only-", dir="/tmp")) / "secret"
+    marker.write_text("the host's")
+    server = LiveServer(tmp_path / "d", "--code-root", str(code_root)).start()
+    try:
+        with server.client() as c:
+            spec = script_job(str(code_root / "filler.py"), tag, str(marker), name="filler")
+            job = c.post("/v1/jobs", json=spec).json()
+            folder = tmp_path / "d" / "jobs" / job["id"]
+            report_path = folder / "report.json"
+            wait_until(report_path.exists, 120, "the job to fill /tmp and /dev/shm")
+            report = json.loads(report_path.read_text())
+            assert c.post(f"/v1/jobs/{job['id']}/cancel").status_code == 202
+            wait_until(
+                lambda: c.get(f"/v1/jobs/{job['id']}").json()["state"] == "cancelled",
+                120,
+                "the job to end",
+            )
+    finally:
+        server.stop()
+        shutil.rmtree(marker.parent, ignore_errors=True)
+    # Inside: its own files, the folders it needs bound back, nothing else of the host's.
+    assert tag in report["shm"] and report["shm"] == [tag]
+    assert tag in report["tmp"] and not report["marker_seen"]
+    assert report["own_folder"] == str(folder.resolve())
+    assert marker.parent.name not in report["tmp"]
+    # Outside, after the kill: nothing left.
+    assert not (Path("/tmp") / tag).exists()
+    assert not (Path("/dev/shm") / tag).exists()
