@@ -12,13 +12,17 @@ say which limits are off.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dmuon_server.config import Settings
 from dmuon_server.launching.cgroups import Cgroups
+from dmuon_server.launching.volumes import UserVolumes
 from dmuon_server.storage.datadir import StartupError
 from dmuon_server.users import User
+
+log = logging.getLogger(__name__)
 
 #: The flags that ask for a kernel limit, by the limit they ask for.
 LIMIT_FLAGS = {"memory": "--max-job-memory", "pids": "--max-job-pids", "cpus": "--max-job-cpus"}
@@ -122,3 +126,23 @@ def refuse_unheld(statuses: Iterable[LimitStatus], allowed: bool) -> list[str]:
             "process it detaches may outlive it"
         )
     return warnings
+
+
+def hold_limits(
+    settings: Settings, users: Iterable[User]
+) -> tuple[Cgroups | None, UserVolumes | None, tuple[LimitStatus, ...]]:
+    """Find what this machine offers a local server (job cgroups, disk volumes), refuse
+    to start without a limit asked for that it cannot hold (:func:`refuse_unheld`), and
+    log what holds and what does not: ``(cgroups, volumes, the status of each limit)``."""
+    cgroups, cgroups_note = Cgroups.detect()
+    volumes, volumes_note = UserVolumes.detect(settings.data_dir, settings.jobs_dir)
+    statuses = limit_statuses(
+        settings, users, cgroups, cgroups_note, volumes is not None, volumes_note
+    )
+    warnings = refuse_unheld(statuses, settings.allow_unenforced_limits)
+    for held, note in ((cgroups, cgroups_note), (volumes, volumes_note)):
+        if held is not None:
+            log.info("%s", note)
+    for line in warnings:
+        log.warning("%s", line)
+    return cgroups, volumes, statuses

@@ -41,8 +41,8 @@ import psutil
 from dmuon_server.config import Settings
 from dmuon_server.launching import attempts, sandbox
 from dmuon_server.launching.attempts import Move
-from dmuon_server.launching.cgroups import CgroupError, Cgroups, JobCgroup, JobLimits, limit_hit
-from dmuon_server.launching.enforcement import limit_statuses, refuse_unheld
+from dmuon_server.launching.cgroups import CgroupError, JobCgroup, JobLimits, limit_hit
+from dmuon_server.launching.enforcement import hold_limits
 from dmuon_server.launching.full_disk import FullDisk
 from dmuon_server.launching.identity import IdentityError, JobIdentities
 from dmuon_server.launching.job_process import (
@@ -59,7 +59,7 @@ from dmuon_server.launching.procs import (
     verified_process,
 )
 from dmuon_server.launching.protocol import Isolated
-from dmuon_server.launching.volumes import UserVolumes, quota_bytes
+from dmuon_server.launching.volumes import quota_bytes
 from dmuon_server.schemas import ACTIVE_STATES, spec_of
 from dmuon_server.storage.datadir import disk_full
 from dmuon_server.storage.jobfiles import DISK_FULL_TEXT, metrics_file, read_exit_report
@@ -102,23 +102,13 @@ class LocalLauncher:
         self.full_disk = FullDisk(settings)
         #: Whether each unsandboxed job gets a /tmp and /dev/shm of its own.
         self.private_tmp = settings.sandbox == "none" and private_tmp_unavailable() is None
-        self.cgroups, cgroups_note = Cgroups.detect()
+        self.cgroups, self.volumes, self.limit_statuses = hold_limits(
+            settings, identities.users.all()
+        )
         self.limits = JobLimits(
             settings.max_job_memory, settings.max_job_pids, settings.max_job_cpus
         )
         self._cgroup: dict[str, JobCgroup] = {}
-        self.volumes, volumes_note = UserVolumes.detect(settings.data_dir, settings.jobs_dir)
-        self.limit_statuses = limit_statuses(
-            settings, identities.users.all(), self.cgroups, cgroups_note,
-            self.volumes is not None, volumes_note,
-        )  # fmt: skip
-        warnings = refuse_unheld(self.limit_statuses, settings.allow_unenforced_limits)
-        if self.cgroups is not None:
-            log.info("%s", cgroups_note)
-        if self.volumes is not None:
-            log.info("%s", volumes_note)
-        for line in warnings:
-            log.warning("%s", line)
         #: Why a job was stopped for its user's disk quota, by job id.
         self._over_quota: dict[str, str] = {}
 
@@ -233,7 +223,8 @@ class LocalLauncher:
                     hidden=self.settings.server_files,
                     hosts_file=sandbox.write_loopback_hosts(job_dir / HOSTS_FILE),
                 )
-            private = self._private_tmp_keeps(job_dir, start) if self.private_tmp else None
+            roots = self._read_only_roots()
+            private = _needed_folders(job_dir, start, roots) if self.private_tmp else None
             cgroup = self._new_cgroup(job, start.number)
             proc = start_process(argv, job_dir, start, cgroup, private)
         except OSError as e:
@@ -317,15 +308,6 @@ class LocalLauncher:
             if left:
                 log.warning("job %s: killed %d process(es) left in its cgroup", job_id, left)
             cgroup.remove()
-
-    def _private_tmp_keeps(self, job_dir: Path, start: attempts.AttemptStart) -> list[Path]:
-        """The folders an unsandboxed job needs from the host's /tmp: its own, its code,
-        the roots and its home (see :mod:`dmuon_server.launching.job_process`)."""
-        pythonpath = [p for p in start.env.get("PYTHONPATH", "").split(os.pathsep) if p]
-        home = [start.env["HOME"]] if "HOME" in start.env else []
-        code = sandbox.code_dirs(pythonpath)
-        named = env_folders(start.env)
-        return [job_dir, *map(Path, [*code, *home]), *named, *self._read_only_roots()]
 
     def _read_only_roots(self) -> list[Path]:
         """What a sandboxed job may read besides its code: the code, data and model roots."""
@@ -488,3 +470,13 @@ class LocalLauncher:
         n = signal_ranks(job, root, signal.SIGTERM)
         log.info("job %s: SIGTERM to %d process(es)", job.id, n)
         self.hub.notify(job.id)
+
+
+def _needed_folders(job_dir: Path, start: attempts.AttemptStart, roots: list[Path]) -> list[Path]:
+    """The folders an unsandboxed job needs from the host's /tmp: its own, its code, its
+    home, those its environment names, and the roots (see
+    :mod:`dmuon_server.launching.job_process`)."""
+    pythonpath = [p for p in start.env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    home = [start.env["HOME"]] if "HOME" in start.env else []
+    code = sandbox.code_dirs(pythonpath)
+    return [job_dir, *map(Path, [*code, *home]), *env_folders(start.env), *roots]
