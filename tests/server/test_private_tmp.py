@@ -12,13 +12,14 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from isolation_helpers import script_job
-from server_helpers import LiveServer, wait_until
+from server_helpers import LiveServer, mount_tmpfs, wait_until
 
 from dmuon_server.launching.job_process import private_tmp_unavailable
 
@@ -28,7 +29,7 @@ FILLER = r"""
 import json, os, sys, time
 from pathlib import Path
 
-tag, marker = sys.argv[1], sys.argv[2]
+tag, marker, mounted = sys.argv[1], sys.argv[2], sys.argv[3]
 for folder in ("/tmp", "/dev/shm"):
     with open(f"{folder}/{tag}", "wb") as f:
         f.write(os.urandom(8 << 20))
@@ -36,6 +37,7 @@ report = {
     "tmp": sorted(os.listdir("/tmp")),
     "shm": sorted(os.listdir("/dev/shm")),
     "marker_seen": Path(marker).exists(),
+    "mounted_file": Path(mounted).read_text() if Path(mounted).exists() else None,
     "own_folder": os.getcwd(),
 }
 Path("report.json").write_text(json.dumps(report))
@@ -53,8 +55,13 @@ def code_root() -> Iterator[Path]:
     root = Path(tempfile.mkdtemp(prefix="dmuon-private-tmp-", dir="/tmp"))
     (root / "filler.py").write_text(FILLER)
     try:
+        # A mount inside a folder the job needs (as a user's volume on a job folder is):
+        # it must come along with the folder.
+        mount_tmpfs(root / "mounted", 1)
+        (root / "mounted" / "inside.txt").write_text("on the mount")
         yield root
     finally:
+        subprocess.run(["umount", str(root / "mounted")], capture_output=True)
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -65,7 +72,9 @@ def test_a_killed_job_leaves_nothing_in_tmp_or_dev_shm(tmp_path: Path, code_root
     server = LiveServer(tmp_path / "d", "--code-root", str(code_root)).start()
     try:
         with server.client() as c:
-            spec = script_job(str(code_root / "filler.py"), tag, str(marker), name="filler")
+            mounted = str(code_root / "mounted" / "inside.txt")
+            spec = script_job(str(code_root / "filler.py"), tag, str(marker), mounted,
+                              name="filler")  # fmt: skip
             job = c.post("/v1/jobs", json=spec).json()
             folder = tmp_path / "d" / "jobs" / job["id"]
             report_path = folder / "report.json"
@@ -85,6 +94,7 @@ def test_a_killed_job_leaves_nothing_in_tmp_or_dev_shm(tmp_path: Path, code_root
     assert tag in report["tmp"] and not report["marker_seen"]
     assert report["own_folder"] == str(folder.resolve())
     assert marker.parent.name not in report["tmp"]
+    assert report["mounted_file"] == "on the mount"
     # Outside, after the kill: nothing left.
     assert not (Path("/tmp") / tag).exists()
     assert not (Path("/dev/shm") / tag).exists()

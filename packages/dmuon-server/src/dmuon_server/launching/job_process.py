@@ -28,21 +28,22 @@ from dmuon_server.launching.identity import Account, drop_privileges
 
 #: What makes the private mounts, in the new mount namespace, before the runner runs:
 #: the host's /tmp is reached through a bind on a staging tmpfs while the new /tmp is
-#: mounted, the kept folders are bound back, then the staging goes and /dev/shm is new.
+#: mounted, the kept folders are bound back (recursively: a user's volume mounted on a job
+#: folder comes along), then the staging goes and /dev/shm is new.
 _MOUNTS = """set -e
 given=$(umask)
 umask 022
 n=$1; shift
 mount -t tmpfs -o nosuid,nodev,mode=700 dmuon-stage /dev/shm
 mkdir /dev/shm/host
-mount --bind /tmp /dev/shm/host
+mount --rbind /tmp /dev/shm/host
 mount -t tmpfs -o nosuid,nodev,mode=1777 dmuon-tmp /tmp
 while [ "$n" -gt 0 ]; do
   mkdir -p "/tmp/$1"
-  mount --bind "/dev/shm/host/$1" "/tmp/$1"
+  mount --rbind "/dev/shm/host/$1" "/tmp/$1"
   n=$((n - 1)); shift
 done
-umount /dev/shm/host
+umount -R /dev/shm/host
 umount /dev/shm
 mount -t tmpfs -o nosuid,nodev,mode=1777 dmuon-shm /dev/shm
 umask "$given"
