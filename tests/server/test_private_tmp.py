@@ -98,3 +98,18 @@ def test_a_killed_job_leaves_nothing_in_tmp_or_dev_shm(tmp_path: Path, code_root
     # Outside, after the kill: nothing left.
     assert not (Path("/tmp") / tag).exists()
     assert not (Path("/dev/shm") / tag).exists()
+
+
+def test_a_folder_inside_another_is_not_bound_twice(tmp_path: Path) -> None:
+    """A checkpoint the job resumes from lies inside its folder: bound on its own it would
+    be a mount point the job could not delete when it prunes old checkpoints."""
+    from dmuon_server.launching.job_process import with_private_tmp
+
+    outer = Path(tempfile.mkdtemp(prefix="dmuon-keep-", dir="/tmp"))
+    try:
+        (outer / "checkpoints" / "step_5").mkdir(parents=True)
+        argv = with_private_tmp(["true"], None, [outer / "checkpoints" / "step_5", outer])
+        count = argv.index("sh", argv.index("-c") + 2) + 1
+        assert argv[count : count + 2] == ["1", outer.name]
+    finally:
+        shutil.rmtree(outer, ignore_errors=True)

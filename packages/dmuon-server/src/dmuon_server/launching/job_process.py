@@ -82,7 +82,7 @@ def private_tmp_unavailable() -> str | None:
 def with_private_tmp(argv: list[str], account: Account | None, keep: Iterable[Path]) -> list[str]:
     """``argv`` started in a mount namespace with its own /tmp and /dev/shm, the folders
     ``keep`` that lie under /tmp bound back in, as ``account`` (None: as the server)."""
-    under_tmp = sorted(
+    candidates = sorted(
         {
             os.path.relpath(real, "/tmp")
             for real in (os.path.realpath(p) for p in keep)
@@ -90,6 +90,12 @@ def with_private_tmp(argv: list[str], account: Account | None, keep: Iterable[Pa
         },
         key=len,
     )
+    # A folder inside another comes with it: a bind of its own would make it a mount
+    # point, which the job could then not remove (a checkpoint it resumed from, say).
+    under_tmp: list[str] = []
+    for path in candidates:
+        if not any(path == kept or path.startswith(kept + "/") for kept in under_tmp):
+            under_tmp.append(path)
     drop = []
     if account is not None:
         drop = [shutil.which("setpriv") or "setpriv", f"--reuid={account.uid}",
