@@ -4,6 +4,11 @@ the root account of the tests."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 #: A normal account the docs' shell examples also run as (made if missing).
 NORMAL_ACCOUNT = "dmuon-t-readme"
@@ -30,3 +35,15 @@ def normal_account() -> tuple[int, int] | None:
         )  # fmt: skip
         entry = pwd.getpwnam(NORMAL_ACCOUNT)
     return entry.pw_uid, entry.pw_gid
+
+
+@contextmanager
+def folder_of(account: tuple[int, int], prefix: str) -> Iterator[Path]:
+    """A new folder under /tmp owned by ``account`` (the tests' own folders are root's
+    alone), removed afterwards."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    os.chown(folder, *account)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

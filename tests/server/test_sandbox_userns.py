@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from accounts import normal_account
+from accounts import folder_of, normal_account
 
 from dmuon_server.launching import sandbox
 
@@ -33,12 +32,8 @@ def account_dir() -> Iterator[tuple[tuple[int, int], Path]]:
         if os.environ.get("CI") == "true":
             pytest.fail(f"the sandbox tests must run in CI: {why}")
         pytest.skip(why)
-    folder = Path(tempfile.mkdtemp(prefix="dmuon-userns-", dir="/tmp"))
-    os.chown(folder, *account)
-    try:
+    with folder_of(account, "dmuon-userns-") as folder:
         yield account, folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run(argv: list[str], account: tuple[int, int], folder: Path) -> subprocess.CompletedProcess:

@@ -15,14 +15,13 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from accounts import normal_account
+from accounts import folder_of, normal_account
 from server_helpers import LiveServer, wait_until
 
 from dmuon_server.launching.cgroups import Cgroups
@@ -42,17 +41,12 @@ def _users_file(folder: Path, **limits: Any) -> Path:
 
 @pytest.fixture
 def account_folder() -> Iterator[tuple[tuple[int, int], Path]]:
-    """A normal account and a folder of its own (under /tmp: the tests' folders are
-    root's alone)."""
+    """A normal account and a folder of its own."""
     account = normal_account()
     if account is None:
         pytest.skip("running the server as a normal account needs root (and useradd)")
-    folder = Path(tempfile.mkdtemp(prefix="dmuon-limits-", dir="/tmp"))
-    os.chown(folder, *account)
-    try:
+    with folder_of(account, "dmuon-limits-") as folder:
         yield account, folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _server_as(account: tuple[int, int], folder: Path, *flags: str) -> subprocess.Popen[str]:
