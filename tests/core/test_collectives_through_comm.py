@@ -8,7 +8,8 @@ torch.distributed as dist``, ``from torch import distributed``, ``import torch``
 collectives) and fails on any call of a collective. The recipe under ``dmuon/train/`` may
 issue its own world-wide agreements (a loss average, a checkpoint's existence), which are
 not dedicated-matrix traffic, only on a line that says so: ``# not audited: <why>`` on the
-call's line or the line above it.
+call's line or the line above it. So may ``dmuon/reference.py``, the algorithm written for
+reading, which moves its own bytes with plain calls.
 """
 
 from __future__ import annotations
@@ -168,11 +169,11 @@ def test_the_scan_reads_the_whole_package() -> None:
 def test_no_module_outside_comm_calls_a_collective(path: Path) -> None:
     text = path.read_text()
     lines = text.splitlines()
-    in_recipe = path.is_relative_to(PACKAGE / "train")
+    may_exempt = path.is_relative_to(PACKAGE / "train") or path == PACKAGE / "reference.py"
     offending = [
         f"{path.relative_to(PACKAGE)}:{line}: {call}"
         for line, call in direct_collectives(text)
-        if not (in_recipe and _exempt(lines, line))
+        if not (may_exempt and _exempt(lines, line))
     ]
     assert not offending, (
         "collectives outside dmuon/_comm.py bypass the audit and the collective-order check; "

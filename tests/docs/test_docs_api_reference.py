@@ -52,6 +52,7 @@ PACKAGES = (
     "dmuon.checkpoint",
     "dmuon.plan",
     "dmuon.train",
+    "dmuon.reference",
     "dmuon.integrations.transformers",
     "dmuon.integrations.accelerate",
 )

@@ -20,12 +20,38 @@ torchtitan lays out its trainer, and every piece is importable:
   it from your own script run by the job service (`dmuon.train.user_metrics`).
 """
 
-from dmuon.train.cli import TrainConfig, build_parser, parse_args
-from dmuon.train.data import Corpus, GlobalBatchSampler, load_corpus, validation_windows
-from dmuon.train.loop import Trainer, run
-from dmuon.train.metrics import REQUIRED_KEYS, MetricsWriter
-from dmuon.train.models import PRESETS, ModelConfig, Transformer, build_model, lm_loss
-from dmuon.train.user_metrics import log_metrics
+from typing import TYPE_CHECKING
+
+from dmuon._lazy import lazy_attributes
+
+if TYPE_CHECKING:
+    from dmuon.train.cli import TrainConfig, build_parser, parse_args
+    from dmuon.train.data import Corpus, GlobalBatchSampler, load_corpus, validation_windows
+    from dmuon.train.loop import Trainer, run
+    from dmuon.train.metrics import REQUIRED_KEYS, MetricsWriter
+    from dmuon.train.models import PRESETS, ModelConfig, Transformer, build_model, lm_loss
+    from dmuon.train.user_metrics import log_metrics
+
+#: Each exported name and the module that defines it, imported when first read.
+_EXPORTS = {
+    "TrainConfig": "dmuon.train.cli",
+    "build_parser": "dmuon.train.cli",
+    "parse_args": "dmuon.train.cli",
+    "Corpus": "dmuon.train.data",
+    "GlobalBatchSampler": "dmuon.train.data",
+    "load_corpus": "dmuon.train.data",
+    "validation_windows": "dmuon.train.data",
+    "Trainer": "dmuon.train.loop",
+    "run": "dmuon.train.loop",
+    "REQUIRED_KEYS": "dmuon.train.metrics",
+    "MetricsWriter": "dmuon.train.metrics",
+    "PRESETS": "dmuon.train.models",
+    "ModelConfig": "dmuon.train.models",
+    "Transformer": "dmuon.train.models",
+    "build_model": "dmuon.train.models",
+    "lm_loss": "dmuon.train.models",
+    "log_metrics": "dmuon.train.user_metrics",
+}
 
 __all__ = [
     "PRESETS",
@@ -46,3 +72,5 @@ __all__ = [
     "run",
     "validation_windows",
 ]
+
+__getattr__, __dir__ = lazy_attributes("dmuon.train", _EXPORTS, globals())

@@ -14,11 +14,8 @@ import sys
 from collections.abc import Sequence
 
 import dmuon_recipe_contract as contract
-from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
-from dmuon.train.checkpointing import CheckpointWriteError
 from dmuon.train.cli import TrainConfig, parse_args
-from dmuon.train.loop import TrainingDiverged, run
 
 
 class UsageError(Exception):
@@ -34,12 +31,13 @@ def _parse(argv: Sequence[str]) -> TrainConfig:
     except SystemExit as exit_:
         sys.stderr.write(captured.getvalue())
         if exit_.code not in (0, None):
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
             lines = [line for line in captured.getvalue().splitlines() if line.strip()]
             ErrorHandler().record_exception(UsageError(lines[-1] if lines else "invalid flags"))
         raise
 
 
-@record
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse flags, train, and return the exit status.
 
@@ -49,6 +47,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     names the folder and the space it needs).
     """
     config = _parse(sys.argv[1:] if argv is None else argv)
+    # torch loads once the flags parse, so --help and flag errors answer at once.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_train)(config)
+
+
+def _train(config: TrainConfig) -> int:
+    """Run the recipe; each failure a user can cause is an exit status and a message."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    from dmuon.train.checkpointing import CheckpointWriteError
+    from dmuon.train.loop import TrainingDiverged, run
+
     try:
         run(config)
     except (FileNotFoundError, ValueError) as exc:

@@ -19,8 +19,6 @@ from typing import Any
 from dmuon_recipe_contract import ADAMW_LR, FLAGS, MUON_ONLY_FLAGS, PRESETS, Flag, flag
 
 from dmuon.train import config_file
-from dmuon.train.checkpointing import CheckpointError, require_checkpoint
-from dmuon.train.profiling import parse_steps
 from dmuon.train.trackers import resolve_report_to
 
 __all__ = [
@@ -184,6 +182,9 @@ def _checkpoint_path(option: str, keywords: tuple[str, ...]) -> Callable[[str], 
     def parse(text: str) -> str:
         if text in keywords:
             return text
+        # Here, not at the top: the checkpoint code imports torch, and --help must not.
+        from dmuon.train.checkpointing import CheckpointError, require_checkpoint
+
         try:
             require_checkpoint(text, option)
         except CheckpointError as exc:
@@ -277,6 +278,8 @@ def parse_args(argv: Sequence[str] | None = None) -> TrainConfig:
     except ValueError as error:
         parser.error(f"argument --report-to: {error}")
     if namespace.profile_steps is not None:
+        from dmuon.train.profiling import parse_steps
+
         try:
             parse_steps(namespace.profile_steps)
         except ValueError as error:
