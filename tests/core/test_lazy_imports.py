@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 SOURCE = Path(__file__).resolve().parents[2] / "packages" / "dmuon-core" / "src"
-PACKAGES = ("dmuon", "dmuon.plan", "dmuon.train")
+PACKAGES = ("dmuon", "dmuon.optim", "dmuon.plan", "dmuon.train")
 
 _HELP_THEN_MODULES = """
 import runpy, sys

@@ -232,7 +232,7 @@ def test_at_4096_gpus_the_busiest_rank_is_under_3_percent(name: str, shard: int 
     model = meta_model(load_config(str(MODELS / f"{name}.json")))
     whole = plan_cluster(model, 4096, shard)
     split = plan_cluster(model, 4096, shard, ns_split=8)
-    assert whole.optimizer_overhead > 0.065  # one matrix's whole iteration: the old floor
+    assert whole.optimizer_overhead > 0.055  # one matrix's whole iteration: the old floor
     assert split.owner_plan.split
     assert split.optimizer_overhead < 0.03, split.optimizer_overhead
     assert split.ns_overhead < split.optimizer_overhead  # the block's collectives count too

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
+import numpy as np
 from torch import nn
 
 from dmuon._ownership.split_iterations import plan_split_iterations
@@ -238,44 +239,53 @@ def _assign(items: list[_Item], shard_size: int, replicas: int, block: int = 1) 
     ranks that may share an iteration, the least loaded block first (matrices spread over
     blocks, so a block's other ranks are free to help); then the shard rank that holds
     the fewest matrices of the item's boundary (one layer's broadcasts come from several
-    ranks), then the fewest elements (momentum and master memory), then the least load.
+    ranks), then the fewest elements (momentum and master memory), then the least load,
+    then the lowest rank. The ranks are compared as arrays, one criterion after the
+    other, so a plan of thousands of ranks takes milliseconds per matrix.
     """
     world = shard_size * replicas
-    block_loads = [0] * (world // block)
-    position_elements = [0] * shard_size
+    ranks = np.arange(world)
+    position = ranks % shard_size
+    block_of = ranks // block
+    block_loads = np.zeros(world // block, dtype=np.int64)
+    position_elements = np.zeros(shard_size, dtype=np.int64)
+    loads = np.zeros(world, dtype=np.int64)
+    elements = np.zeros(world, dtype=np.int64)
+    per_boundary: dict[str, np.ndarray] = {}
+    holders: dict[str, list[int]] = {}
     order = {item.name: index for index, item in enumerate(items)}
-    loads = [0] * world
-    elements = [0] * world
-    per_boundary: dict[tuple[str, int], int] = {}
-    holders: dict[str, set[int]] = {}
     assigned: dict[str, int] = {}
     for item in sorted(items, key=lambda i: (-i.cost, order[i.name])):
-        taken = holders.setdefault(item.fqn, set()) if item.experts is not None else set()
-        candidates = [rank for rank in range(world) if rank not in taken]
-        lightest = min(loads[rank] for rank in candidates)
-        eligible = [rank for rank in candidates if loads[rank] <= lightest + item.cost]
-        rank = min(
-            eligible,
-            key=lambda r: (
-                block_loads[r // block] if block > 1 else 0,
-                per_boundary.get((item.boundary, r % shard_size), 0),
-                # With blocks, whole replicas start empty: balance what each shard
-                # position holds in every replica (masters, gathers, reduces) first.
-                position_elements[r % shard_size] if block > 1 else 0,
-                elements[r],
-                loads[r],
-                r,
-            ),
-        )
+        taken = holders.setdefault(item.fqn, []) if item.experts is not None else []
+        free = np.ones(world, dtype=bool)
+        free[taken] = False
+        lightest = loads[free].min()
+        chosen = np.flatnonzero(free & (loads <= lightest + item.cost))
+        counts = per_boundary.setdefault(item.boundary, np.zeros(shard_size, dtype=np.int64))
+        criteria: list[Callable[[np.ndarray], np.ndarray]] = [
+            lambda r, counts=counts: counts[position[r]],
+            lambda r: elements[r],
+            lambda r: loads[r],
+        ]
+        if block > 1:
+            # With blocks, whole replicas start empty: balance what each shard position
+            # holds in every replica (masters, gathers, reduces) first.
+            criteria[:0] = [lambda r: block_loads[block_of[r]]]
+            criteria[2:2] = [lambda r: position_elements[position[r]]]
+        for criterion in criteria:
+            if len(chosen) == 1:
+                break
+            values = criterion(chosen)
+            chosen = chosen[values == values.min()]
+        rank = int(chosen[0])
         assigned[item.name] = rank
-        taken.add(rank)
+        taken.append(rank)
         loads[rank] += item.cost
         block_loads[rank // block] += item.cost
         position_elements[rank % shard_size] += item.elements
         elements[rank] += item.elements
-        key = (item.boundary, rank % shard_size)
-        per_boundary[key] = per_boundary.get(key, 0) + 1
-    return _Assignment(assigned, loads, elements)
+        counts[rank % shard_size] += 1
+    return _Assignment(assigned, loads.tolist(), elements.tolist())
 
 
 def _split_candidates(

@@ -129,16 +129,29 @@ def update_chunks(
     ``records``) of the records that replica sends. `dmuon.plan` counts its calls with
     this function too.
     """
-    cap = CHUNK_BYTES if cap is None else cap
     chunks: list[list[list[int]]] = []
-    filled = cap
-    for index, (nbytes, replica) in enumerate(records):
-        if not chunks or filled + nbytes > cap:
-            chunks.append([[] for _ in range(replicas)])
-            filled = 0
-        chunks[-1][replica].append(index)
-        filled += nbytes
+    for start, stop in chunk_bounds([nbytes for nbytes, _ in records], cap):
+        chunk: list[list[int]] = [[] for _ in range(replicas)]
+        for index in range(start, stop):
+            chunk[records[index][1]].append(index)
+        chunks.append(chunk)
     return chunks
+
+
+def chunk_bounds(sizes: list[int], cap: int | None = None) -> list[tuple[int, int]]:
+    """``(start, stop)`` of each chunk `update_chunks` cuts records of these byte sizes
+    into: consecutive, at most ``cap`` bytes (default `CHUNK_BYTES`), a larger record
+    alone."""
+    cap = CHUNK_BYTES if cap is None else cap
+    bounds: list[tuple[int, int]] = []
+    filled = cap
+    for index, nbytes in enumerate(sizes):
+        if not bounds or filled + nbytes > cap:
+            bounds.append((index, index))
+            filled = 0
+        bounds[-1] = (bounds[-1][0], index + 1)
+        filled += nbytes
+    return bounds
 
 
 def out_features(dp: DedicatedParam) -> int:

@@ -58,6 +58,32 @@ def plan_dedication(
     Raises:
         ValueError: As `dmuon.dedicate_params` does for a predicate or a boundary.
     """
+    selected, boundaries = select_with_boundaries(
+        model, predicate, hook_boundary_predicate, hook_boundary_strict
+    )
+    plan = plan_owners(
+        {fqn: p.shape for fqn, _, _, p, _, _ in selected},
+        world_size,
+        boundaries,
+        split_expert_stacks=split_expert_stacks,
+        replicas=replicas,
+        ns_split=ns_split,
+    )
+    return DedicationPlan(selected, boundaries, plan)
+
+
+def select_with_boundaries(
+    model: nn.Module,
+    predicate: ParamPredicate | None = None,
+    hook_boundary_predicate: ModulePredicate | None = None,
+    hook_boundary_strict: bool = True,
+) -> tuple[list[Selected], dict[str, str]]:
+    """The Muon-target parameters of ``model`` and each one's hook boundary: the part of
+    `plan_dedication` that does not depend on the mesh.
+
+    Raises:
+        ValueError: As `dmuon.dedicate_params` does for a predicate or a boundary.
+    """
     selected = _select(model, predicate)
     boundaries: dict[str, str] = {}
     for fqn, *_, path in selected:
@@ -72,15 +98,7 @@ def plan_dedication(
                 )
             boundary = ROOT_BOUNDARY
         boundaries[fqn] = boundary
-    plan = plan_owners(
-        {fqn: p.shape for fqn, _, _, p, _, _ in selected},
-        world_size,
-        boundaries,
-        split_expert_stacks=split_expert_stacks,
-        replicas=replicas,
-        ns_split=ns_split,
-    )
-    return DedicationPlan(selected, boundaries, plan)
+    return selected, boundaries
 
 
 def _is_conv1d(module: nn.Module) -> bool:

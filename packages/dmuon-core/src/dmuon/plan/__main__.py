@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Sequence
 
-from dmuon.plan._hardware import HARDWARE, parse_hardware, parse_tokens
+from dmuon.plan._hardware import DEFAULT_MFU, HARDWARE, MFU_SOURCE, parse_hardware, parse_tokens
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,6 +76,13 @@ def _add_optimizer_options(parser: argparse.ArgumentParser) -> None:
         help=f"{', '.join(sorted(HARDWARE))}, or TFLOPS,GBPS (dense bfloat16 peak, network "
         "per accelerator)",
     )
+    parser.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="share of the dense peak forward+backward reaches (default "
+        f"{DEFAULT_MFU:.2f}: {MFU_SOURCE})".replace("%", "%%"),
+    )
     parser.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations")
     parser.add_argument(
         "--ns-dtype",
@@ -127,6 +135,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         hardware = parse_hardware(args.hardware)
+        if args.mfu is not None:
+            if not 0 < args.mfu <= 1:
+                raise ValueError(
+                    f"--mfu is a share of the peak in (0, 1], such as 0.34, not {args.mfu}"
+                )
+            hardware = dataclasses.replace(hardware, mfu=args.mfu)
         tokens = parse_tokens(args.tokens_per_step)
         config = load_config(args.model)
         model = meta_model(config)

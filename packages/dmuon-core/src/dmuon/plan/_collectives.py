@@ -5,6 +5,7 @@ Newton-Schulz workspace."""
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 
 from dmuon._ownership.planner import OwnerPlan, range_name
-from dmuon._ownership.replica_updates import update_chunks
+from dmuon._ownership.replica_updates import chunk_bounds
 from dmuon.optim._muon_update import workspace_nbytes
 
 
@@ -93,13 +94,14 @@ def boundary_calls(
 
 def replica_update_calls(records: list[tuple[int, int, int]], replicas: int) -> dict[str, Tally]:
     """The replicate dimension's collectives after a step: one per chunk of updates
-    (`dmuon._ownership.replica_updates.update_chunks`; ``records`` are ``(elements,
+    (cut as `dmuon._ownership.replica_updates.update_chunks` cuts them; ``records`` are ``(elements,
     bytes, update replica)``, cut by bytes, counted in elements), a broadcast when one
     replica stepped the whole chunk, else an all-gather."""
     tallies: dict[str, Tally] = {}
-    for chunk in update_chunks([(b, r) for _, b, r in records], replicas):
-        elements = sum(records[i][0] for part in chunk for i in part)
-        one_replica = sum(1 for part in chunk if part) == 1
+    for start, stop in chunk_bounds([b for _, b, _ in records]):
+        chunk = records[start:stop]
+        elements = sum(e for e, _, _ in chunk)
+        one_replica = len({r for _, _, r in chunk}) == 1
         add(tallies, "broadcast" if one_replica else "all_gather", 1, elements)
     return tallies
 
@@ -169,9 +171,15 @@ def workspace_bytes(
         counts[rows, cols] += matrices
     largest = 0
     for (rows, cols), count in counts.items():
-        one = workspace_nbytes(1, rows, cols, dtype, device, gram, torch.float32)
+        one = _workspace_nbytes(1, rows, cols, dtype, device, gram)
         batch = min(count, max(1, cap // one))
-        largest = max(
-            largest, workspace_nbytes(batch, rows, cols, dtype, device, gram, torch.float32)
-        )
+        largest = max(largest, _workspace_nbytes(batch, rows, cols, dtype, device, gram))
     return largest
+
+
+@functools.lru_cache(maxsize=4096)
+def _workspace_nbytes(
+    batch: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device, gram: bool
+) -> int:
+    """`workspace_nbytes` remembered: thousands of ranks ask for the same few shapes."""
+    return workspace_nbytes(batch, rows, cols, dtype, device, gram, torch.float32)

@@ -23,19 +23,19 @@ same code) and from the library's own rules:
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from dmuon._ownership.planner import (
-    OwnerPlan,
-    SplitStacks,
-)
-from dmuon._ownership.selection import plan_dedication
+from dmuon._ownership.planner import OwnerPlan, SplitStacks, plan_owners
+from dmuon._ownership.selection import select_with_boundaries
 from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES
 from dmuon.optim._validation import check_max_workspace_bytes
 from dmuon.plan._collectives import (
@@ -48,12 +48,46 @@ from dmuon.plan._memory import (
     activation_bytes_per_token,
     dmuon_memory_bytes,
     fsdp2_memory_bytes,
+    rank_memory_bytes,
 )
 from dmuon.plan._ranks import ClusterSetup, RankPlan, rank_plans
+from dmuon.plan._shard_traffic import (
+    NO_SHARD_TRAFFIC,
+    ShardTraffic,
+    shard_traffic,
+    unit_elements,
+)
 from dmuon.plan._warnings import plan_warnings
 
 GIB = 1024**3
 FLOAT32 = 4
+
+#: Dedication plans already made for one model, while `reusing_dedications` is open.
+_DEDICATIONS: contextvars.ContextVar[dict[tuple[Any, ...], Any] | None] = contextvars.ContextVar(
+    "dmuon_plan_dedications", default=None
+)
+
+
+@contextlib.contextmanager
+def reusing_dedications() -> Iterator[None]:
+    """Inside, `plan_cluster` plans a model's owners once per (shard size, replicas, ...):
+    the modes and micro-batch counts of one layout share them. For planning many layouts
+    of one model that is not changed meanwhile (``--recommend``)."""
+    token = _DEDICATIONS.set({})
+    try:
+        yield
+    finally:
+        _DEDICATIONS.reset(token)
+
+
+def _reused(key: tuple[Any, ...], make: Callable[[], Any]) -> Any:
+    """``make()``, or what it returned for ``key`` inside `reusing_dedications`."""
+    cache = _DEDICATIONS.get()
+    if cache is None:
+        return make()
+    if key not in cache:
+        cache[key] = make()
+    return cache[key]
 
 
 @dataclass(frozen=True)
@@ -91,13 +125,22 @@ class ClusterPlan:
     activation_bytes_per_token: int = 0
     #: Ranks per block that may share a matrix's iteration (``dedicate_params(ns_split=)``).
     ns_split: int = 1
+    #: The gathers and reduce-scatters inside a shard group, per FSDP2 unit against its
+    #: compute (`dmuon.plan._shard_traffic`): the same on both sides.
+    shard_traffic: ShardTraffic = NO_SHARD_TRAFFIC
 
     @property
+    def shard_overhead(self) -> float:
+        """The shard group's traffic longer than the compute it overlaps, over
+        forward+backward (both sides pay it)."""
+        return self.shard_traffic.exposed_seconds / self.forward_backward_seconds
+
+    @functools.cached_property
     def memory_bytes(self) -> int:
         """DMuon's memory on its fullest rank (`dmuon.plan._memory`)."""
-        return max(dmuon_memory_bytes(self, rank) for rank in self.ranks)
+        return dmuon_memory_bytes(self, max(self.ranks, key=rank_memory_bytes))
 
-    @property
+    @functools.cached_property
     def fsdp2_memory_bytes(self) -> int:
         """FSDP2 + AdamW's memory per rank for the same model and mesh."""
         return fsdp2_memory_bytes(self)
@@ -153,16 +196,23 @@ class ClusterPlan:
     @property
     def step_overhead(self) -> float:
         """DMuon's step beyond forward+backward, over forward+backward: the slowest rank's
-        optimizer step and the exposed traffic between replicas."""
-        return self.optimizer_overhead + self.update_overhead + self.reduce_overhead
+        optimizer step, the exposed traffic between replicas and inside the shard group."""
+        return (
+            self.optimizer_overhead
+            + self.update_overhead
+            + self.reduce_overhead
+            + self.shard_overhead
+        )
 
     @property
     def fsdp2_overhead(self) -> float:
         """FSDP2 + AdamW's step beyond forward+backward, over forward+backward, modelled
         the same way: its all-reduce between replicas overlaps backward, and the part
-        longer than backward shows (AdamW's own step is taken as free)."""
+        longer than backward shows (AdamW's own step is taken as free); its traffic inside
+        the shard group is DMuon's (`shard_overhead`)."""
         window = 2 * self.forward_backward_seconds / 3
-        return max(0.0, self.fsdp2_reduce_seconds - window) / self.forward_backward_seconds
+        between = max(0.0, self.fsdp2_reduce_seconds - window) / self.forward_backward_seconds
+        return between + self.shard_overhead
 
     @property
     def step_ratio(self) -> float:
@@ -207,6 +257,9 @@ class ClusterPlan:
             "optimizer_overhead": self.optimizer_overhead,
             "update_overhead": self.update_overhead,
             "reduce_overhead": self.reduce_overhead,
+            "shard_overhead": self.shard_overhead,
+            "shard_seconds": self.shard_traffic.seconds,
+            "shard_crosses_nodes": self.shard_traffic.crosses_nodes,
             "step_overhead": self.step_overhead,
             "fsdp2_overhead": self.fsdp2_overhead,
             "step_ratio": self.step_ratio,
@@ -304,17 +357,15 @@ def plan_cluster(
     if isinstance(hardware, str):
         hardware = parse_hardware(hardware)
     replicas = dp_world // shard
-    selected, boundaries, plan = plan_dedication(
-        model, shard, replicas, split_expert_stacks=split_expert_stacks, ns_split=ns_split
-    )
+    selected, boundaries, plan = _dedication(model, shard, replicas, split_expert_stacks, ns_split)
     shapes = {fqn: tuple(int(d) for d in p.shape) for fqn, _, _, p, _, _ in selected}
     p_m = sum(math.prod(s) for s in shapes.values())
-    spans = boundary_spans(shapes, boundaries, plan)
+    spans = _reused(("spans", id(plan)), lambda: boundary_spans(shapes, boundaries, plan))
     inside_only = no_sync and no_sync_scope == "replicas"
     #: Synchronised backwards per step inside a replica, and between replicas.
     synced = accum if inside_only else 1 if no_sync else accum
     replica_synced = 1 if no_sync else accum
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters = _reused(("parameters", id(model)), lambda: _parameter_count(model))
     active = parameters if active_parameters is None else active_parameters
     forward_backward = (
         6 * active * tokens_per_step / (hardware.mfu * hardware.peak_tflops * 1e12 * world)
@@ -372,9 +423,52 @@ def plan_cluster(
         no_sync_scope=no_sync_scope,
         activation_bytes_per_token=activation_bytes_per_token(model),
         fsdp2_reduce_seconds=setup.fsdp2_reduce_seconds,
+        shard_traffic=_shard_group(model, boundaries, setup, forward_backward),
     )
     result.warnings.extend(plan_warnings(result))
     return result
+
+
+def _dedication(
+    model: nn.Module, shard: int, replicas: int, split_expert_stacks: SplitStacks, ns_split: int
+) -> Any:
+    """`dmuon._ownership.selection.plan_dedication` of the layout, in its two parts: the
+    selection once per model and the owners once per layout inside `reusing_dedications`."""
+    selected, boundaries = _reused(("selection", id(model)), lambda: select_with_boundaries(model))
+    plan = _reused(
+        ("owners", id(model), shard, replicas, split_expert_stacks, ns_split),
+        lambda: plan_owners(
+            {fqn: p.shape for fqn, _, _, p, _, _ in selected},
+            shard,
+            boundaries,
+            split_expert_stacks=split_expert_stacks,
+            replicas=replicas,
+            ns_split=ns_split,
+        ),
+    )
+    return selected, boundaries, plan
+
+
+def _parameter_count(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def _shard_group(
+    model: nn.Module, boundaries: Mapping[str, str], setup: ClusterSetup, forward_backward: float
+) -> ShardTraffic:
+    """The shard group's gathers and reduce-scatters against each unit's compute."""
+    return shard_traffic(
+        _reused(("units", id(model)), lambda: unit_elements(model, boundaries)),
+        shard=setup.shard,
+        tp=setup.tp,
+        mode=setup.mode,
+        accum=setup.accum,
+        synced=setup.synced,
+        forward_backward_seconds=forward_backward,
+        gather_bytes=setup.param_bytes,
+        reduce_bytes=setup.reduce_bytes,
+        hardware=setup.hardware,
+    )
 
 
 def _check_layout(

@@ -9,8 +9,15 @@ from dataclasses import dataclass
 #: (600 of H100's 989 TFLOP/s), used to derive the Newton-Schulz rate of other hardware.
 NS_EFFICIENCY = 600 / 989
 
-#: Share of the peak that forward and backward reach (model FLOPs utilisation).
-DEFAULT_MFU = 0.40
+#: Share of the peak that forward and backward reach (model FLOPs utilisation), as
+#: measured: see `MFU_SOURCE`. ``python -m dmuon.plan --mfu`` sets another.
+DEFAULT_MFU = 0.34
+
+MFU_SOURCE = (
+    "34% measured for a 1.24B Hugging Face Llama on one H200 (sdpa, bfloat16 autocast, no "
+    "compile); torchtitan publishes 33-39% for Llama-3.1-8B on 8 to 128 H100s without Float8"
+)
+"""Where `DEFAULT_MFU` comes from, printed with every plan that uses it."""
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,8 @@ class Hardware:
         mfu: Share of the peak that forward and backward reach.
         latency_us: What every collective call costs on top of its bytes, microseconds.
         node_gbps: Bytes per second one accelerator sends inside its node (tensor
-            parallelism's gathers and scatters), GB/s.
+            parallelism's gathers and scatters, a shard group that fits in a node), GB/s.
+        node_size: Accelerators per node: a group of more consecutive ranks crosses nodes.
     """
 
     name: str
@@ -37,14 +45,17 @@ class Hardware:
     mfu: float = DEFAULT_MFU
     latency_us: float = 20.0
     node_gbps: float = 450.0
+    node_size: int = 8
 
     def describe(self) -> str:
         """One line with every number of the time model."""
+        measured = f" ({MFU_SOURCE})" if self.mfu == DEFAULT_MFU else " (--mfu)"
         return (
             f"{self.name}: Newton-Schulz at {self.ns_tflops:g} TFLOP/s, forward+backward at "
-            f"{self.mfu:.0%} of {self.peak_tflops:g} TFLOP/s, {self.network_gbps:g} GB/s "
-            f"between nodes and {self.node_gbps:g} GB/s inside a node per accelerator, "
-            f"{self.latency_us:g} us per collective call, {self.memory_gib:g} GiB of memory"
+            f"{self.mfu:.0%} of {self.peak_tflops:g} TFLOP/s{measured}, "
+            f"{self.network_gbps:g} GB/s between nodes and {self.node_gbps:g} GB/s inside a "
+            f"node of {self.node_size} per accelerator, {self.latency_us:g} us per collective "
+            f"call, {self.memory_gib:g} GiB of memory"
         )
 
 

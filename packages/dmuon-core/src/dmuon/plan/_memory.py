@@ -94,14 +94,14 @@ def fsdp2_memory_bytes(plan: ClusterPlan) -> int:
     return int(_common(plan, plan.parameters))
 
 
+def rank_memory_bytes(rank: RankPlan) -> int:
+    """What DMuon holds on ``rank`` for its dedicated matrices: what `RankPlan` counts,
+    the averaged float32 gradients of the matrices it steps (as many as its momentum),
+    and the step's updates on their way between replicas."""
+    return rank.added_bytes + rank.momentum_bytes + rank.update_bytes
+
+
 def dmuon_memory_bytes(plan: ClusterPlan, rank: RankPlan) -> int:
     """DMuon's memory on ``rank``: FSDP2 + AdamW for the parameters it does not
-    dedicate, and the dedicated matrices' share of this rank."""
-    staging = rank.update_bytes
-    averaged_gradients = rank.momentum_bytes  # float32, on the owner that steps them
-    return int(
-        _common(plan, plan.parameters - plan.dedicated_elements)
-        + rank.added_bytes
-        + averaged_gradients
-        + staging
-    )
+    dedicate, and the dedicated matrices' share of this rank (`rank_memory_bytes`)."""
+    return int(_common(plan, plan.parameters - plan.dedicated_elements) + rank_memory_bytes(rank))

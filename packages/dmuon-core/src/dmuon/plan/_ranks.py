@@ -9,6 +9,7 @@ orthogonalizes it) and the seconds its traffic takes.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -142,12 +143,12 @@ class ClusterSetup:
     parameters: int
     dedicated_elements: int
 
-    @property
+    @functools.cached_property
     def fsdp2_units(self) -> int:
         """FSDP2's units on the same model: each hook boundary's layer, and the root."""
         return len(self.spans) + 1
 
-    @property
+    @functools.cached_property
     def fsdp2_reduce_calls(self) -> int:
         """FSDP2's all-reduces between replicas of the other parameters, per step."""
         return self.fsdp2_units * self.replica_synced
@@ -169,18 +170,42 @@ class ClusterSetup:
         latency = self.fsdp2_reduce_calls * self.hardware.latency_us * 1e-6
         return ring / (self.hardware.network_gbps * 1e9) + latency
 
-    @property
+    @functools.cached_property
+    def gram_restarts(self) -> int:
+        """Restarts of the Gram iteration at these steps and dtype."""
+        return len(gram_restarts(self.ns_steps, self.ns_dtype))
+
+    @functools.cached_property
+    def boundaries_held(self) -> list[int]:
+        """Per shard position, the boundaries in which it owns matrices."""
+        held = [0] * self.shard
+        for spans in self.spans.values():
+            for owner in {span.owner for span in spans}:
+                held[owner] += 1
+        return held
+
+    @functools.cached_property
     def all_spans(self) -> list[Span]:
         """Every boundary's spans, back to back in boundary order."""
         return [span for boundary in self.spans.values() for span in boundary]
 
-    @property
+    @functools.cached_property
     def latency(self) -> float:
         """Seconds one collective call costs on top of its bytes."""
         return self.hardware.latency_us * 1e-6
 
+    @functools.cached_property
+    def _local_elements(self) -> dict[tuple[str, int], int]:
+        return {}
+
     def local(self, name: str, t: int) -> int:
         """Elements of ``name``'s shard at tp position ``t`` (a plan item name or fqn)."""
+        known = self._local_elements.get((name, t))
+        if known is None:
+            known = self._local_elements[name, t] = self._count_local(name, t)
+        return known
+
+    def _count_local(self, name: str, t: int) -> int:
         fqn = name.split("[", 1)[0]
         matrices, rows, cols = self.item_shapes[name]
         dim = self.split_dims.get(fqn)
@@ -191,7 +216,7 @@ class ClusterSetup:
         part = max(0, min(chunk, length - t * chunk))
         return matrices * part * ((cols, rows)[dim])
 
-    @property
+    @functools.cached_property
     def narrow_masters(self) -> bool:
         """Whether masters live once per world: under HSDP with a forward dtype narrower
         than float32, the replicas that do not step a matrix hold it in that dtype."""
@@ -210,12 +235,12 @@ class ClusterSetup:
         """The tp rank that orthogonalizes each tp-sharded matrix, spread over its owner's
         tp group as the optimizer does."""
         workers: dict[str, int] = {}
+        by_position: dict[int, list[str]] = {}
+        for n in self.shapes:
+            if n in self.split_dims and n in self.plan.owners:
+                by_position.setdefault(self.plan.owners[n], []).append(n)
         for position in range(self.shard):
-            sharded = [
-                n
-                for n in self.shapes
-                if n in self.split_dims and self.plan.owners.get(n) == position
-            ]
+            sharded = by_position.get(position, [])
             costs = [newton_schulz_cost(self.shapes[n]) for n in sharded]
             workers.update(zip(sharded, spread_over_tp(costs, self.tp), strict=True))
         return workers
@@ -234,17 +259,17 @@ class _Position:
 def rank_plans(setup: ClusterSetup) -> list[RankPlan]:
     """Every rank's plan, in rank order."""
     tp_worker = setup.tp_workers()
-    names_by = [
-        [n for n in setup.item_shapes if setup.plan.owners[n] == p] for p in range(setup.shard)
-    ]
+    names_by: list[list[str]] = [[] for _ in range(setup.shard)]
+    for n in setup.item_shapes:
+        names_by[setup.plan.owners[n]].append(n)
+    all_spans = setup.all_spans
     ranks = []
     for t in range(setup.tp):
-        span_elements = [sum(setup.local(n, t) for n in s.names) for s in setup.all_spans]
+        span_elements = [sum(setup.local(n, t) for n in s.names) for s in all_spans]
         position = _position(setup, t, span_elements)
-        elements_by = [
-            sum(e for e, s in zip(span_elements, setup.all_spans, strict=True) if s.owner == p)
-            for p in range(setup.shard)
-        ]
+        elements_by = [0] * setup.shard
+        for elements, span in zip(span_elements, all_spans, strict=True):
+            elements_by[span.owner] += elements
         replicate_by = [
             _replicate_tallies(setup, t, p, names_by[p], elements_by[p]) for p in range(setup.shard)
         ]
@@ -319,7 +344,7 @@ def _replicate_tallies(
         [(setup.local(n, t), setup.update_nbytes(n, t), setup.plan.workers[n]) for n in names],
         setup.replicas,
     )
-    holding = sum(1 for b in setup.spans.values() if any(s.owner == position for s in b))
+    holding = setup.boundaries_held[position]
     tallies["reduce_scatter"] = Tally(
         holding * setup.replica_synced, owned_elements * setup.replica_synced
     )
@@ -345,7 +370,7 @@ def _rank_plan(
     held_bytes = setup.param_bytes if setup.narrow_masters else FLOAT32
     split, split_flops, split_seconds = _split_share(setup, replica * setup.shard + shard)
     whole = [n for n in orthogonalized if n not in setup.plan.split]
-    restarts = len(gram_restarts(setup.ns_steps, setup.ns_dtype))
+    restarts = setup.gram_restarts
     flops = split_flops + sum(
         newton_schulz_flops(setup.item_shapes[n], setup.ns_steps, gram, restarts if gram else 0)
         for n in whole
@@ -412,6 +437,8 @@ def _split_share(setup: ClusterSetup, position: int) -> tuple[dict[str, Tally], 
     FLOPs and the seconds the collectives take. Blocks of up to 8 ranks are taken to be
     inside a node; larger ones send between nodes."""
     plan, size = setup.plan, setup.plan.ns_split
+    if not plan.split:
+        return {}, 0, 0.0
     block = block_of(position, size)
     names = [
         n for n in setup.item_shapes if n in plan.split

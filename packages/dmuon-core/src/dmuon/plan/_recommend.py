@@ -2,26 +2,40 @@
 
 For a world of GPUs and a number of tokens per step, every layout DMuon can run is
 planned: a 1-D mesh and HSDP with shard groups of 8 GPUs or more (the size of a node and
-up), Z2 and Z3, and the fewest micro-batches per step (1, 2, 4, ...) with which its
+up), Z2 and Z3, and the fewest micro-batches per step (1, 2, 4, ... 64) with which its
 fullest rank fits the accelerator's memory (`dmuon.plan._memory`; accumulation under
 ``dmuon.no_sync``, with ``scope="replicas"`` under HSDP). Those that fit are ranked by
-step time (forward+backward and what DMuon leaves exposed, `ClusterPlan.step_overhead`),
-then by memory; each says why, beside FSDP2 + AdamW's step and memory on the same layout.
+step time (forward+backward and what is exposed, `ClusterPlan.step_overhead`); those
+within `WITHIN` of the fastest are ranked by memory headroom instead, since the model
+cannot tell them apart. Each says why, beside FSDP2 + AdamW's step and memory on the same
+layout. Every layout left out is listed with its reason.
+
+Memory does not depend on the number of micro-batches beyond whether there are several
+(the ``no_sync`` accumulator), except for the activations of one micro-batch: a layout
+is planned with 1 and 2 micro-batches, and the fewest that fit beyond are found from the
+second plan's memory (`dataclasses.replace` of its ``accum``) and then planned.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
-from dmuon.plan._estimate import GIB, ClusterPlan
+from dmuon.plan._estimate import GIB, ClusterPlan, reusing_dedications
 
 #: Micro-batches per step tried, fewest first.
 ACCUMULATIONS = (1, 2, 4, 8, 16, 32, 64)
 #: The smallest HSDP shard group considered (a node of 8 GPUs).
 MIN_SHARD_GROUP = 8
+#: Layouts whose step time is within this share of the fastest rank by memory headroom.
+WITHIN = 0.01
+
+
+def _mesh(shard: int, world: int) -> str:
+    return "1-D" if shard == world else f"HSDP {world // shard} x {shard}"
 
 
 @dataclass(frozen=True)
@@ -36,10 +50,21 @@ class Choice:
         return self.plan.forward_backward_seconds * (1 + self.plan.step_overhead)
 
     @property
+    def headroom_bytes(self) -> float:
+        """The accelerator's memory left on the fullest rank."""
+        return self.plan.hardware.memory_gib * GIB - self.plan.memory_bytes
+
+    @property
+    def micro_batch_tokens(self) -> float:
+        """Tokens of one micro-batch on one data-parallel rank."""
+        p = self.plan
+        return p.tokens_per_step / (p.replicas * p.shard_size) / p.accum
+
+    @property
     def layout(self) -> str:
         """The layout in words: mesh, mode, micro-batches."""
         p = self.plan
-        mesh = "1-D" if p.replicas == 1 else f"HSDP {p.replicas} x {p.shard_size}"
+        mesh = _mesh(p.shard_size, p.replicas * p.shard_size)
         accum = f"{p.accum} micro-batches" if p.accum > 1 else "1 micro-batch"
         scope = ' under no_sync(scope="replicas")' if p.no_sync_scope == "replicas" else ""
         scope = scope or (" under no_sync" if p.no_sync and p.accum > 1 else "")
@@ -49,13 +74,25 @@ class Choice:
     def why(self) -> str:
         """What decides its place: memory, Newton-Schulz, exposed traffic, FSDP2's step."""
         p = self.plan
+        where = "between nodes" if p.shard_traffic.crosses_nodes else "inside a node"
         return (
-            f"fits in {p.memory_bytes / GIB:.1f} of {p.hardware.memory_gib:g} GiB "
-            f"(FSDP2 + AdamW {p.fsdp2_memory_bytes / GIB:.1f}); Newton-Schulz "
-            f"{p.ns_overhead:.2%}, exposed between replicas "
+            f"{self.micro_batch_tokens:,.0f} tokens per micro-batch per rank; fits in "
+            f"{p.memory_bytes / GIB:.1f} of {p.hardware.memory_gib:g} GiB, "
+            f"{self.headroom_bytes / GIB:.1f} GiB free (FSDP2 + AdamW "
+            f"{p.fsdp2_memory_bytes / GIB:.1f}); shard group {where}: its gathers and "
+            f"reduce-scatters (FSDP2's and DMuon's) exposed {p.shard_overhead:.2%}; "
+            f"Newton-Schulz {p.ns_overhead:.2%}, exposed between replicas "
             f"{p.update_overhead + p.reduce_overhead:.2%} of forward+backward; "
             f"{p.step_ratio:.3f}x FSDP2 + AdamW's step"
         )
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A layout left out, and why."""
+
+    layout: str
+    reason: str
 
 
 def layouts(world: int) -> list[int]:
@@ -65,36 +102,104 @@ def layouts(world: int) -> list[int]:
     return sorted(sizes)
 
 
+def rank(choices: list[Choice]) -> list[Choice]:
+    """Fastest first; those within `WITHIN` of the fastest by memory headroom first."""
+    if not choices:
+        return []
+    fastest = min(c.step_seconds for c in choices)
+
+    def key(choice: Choice) -> tuple[int, float, float]:
+        if choice.step_seconds <= fastest * (1 + WITHIN):
+            return (0, -choice.headroom_bytes, choice.step_seconds)
+        return (1, choice.step_seconds, -choice.headroom_bytes)
+
+    return sorted(choices, key=key)
+
+
 def recommend(
     plan: Callable[..., ClusterPlan], model: nn.Module, world: int, **common: object
-) -> tuple[list[Choice], int]:
-    """Every layout that fits, best first, and how many were planned in all.
+) -> tuple[list[Choice], list[Rejected], int]:
+    """Every layout that fits, best first (`rank`); every one left out with its reason;
+    and how many plans were made.
 
     ``plan`` is `dmuon.plan.plan_cluster`; ``common`` its arguments shared by every
     layout (tokens per step, hardware, active parameters, ...).
     """
     fitting: list[Choice] = []
+    rejected: list[Rejected] = []
     planned = 0
     split = common.get("ns_split", 1)
-    for shard in layouts(world):
-        if shard % split:  # type: ignore[operator]
-            continue  # a block of ranks sharing an iteration stays inside a shard group
-        for mode in ("z3", "z2"):
-            for accum in ACCUMULATIONS:
-                scope = "replicas" if accum > 1 and shard < world else "all"
-                candidate = plan(
-                    model,
-                    world,
-                    shard,
-                    mode=mode,
-                    accum=accum,
-                    no_sync=accum > 1,
-                    no_sync_scope=scope,
-                    **common,
+    with reusing_dedications():
+        for shard in layouts(world):
+            mesh = _mesh(shard, world)
+            if shard % split:  # type: ignore[operator]
+                rejected.append(
+                    Rejected(
+                        mesh,
+                        f"refused by the library: ns_split={split} must divide the shard "
+                        f"size {shard} (a block sharing an iteration stays in a shard group)",
+                    )
                 )
-                planned += 1
-                if candidate.fits:
-                    fitting.append(Choice(candidate))
+                continue
+            for mode in ("z3", "z2"):
+                try:
+                    found, made = _fewest_micro_batches(plan, model, world, shard, mode, common)
+                except ValueError as error:
+                    rejected.append(Rejected(mesh, f"refused by the library: {error}"))
                     break
-    fitting.sort(key=lambda c: (round(c.step_seconds, 6), c.plan.memory_bytes))
-    return fitting, planned
+                planned += made
+                if isinstance(found, Rejected):
+                    rejected.append(found)
+                else:
+                    fitting.append(found)
+    return rank(fitting), rejected, planned
+
+
+def _fewest_micro_batches(
+    plan: Callable[..., ClusterPlan],
+    model: nn.Module,
+    world: int,
+    shard: int,
+    mode: str,
+    common: dict[str, object],
+) -> tuple[Choice | Rejected, int]:
+    """The layout with the fewest micro-batches that fits, or why none does; and how many
+    plans it took."""
+
+    def make(accum: int) -> ClusterPlan:
+        scope = "replicas" if accum > 1 and shard < world else "all"
+        return plan(
+            model,
+            world,
+            shard,
+            mode=mode,
+            accum=accum,
+            no_sync=accum > 1,
+            no_sync_scope=scope,
+            **common,
+        )
+
+    single = make(1)
+    if single.fits:
+        return Choice(single), 1
+    several = make(2)
+    if several.fits:
+        return Choice(several), 2
+    for accum in ACCUMULATIONS[2:]:
+        if dataclasses.replace(several, accum=accum).fits:
+            return Choice(make(accum)), 3
+    tried = [single] + [dataclasses.replace(several, accum=a) for a in ACCUMULATIONS[1:]]
+    best = min(tried, key=lambda p: p.memory_bytes)
+    short = (best.memory_bytes - best.hardware.memory_gib * GIB) / GIB
+    more = ""
+    if best.accum < ACCUMULATIONS[-1]:
+        more = "; more micro-batches add the no_sync accumulator, or save less than it holds"
+    return (
+        Rejected(
+            f"{_mesh(shard, world)}, {mode.upper()}",
+            f"does not fit by {short:.1f} GiB at best: {best.accum} micro-batch(es) of "
+            f"{Choice(best).micro_batch_tokens:,.0f} tokens per rank, fullest rank "
+            f"{best.memory_bytes / GIB:.1f} of {best.hardware.memory_gib:g} GiB{more}",
+        ),
+        2,
+    )

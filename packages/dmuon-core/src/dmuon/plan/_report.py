@@ -12,8 +12,9 @@ import torch
 from dmuon.plan._collectives import Tally
 from dmuon.plan._estimate import GIB, ClusterPlan, RankPlan, plan_cluster
 from dmuon.plan._hardware import Hardware
+from dmuon.plan._memory import ACTIVATION_BYTES, activation_bytes_per_token
 from dmuon.plan._model import active_parameters
-from dmuon.plan._recommend import recommend
+from dmuon.plan._recommend import WITHIN, recommend
 
 
 def _row(
@@ -72,6 +73,7 @@ def _summary_lines(plan: ClusterPlan, model_name: str) -> list[str]:
             if plan.replicas > 1
             else ""
         ),
+        _shard_line(plan),
         f"step time against FSDP2 + AdamW on the same mesh: DMuon +{plan.step_overhead:.2%}, "
         f"FSDP2 + AdamW +{plan.fsdp2_overhead:.2%} beyond forward+backward (its all-reduce "
         f"between replicas past backward): ratio {plan.step_ratio:.3f}",
@@ -86,6 +88,21 @@ def _summary_lines(plan: ClusterPlan, model_name: str) -> list[str]:
             f"ms and waits {slowest.split_seconds * 1e3:,.2f} ms for its block's collectives"
         )
     return lines
+
+
+def _shard_line(plan: ClusterPlan) -> str:
+    """The shard group's gathers and reduce-scatters against the compute they overlap."""
+    traffic = plan.shard_traffic
+    if plan.shard_size == 1:
+        return "inside a shard group: nothing (one data-parallel rank per replica)"
+    where = "crosses nodes (network rate)" if traffic.crosses_nodes else "inside a node"
+    worst = f"; most exposed: {traffic.worst_unit}" if traffic.worst_unit else ""
+    return (
+        f"inside a shard group of {plan.shard_size} ({where}): FSDP2's and DMuon's gathers "
+        f"and reduce-scatters {traffic.seconds * 1e3:,.1f} ms per step, exposed beyond the "
+        f"compute of their layer {plan.shard_overhead:.2%} of forward+backward, on both "
+        f"sides{worst}"
+    )
 
 
 def _range_rows(ranks: list[RankPlan]) -> list[str]:
@@ -160,8 +177,9 @@ def print_recommendation(
     tokens: int,
     kwargs: dict[str, int],
 ) -> int:
-    """``--recommend``: the layouts that fit, best first (`dmuon.plan._recommend`)."""
-    choices, planned = recommend(
+    """``--recommend``: the layouts that fit, best first, and those left out with why
+    (`dmuon.plan._recommend`)."""
+    choices, rejected, planned = recommend(
         plan_cluster,
         model,
         args.world,
@@ -171,25 +189,49 @@ def print_recommendation(
         ns_steps=args.ns_steps,
         ns_dtype=torch.float32 if args.ns_dtype == "float32" else torch.bfloat16,
         reduce_bytes=2 if args.reduce_dtype == "bfloat16" else 4,
+        param_bytes=2 if args.param_dtype == "bfloat16" else 4,
         **kwargs,
     )
     if args.json:
         rows = [
-            {"layout": c.layout, "step_seconds": c.step_seconds, "why": c.why, **c.plan.as_dict()}
+            {
+                "layout": c.layout,
+                "step_seconds": c.step_seconds,
+                "micro_batch_tokens": c.micro_batch_tokens,
+                "headroom_bytes": c.headroom_bytes,
+                "why": c.why,
+                **c.plan.as_dict(),
+            }
             for c in choices
         ]
-        print(json.dumps({"planned": planned, "choices": rows}, indent=2))
-        return 0
+        left_out = [{"layout": r.layout, "reason": r.reason} for r in rejected]
+        print(json.dumps({"planned": planned, "choices": rows, "rejected": left_out}, indent=2))
+        return 0 if choices else 1
     print(
         f"{args.model} on {args.world} GPUs ({hardware.describe()}), {tokens:,} tokens per "
-        f"step: {len(choices)} of {planned} layouts planned fit, fastest first"
+        f"step: {len(choices)} layouts fit ({planned} plans made), fastest first; within "
+        f"{WITHIN:.0%} of the fastest, most memory left first"
     )
-    if not choices:
-        print("none fits: use more GPUs or a larger accelerator (--hardware)")
-        return 1
+    print(f"activations: {_activation_model(model)}")
     for place, choice in enumerate(choices, 1):
         print(f"{place:>3}. {choice.layout}: {choice.step_seconds * 1e3:,.0f} ms per step")
         print(f"     {choice.why}")
-    if choices[0].plan.activation_bytes_per_token == 0:
-        print("note: the config gives no hidden size and layer count: activations left out")
-    return 0
+    if not choices:
+        print("none fits: use more GPUs or a larger accelerator (--hardware)")
+    if rejected:
+        print("left out:")
+        for left in rejected:
+            print(f"  - {left.layout}: {left.reason}")
+    return 0 if choices else 1
+
+
+def _activation_model(model: torch.nn.Module) -> str:
+    """The activation memory assumption in words, with its figure for this model."""
+    per_token = activation_bytes_per_token(model)
+    if per_token == 0:
+        return "left out: the config gives no hidden size and layer count"
+    return (
+        f"{ACTIVATION_BYTES} bytes per token, layer and hidden unit (bfloat16, no "
+        f"recomputation, fused attention): {per_token / 2**20:.2f} MiB per token of a "
+        "micro-batch"
+    )
