@@ -178,6 +178,8 @@ def test_bad_model_tokenizer_and_data_get_the_recipes_messages(
 def test_a_server_without_model_roots_takes_presets_only(client: TestClient) -> None:
     field, message = _refusal(client, _hf("llama"))
     assert field == "body.train.model.path" and "started without --model-root" in message
+    as_string = job_spec(model="llama")  # the path spelled as a string: the same refusal
+    assert _refusal(client, as_string) == (field, message)
 
 
 def test_artifacts_are_listed_and_served_without_leaving_the_job_folder(
@@ -366,3 +368,32 @@ def test_artifact_names_a_job_chose_are_escaped_in_listings_and_renamed_in_archi
         names = tar.getnames()
         assert names == ["export/model\\u202egpj.exe.config.json", "export/plain.json"]
         assert tar.extractfile(names[0]).read() == b"payload"
+
+
+def test_a_model_path_is_spelled_as_the_recipes_config_file_spells_it(
+    hf_client: TestClient,
+) -> None:
+    """``train.model`` as a string path (what ``--model`` and a ``--config`` file take) is
+    the same job as ``{"path": ...}``; outside the roots, or on a server without model
+    roots, it is refused naming them."""
+    import tomllib
+
+    as_object = hf_client.post("/v1/jobs:validate", json=_hf("llama")).json()
+    body = _hf("llama")
+    body["train"]["model"] = "llama"
+    as_string = hf_client.post("/v1/jobs:validate", json=body).json()
+    assert as_string["admission"] == as_object["admission"]
+    assert as_string["admission"]["model"] == "<model-root>/llama"
+    assert as_string["torchrun_argv"] == as_object["torchrun_argv"]
+    # A --config file's text, parsed, with its table and option spellings, is a spec.
+    config = tomllib.loads('model = "llama"\n[schedule]\nsteps = 3\nseq-len = 32\n')
+    from_file = hf_client.post("/v1/jobs:validate", json={"name": "from-toml", "train": config})
+    assert from_file.status_code == 200, from_file.text
+    job = hf_client.post("/v1/jobs", json=body).json()
+    assert job["train"]["model"] == {"path": "llama"}  # held in one form
+    hf_client.post(f"/v1/jobs/{job['id']}/cancel")
+    body["train"]["model"] = "../elsewhere"
+    field, message = _refusal(hf_client, body)
+    assert field == "body.train.model.path" and "lies outside the model roots" in message
+    body["train"]["model"] = "tiny"  # a preset name stays a preset
+    assert hf_client.post("/v1/jobs:validate", json=body).json()["admission"]["model"] == "tiny"

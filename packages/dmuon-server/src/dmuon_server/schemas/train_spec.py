@@ -65,20 +65,27 @@ class ModelPath(StrictModel):
 
 
 def _one_model_error(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-    """Validate ``train.model`` as a preset or a path, with one error naming both forms."""
+    """Validate ``train.model`` as a preset or a path, with one error naming both forms.
+
+    A string that names no preset is a path, as the recipe's ``--model`` takes it (the
+    same spelling as a ``--config`` file); it is held as ``{"path": ...}``."""
+    if isinstance(value, str) and value not in contract.PRESETS:
+        value = {"path": value}
     try:
         return handler(value)
     except ValidationError:
         presets = ", ".join(sorted(contract.PRESETS))
         raise PydanticCustomError(
             "model_type",
-            'must be a preset name ({presets}) or an object with a "path": a Hugging Face '
-            "model directory inside a model root",
+            "must be a preset name ({presets}) or a Hugging Face model directory inside a "
+            'model root, as a string or as {"path": ...}',
             {"presets": presets},
         ) from None
 
 
-ModelChoice = Annotated[PresetName | ModelPath, WrapValidator(_one_model_error)]
+# The string arm documents the path spelling in the schema; `_one_model_error` turns such
+# a string into a `ModelPath` before the union sees it, so a value is a preset or a path.
+ModelChoice = Annotated[PresetName | ModelPath | RootedPath, WrapValidator(_one_model_error)]
 
 
 class _TrainSpecByHand(StrictModel):
@@ -87,8 +94,8 @@ class _TrainSpecByHand(StrictModel):
     other flag of the recipe, generated from its contract."""
 
     model: ModelChoice = Field(
-        description='A preset name, or `{"path": ...}`: a Hugging Face model directory '
-        "inside a model root (`--model`)."
+        description="A preset name (`--model`), or a Hugging Face model directory inside a "
+        'model root: its path as a string, as `--model` takes it, or `{"path": ...}`.'
     )
 
     @model_validator(mode="before")
