@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import pwd
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -260,12 +261,13 @@ def test_submit_through_form_and_watch_it_run(page: Page, service: Service) -> N
     expect(panel.locator("tbody tr")).to_have_count(len(steps))
     expect(page.locator("#job-attempts tbody tr")).to_have_count(1)
     expect(page.locator("#resume-job")).to_be_hidden()
-    assert_finished_job_reads_well(page, job)
+    assert_finished_job_reads_well(page, service, job)
 
 
-def assert_finished_job_reads_well(page: Page, job: dict[str, Any]) -> None:
+def assert_finished_job_reads_well(page: Page, service: Service, job: dict[str, Any]) -> None:
     """A finished job's page: tokens/s grouped as the API's number rounds, no ETA, the
-    attempts table in words with local times, the log opened at its newest line."""
+    attempts table in words with local times, the log opened at its newest line, the
+    account the job ran as, and both learning rates on one chart."""
     tps = round(job["summary"]["tokens_per_s"])
     expected = f"{tps:,}" if tps >= 1000 else None
     if expected is not None:
@@ -283,6 +285,43 @@ def assert_finished_job_reads_well(page: Page, job: dict[str, Any]) -> None:
     expect(logs).not_to_be_empty()
     at_end = logs.evaluate("el => el.scrollTop + el.clientHeight >= el.scrollHeight - 4")
     assert at_end, "the log opened at its oldest lines"
+    expect(page.locator("#log-hidden")).to_be_hidden()  # nothing of torch's noise to hide
+    # The real account beside the token's user name: the server's own, started here.
+    assert job["runs_as"] == pwd.getpwuid(os.geteuid()).pw_name
+    expect(page.locator("#job-meta")).to_contain_text(f"runs as {job['runs_as']}")
+    # Both learning rates on one chart, each as the metrics hold it.
+    lr = "document.querySelector('#chart-lr')._uplot"
+    labels = page.evaluate(f"() => {lr}.series.slice(1).map(s => s.label)")
+    assert labels == ["Muon (lr)", "AdamW (adamw_lr)"], labels
+    drawn = page.evaluate(f"() => [Array.from({lr}.data[1]), Array.from({lr}.data[2])]")
+    with service.client() as c:
+        params = {"after_step": -1, "limit": 10000}
+        points = c.get(f"/v1/jobs/{job['id']}/metrics", params=params).json()["items"]
+    assert drawn == [[p.get("lr") for p in points], [p.get("adamw_lr") for p in points]]
+    assert any(v is not None for v in drawn[1]), "no AdamW rate was drawn"
+
+
+def test_torchs_socket_warnings_leave_the_first_screen_of_a_log(
+    page: Page, service: Service
+) -> None:
+    """The job page's filter, run in Chromium on lines as torch prints them: the warning
+    goes, every other line stays, in order."""
+    page.goto(service.url + "/")
+    noise = (
+        "[W1204 10:00:00.123456 4242 socket.cpp:767] [c10d] The hostname of the client "
+        "socket cannot be retrieved. err=-3"
+    )
+    lines = [
+        "step 1 loss 5.5",
+        noise,
+        "step 2 loss 5.1",
+        noise,
+        "Traceback (most recent call last):",
+    ]
+    result = page.evaluate(
+        "async lines => (await import('/ui/js/util.js')).withoutNoise(lines)", lines
+    )
+    assert result == {"shown": [lines[0], lines[2], lines[4]], "hidden": 2}
 
 
 def assert_form_holds(page: Page, job: dict[str, Any]) -> None:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from dmuon_server.launching.identity import IdentityError, JobIdentities, server_account_name
 from dmuon_server.schemas import (
     TERMINAL_STATES,
     Attempt,
@@ -82,9 +83,15 @@ def summarize(store: Store, job: JobRecord) -> JobSummary:
     )
 
 
-def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = None) -> Job:
+def job_view(
+    store: Store,
+    job: JobRecord,
+    places: Mapping[str, Place] | None = None,
+    identities: JobIdentities | None = None,
+) -> Job:
     """The API model of a stored job, with its history, live summary and, when it waits in
-    the queue, its place there (``places``, from the supervisor)."""
+    the queue, its place there (``places``, from the supervisor); ``identities`` say which
+    Unix account it runs as."""
     spec = spec_of(job)
     history = [
         Transition(state=h.state, reason=h.reason, at=ts(h.at))  # type: ignore[arg-type]
@@ -121,6 +128,7 @@ def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = 
         train=spec.train,
         script=spec.script,
         user=job.user,
+        runs_as=_runs_as(identities, job.user),
         priority=spec.priority,
         gpus_per_node=spec.gpus_per_node,
         gpus=job.gpu_list,
@@ -146,3 +154,16 @@ def job_view(store: Store, job: JobRecord, places: Mapping[str, Place] | None = 
 def metric_point(data_json: str) -> MetricPoint:
     """A stored metric row's JSON as a :class:`MetricPoint`."""
     return MetricPoint.model_validate(json.loads(data_json))
+
+
+def _runs_as(identities: JobIdentities | None, user: str | None) -> str | None:
+    """The Unix account a job of ``user`` runs as: the user's ``unix_user``, the server's
+    ``--job-user``, or the server's own account; None when it cannot be told (the
+    account vanished from the host, which its launch reports)."""
+    if identities is None:
+        return None
+    try:
+        account = identities.account_for(user or "")
+    except IdentityError:
+        return None
+    return account.name if account is not None else server_account_name()

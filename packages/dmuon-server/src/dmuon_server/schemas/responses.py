@@ -152,7 +152,14 @@ class Job(BaseModel):
     train: TrainSpec | None = None
     script: ScriptSpec | None = None
     user: str | None = Field(
-        default=None, description="Who submitted it (null on a server without users)."
+        default=None,
+        description="Who submitted it: a name from the users file, `admin` for `--token` "
+        "(null on a server without tokens).",
+    )
+    runs_as: str | None = Field(
+        default=None,
+        description="The Unix account its processes run as: the user's `unix_user`, the "
+        "server's `--job-user`, or the account the server runs as.",
     )
     priority: int = 0
     gpus_per_node: int | None = None

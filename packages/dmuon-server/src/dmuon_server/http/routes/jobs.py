@@ -186,7 +186,7 @@ def create_job(
     else:
         response.status_code = 200
     response.headers["Location"] = f"/v1/jobs/{row.id}"
-    return job_view(store, row, supervisor.queue_places())
+    return job_view(store, row, supervisor.queue_places(), identities)
 
 
 @router.post(":validate", response_model=LaunchPlan, responses=error_responses(401, 413, 422))
@@ -211,6 +211,7 @@ def validate_job(
 def list_jobs(
     store: StoreDep,
     supervisor: SupervisorDep,
+    identities: IdentitiesDep,
     user: UserDep,
     state: Annotated[
         list[JobState] | None, Query(description="Only jobs in these states (repeatable).")
@@ -244,14 +245,16 @@ def list_jobs(
     page = rows[:limit]
     nxt = _encode_cursor(page[-1].seq) if len(rows) > limit else None
     places = supervisor.queue_places()
-    return JobList(items=[job_view(store, r, places) for r in page], next=nxt)
+    return JobList(items=[job_view(store, r, places, identities) for r in page], next=nxt)
 
 
 @router.get("/{job_id}", response_model=Job, responses=error_responses(401, 404, 422))
-def get_job(job: JobDep, store: StoreDep, supervisor: SupervisorDep) -> Job:
+def get_job(
+    job: JobDep, store: StoreDep, supervisor: SupervisorDep, identities: IdentitiesDep
+) -> Job:
     """A job: state, history with reasons, exit code, failure, live summary, and its place
     in the queue while it waits."""
-    return job_view(store, job, supervisor.queue_places())
+    return job_view(store, job, supervisor.queue_places(), identities)
 
 
 @router.post(
@@ -260,14 +263,16 @@ def get_job(job: JobDep, store: StoreDep, supervisor: SupervisorDep) -> Job:
     response_model=Job,
     responses=error_responses(401, 404, 409, 422),
 )
-def cancel_job(job: JobDep, store: StoreDep, supervisor: SupervisorDep) -> Job:
+def cancel_job(
+    job: JobDep, store: StoreDep, supervisor: SupervisorDep, identities: IdentitiesDep
+) -> Job:
     """Cancel: SIGTERM to every process of the job, SIGKILL after the grace period.
 
     Idempotent; a queued job is cancelled at once. 409 for a job that already
     succeeded or failed, or that has trained all its steps and is finishing.
     """
     row = requests.cancel(supervisor, job)
-    return job_view(store, row)
+    return job_view(store, row, None, identities)
 
 
 @router.delete(
@@ -351,4 +356,4 @@ def resume_job(
     steps = body.steps if body is not None else None
     row = requests.resume(settings, store, identities, job, steps)
     supervisor.wake()
-    return job_view(store, row, supervisor.queue_places())
+    return job_view(store, row, supervisor.queue_places(), identities)

@@ -103,3 +103,14 @@ export function errorText(err) {
 
 export const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 export const STATES = ["queued", "starting", "running", "succeeded", "failed", "cancelled"];
+
+/** Log lines that say nothing about the job: torch's warning, on every rank of a host whose
+ * name lookup lacks an IPv6 loopback entry, that "the hostname of the client socket cannot
+ * be retrieved". */
+export const LOG_NOISE = [/hostname of the client socket cannot be retrieved/];
+
+/** ``{shown, hidden}``: the lines without `LOG_NOISE`, and how many were left out. */
+export function withoutNoise(lines) {
+  const shown = lines.filter((line) => !LOG_NOISE.some((pattern) => pattern.test(line)));
+  return { shown, hidden: lines.length - shown.length };
+}

@@ -20,11 +20,12 @@ import {
   notify,
   num,
   stateBadge,
+  withoutNoise,
 } from "../util.js";
 
 const LOG_LINES = 40;
 /** Keys of a metric point drawn in the panels above; any other number is a series of its own. */
-const KNOWN = new Set(["step", "loss", "val_loss", "lr", "grad_norm", "tokens_per_s", "time"]);
+const KNOWN = new Set(["step", "loss", "val_loss", "lr", "adamw_lr", "grad_norm", "tokens_per_s", "time"]);
 /** At most this many extra series get a chart. */
 const MAX_EXTRA = 8;
 const LOG_REFRESH_MS = 4000;
@@ -38,7 +39,7 @@ export function renderJob(main, jobId) {
   let closed = false;
   const charts = [];
   // One entry per step, in step order: the arrays the charts draw.
-  const series = { step: [], loss: [], val: [], lr: [], grad: [], tps: [] };
+  const series = { step: [], loss: [], val: [], lr: [], adamwLr: [], grad: [], tps: [] };
 
   const title = h("h1", {}, jobId.slice(0, 8));
   const badge = h("span", { id: "job-state" });
@@ -72,6 +73,9 @@ export function renderJob(main, jobId) {
   const samples = h("section", { id: "job-samples", hidden: true });
   const recipe = h("section", { id: "job-recipe", hidden: true });
   const logs = h("pre", { id: "job-logs", tabindex: "0" });
+  const showAllLogs = h("input", { type: "checkbox", id: "log-show-all" });
+  const hiddenLogs = h("p", { class: "muted", id: "log-hidden", hidden: true },
+    h("span", { id: "log-hidden-count" }), " ", h("label", {}, showAllLogs, " ", t("job.log_show_all")));
   const spec = h("pre", { id: "job-spec", tabindex: "0" });
 
   main.append(
@@ -125,6 +129,7 @@ export function renderJob(main, jobId) {
     ),
     recipe,
     h("h2", {}, t("job.logs")),
+    hiddenLogs,
     logs,
     h("h2", {}, t("job.spec")),
     spec,
@@ -139,7 +144,15 @@ export function renderJob(main, jobId) {
     ],
   });
   const small = (el, label, color) => lineChart(el, { xLabel: t("job.step"), height: 170, series: [{ label, color }] });
-  const lrChart = small(lrEl, t("job.lr"), colors[2]);
+  // Both optimizers' rates on one chart: Muon's (lr) and AdamW's (adamw_lr, under dmuon).
+  const lrChart = lineChart(lrEl, {
+    xLabel: t("job.step"),
+    height: 170,
+    series: [
+      { label: t("series.lr"), color: colors[2] },
+      { label: t("series.adamw_lr"), color: colors[5 % colors.length], spanGaps: true },
+    ],
+  });
   const gradChart = small(gradEl, t("job.grad"), colors[3]);
   const tpsChart = small(tpsEl, t("job.tps"), colors[4]);
   charts.push(lossChart, lrChart, gradChart, tpsChart);
@@ -155,7 +168,7 @@ export function renderJob(main, jobId) {
 
   function draw() {
     drawLoss();
-    lrChart.setData([series.step, series.lr]);
+    lrChart.setData([series.step, series.lr, series.adamwLr]);
     gradChart.setData([series.step, series.grad]);
     tpsChart.setData([series.step, series.tps]);
     for (const e of extras.values()) e.chart.setData([series.step, e.values]);
@@ -193,6 +206,7 @@ export function renderJob(main, jobId) {
     series.loss.push(num(p.loss));
     series.val.push(num(p.val_loss));
     series.lr.push(num(p.lr));
+    series.adamwLr.push(num(p.adamw_lr));
     series.grad.push(num(p.grad_norm));
     series.tps.push(num(p.tokens_per_s));
     for (const [key, value] of Object.entries(p)) {
@@ -257,6 +271,7 @@ export function renderJob(main, jobId) {
     meta.textContent = [
       `id ${job.id}`,
       job.user ? `${t("job.user")} ${job.user}` : "",
+      job.runs_as ? `${t("job.runs_as")} ${job.runs_as}` : "",
       `${t("job.nproc")} ${job.nproc_per_node}`,
       job.gpus && job.gpus.length ? `${t("job.gpus")} ${job.gpus.join(",")}` : "",
       job.priority ? `${t("job.priority")} ${job.priority}` : "",
@@ -352,14 +367,25 @@ export function renderJob(main, jobId) {
     if (!closed) show();
   }
 
+  let logLines = [];
+  /** The last log lines, less torch's noise unless asked; at the newest line, following it
+   * unless the reader scrolled up. */
+  function renderLogs() {
+    const following = !logs.textContent || logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
+    const { shown, hidden } = showAllLogs.checked ? { shown: logLines, hidden: 0 } : withoutNoise(logLines);
+    logs.textContent = shown.join("\n");
+    hiddenLogs.hidden = !hidden && !showAllLogs.checked;
+    hiddenLogs.querySelector("#log-hidden-count").textContent = hidden ? t("job.log_hidden", { n: hidden }) : "";
+    if (following) logs.scrollTop = logs.scrollHeight;
+  }
+  showAllLogs.addEventListener("change", renderLogs);
+
   async function loadLogs() {
     try {
       const out = await api("GET", `${path}/logs?tail=${LOG_LINES}`);
       if (!closed) {
-        // Open at the newest lines, and follow them unless the reader scrolled up.
-        const following = !logs.textContent || logs.scrollTop + logs.clientHeight >= logs.scrollHeight - 4;
-        logs.textContent = out.lines.join("\n");
-        if (following) logs.scrollTop = logs.scrollHeight;
+        logLines = out.lines;
+        renderLogs();
       }
     } catch (err) {
       if (!closed) logs.textContent = errorText(err);
