@@ -49,6 +49,8 @@ import sys
 import time
 from pathlib import Path
 
+import dmuon_recipe_contract as contract
+
 #: Lines no server may store: nested 5,000 deep, a 400-digit loss, a lone surrogate escape
 #: in a point and in a summary line.
 POISON_LINES = (
@@ -94,7 +96,13 @@ def _parser() -> argparse.ArgumentParser:
 def _checkpoints(folder: str | None) -> list[Path]:
     if folder is None or not os.path.isdir(folder):
         return []
-    found = [p for p in Path(folder).iterdir() if re.fullmatch(r"step_[0-9]{8}", p.name)]
+    found = [
+        p
+        for p in Path(folder).iterdir()
+        if re.fullmatch(r"step_[0-9]{8}", p.name)
+        and contract.is_complete_checkpoint(p)
+        and not contract.checkpoint_problems(p, checksums=True)
+    ]
     return sorted(found, key=lambda p: p.name)
 
 
@@ -109,6 +117,15 @@ def _save(folder: str, step: int, weight: float, keep: int) -> Path:
     tmp = Path(folder) / f".tmp_step_{step:08d}"
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "state.json").write_text(json.dumps({"step": step, "weight": weight}))
+    # What makes a recipe checkpoint complete (the contract): DCP's metadata, rank 0's
+    # trainer state, and the manifest of every file's size and checksum, written last.
+    (tmp / contract.DCP_METADATA_FILE).write_bytes(b"fake dcp metadata")
+    (tmp / contract.TRAINER_STATE_FILE).write_bytes(json.dumps({"step": step}).encode())
+    files = {
+        f.name: {"bytes": f.stat().st_size, "sha256": contract.file_sha256(f)}
+        for f in sorted(tmp.iterdir())
+    }
+    (tmp / contract.MANIFEST_FILE).write_text(json.dumps({"format": 1, "files": files}))
     os.replace(tmp, final)
     if keep > 0:
         for old in _checkpoints(folder)[:-keep]:

@@ -214,7 +214,8 @@ def test_a_killed_rank_is_restarted_from_the_latest_checkpoint(
         folder = data_dir / "jobs" / job_id
         for k in ckpts:
             assert k["path"] == f"checkpoints/step_{k['step']:08d}"
-            assert k["bytes"] == (folder / k["path"] / "state.json").stat().st_size
+            files = (folder / k["path"]).rglob("*")
+            assert k["bytes"] == sum(f.stat().st_size for f in files if f.is_file())
     with TestClient(create_app(make_settings(tmp_path, data_dir=data_dir))) as c:
         assert _job(c, job_id)["attempts"] == job["attempts"]
 
@@ -332,3 +333,29 @@ def test_init_from_takes_another_jobs_weights(client: TestClient, data_dir: Path
     for step in range(1, 4):
         w = w * 0.9 + step * 0.01
     assert _saved_weight(data_dir, job["id"], 3) == pytest.approx(w, abs=0)
+
+
+def test_resume_passes_over_checkpoints_the_recipe_would_not_load(
+    client: TestClient, data_dir: Path
+) -> None:
+    """The server's latest checkpoint is the recipe's (`dmuon_recipe_contract`): a folder
+    whose manifest is gone is incomplete, one whose file changed size is damaged; resume
+    starts from the newest whole one, where the recipe itself resumes."""
+    import dmuon_recipe_contract as contract
+
+    body = job_spec(1, steps=6, checkpoint_every=2, keep_checkpoints=3)
+    job_id = client.post("/v1/jobs", json=body).json()["id"]
+    assert _wait_state(client, job_id, TERMINAL)["state"] == "succeeded"
+    folder = data_dir / "jobs" / job_id / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "step_00000002", "step_00000004", "step_00000006",
+    ]  # fmt: skip
+    (folder / "step_00000006" / "state.json").write_text("{}")  # another size: damaged
+    (folder / "step_00000004" / contract.MANIFEST_FILE).unlink()  # the save never finished
+    r = client.post(f"/v1/jobs/{job_id}/resume", json={"steps": 8})
+    assert r.status_code == 202, r.text
+    job = _wait_state(client, job_id, {"succeeded", "failed"})
+    assert job["state"] == "succeeded", job
+    assert job["attempts"][1]["resumed_from_step"] == 2
+    assert [p["step"] for p in _points(client, job_id)] == list(range(1, 9))
+    assert _saved_weight(data_dir, job_id, 8) == pytest.approx(_weight(0, 8), abs=0)

@@ -8,8 +8,9 @@ both sides must agree on is defined here once:
 * `FLAGS`: every flag of the recipe (spelling, type, default, choices, lower bound, help);
 * `PRESETS`: the model presets and their sizes (`PresetShape.num_params`);
 * the metrics file's keys (`METRIC_KEYS`, `OPTIONAL_METRIC_KEYS`, `EVENT_KEY`);
-* checkpoint folder naming (`checkpoint_name`, `CHECKPOINT_NAME_PATTERN`, ...) and the HF
-  export layout (`HF_CONFIG_FILE`, ...);
+* checkpoint folder naming (`checkpoint_name`, `CHECKPOINT_NAME_PATTERN`, ...), what makes
+  one complete and whole (`is_complete_checkpoint`, `checkpoint_problems` against the
+  manifest written last) and the HF export layout (`HF_CONFIG_FILE`, ...);
 * the data formats `--data` reads (`RECORD_SUFFIXES`, `TOKEN_SUFFIX`, `sidecar_path`, ...);
 * the exit codes (`EXIT_OK`, `EXIT_USAGE`, `EXIT_DIVERGED`, `EXIT_CHECKPOINT_WRITE`).
 
@@ -20,6 +21,9 @@ and this module to one another.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +46,7 @@ __all__ = [
     "FLAGS",
     "HF_CONFIG_FILE",
     "HF_SNAPSHOT_DIR",
+    "MANIFEST_FILE",
     "METRIC_KEYS",
     "MUON_ONLY_FLAGS",
     "OPTIONAL_METRIC_KEYS",
@@ -62,13 +67,17 @@ __all__ = [
     "Flag",
     "PresetShape",
     "checkpoint_name",
+    "checkpoint_problems",
     "data_kind",
+    "file_sha256",
     "flag",
+    "is_complete_checkpoint",
     "is_model_directory",
     "link_message",
     "no_tokenizer_message",
     "not_model_directory_message",
     "positions_message",
+    "read_manifest",
     "remote_code_message",
     "sidecar_message",
     "sidecar_path",
@@ -226,6 +235,62 @@ HF_SNAPSHOT_DIR = "hf"
 def checkpoint_name(step: int) -> str:
     """The folder name of the checkpoint after ``step``: ``step_`` and 8 digits."""
     return f"{CHECKPOINT_PREFIX}{step:08d}"
+
+
+MANIFEST_FILE = "dmuon-manifest.json"
+"""Written last into a checkpoint: each file's size and SHA-256."""
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file, read 1 MiB at a time."""
+    sha = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def read_manifest(root: Path) -> dict[str, Any] | str:
+    """A checkpoint's manifest, or why it has none that can be read."""
+    path = root / MANIFEST_FILE
+    if not path.is_file():
+        return f"it has no {MANIFEST_FILE}: the save did not finish (or it is not a checkpoint)"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"its {MANIFEST_FILE} cannot be read ({error})"
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        return f"its {MANIFEST_FILE} is not a DMuon manifest"
+    return data
+
+
+def checkpoint_problems(folder: str | os.PathLike[str], checksums: bool = True) -> list[str]:
+    """What is wrong with a checkpoint folder against its manifest; ``[]`` when whole.
+    ``checksums=False`` checks that each file is there with its size (reads none)."""
+    root = Path(folder)
+    if not root.is_dir():
+        return [f"{root} is not a folder"]
+    data = read_manifest(root)
+    if isinstance(data, str):
+        return [data]
+    problems = []
+    for name, entry in sorted(data["files"].items()):
+        path = root / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif (size := path.stat().st_size) != entry.get("bytes"):
+            problems.append(f"{name} has {size} bytes, {entry.get('bytes')} were written")
+        elif checksums and file_sha256(path) != entry.get("sha256"):
+            problems.append(f"{name} has changed since it was written (its checksum differs)")
+    return problems
+
+
+def is_complete_checkpoint(folder: str | os.PathLike[str]) -> bool:
+    """Whether a folder holds a finished save: DCP's metadata, the trainer state and the
+    manifest written last (whether the files still match it: `checkpoint_problems`)."""
+    root = Path(folder)
+    names = (DCP_METADATA_FILE, TRAINER_STATE_FILE, MANIFEST_FILE)
+    return all((root / name).is_file() for name in names)
 
 
 # ----- messages of bad inputs (the recipe's, and the job service's 422s) -----------------
@@ -411,9 +476,10 @@ FLAGS: tuple[Flag, ...] = (
          "Newton-Schulz iterations of the largest matrices (dedicate_params(ns_split=G)); "
          "G must divide the shard size (world size / --hsdp); 1 = each matrix iterated "
          "whole by the rank that steps it", _OPT, minimum=1, metavar="G"),
-    Flag("reduce_dtype", "choice", "float32", "dtype dmuon sums the dedicated matrices' "
-         "gradients in on their way to the owner; bfloat16 halves the reduce's bytes "
-         "(accumulation, masters and momentum stay float32)", _OPT,
+    Flag("reduce_dtype", "choice", "float32", "dtype every gradient is summed in between "
+         "ranks, FSDP2's parameters and dmuon's matrices alike (one MixedPrecisionPolicy); "
+         "bfloat16 halves the reduces' bytes (accumulation, masters, momentum stay float32)",
+         _OPT,
          choices=("float32", "bfloat16")),
     Flag("broadcast_dtype", "choice", "auto", "dtype dmuon broadcasts the dedicated matrices "
          "in; auto = the compute dtype (--param-dtype); bfloat16 halves the broadcasts' bytes",

@@ -343,7 +343,9 @@ def dedicate_params(
             for FSDP2: ``torch.bfloat16`` halves the reduce's bytes. The local
             accumulation under `no_sync`, the owner's averaged gradient, the masters and
             the momentum stay float32. ``None``: what FSDP2's policy around the boundary
-            reduces in (its ``reduce_dtype``, else its ``param_dtype``), else float32.
+            reduces in (its ``reduce_dtype``, else its ``param_dtype``), else float32. A
+            policy that reduces in another dtype raises at the first forward: set it once,
+            in the policy, and the dedicated matrices follow.
         broadcast_dtype: The dtype matrices are broadcast in from their owners, then
             widened into the forward buffers (every rank, the owner too, computes with the
             same rounded values): ``torch.bfloat16`` halves the broadcasts' bytes while the

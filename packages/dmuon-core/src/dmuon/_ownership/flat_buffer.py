@@ -163,7 +163,7 @@ class FlatBuffer:
         #: One process: the masters are views of this buffer (`dmuon._ownership.aliasing`).
         self.aliased = False
         self.reduce_state = ReduceState.IDLE
-        self._broadcasts: list[Pending] = []
+        self._gathers: list[Pending] = []
         self._reduces: list[Pending] = []
         self._reduce_flat: torch.Tensor | None = None
         #: Where this rank's sums land (its spans back to back) once the reduce completes.
@@ -302,9 +302,7 @@ class FlatBuffer:
                     wire[entry.lo : entry.hi].copy_(record.param.reshape(-1))
                     self._broadcast_versions[index] = record.param._version
             ranges = [(span.lo, span.hi) for span in self.spans]
-            self._broadcasts = [
-                self.comm.all_gather_pieces(self._by_owner(wire, ranges), self.label)
-            ]
+            self._gathers = [self.comm.all_gather_pieces(self._by_owner(wire, ranges), self.label)]
         self.state = BufferState.UNSHARDING
 
     def _by_owner(
@@ -319,11 +317,11 @@ class FlatBuffer:
         return pieces
 
     def wait_unshard(self) -> None:
-        """Wait for the broadcasts issued by `unshard_async`."""
+        """Wait for the gathers `unshard_async` issued (a broadcast where one rank owns all)."""
         if self.state is BufferState.UNSHARDING:
             # Stale until every broadcast is in: a failed one is raised once, not again by
             # the post-forward hook that frees the buffer.
-            pending, self._broadcasts = self._broadcasts, []
+            pending, self._gathers = self._gathers, []
             staging, self._staging = self._staging, None
             self.state = BufferState.STALE
             # Completing a collective may copy received pieces into the buffer.

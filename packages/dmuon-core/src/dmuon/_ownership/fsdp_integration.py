@@ -110,13 +110,13 @@ def adopt_fsdp_policies(
 ) -> None:
     """Before the first forward: each boundary computes and reduces its dedicated
     matrices as the ``MixedPrecisionPolicy`` of the ``fully_shard`` around it does for
-    its other parameters, unless ``dedicate_params`` was told otherwise.
+    its other parameters.
 
     The compute dtype is the policy's ``param_dtype``; the reduce dtype is the policy's
-    effective one (``reduce_dtype``, else ``param_dtype``, as FSDP2 reduces), unless
-    ``dedicate_params(reduce_dtype=...)`` overrides it (``param_dtype`` and ``reduce_dtype``:
-    what ``dedicate_params`` was given). A ``dedicate_params(param_dtype=)``
-    that differs from the policy's would mix dtypes inside the layer: it raises.
+    effective one (``reduce_dtype``, else ``param_dtype``, as FSDP2 reduces). The policy is
+    the one source of each dtype it sets: ``param_dtype`` and ``reduce_dtype`` (what
+    ``dedicate_params`` was given) may repeat it, and where they differ the layer would
+    mix dtypes, so it raises. Where the policy sets neither, they apply as given.
     """
     for boundary in boundaries:
         fsdp = boundary.fsdp_module(root)
@@ -132,7 +132,16 @@ def adopt_fsdp_policies(
                 "Drop dedicate_params' param_dtype (dedicated matrices follow the policy), "
                 "or give both the same dtype."
             )
+        policy_reduce = policy.reduce_dtype or policy.param_dtype
+        if reduce_dtype is not None and policy_reduce not in (None, reduce_dtype):
+            raise ValueError(
+                f"dedicate_params(reduce_dtype={reduce_dtype}) differs from the dtype the "
+                f"MixedPrecisionPolicy of the fully_shard around hook boundary {where!r} "
+                f"reduces in ({policy_reduce}): one layer's gradients would be summed in two "
+                "dtypes. Drop dedicate_params' reduce_dtype (dedicated matrices follow the "
+                "policy), or give both the same dtype."
+            )
         compute = param_dtype or policy.param_dtype
-        reduce = reduce_dtype or policy.reduce_dtype or policy.param_dtype
+        reduce = reduce_dtype or policy_reduce
         buffer = boundary.buffer
         buffer.retype(compute or buffer.dtype, reduce or torch.float32)

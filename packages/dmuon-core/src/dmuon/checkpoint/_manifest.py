@@ -12,12 +12,12 @@ and a missing, truncated or altered file is named.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+
+import dmuon_recipe_contract as contract
 
 __all__ = [
     "MANIFEST",
@@ -30,23 +30,28 @@ __all__ = [
     "write_manifest",
 ]
 
-MANIFEST = "dmuon-manifest.json"
+MANIFEST = contract.MANIFEST_FILE
 """The manifest's file name inside a checkpoint folder."""
 
 FORMAT = 1
-_CHUNK = 1 << 20
 
 
 class CheckpointDamagedError(ValueError):
     """A checkpoint folder fails its manifest: the message names the folder and the files."""
 
 
-def _digest(path: Path) -> str:
-    sha = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(_CHUNK):
-            sha.update(chunk)
-    return sha.hexdigest()
+# Reading and verifying belong to the recipe's contract: the job service checks the same
+# way without importing dmuon.
+_digest = contract.file_sha256
+_read = contract.read_manifest
+
+
+def verify(folder: str | os.PathLike[str], checksums: bool = True) -> list[str]:
+    """The problems of a checkpoint folder against its manifest; ``[]`` when it is whole.
+
+    ``checksums=False`` checks presence and sizes only (no file is read).
+    """
+    return contract.checkpoint_problems(folder, checksums)
 
 
 def _files(folder: Path) -> list[Path]:
@@ -107,44 +112,6 @@ def write_manifest(folder: str | os.PathLike[str]) -> Path:
     partial.replace(manifest)
     fsync_dir(root)
     return manifest
-
-
-def _read(root: Path) -> dict[str, Any] | str:
-    path = root / MANIFEST
-    if not path.is_file():
-        return f"it has no {MANIFEST}: the save did not finish (or the folder is not a checkpoint)"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        return f"its {MANIFEST} cannot be read ({error})"
-    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
-        return f"its {MANIFEST} is not a DMuon manifest"
-    return data
-
-
-def verify(folder: str | os.PathLike[str], checksums: bool = True) -> list[str]:
-    """The problems of a checkpoint folder against its manifest; ``[]`` when it is whole.
-
-    ``checksums=False`` checks presence and sizes only (no file is read).
-    """
-    root = Path(folder)
-    if not root.is_dir():
-        return [f"{root} is not a folder"]
-    data = _read(root)
-    if isinstance(data, str):
-        return [data]
-    problems = []
-    for name, entry in sorted(data["files"].items()):
-        path = root / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-            continue
-        size = path.stat().st_size
-        if size != entry.get("bytes"):
-            problems.append(f"{name} has {size} bytes, {entry.get('bytes')} were written")
-        elif checksums and _digest(path) != entry.get("sha256"):
-            problems.append(f"{name} has changed since it was written (its checksum differs)")
-    return problems
 
 
 def check(folder: str | os.PathLike[str]) -> None:

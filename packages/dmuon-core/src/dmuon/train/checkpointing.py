@@ -107,11 +107,7 @@ def _quiet_single_process() -> Iterator[None]:
 def is_complete(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a complete checkpoint folder: DCP metadata, trainer state, and
     the manifest written last (whether the files still match it is `verify`'s question)."""
-    path = Path(path)
-    return all(
-        (path / name).is_file()
-        for name in (contract.DCP_METADATA_FILE, TRAINER_STATE_FILE, manifest.MANIFEST)
-    )
+    return contract.is_complete_checkpoint(path)
 
 
 def find_checkpoints(directory: str | os.PathLike[str]) -> list[tuple[int, Path]]:

@@ -185,12 +185,13 @@ def parallelize(
 ) -> dict[str, int]:
     """Apply compile, activation checkpointing, dedication and FSDP2 to ``model`` in place.
 
-    ``param_dtype`` (bfloat16 or None) is FSDP2's ``MixedPrecisionPolicy`` with float32
-    gradient reduction and dedication's forward dtype; it needs a mesh (one process uses
-    ``torch.autocast`` instead, see `dmuon.train.loop`). ``reduce_dtype`` and
-    ``broadcast_dtype`` are dedication's communication dtypes (None: float32 and the
-    compute dtype); ``ns_split`` is `dedicate_params`'s. Returns `dedicate_params`'s owners
-    (empty for the AdamW baseline).
+    ``param_dtype`` (bfloat16 or None) and ``reduce_dtype`` (None: float32) make one
+    ``MixedPrecisionPolicy`` for FSDP2 (`mixed_precision`), and dedication is given the
+    same values (its first forward checks that they agree); ``param_dtype`` needs a mesh
+    (one process uses ``torch.autocast`` instead, see `dmuon.train.loop`).
+    ``broadcast_dtype`` is dedication's alone (None: the compute dtype); ``ns_split`` is
+    `dedicate_params`'s. Returns `dedicate_params`'s owners (empty for the AdamW
+    baseline).
     """
     if compile:
         apply_compile(layers)
@@ -212,19 +213,28 @@ def parallelize(
             ns_split=ns_split,
         )
     if mesh is not None:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
-        policy = (
-            MixedPrecisionPolicy(param_dtype=distributed_dtype, reduce_dtype=torch.float32)
-            if distributed_dtype is not None
-            else MixedPrecisionPolicy()
-        )
+        # One policy holds the forward and reduce dtypes of every parameter; dedication
+        # was given the same values, and its first forward checks that they agree.
+        policy = mixed_precision(distributed_dtype, reduce_dtype)
         # The same mode for FSDP2's parameters, or Z2 would still all-gather them before
         # every backward.
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=z3, mp_policy=policy)
         fully_shard(model, mesh=mesh, reshard_after_forward=z3, mp_policy=policy)
     return owners
+
+
+def mixed_precision(param_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None) -> Any:
+    """FSDP2's ``MixedPrecisionPolicy`` for the recipe's ``--param-dtype`` and
+    ``--reduce-dtype``: gradients are summed in ``reduce_dtype`` (float32 by default) for
+    every parameter, dedicated or not."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if param_dtype is None and reduce_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype or torch.float32)
 
 
 def build_optimizer(

@@ -79,9 +79,9 @@ def begin(
     attempt is then recorded; conclude it with :func:`fail_to_start`).
     """
     job_dir = settings.job_dir(job.id)
-    latest = latest_checkpoint(job_dir / CHECKPOINT_DIR)
-    number = store.start_attempt(job.id, cause, latest.step if latest is not None else None)
     spec = spec_of(job)
+    latest = latest_checkpoint(job_dir / CHECKPOINT_DIR, recipe=spec.train is not None)
+    number = store.start_attempt(job.id, cause, latest.step if latest is not None else None)
     argv = attempt_argv(spec, job.argv_list, job_dir, number, resuming=latest is not None)
     plan_env = launch_env(
         settings,
@@ -189,8 +189,14 @@ def conclude(
     job_dir = settings.job_dir(job.id)
     rc = report.get("returncode") if report else launcher_rc
     cancelled_at = job.cancel_requested_at
-    steps = spec_of(job).steps
-    if cancelled_at is not None and steps is not None and trained_to_the_end(job_dir, steps):
+    spec = spec_of(job)
+    steps = spec.steps
+    recipe = spec.train is not None
+    if (
+        cancelled_at is not None
+        and steps is not None
+        and trained_to_the_end(job_dir, steps, recipe=recipe)
+    ):
         reason = f"trained all {steps} steps and saved the last checkpoint; the cancel came after"
         if scheduler is not None:
             reason += f" ({scheduler.reason})"
@@ -257,6 +263,7 @@ def restarts_used(store: Store, job_id: str) -> int:
     return used
 
 
-def resume_point(settings: Settings, job_id: str) -> CheckpointInfo | None:
+def resume_point(settings: Settings, job: JobRecord) -> CheckpointInfo | None:
     """The checkpoint a new attempt of the job would resume from, or None."""
-    return latest_checkpoint(settings.job_dir(job_id) / CHECKPOINT_DIR)
+    recipe = spec_of(job).train is not None
+    return latest_checkpoint(settings.job_dir(job.id) / CHECKPOINT_DIR, recipe=recipe)

@@ -445,7 +445,7 @@ class LocalLauncher:
         if used >= allowed:
             return False
         self.store.finish_attempt(job.id, attempt, outcome.exit_code, outcome.reason)
-        latest = attempts.resume_point(self.settings, job.id)
+        latest = attempts.resume_point(self.settings, job)
         start = f"from step {latest.step}" if latest is not None else "from scratch"
         log.warning("job %s: %s; restart %d of %d", job.id, outcome.reason, used + 1, allowed)
         self._spawn(

@@ -165,7 +165,8 @@ def resume(
             "be resumed (cancel it first: it saves a checkpoint as it stops)",
             kind="job-not-finished",
         )
-    latest = latest_checkpoint(settings.job_dir(job_id) / CHECKPOINT_DIR)
+    recipe = spec_of(job).train is not None
+    latest = latest_checkpoint(settings.job_dir(job_id) / CHECKPOINT_DIR, recipe=recipe)
     if latest is None:
         raise Refusal(
             409,

@@ -108,17 +108,31 @@ def list_checkpoints(folder: Path, *, sizes: bool = True) -> list[CheckpointInfo
     return sorted(found, key=lambda c: c.step)
 
 
-def latest_checkpoint(folder: Path) -> CheckpointInfo | None:
-    """The checkpoint with the highest step in ``folder``, or None."""
-    found = list_checkpoints(folder, sizes=False)
-    return found[-1] if found else None
+def latest_checkpoint(folder: Path, *, recipe: bool = True) -> CheckpointInfo | None:
+    """The newest checkpoint in ``folder`` that the job would resume from, or None.
+
+    A script job's checkpoints are its own: the newest ``step_`` folder. A recipe job's
+    are read as the recipe's ``--resume auto`` reads them (`dmuon_recipe_contract`): a
+    folder without its DCP metadata, trainer state and manifest is not complete, and one
+    whose files are not all there with the sizes its manifest lists is damaged; both are
+    passed over for the one before. (The recipe also compares checksums when it loads;
+    reading every file here would cost a full read of the checkpoint each time a job is
+    looked at.)
+    """
+    for info in reversed(list_checkpoints(folder, sizes=False)):
+        if not recipe or (
+            contract.is_complete_checkpoint(info.path)
+            and not contract.checkpoint_problems(info.path, checksums=False)
+        ):
+            return info
+    return None
 
 
-def trained_to_the_end(job_dir: Path, steps: int) -> bool:
+def trained_to_the_end(job_dir: Path, steps: int, *, recipe: bool = True) -> bool:
     """Whether the job saved the checkpoint of its last step (``steps``): a run that did
     has nothing left to train, whatever stopped its processes afterwards (a cancel that
     came during the final evaluation, say)."""
-    latest = latest_checkpoint(job_dir / CHECKPOINT_DIR)
+    latest = latest_checkpoint(job_dir / CHECKPOINT_DIR, recipe=recipe)
     return latest is not None and latest.step >= steps
 
 
