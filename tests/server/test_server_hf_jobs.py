@@ -382,6 +382,11 @@ def test_a_model_path_is_spelled_as_the_recipes_config_file_spells_it(
     body = _hf("llama")
     body["train"]["model"] = "llama"
     as_string = hf_client.post("/v1/jobs:validate", json=body).json()
+    # The same admission, less what the host has free at that moment.
+    stable = ("parameters_bytes", "activations_bytes", "batch_bytes", "corpus_bytes")
+    for admission in (as_string["admission"], as_object["admission"]):
+        memory = admission.pop("memory")
+        admission["memory"] = {k: memory[k] for k in stable}
     assert as_string["admission"] == as_object["admission"]
     assert as_string["admission"]["model"] == "<model-root>/llama"
     assert as_string["torchrun_argv"] == as_object["torchrun_argv"]
