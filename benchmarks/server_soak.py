@@ -144,7 +144,11 @@ class Follower(threading.Thread):
                     c.stream("GET", f"/v1/jobs/{self.job_id}/events", headers=headers) as r,
                 ):
                     if r.status_code == 204:
-                        self.end = {"state": "ended (204)"}
+                        # The job ended while this client was away (the server's kill came
+                        # between its last point and its end event): nothing is left to
+                        # send, so its end is what the REST API says it is.
+                        state = c.get(f"/v1/jobs/{self.job_id}").json()["state"]
+                        self.end = {"state": state, "via": "204"}
                         return
                     event = ""
                     for line in r.iter_lines():
