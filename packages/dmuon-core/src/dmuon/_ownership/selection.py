@@ -61,7 +61,21 @@ def plan_dedication(
     selected, boundaries = select_with_boundaries(
         model, predicate, hook_boundary_predicate, hook_boundary_strict
     )
-    plan = plan_owners(
+    plan = plan_selected(selected, boundaries, world_size, replicas, split_expert_stacks, ns_split)
+    return DedicationPlan(selected, boundaries, plan)
+
+
+def plan_selected(
+    selected: list[Selected],
+    boundaries: dict[str, str],
+    world_size: int,
+    replicas: int = 1,
+    split_expert_stacks: SplitStacks = "auto",
+    ns_split: int = 1,
+) -> OwnerPlan:
+    """The owners of parameters `select_with_boundaries` chose: the part of
+    `plan_dedication` that depends on the mesh."""
+    return plan_owners(
         {fqn: p.shape for fqn, _, _, p, _, _ in selected},
         world_size,
         boundaries,
@@ -69,7 +83,6 @@ def plan_dedication(
         replicas=replicas,
         ns_split=ns_split,
     )
-    return DedicationPlan(selected, boundaries, plan)
 
 
 def select_with_boundaries(

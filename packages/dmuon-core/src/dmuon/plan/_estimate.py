@@ -34,8 +34,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon._ownership.planner import OwnerPlan, SplitStacks, plan_owners
-from dmuon._ownership.selection import select_with_boundaries
+from dmuon._ownership.planner import OwnerPlan, SplitStacks
+from dmuon._ownership.selection import plan_selected, select_with_boundaries
 from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES
 from dmuon.optim._validation import check_max_workspace_bytes
 from dmuon.plan._collectives import (
@@ -437,14 +437,7 @@ def _dedication(
     selected, boundaries = _reused(("selection", id(model)), lambda: select_with_boundaries(model))
     plan = _reused(
         ("owners", id(model), shard, replicas, split_expert_stacks, ns_split),
-        lambda: plan_owners(
-            {fqn: p.shape for fqn, _, _, p, _, _ in selected},
-            shard,
-            boundaries,
-            split_expert_stacks=split_expert_stacks,
-            replicas=replicas,
-            ns_split=ns_split,
-        ),
+        lambda: plan_selected(selected, boundaries, shard, replicas, split_expert_stacks, ns_split),
     )
     return selected, boundaries, plan
 
