@@ -99,7 +99,7 @@ def _is_cpu_memory(event: Any) -> bool:
 
 def dedicated_bytes_held(model: Any) -> int | None:
     """Bytes of DMuon's packed buffers that hold storage now (``None``: not a DMuon model)."""
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     state = get_dedication(model)
     if state is None:

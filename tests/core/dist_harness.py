@@ -184,7 +184,7 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
     import dmuon
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     records: dict[str, list[Any]] = {}
     for dp in _dedicated(model):
@@ -221,7 +221,7 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     their owners' ``_reduced_grad`` (matrices no rank had a gradient for are absent)."""
     from torch.distributed.tensor import DTensor
 
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     state = get_dedication(model)
     group = state.runtime.comm.group if state is not None else None
@@ -247,14 +247,14 @@ def full_gradients(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _dedicated(model: torch.nn.Module) -> list[Any]:
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     state = get_dedication(model)
     return state.params if state is not None else []
 
 
 def _memory_report(model: torch.nn.Module) -> dict[str, Any]:
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     state = get_dedication(model)
     assert state is not None and state.runtime is not None
@@ -451,7 +451,7 @@ def _share_bytes(model: torch.nn.Module) -> dict[str, int]:
     model (what a load from rank 0 broadcasts at once) and the whole model, in bytes."""
     from torch.distributed.tensor import DTensor
 
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     state = get_dedication(model)
     assert state is not None and state.runtime is not None
@@ -521,7 +521,7 @@ def _error_checks(rank: int, world: int) -> dict[str, str]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     model.layers[0].set_requires_gradient_sync(False, recurse=False)
-    runtime = dmuon._ownership.state.get_dedication(model).runtime
+    runtime = dmuon._ownership.dedication_state.get_dedication(model).runtime
 
     def flags() -> list[bool]:
         return [

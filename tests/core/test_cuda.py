@@ -144,7 +144,7 @@ def test_a_replicas_update_gives_the_steppers_bits_on_cuda(master_dtype: torch.d
 
     from dmuon._ownership.replica_updates import UpdateSlot
     from dmuon._ownership.step_arithmetic import add_updates_, scale_update_, step_scalar
-    from dmuon.optim._muon_update import decay_
+    from dmuon.optim._muon_step import decay_
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     shapes = [(256, 512), (512, 256), (3, 128, 384)]

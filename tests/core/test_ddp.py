@@ -134,7 +134,7 @@ def dmuon_options(**kwargs: Any) -> Any:
 
 
 def get_comm(model: torch.nn.Module) -> Any:
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     state = get_dedication(model)
     assert state is not None

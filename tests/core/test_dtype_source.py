@@ -38,7 +38,7 @@ def _case(name: str, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     policy_param, policy_reduce, param, reduce, _ = CASES[name]
     model = make_model(Scenario(name))

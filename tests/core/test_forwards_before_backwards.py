@@ -92,7 +92,7 @@ def test_a_forward_without_backward_is_forgotten_at_the_step() -> None:
     from dist_harness import ADAMW_LR, LR, make_model
 
     import dmuon
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     model = make_model(Scenario("dropped"))
     dmuon.dedicate_params(model, reshard_after_forward=True)

@@ -194,7 +194,7 @@ def _reduce_inputs_alive_in_backward(world: int) -> dict[str, Any]:
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     scenario = Scenario("six layers", model_kwargs={"n_layers": 6})

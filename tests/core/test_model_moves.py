@@ -64,7 +64,7 @@ def test_a_model_moved_after_dedication_trains_in_its_new_dtype(
     """Oracle: the unmoved float32 model, dedicated and trained the same way (before the
     fix the moved model's first forward raised "expected m1 and m2 to have the same
     dtype")."""
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     start = _model()
     z3 = mode == "z3"

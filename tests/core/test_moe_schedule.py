@@ -98,7 +98,7 @@ def _train(rank: int, world: int, case: MoECase) -> dict[str, Any]:
         model.set_reduce_scatter_unused_params(True)
     optimizer = dmuon.Muon(model, lr=LR, ns_dtype=torch.float32, adamw_lr=ADAMW_LR)
     sequence: list[tuple[str, int]] = []
-    comm = dmuon._ownership.state.get_dedication(model).runtime.comm
+    comm = dmuon._ownership.dedication_state.get_dedication(model).runtime.comm
     issue = comm._issue
 
     def record(kind: str, tensor: torch.Tensor, root: int, call: Any, **kwargs: Any) -> Any:

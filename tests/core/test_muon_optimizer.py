@@ -19,9 +19,9 @@ from torch import nn
 
 from dmuon._comm import Communicator
 from dmuon._comm_audit import CommAudit
+from dmuon._ownership.dedication_state import STATE_ATTR, DedicationState, get_dedication
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.runtime import DedicationRuntime
-from dmuon._ownership.state import STATE_ATTR, DedicationState, get_dedication
 from dmuon.optim import Muon
 
 KELLER = (3.4445, -4.7750, 2.0315)

@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 import dmuon
 from dmuon._comm import Communicator
 from dmuon._comm_audit import CommAudit
+from dmuon._ownership.dedication_state import STATE_ATTR, DedicationState, get_dedication
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.runtime import DedicationRuntime
-from dmuon._ownership.state import STATE_ATTR, DedicationState, get_dedication
 from dmuon.optim import Muon
 
 BETA2, WD = 0.95, 0.1

@@ -395,7 +395,7 @@ def test_plain_progress_lines_give_percent_elapsed_and_eta(
 ) -> None:
     # Not a terminal: one line per logged step. A resumed run (initial 10 of 40 steps)
     # estimates from the steps it ran itself: 5 steps in 10 s, 25 left -> 50 s.
-    from dmuon.train.metrics import ProgressReporter
+    from dmuon.train.reporting.console import ProgressReporter
 
     now = [100.0]
     progress = ProgressReporter(40, use_bar=False, initial=10, clock=lambda: now[0])

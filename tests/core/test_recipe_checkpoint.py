@@ -22,10 +22,10 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dmuon.checkpoint import write_manifest
 from dmuon.train import TrainConfig, Trainer, parse_args, run
-from dmuon.train import checkpointing as ckpt
 from dmuon.train.__main__ import main
-from dmuon.train.metrics import truncate_after
-from dmuon.train.state import RNGState
+from dmuon.train.checkpoints import folder as ckpt
+from dmuon.train.checkpoints.stateful import RNGState
+from dmuon.train.reporting.metrics_file import truncate_after
 from dmuon.train.stopping import StopRequest
 
 
@@ -180,7 +180,7 @@ def test_sigterm_finishes_the_step_saves_and_says_so(base: TrainConfig, tmp_path
 
 def test_a_second_signal_ends_the_process_at_once(tmp_path: Path) -> None:
     # The stopping module alone (no torch import), in a child process that signals itself.
-    module = Path(ckpt.__file__).with_name("stopping.py")
+    module = Path(ckpt.__file__).parent.parent / "stopping.py"
     script = f"""
 import importlib.util, os, signal, sys, time
 spec = importlib.util.spec_from_file_location("stopping", {str(module)!r})

@@ -24,7 +24,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from dmuon.train.checkpointing import find_checkpoints, is_complete
+from dmuon.train.checkpoints.folder import find_checkpoints, is_complete
 from dmuon.train.data import load_corpus
 
 STEPS = 30

@@ -26,8 +26,8 @@ import pytest
 
 from dmuon.checkpoint import verify_checkpoint
 from dmuon.train import TrainConfig, run
-from dmuon.train import checkpointing as ckpt
 from dmuon.train.__main__ import main
+from dmuon.train.checkpoints import folder as ckpt
 from dmuon.train.data import load_corpus
 from dmuon.train.loop import StepFailed, Trainer
 

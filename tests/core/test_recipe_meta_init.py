@@ -38,7 +38,7 @@ def _set_up(model: str, seq_len: int, shape: tuple[int, ...], mode: str) -> tupl
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
     from dmuon.train.models import build, resolve_model
     from dmuon.train.parallelize import parallelize
 

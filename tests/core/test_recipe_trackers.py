@@ -211,7 +211,7 @@ def test_a_tracker_that_is_not_installed_is_refused_naming_the_extra(
 def test_a_failing_tracker_is_dropped_and_training_goes_on(
     base: TrainConfig, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from dmuon.train import trackers
+    from dmuon.train.reporting import trackers
 
     def broken(self: Any, record: Any) -> None:
         raise ConnectionError("tracking server went away")

@@ -45,8 +45,8 @@ def _train(rank: int, world: int, shape: tuple[int, int], mode: str, narrow: boo
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dmuon
+    from dmuon._ownership.dedication_state import get_dedication
     from dmuon._ownership.replica_updates import ReplicaUpdates
-    from dmuon._ownership.state import get_dedication
 
     hold_narrow = ReplicaUpdates.hold_narrow
     if not narrow:  # the oracle: float32 masters on every replica's owner
@@ -197,7 +197,7 @@ def _mixtral_worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dmuon
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)

@@ -51,7 +51,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     mesh = init_device_mesh("cpu", SHAPES[world], mesh_dim_names=("replicate", "shard"))
     out: dict[str, Any] = {}

@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, mesh_name: str) -> dict[str, Any]:
     from torch.utils.flop_counter import FlopCounterMode
 
     import dmuon
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     shape = MESHES[mesh_name]
     names = ("replicate", "shard") if len(shape) == 2 else ("shard",)

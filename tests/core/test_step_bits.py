@@ -24,7 +24,7 @@ from cuda_semantics import cuda_scalar_rounding
 
 from dmuon._ownership.replica_updates import UpdateSlot
 from dmuon._ownership.step_arithmetic import add_updates_, scale_update_, step_scalar
-from dmuon.optim._muon_update import decay_
+from dmuon.optim._muon_step import decay_
 
 SHAPES = [(64, 96), (96, 64), (3, 32, 48)]
 DECAY = 1 - 0.02 * 0.1

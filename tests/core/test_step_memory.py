@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from memory import PeakTensorMemory
 
-from dmuon.optim._muon_update import Workspaces, workspace_nbytes
+from dmuon.optim._muon_step import Workspaces, workspace_nbytes
 
 CPU = torch.device("cpu")
 

@@ -238,7 +238,7 @@ def ns_split_refusal(kind: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from dmuon._ownership.state import get_dedication
+    from dmuon._ownership.dedication_state import get_dedication
 
     make, plan = MODELS[kind]
     model = make()

@@ -124,7 +124,7 @@ def test_exception_inside_a_boundary_leaves_the_model_as_it_was() -> None:
     after = {n: p for n, p in model.named_parameters()}
     assert after.keys() == registered.keys()
     assert all(after[n] is registered[n] for n in after)  # masters back on their modules
-    state = dmuon._ownership.state.get_dedication(model)
+    state = dmuon._ownership.dedication_state.get_dedication(model)
     for flat in state.runtime.buffers():  # Z3 buffers freed, where they are not the masters
         masters = {e.record.param.untyped_storage().data_ptr() for e in flat.entries}
         assert not flat.allocated or masters == {flat.buffer.untyped_storage().data_ptr()}

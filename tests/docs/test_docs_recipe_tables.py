@@ -142,8 +142,8 @@ def test_the_rates_and_knobs_the_training_page_states_are_the_codes(lang: str) -
     else:
         said += [f"默认 {default('weight_decay')}"]
     # Samples and trackers: their defaults, from the contract and the tracker modules.
-    from dmuon.train.reporting import DEFAULT_TRACKING_DIR
-    from dmuon.train.trackers import DEFAULT_EXPERIMENT
+    from dmuon.train.reporting.reporters import DEFAULT_TRACKING_DIR
+    from dmuon.train.reporting.trackers import DEFAULT_EXPERIMENT
 
     quoted = [
         f"`{contract.flag('sample_prompt').default}`",

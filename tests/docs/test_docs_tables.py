@@ -74,7 +74,7 @@ def test_job_states_table(lang: str) -> None:
 def test_metrics_file_keys_table(lang: str) -> None:
     from dmuon_recipe_contract import OPTIONAL_METRIC_KEYS
 
-    from dmuon.train.metrics import REQUIRED_KEYS
+    from dmuon.train.reporting.metrics_file import REQUIRED_KEYS
 
     root = ZH if lang == "zh" else DOCS
     text = (root / "training.md").read_text(encoding="utf-8")

@@ -66,7 +66,7 @@ def test_the_servers_spec_and_command_are_built_from_the_contract(tmp_path: Path
 
     import dmuon_recipe_contract as contract
 
-    from dmuon.train.checkpointing import checkpoint_name as recipe_checkpoint_name
+    from dmuon.train.checkpoints.folder import checkpoint_name as recipe_checkpoint_name
     from dmuon_server.config import Settings
     from dmuon_server.launching.command import build_command
     from dmuon_server.recipe.review import review

@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     from dmuon._clip import clip_grad_norm_
     from dmuon._comm_audit import CollectiveTally, CommAudit, StepComm
     from dmuon._comm_pending import CollectiveError
+    from dmuon._manual_weight_access import parameters_updated, wait_for_updates
     from dmuon._ownership.dedicate import dedicate_params
     from dmuon._ownership.gradients import DedicatedGradientError
     from dmuon._ownership.introspection import comm_audit, dedicated_parameters, owner_plan
     from dmuon._ownership.planner import ExpertRange, OwnerPlan, default_predicate, plan_owners
-    from dmuon._updates import parameters_updated, wait_for_updates
     from dmuon.checkpoint import (
         get_model_state_dict,
         get_optimizer_state_dict,
@@ -51,8 +51,8 @@ _EXPORTS = {
     "OwnerPlan": "dmuon._ownership.planner",
     "default_predicate": "dmuon._ownership.planner",
     "plan_owners": "dmuon._ownership.planner",
-    "parameters_updated": "dmuon._updates",
-    "wait_for_updates": "dmuon._updates",
+    "parameters_updated": "dmuon._manual_weight_access",
+    "wait_for_updates": "dmuon._manual_weight_access",
     "get_model_state_dict": "dmuon.checkpoint",
     "get_optimizer_state_dict": "dmuon.checkpoint",
     "get_state_dict": "dmuon.checkpoint",

@@ -9,8 +9,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from dmuon._ownership.dedication_state import dedicated_root, get_dedication, unwrap
 from dmuon._ownership.fsdp_integration import fsdp_param_groups, is_fsdp_module
-from dmuon._ownership.state import dedicated_root, get_dedication, unwrap
 
 #: FSDP2's per-module switches ``no_sync`` turns off: ``(setter, the flag its setter
 #: writes on each param group)``. FSDP2 has setters but no getters; the flag is read so

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from dmuon._comm import all_reduce_plain
+from dmuon._ownership.dedication_state import DedicationState, get_dedication
 from dmuon._ownership.fsdp_integration import is_dedicated
-from dmuon._ownership.state import DedicationState, get_dedication
 
 __all__ = ["clip_grad_norm_", "total_grad_norm"]
 

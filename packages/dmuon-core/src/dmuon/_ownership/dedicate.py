@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dmuon._comm import Communicator
 from dmuon._comm_audit import CommAudit
 from dmuon._ownership.ddp_integration import keep_out_of_ddp
+from dmuon._ownership.dedication_state import STATE_ATTR, DedicationState, attach
 from dmuon._ownership.experts import fused_gate_up_parts
 from dmuon._ownership.flat_buffer import FlatBuffer
 from dmuon._ownership.fsdp_integration import (
@@ -34,7 +35,6 @@ from dmuon._ownership.planner import (
 from dmuon._ownership.runtime import Boundary, DedicationRuntime
 from dmuon._ownership.selection import plan_dedication
 from dmuon._ownership.split_blocks import make_split_block
-from dmuon._ownership.state import STATE_ATTR, DedicationState, attach
 from dmuon._ownership.tp_integration import assign_workers, leaf_for, tensor_parallel_of
 from dmuon._teardown import before_interpreter_exit
 

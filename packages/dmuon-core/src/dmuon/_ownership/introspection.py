@@ -5,9 +5,9 @@ from __future__ import annotations
 from torch import nn
 
 from dmuon._comm_audit import CommAudit
+from dmuon._ownership.dedication_state import require_dedication as _require_state
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.planner import OwnerPlan
-from dmuon._ownership.state import require_dedication as _require_state
 
 
 class DedicatedParameters(tuple[DedicatedParam, ...]):

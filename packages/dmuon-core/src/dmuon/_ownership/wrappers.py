@@ -11,8 +11,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from dmuon._ownership.dedication_state import DedicationState
 from dmuon._ownership.fsdp_integration import is_dedicated
-from dmuon._ownership.state import DedicationState
 
 
 def unsynchronised_parameters(model: nn.Module, state: DedicationState) -> list[str]:

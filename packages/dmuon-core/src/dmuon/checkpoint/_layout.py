@@ -35,8 +35,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from dmuon._ownership.dedication_state import DedicationState
 from dmuon._ownership.param import DedicatedParam
-from dmuon._ownership.state import DedicationState
 
 #: Codes all-gathered to agree on what each rank's state dict holds for a matrix.
 MISSING, FULL, SHARDED, BAD_SHAPE = 0, 1, 2, 3

@@ -12,8 +12,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.modules.module import _IncompatibleKeys
 
+from dmuon._ownership.dedication_state import DedicationState
 from dmuon._ownership.param import DedicatedParam
-from dmuon._ownership.state import DedicationState
 from dmuon.checkpoint._dedicated_values import gather_to_owners
 from dmuon.checkpoint._layout import DedicatedLayout
 from dmuon.checkpoint._split_stacks import (

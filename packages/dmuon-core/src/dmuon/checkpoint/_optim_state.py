@@ -26,10 +26,10 @@ from torch.distributed.checkpoint import state_dict as torch_sd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from dmuon._ownership.dedication_state import DedicationState
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.planner import state_dict_name
 from dmuon._ownership.replica_updates import from_stepping_replica
-from dmuon._ownership.state import DedicationState
 from dmuon.checkpoint._dedicated_values import gather_to_owners
 from dmuon.checkpoint._layout import DedicatedLayout
 from dmuon.checkpoint._split_stacks import (

@@ -18,8 +18,8 @@ from dataclasses import replace
 import torch
 
 from dmuon._comm import Communicator
+from dmuon._ownership.dedication_state import DedicationState
 from dmuon._ownership.param import DedicatedParam
-from dmuon._ownership.state import DedicationState
 
 
 def ranges_by_stack(state: DedicationState) -> dict[str, list[DedicatedParam]]:

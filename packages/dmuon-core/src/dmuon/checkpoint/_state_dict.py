@@ -28,7 +28,7 @@ from torch.distributed.checkpoint import state_dict as torch_sd
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.nn.modules.module import _IncompatibleKeys
 
-from dmuon._ownership.state import get_dedication, unwrap
+from dmuon._ownership.dedication_state import get_dedication, unwrap
 from dmuon.checkpoint._model_state import (
     get_dedicated_model_state_dict,
     set_dedicated_model_state_dict,

@@ -43,8 +43,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import dmuon
+from dmuon._ownership.dedication_state import get_dedication, unwrap
 from dmuon._ownership.fsdp_integration import is_dedicated
-from dmuon._ownership.state import get_dedication, unwrap
 
 __all__ = ["CHECKPOINT_FOLDER", "check_supported", "is_prepared", "prepare"]
 

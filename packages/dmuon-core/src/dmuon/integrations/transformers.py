@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions
 from transformers import Trainer, TrainingArguments
 
 import dmuon
-from dmuon._ownership.state import get_dedication
+from dmuon._ownership.dedication_state import get_dedication
 from dmuon.integrations.accelerate import (
     CHECKPOINT_FOLDER,
     _dcp_load,

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
         NonFiniteGradientError,
         adjust_lr_ratio,
     )
-    from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
+    from dmuon.optim._muon_step import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
     from dmuon.optim._normuon import NORMUON_EPS, VARIANTS
     from dmuon.optim._orthogonalize import (
         COEFFICIENT_SETS,
@@ -47,8 +47,8 @@ _EXPORTS = {
     "Muon": "dmuon.optim._muon",
     "NonFiniteGradientError": "dmuon.optim._muon",
     "adjust_lr_ratio": "dmuon.optim._muon",
-    "DEFAULT_MAX_WORKSPACE_BYTES": "dmuon.optim._muon_update",
-    "workspace_nbytes": "dmuon.optim._muon_update",
+    "DEFAULT_MAX_WORKSPACE_BYTES": "dmuon.optim._muon_step",
+    "workspace_nbytes": "dmuon.optim._muon_step",
     "NORMUON_EPS": "dmuon.optim._normuon",
     "VARIANTS": "dmuon.optim._normuon",
     "COEFFICIENT_SETS": "dmuon.optim._orthogonalize",

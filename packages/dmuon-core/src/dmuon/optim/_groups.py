@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from dmuon._ownership.dedication_state import DedicationState
 from dmuon._ownership.fsdp_integration import is_dedicated
 from dmuon._ownership.param import DedicatedParam
-from dmuon._ownership.state import DedicationState
 from dmuon.optim._normuon import check_normuon_layouts
 from dmuon.optim._validation import validate_adamw_group, validate_muon_group
 
@@ -200,7 +200,7 @@ def weight_decay_groups(model: nn.Module) -> list[dict[str, Any]]:
     Args:
         model: the model passed to ``dmuon.dedicate_params`` (or its DDP wrapper).
     """
-    from dmuon._ownership.state import unwrap
+    from dmuon._ownership.dedication_state import unwrap
 
     model = unwrap(model)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}

@@ -34,13 +34,13 @@ import torch
 from torch import Tensor, nn
 
 from dmuon._clip import reduction_groups, total_grad_norm
+from dmuon._ownership.dedication_state import DedicationState, get_dedication
 from dmuon._ownership.fsdp_integration import verify_not_sharded
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.replica_updates import UpdateSlot
-from dmuon._ownership.state import DedicationState, get_dedication
 from dmuon.optim._adamw_step import adamw_step
 from dmuon.optim._groups import build_param_groups, complete_group, route_group
-from dmuon.optim._muon_update import (
+from dmuon.optim._muon_step import (
     DEFAULT_MAX_WORKSPACE_BYTES,
     Workspaces,
     apply_muon_update,

@@ -20,7 +20,7 @@ from dmuon._comm import Communicator
 from dmuon._ownership.gradients import is_absent
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.runtime import DedicationRuntime
-from dmuon.optim._muon_update import owned_gradients
+from dmuon.optim._muon_step import owned_gradients
 from dmuon.optim._tensor_parallel import agree
 
 

@@ -23,10 +23,10 @@ import torch
 from torch import Tensor
 
 from dmuon._comm import Communicator
+from dmuon._ownership.dedication_state import DedicationState
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.split_iterations import SplitBlock
-from dmuon._ownership.state import DedicationState
-from dmuon.optim._muon_update import Piece, Workspaces, step_bucket
+from dmuon.optim._muon_step import Piece, Workspaces, step_bucket
 from dmuon.optim._orthogonalize import CoefficientTriple, NewtonSchulzWorkspace, default_ns_dtype
 from dmuon.optim._split import matrix_pieces
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmuon._ownership.state import DedicationState, get_dedication, unwrap
+from dmuon._ownership.dedication_state import DedicationState, get_dedication, unwrap
 from dmuon._ownership.wrappers import check_wrapped
 from dmuon.optim._normuon import VARIANTS
 from dmuon.optim._orthogonalize import Coefficients, _check_dtype, _is_real, resolve_coefficients

@@ -36,7 +36,7 @@ from torch import nn
 
 from dmuon._ownership.planner import OwnerPlan, SplitStacks
 from dmuon._ownership.selection import plan_selected, select_with_boundaries
-from dmuon.optim._muon_update import DEFAULT_MAX_WORKSPACE_BYTES
+from dmuon.optim._muon_step import DEFAULT_MAX_WORKSPACE_BYTES
 from dmuon.optim._validation import check_max_workspace_bytes
 from dmuon.plan._collectives import (
     boundary_spans,

@@ -11,13 +11,16 @@ torchtitan lays out its trainer, and every piece is importable:
   token cache (`load_corpus`) and `GlobalBatchSampler` (the equivalence rule).
 * `dmuon.train.parallelize` - process group, mesh, dedication, ``fully_shard``, the
   optimizer.
-* `dmuon.train.state` - the trainer's state as ``Stateful`` objects;
-  `dmuon.train.checkpointing` - the checkpoint folders.
+* `dmuon.train.checkpoints` - the trainer's state as ``Stateful`` objects
+  (`stateful`), the checkpoint folders (`folder`) and when to resume and save
+  (`manager`).
+* `dmuon.train.preflight` - every input checked before the process group exists.
 * `run` / `Trainer` - the loop (`dmuon.train.loop`).
 * `parse_args` / `TrainConfig` - flags (`dmuon.train.cli`), defined in the torch-free
   contract module `dmuon_recipe_contract`; the demo's settings are in `dmuon.train.demo`.
-* `MetricsWriter` - the metrics file format (`dmuon.train.metrics`); `log_metrics` writes
-  it from your own script run by the job service (`dmuon.train.user_metrics`).
+* `dmuon.train.reporting` - the metrics file (`MetricsWriter`, in `metrics_file`), the
+  console, the experiment trackers, and `log_metrics`, which writes the metrics file from
+  your own script run by the job service (`user_metrics`).
 """
 
 from typing import TYPE_CHECKING
@@ -28,9 +31,9 @@ if TYPE_CHECKING:
     from dmuon.train.cli import TrainConfig, build_parser, parse_args
     from dmuon.train.data import Corpus, GlobalBatchSampler, load_corpus, validation_windows
     from dmuon.train.loop import Trainer, run
-    from dmuon.train.metrics import REQUIRED_KEYS, MetricsWriter
     from dmuon.train.models import PRESETS, ModelConfig, Transformer, build_model, lm_loss
-    from dmuon.train.user_metrics import log_metrics
+    from dmuon.train.reporting.metrics_file import REQUIRED_KEYS, MetricsWriter
+    from dmuon.train.reporting.user_metrics import log_metrics
 
 #: Each exported name and the module that defines it, imported when first read.
 _EXPORTS = {
@@ -43,14 +46,14 @@ _EXPORTS = {
     "validation_windows": "dmuon.train.data",
     "Trainer": "dmuon.train.loop",
     "run": "dmuon.train.loop",
-    "REQUIRED_KEYS": "dmuon.train.metrics",
-    "MetricsWriter": "dmuon.train.metrics",
+    "REQUIRED_KEYS": "dmuon.train.reporting.metrics_file",
+    "MetricsWriter": "dmuon.train.reporting.metrics_file",
     "PRESETS": "dmuon.train.models",
     "ModelConfig": "dmuon.train.models",
     "Transformer": "dmuon.train.models",
     "build_model": "dmuon.train.models",
     "lm_loss": "dmuon.train.models",
-    "log_metrics": "dmuon.train.user_metrics",
+    "log_metrics": "dmuon.train.reporting.user_metrics",
 }
 
 __all__ = [

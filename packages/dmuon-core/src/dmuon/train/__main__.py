@@ -57,7 +57,7 @@ def _train(config: TrainConfig) -> int:
     """Run the recipe; each failure a user can cause is an exit status and a message."""
     from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-    from dmuon.train.checkpointing import CheckpointWriteError
+    from dmuon.train.checkpoints.folder import CheckpointWriteError
     from dmuon.train.loop import TrainingDiverged, run
 
     try:

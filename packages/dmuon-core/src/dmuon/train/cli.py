@@ -19,7 +19,7 @@ from typing import Any
 from dmuon_recipe_contract import ADAMW_LR, FLAGS, MUON_ONLY_FLAGS, PRESETS, Flag, flag
 
 from dmuon.train import config_file
-from dmuon.train.trackers import resolve_report_to
+from dmuon.train.reporting.trackers import resolve_report_to
 
 __all__ = [
     "ADAMW_LR",
@@ -183,7 +183,7 @@ def _checkpoint_path(option: str, keywords: tuple[str, ...]) -> Callable[[str], 
         if text in keywords:
             return text
         # Here, not at the top: the checkpoint code imports torch, and --help must not.
-        from dmuon.train.checkpointing import CheckpointError, require_checkpoint
+        from dmuon.train.checkpoints.folder import CheckpointError, require_checkpoint
 
         try:
             require_checkpoint(text, option)

@@ -3,16 +3,16 @@
 The pieces live apart, as in torchtitan: the model builders in `dmuon.train.models`
 (presets and Hugging Face directories), the data in `dmuon.train.data`, process group,
 mesh, dedication, ``fully_shard`` and the optimizer in `dmuon.train.parallelize`, the
-trainer's state as ``Stateful`` objects in `dmuon.train.state`, checkpoint folders in
-`dmuon.train.checkpointing` (folders) and `dmuon.train.checkpoint_manager` (resume, save,
-export), the checked inputs in `dmuon.train.setup`, reporting in `dmuon.train.reporting`
-and `dmuon.train.trackers`, samples in `dmuon.train.samples`. One code path serves one
+checked inputs in `dmuon.train.preflight`, threads and peak memory in
+`dmuon.train.hardware`, the steps in `dmuon.train.steps`, checkpoints in
+`dmuon.train.checkpoints` (what, where, when), everything reported in
+`dmuon.train.reporting`, samples in `dmuon.train.samples`. One code path serves one
 process (no process group, ``dedicate_params(model, None)``) and ``torchrun`` (gloo on
 CPU, NCCL on CUDA).
 
 Every input a user can get wrong (the model directory, the tokenizer, the data, the
 export folder) is checked before the process group exists and before any file is
-written (`dmuon.train.setup.preflight`). The corpus is tokenized by local rank 0 of each
+written (`dmuon.train.preflight.preflight`). The corpus is tokenized by local rank 0 of each
 node while the other ranks wait for its cache.
 
 Gradient accumulation follows the gradient-accumulation guide: the loss of each
@@ -41,14 +41,15 @@ import torch.distributed as dist
 from torch import nn
 
 from dmuon._teardown import before_interpreter_exit
-from dmuon.train import checkpointing
-from dmuon.train.checkpoint_manager import CheckpointManager
+from dmuon.train.checkpoints import folder as checkpoint_folder
+from dmuon.train.checkpoints.manager import CheckpointManager
+from dmuon.train.checkpoints.stateful import TrainState
 from dmuon.train.cli import TrainConfig, parse_args
 from dmuon.train.data import (
     GlobalBatchSampler,
     validation_windows,
 )
-from dmuon.train.metrics import ProgressReporter, format_summary, truncate_after
+from dmuon.train.hardware import DTYPES, KNOWN_PEAK_TFLOPS, configure_threads
 from dmuon.train.models import BuiltModel, build
 from dmuon.train.parallelize import (
     build_mesh,
@@ -58,21 +59,13 @@ from dmuon.train.parallelize import (
     init_distributed,
     parallelize,
 )
+from dmuon.train.preflight import Inputs, preflight
 from dmuon.train.profiling import StepProfiler
-from dmuon.train.reporting import DEFAULT_TRACKING_DIR, Reporting
-from dmuon.train.schedules import lr_factor
-from dmuon.train.setup import (
-    DTYPES,
-    KNOWN_PEAK_TFLOPS,
-    Inputs,
-    StepFailed,
-    TrainingDiverged,
-    configure_threads,
-    lr_lambda,
-    preflight,
-)
-from dmuon.train.state import TrainState
-from dmuon.train.steps import TrainingSteps
+from dmuon.train.reporting.console import ProgressReporter, format_summary
+from dmuon.train.reporting.metrics_file import truncate_after
+from dmuon.train.reporting.reporters import DEFAULT_TRACKING_DIR, Reporting
+from dmuon.train.schedules import lr_factor, lr_lambda
+from dmuon.train.steps import StepFailed, TrainingDiverged, TrainingSteps
 from dmuon.train.stopping import StopRequest
 
 __all__ = [
@@ -459,7 +452,7 @@ class Trainer(TrainingSteps):
                 run.checkpoint = self._guarded(
                     f"the checkpoint of step {step}", self.save_checkpoint, step, elapsed()
                 )
-            except checkpointing.CheckpointWriteError as error:
+            except checkpoint_folder.CheckpointWriteError as error:
                 writer.write(
                     {
                         contract.EVENT_KEY: contract.CHECKPOINT_FAILED_EVENT,

@@ -50,3 +50,9 @@ def lr_factor(
         return 1.0 - (1.0 - min_ratio) * t
 
     return factor
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_ratio: float) -> Callable[[int], float]:
+    """Multiplier for ``LambdaLR``: linear warmup, then cosine decay to ``min_ratio`` (the
+    default ``--lr-schedule``; see `dmuon.train.schedules`)."""
+    return lr_factor("cosine", warmup_steps, total_steps, min_ratio)

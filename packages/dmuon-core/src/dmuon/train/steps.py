@@ -22,14 +22,31 @@ import torch
 import torch.distributed as dist
 
 import dmuon
+from dmuon.train.hardware import peak_memory_bytes
 from dmuon.train.models import lm_loss
 from dmuon.train.profiling import phase
 from dmuon.train.samples import greedy_continuation, prompt_ids
-from dmuon.train.setup import StepFailed, TrainingDiverged, peak_memory_bytes
 
-__all__ = ["TrainingSteps"]
+__all__ = ["StepFailed", "TrainingDiverged", "TrainingSteps"]
 
 T = TypeVar("T")
+
+
+class StepFailed(RuntimeError):
+    """A step of training failed on this rank: the optimizer step, or the evaluation,
+    sample, checkpoint or export that follows it (a collective that timed out, say). The
+    message names which, the step and the rank."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became NaN or infinite; training stopped."""
+
+    def __init__(self, step: int, what: str, value: float) -> None:
+        super().__init__(
+            f"training diverged at step {step}: the {what} is {value}. Lower --lr / "
+            "--adamw-lr, raise --warmup-steps, or resume from an earlier checkpoint."
+        )
+        self.step = step
 
 
 class TrainingSteps:

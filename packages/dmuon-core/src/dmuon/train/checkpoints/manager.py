@@ -5,7 +5,7 @@ from the latest verified checkpoint of ``--checkpoint-dir`` (damaged ones report
 passed over), from ``--resume PATH``, or takes ``--init-from``'s weights; it refuses a
 checkpoint written by another model, optimizer or variant, or past ``--steps``; it saves
 the model, optimizer, scheduler, `TrainState` and RNG states with the HF snapshot
-(`dmuon.train.checkpointing` writes the folders); and it exports the model as a Hugging
+(`dmuon.train.checkpoints.folder` writes the folders); and it exports the model as a Hugging
 Face directory. Every method that moves weights is a collective.
 """
 
@@ -22,8 +22,9 @@ import dmuon_recipe_contract as contract
 import torch.distributed as dist
 
 import dmuon
-from dmuon.train import checkpointing, config_file
-from dmuon.train.state import ModelState, OptimizerState, RNGState, TrainState
+from dmuon.train import config_file
+from dmuon.train.checkpoints import folder as checkpoint_folder
+from dmuon.train.checkpoints.stateful import ModelState, OptimizerState, RNGState, TrainState
 
 __all__ = ["CheckpointManager"]
 
@@ -52,13 +53,13 @@ class CheckpointManager:
         """Resume from a checkpoint or take initial weights, as the flags say."""
         cfg = self.trainer.config
         if cfg.checkpoint_dir is not None and self.trainer.rank == 0:
-            checkpointing.remove_incomplete(cfg.checkpoint_dir)  # saves cut short
+            checkpoint_folder.remove_incomplete(cfg.checkpoint_dir)  # saves cut short
         if cfg.resume == "never":
             target = None
         elif cfg.resume == "auto":
             target = self._latest_verified() if cfg.checkpoint_dir is not None else None
         else:
-            target = checkpointing.require_checkpoint(cfg.resume, "--resume")
+            target = checkpoint_folder.require_checkpoint(cfg.resume, "--resume")
         if target is not None and cfg.init_from is not None:
             raise ValueError(
                 f"--init-from {cfg.init_from} was given, but --resume {cfg.resume} found "
@@ -69,7 +70,7 @@ class CheckpointManager:
             self._resume(target)
             return
         if cfg.init_from is not None:
-            checkpointing.load_checkpoint(
+            checkpoint_folder.load_checkpoint(
                 cfg.init_from, distributed={"model": ModelState(self.trainer.model)}
             )
 
@@ -91,7 +92,8 @@ class CheckpointManager:
                     }
                 )
 
-            found[0] = checkpointing.latest_checkpoint(self.trainer.config.checkpoint_dir, damaged)
+            folder = self.trainer.config.checkpoint_dir
+            found[0] = checkpoint_folder.latest_checkpoint(folder, damaged)
         if self.trainer.distributed:
             # not audited: rank 0's choice of checkpoint, a path, not a tensor of the model
             dist.broadcast_object_list(found, src=0)
@@ -100,7 +102,7 @@ class CheckpointManager:
     def _resume(self, path: Path) -> None:
         cfg = self.trainer.config
         saved = TrainState()
-        saved.load_state_dict(checkpointing.read_trainer_state(path)["train"])
+        saved.load_state_dict(checkpoint_folder.read_trainer_state(path)["train"])
         checks = (("model", "--model"), ("optimizer", "--optimizer"))
         if cfg.optimizer == "dmuon":
             checks += (("muon_variant", "--muon-variant"),)
@@ -118,7 +120,7 @@ class CheckpointManager:
             )
         geometry = (saved.global_batch_size, saved.seq_len)
         states = self.states()
-        checkpointing.load_checkpoint(path, **states, rank=self.trainer.rank)
+        checkpoint_folder.load_checkpoint(path, **states, rank=self.trainer.rank)
         self.trainer.start_step = self.trainer.train_state.step
         self.trainer.resumed_from = path
         self.trainer._resumed_geometry = geometry
@@ -173,7 +175,7 @@ class CheckpointManager:
             raise ValueError("save needs --checkpoint-dir")
         self.trainer.train_state.step = step
         self.trainer.train_state.time = elapsed
-        return checkpointing.save_checkpoint(
+        return checkpoint_folder.save_checkpoint(
             cfg.checkpoint_dir,
             step,
             **self.states(),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from dmuon._ownership.state import require_dedication
+from dmuon._ownership.dedication_state import require_dedication
 
 
 def parameters_updated(model: nn.Module) -> None:

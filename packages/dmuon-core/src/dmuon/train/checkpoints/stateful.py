@@ -1,7 +1,7 @@
 """The trainer's state as ``torch.distributed.checkpoint.stateful.Stateful`` objects.
 
 A checkpoint is the ``state_dict()`` of each of these, and resuming is their
-``load_state_dict()``; `dmuon.train.checkpointing` decides where each one is stored:
+``load_state_dict()``; `dmuon.train.checkpoints.folder` decides where each one is stored:
 
 * `ModelState` and `OptimizerState` go through DCP (every rank writes its part; any world
   size reads them back), with `dmuon.get_model_state_dict` / `dmuon.get_optimizer_state_dict`

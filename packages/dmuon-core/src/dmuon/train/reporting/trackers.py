@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import dmuon_recipe_contract as contract
 
-from dmuon.train.metrics import point_step
+from dmuon.train.reporting.metrics_file import point_step
 
 __all__ = [
     "EXTRA",

@@ -4,7 +4,7 @@ behind one object.
 `Reporting` takes each metrics line (``write``), text such as samples (``text``) and the
 exported model folder (``artifact``) and hands them to every reporter: the metrics file
 (`MetricsWriter`), the progress display (`ProgressReporter`) and every tracker of
-``--report-to`` (`dmuon.train.trackers`), each of which implements ``write(record)``
+``--report-to`` (`dmuon.train.reporting.trackers`), each of which implements ``write(record)``
 (trackers also ``text`` and ``artifact``). Only rank 0 has trackers. A tracker that fails
 to start or later (a tracking server that went away) is reported once on stderr and
 dropped, so that a tracking problem never ends the training run (nor leaves the other
@@ -22,8 +22,9 @@ from typing import Any
 
 from dmuon.train import config_file
 from dmuon.train.cli import TrainConfig
-from dmuon.train.metrics import MetricsWriter, ProgressReporter
-from dmuon.train.trackers import Tracker, open_trackers, resolve_report_to
+from dmuon.train.reporting.console import ProgressReporter
+from dmuon.train.reporting.metrics_file import MetricsWriter
+from dmuon.train.reporting.trackers import Tracker, open_trackers, resolve_report_to
 
 __all__ = ["DEFAULT_TRACKING_DIR", "Reporting", "default_run_name"]
 

@@ -2,7 +2,7 @@
 
 Under ``dmuon-server`` every process of a job finds ``DMUON_METRICS_FILE`` in its
 environment; rank 0 appends one JSON line per call, in the format of the recipe's own
-metrics file (:mod:`dmuon.train.metrics`), which is what the service streams to its
+metrics file (:mod:`dmuon.train.reporting.metrics_file`), which is what the service streams to its
 clients and draws in its dashboard. Outside the service (no ``DMUON_METRICS_FILE``), and
 on every rank but 0, a call does nothing.
 """
@@ -13,7 +13,7 @@ import os
 from numbers import Real
 from typing import Any
 
-from dmuon.train.metrics import MetricsWriter
+from dmuon.train.reporting.metrics_file import MetricsWriter
 
 __all__ = ["METRICS_FILE_ENV", "log_metrics"]
 
