@@ -4,7 +4,7 @@ The pieces live apart, as in torchtitan: the model builders in `dmuon.train.mode
 (presets and Hugging Face directories), the data in `dmuon.train.data`, process group,
 mesh, dedication, ``fully_shard`` and the optimizer in `dmuon.train.parallelize`, the
 checked inputs in `dmuon.train.preflight`, threads and peak memory in
-`dmuon.train.hardware`, the steps in `dmuon.train.steps`, checkpoints in
+`dmuon.train.machine`, the steps in `dmuon.train.steps`, checkpoints in
 `dmuon.train.checkpoints` (what, where, when), everything reported in
 `dmuon.train.reporting`, samples in `dmuon.train.samples`. One code path serves one
 process (no process group, ``dedicate_params(model, None)``) and ``torchrun`` (gloo on
@@ -49,7 +49,7 @@ from dmuon.train.data import (
     GlobalBatchSampler,
     validation_windows,
 )
-from dmuon.train.hardware import DTYPES, KNOWN_PEAK_TFLOPS, configure_threads
+from dmuon.train.machine import DTYPES, KNOWN_PEAK_TFLOPS, configure_threads
 from dmuon.train.models import BuiltModel, build
 from dmuon.train.parallelize import (
     build_mesh,

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import dmuon
-from dmuon.train.hardware import peak_memory_bytes
+from dmuon.train.machine import peak_memory_bytes
 from dmuon.train.models import lm_loss
 from dmuon.train.profiling import phase
 from dmuon.train.samples import greedy_continuation, prompt_ids

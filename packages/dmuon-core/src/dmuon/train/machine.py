@@ -1,4 +1,4 @@
-"""What the recipe reads from and sets on this process's hardware: CPU threads, the
+"""What the recipe reads from and sets on the machine it runs on: CPU threads, the
 dtype names of its flags, known peak FLOP/s (for ``mfu``) and the peak memory so far."""
 
 from __future__ import annotations
