@@ -164,10 +164,22 @@ def test_llama_3_70b_on_1024_gpus_lists_the_layouts_left_out(
     ]  # fmt: skip
     assert main(argv) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["planned"] <= 3 * 2 * len(layouts(1024))
+    assert result["planned"] <= 4 * 2 * len(layouts(1024))
     assert len(result["choices"]) + len(result["rejected"]) == 2 * len(layouts(1024))
     left = {r["layout"]: r["reason"] for r in result["rejected"]}
     assert "1-D, Z2" in left and "does not fit by" in left["1-D, Z2"]
+    # 1-D Z3: dmuon.no_sync's accumulator holds every dedicated gradient on every rank, so
+    # no number of micro-batches fits under it; each micro-batch reduced fits.
+    one_d = next(c for c in result["choices"] if c["shard_size"] == 1024 and c["mode"] == "z3")
+    assert not one_d["no_sync"] and one_d["accum"] > 1
+    assert one_d["layout"] == f"1-D, Z3, {one_d['accum']} micro-batches, each reduced (no no_sync)"
+    model, active = _model("llama-3-70b")
+    common = {"tokens_per_step": 16_000_000, "mode": "z3", "active_parameters": active}
+    for accum in (2, 64):
+        under_no_sync = plan_cluster(model, 1024, accum=accum, no_sync=True, **common)
+        assert not under_no_sync.fits, accum
+    fewer = plan_cluster(model, 1024, accum=one_d["accum"] // 2, **common)
+    assert plan_cluster(model, 1024, accum=one_d["accum"], **common).fits and not fewer.fits
     for choice in result["choices"]:
         assert choice["micro_batch_tokens"] == 16_000_000 / 1024 / choice["accum"]
         assert choice["headroom_bytes"] == 80 * GIB - choice["memory_bytes"]

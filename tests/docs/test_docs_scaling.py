@@ -235,3 +235,7 @@ def test_the_recommend_figures_are_the_planners() -> None:
     assert len(fit) + len(left) == count
     assert f"plans its {count} layouts in {planned} plans and lists the {len(left)}" in en
     assert f"{count} 种布局共做 {planned} 次规划，并列出放不下的 {len(left)} 种" in zh
+    one_d = next(c for c in fit if c.plan.replicas == 1 and c.plan.mode == "z3")
+    assert not one_d.plan.no_sync
+    assert f"fits with each of its {one_d.plan.accum} micro-batches reduced" in en
+    assert f"在 {one_d.plan.accum} 个微批次都各自归约时放得下" in zh

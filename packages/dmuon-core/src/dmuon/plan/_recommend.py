@@ -4,7 +4,8 @@ For a world of GPUs and a number of tokens per step, every layout DMuon can run 
 planned: a 1-D mesh and HSDP with shard groups of 8 GPUs or more (the size of a node and
 up), Z2 and Z3, and the fewest micro-batches per step (1, 2, 4, ... 64) with which its
 fullest rank fits the accelerator's memory (`dmuon.plan._memory`; accumulation under
-``dmuon.no_sync``, with ``scope="replicas"`` under HSDP). Those that fit are ranked by
+``dmuon.no_sync``, with ``scope="replicas"`` under HSDP, or, where no number of
+micro-batches fits under it, with each micro-batch reduced). Those that fit are ranked by
 step time (forward+backward and what is exposed, `ClusterPlan.step_overhead`); those
 within `WITHIN` of the fastest are ranked by memory headroom instead, since the model
 cannot tell them apart. Each says why, beside FSDP2 + AdamW's step and memory on the same
@@ -13,7 +14,8 @@ layout. Every layout left out is listed with its reason.
 Memory does not depend on the number of micro-batches beyond whether there are several
 (the ``no_sync`` accumulator), except for the activations of one micro-batch: a layout
 is planned with 1 and 2 micro-batches, and the fewest that fit beyond are found from the
-second plan's memory (`dataclasses.replace` of its ``accum``) and then planned.
+second plan's memory (`dataclasses.replace` of its ``accum``) and then planned; the same
+again with each micro-batch reduced where ``no_sync`` fits with none.
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ WITHIN = 0.01
 
 def _mesh(shard: int, world: int) -> str:
     return "1-D" if shard == world else f"HSDP {world // shard} x {shard}"
+
+
+def accumulation(plan: ClusterPlan, tokens: str = "") -> str:
+    """A plan's micro-batches in words (``tokens`` after their count), and how their
+    gradients travel."""
+    count = f"{plan.accum} micro-batches" if plan.accum > 1 else "1 micro-batch"
+    if plan.accum == 1:
+        how = ""
+    elif not plan.no_sync:
+        how = ", each reduced (no no_sync)"
+    elif plan.no_sync_scope == "replicas":
+        how = ' under no_sync(scope="replicas")'
+    else:
+        how = " under no_sync"
+    return f"{count}{tokens}{how}"
 
 
 @dataclass(frozen=True)
@@ -65,10 +82,7 @@ class Choice:
         """The layout in words: mesh, mode, micro-batches."""
         p = self.plan
         mesh = _mesh(p.shard_size, p.replicas * p.shard_size)
-        accum = f"{p.accum} micro-batches" if p.accum > 1 else "1 micro-batch"
-        scope = ' under no_sync(scope="replicas")' if p.no_sync_scope == "replicas" else ""
-        scope = scope or (" under no_sync" if p.no_sync and p.accum > 1 else "")
-        return f"{mesh}, {p.mode.upper()}, {accum}{scope}"
+        return f"{mesh}, {p.mode.upper()}, {accumulation(p)}"
 
     @property
     def why(self) -> str:
@@ -164,42 +178,50 @@ def _fewest_micro_batches(
     common: dict[str, object],
 ) -> tuple[Choice | Rejected, int]:
     """The layout with the fewest micro-batches that fits, or why none does; and how many
-    plans it took."""
+    plans it took.
 
-    def make(accum: int) -> ClusterPlan:
-        scope = "replicas" if accum > 1 and shard < world else "all"
+    Micro-batches accumulate under ``dmuon.no_sync`` first; where no number of them fits
+    (its accumulator holds every dedicated gradient on a 1-D mesh), with each micro-batch
+    reduced to the owners instead, which holds no accumulator and sends more."""
+
+    def make(accum: int, no_sync: bool) -> ClusterPlan:
+        no_sync = no_sync and accum > 1
+        scope = "replicas" if no_sync and shard < world else "all"
         return plan(
             model,
             world,
             shard,
             mode=mode,
             accum=accum,
-            no_sync=accum > 1,
+            no_sync=no_sync,
             no_sync_scope=scope,
             **common,
         )
 
-    single = make(1)
+    single = make(1, no_sync=False)
     if single.fits:
         return Choice(single), 1
-    several = make(2)
-    if several.fits:
-        return Choice(several), 2
-    for accum in ACCUMULATIONS[2:]:
-        if dataclasses.replace(several, accum=accum).fits:
-            return Choice(make(accum)), 3
-    tried = [single] + [dataclasses.replace(several, accum=a) for a in ACCUMULATIONS[1:]]
+    tried = [single]
+    made = 1
+    for no_sync in (True, False):
+        several = make(2, no_sync)
+        made += 1
+        if several.fits:
+            return Choice(several), made
+        # Memory depends on the micro-batches only through one micro-batch's activations.
+        for accum in ACCUMULATIONS[2:]:
+            if dataclasses.replace(several, accum=accum).fits:
+                return Choice(make(accum, no_sync)), made + 1
+        tried += [dataclasses.replace(several, accum=a) for a in ACCUMULATIONS[1:]]
     best = min(tried, key=lambda p: p.memory_bytes)
     short = (best.memory_bytes - best.hardware.memory_gib * GIB) / GIB
-    more = ""
-    if best.accum < ACCUMULATIONS[-1]:
-        more = "; more micro-batches add the no_sync accumulator, or save less than it holds"
     return (
         Rejected(
             f"{_mesh(shard, world)}, {mode.upper()}",
-            f"does not fit by {short:.1f} GiB at best: {best.accum} micro-batch(es) of "
-            f"{Choice(best).micro_batch_tokens:,.0f} tokens per rank, fullest rank "
-            f"{best.memory_bytes / GIB:.1f} of {best.hardware.memory_gib:g} GiB{more}",
+            f"does not fit by {short:.1f} GiB at best: "
+            f"{accumulation(best, f' of {Choice(best).micro_batch_tokens:,.0f} tokens per rank')}"
+            f", fullest rank "
+            f"{best.memory_bytes / GIB:.1f} of {best.hardware.memory_gib:g} GiB",
         ),
-        2,
+        made,
     )
