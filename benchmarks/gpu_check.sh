@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One GPU machine, under 8 minutes: every test marked `cuda` (tests/core: test_cuda.py,
 # test_comm_pieces.py, test_integrations_cuda.py, test_torchtitan_cuda.py), a short
-# CUDA/NCCL side-by-side benchmark (`small` and `base`) and the optimizer step alone on the
-# GPU.
+# CUDA/NCCL side-by-side benchmark (`small` and `base`), the optimizer step alone on the
+# GPU, and a dedicated model's forward+backward against the plain model's in one process.
 #
 #   bash benchmarks/gpu_check.sh
 #
 # Results: benchmarks/results/cuda-small-nN.json, cuda-base-nN.json,
-# optimizer_step_cuda.json, cuda-tests.log (the CUDA tests' pytest output) and gpu-check.json
+# optimizer_step_cuda.json, one_process_overhead_cuda.json, cuda-tests.log (the CUDA tests' pytest output) and gpu-check.json
 # (each stage's exit status and seconds, and the whole run's) (N = GPUs used, at most 2);
 # each stage's output also goes to
 # $LOG_DIR (default benchmarks/results/gpu-logs). PY picks the interpreter (default
@@ -54,12 +54,14 @@ NPROC=$("$PY" -c "import torch; print(min(2, torch.cuda.device_count()))")
 
 stage tests 150 "$PY" -m pytest tests/core -m cuda -q -p no:cacheprovider -rs
 cp "$LOG_DIR/tests.log" benchmarks/results/cuda-tests.log  # the docs cite its summary line
-stage bench-small 140 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model small \
+stage bench-small 130 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model small \
     --accum 1 4 8 --steps 5 --save-partial --name "cuda-small-n$NPROC"
 stage bench-base 100 "$PY" benchmarks/bench.py --cuda --nproc "$NPROC" --model base \
     --accum 1 8 --steps 5 --save-partial --name "cuda-base-n$NPROC"
 stage optimizer-step 60 "$PY" benchmarks/optimizer_step.py --device cuda --model small,base \
     --rounds 20 --warmup 3 --json benchmarks/results/optimizer_step_cuda.json
+stage one-process 40 "$PY" benchmarks/one_process_overhead.py --device cuda --model base \
+    --accum 4 --rounds 10 --out benchmarks/results/one_process_overhead_cuda.json
 
 printf '%s\n' "${stages[@]}" | "$PY" -c '
 import json, sys

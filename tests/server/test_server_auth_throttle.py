@@ -26,6 +26,7 @@ def test_a_burst_of_wrong_tokens_gets_429_and_the_right_token_still_passes(
         with server.client() as c:
             codes = []
             right = []
+            started_burst = time.perf_counter()
             for i in range(200):
                 r = c.get("/v1/jobs", headers={"Authorization": f"Bearer wrong-{i}"})
                 codes.append((r.status_code, r.headers.get("retry-after")))
@@ -33,7 +34,13 @@ def test_a_burst_of_wrong_tokens_gets_429_and_the_right_token_still_passes(
                     started = time.perf_counter()
                     ok = c.get("/v1/jobs", headers={"Authorization": f"Bearer {TOKEN}"})
                     right.append((ok.status_code, time.perf_counter() - started))
-            throttled = c.get("/v1/me", headers={"Authorization": "Bearer wrong"})
+            burst_seconds = time.perf_counter() - started_burst
+            # The bucket refills one failure a second: on a loaded machine a refill may
+            # land first, which this failure spends; the next one is refused.
+            for _ in range(5):
+                throttled = c.get("/v1/me", headers={"Authorization": "Bearer wrong"})
+                if throttled.status_code == 429:
+                    break
             assert throttled.status_code == 429
             problem = throttled.json()
             wait = int(throttled.headers["retry-after"])
@@ -43,8 +50,8 @@ def test_a_burst_of_wrong_tokens_gets_429_and_the_right_token_still_passes(
     finally:
         server.stop()
     statuses = [code for code, _ in codes]
-    # 20 at once, then about one a second: the 200 took a few seconds at most.
-    assert 20 <= statuses.count(401) <= 20 + 10, statuses
+    # 20 at once, then one a second for as long as the 200 took.
+    assert 20 <= statuses.count(401) <= 20 + int(burst_seconds) + 1, (statuses, burst_seconds)
     assert statuses[:20] == [401] * 20
     assert statuses.count(429) == 200 - statuses.count(401)
     assert all(after == "1" for code, after in codes if code == 429)

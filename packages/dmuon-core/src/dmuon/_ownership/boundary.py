@@ -11,6 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from dmuon._ownership import gradients
 from dmuon._ownership.flat_buffer import FlatBuffer
 from dmuon._ownership.fsdp_integration import is_fsdp_module
 
@@ -120,6 +121,15 @@ class Boundary:
                 self._hooked.add(id(leaf))
                 leaf.register_post_accumulate_grad_hook(lambda _t, fqn=fqn: on_grad(fqn))
         return needs
+
+    def fold_into_total(self, fqn: str) -> None:
+        """Add view ``fqn``'s fresh gradient to its holder's ``no_sync`` total at once and
+        drop it, as torch accumulates ``.grad`` in place: the boundary's gradients are
+        then not all alive beside their totals until its backward ends."""
+        for view in self.buffer.views:
+            if view.name == fqn:
+                gradients.fold_into_total(view.holder, view.leaf)
+                return
 
     def register_views(self) -> None:
         """Put the full-matrix views on their modules (forward and recomputation use them)."""

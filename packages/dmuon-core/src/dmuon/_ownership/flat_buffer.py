@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from dmuon._comm import Communicator, Pending
-from dmuon._ownership import aliasing, gradients
+from dmuon._ownership import aliasing, gradients, one_process_reduce
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.tp_integration import local_grad
 
@@ -383,9 +383,14 @@ class FlatBuffer:
         the collectives are the same on every rank whatever the data.
         """
         live = self._live_entries()
+        grads = self._take_local_grads()
+        if self.comm.total_ranks == 1 and one_process_reduce.applies(self, grads):
+            one_process_reduce.take_as_averages(self, live, grads)
+            self.reduce_state = ReduceState.IDLE
+            return
         packed_numel = self._packed_spans[-1][1] if self._packed_spans else 0
         flat = torch.empty(packed_numel, dtype=self.reduce_dtype, device=self.buffer.device)
-        for view, grad in zip(self.views, self._take_local_grads(), strict=True):
+        for view, grad in zip(self.views, grads, strict=True):
             acc = gradients.take_accumulated(view.holder)
             gradients.mark(view.holder)
             if view.entries[0] not in live:

@@ -226,6 +226,20 @@ def accumulate(holder: nn.Parameter, grad: torch.Tensor) -> None:
     _mark(holder, holder)
 
 
+def fold_into_total(holder: nn.Parameter, leaf: nn.Parameter) -> None:
+    """Add ``leaf.grad`` to ``holder``'s ``no_sync`` total now and drop it, where a total
+    exists and the gradient is a plain tensor of its dtype and shape (a DTensor's waits
+    for its boundary). The reduce or the next accumulation then finds the sum alone."""
+    acc = accumulated(holder)
+    grad = leaf.grad
+    if acc is None or grad is None or type(grad) is not torch.Tensor:
+        return
+    if grad.dtype != acc.dtype or grad.shape != acc.shape:
+        return
+    acc.add_(grad.detach())
+    leaf.grad = None
+
+
 def mark(holder: nn.Parameter) -> None:
     """Put the marker on ``holder.grad``: a backward produced gradients for it, wherever
     they are kept (on every rank, so that every rank sees the same ``.grad``)."""

@@ -314,8 +314,11 @@ class DedicationRuntime:
         # Only a guard: a gradient that arrives when its boundary expects none (already
         # reduced in this backward, or a forward the hooks did not see, such as a reentrant
         # activation checkpoint) cannot be reduced without breaking the other ranks' schedule.
-        if not self.boundaries[index].awaits_backward:
+        boundary = self.boundaries[index]
+        if not boundary.awaits_backward:
             self._late_grads.append(fqn)
+        else:
+            boundary.fold_into_total(fqn)
 
     def _inputs_grad_done(self, index: int, ticket: int) -> None:
         self._queue_final_callback()
