@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -140,3 +141,65 @@ def test_one_process_peaks_at_torch_muon_plus_its_workspace(accum: int) -> None:
     assert 0 < workspace <= cap
     for step, (ours, theirs) in enumerate(zip(dmuon_peaks, torch_peaks, strict=True)):
         assert ours <= theirs + workspace + scalars, (step, ours - theirs, workspace)
+
+
+def _step_transients(rank: int, world: int, cap: int) -> dict[str, Any]:
+    """On one rank of FSDP2 + DMuon (Z3, 2 micro-batches under no_sync), each step's
+    transient: the peak inside ``optimizer.step()`` above what is alive both before and
+    after it (new state such as the momenta is kept, not transient)."""
+    from tiny_llama import TinyLlama
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import dmuon
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        torch.manual_seed(0)
+        model = TinyLlama(vocab=256, dim=128, heads=4, hidden=512, n_layers=4)
+        mesh = init_device_mesh("cpu", (world,))
+        dmuon.dedicate_params(model, mesh)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = dmuon.Muon(model, lr=0.02, weight_decay=0.01, max_workspace_bytes=cap)
+        generator = torch.Generator().manual_seed(rank)
+        for step in range(3):
+            for micro in range(2):
+                tokens = torch.randint(0, 256, (2, 33), generator=generator)
+                with dmuon.no_sync(model) if micro == 0 else nullcontext():
+                    (model(tokens[:, :-1], tokens[:, 1:]) / 2).backward()
+            with record_function(f"optimizer step {step}"):
+                optimizer.step()
+            optimizer.zero_grad()
+    events = prof.profiler.kineto_results.events()
+    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    transients = []
+    for step in range(3):
+        span = next(e for e in events if e.name() == f"optimizer step {step}")
+        before = sum(n for when, n in memory if when < span.start_ns())
+        live = peak = before
+        for when, nbytes in memory:
+            if span.start_ns() <= when <= span.end_ns():
+                live += nbytes
+                peak = max(peak, live)
+        transients.append(peak - max(before, live))
+    return {"transients": transients, "workspace": optimizer.workspace_bytes()}
+
+
+def test_the_busiest_ranks_step_transient_stays_within_its_workspace() -> None:
+    """Issue 57's bound on 2 gloo ranks (FSDP2 + DMuon, Z3, accumulation under
+    ``no_sync``): what a rank allocates during ``optimizer.step()`` and frees before it
+    ends is at most the Newton-Schulz workspace it keeps (at most ``max_workspace_bytes``)
+    plus its one-element step scalars, on every rank and at every step, the first
+    included. Oracle: each rank's allocator events."""
+    from dist_harness import spawn_ranks
+
+    cap = 4 << 20
+    scalars = 4096
+    results = spawn_ranks(2, _step_transients, cap)
+    for rank, result in enumerate(results):
+        assert result["workspace"] <= cap
+        for step, transient in enumerate(result["transients"]):
+            assert transient <= result["workspace"] + scalars, (rank, step, transient, result)
+    assert max(max(r["transients"]) for r in results) > 0  # the measurement sees the step
