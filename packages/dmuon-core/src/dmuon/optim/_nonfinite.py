@@ -86,10 +86,13 @@ def agree_on_nonfinite(bad: list[str], comm: Communicator, groups: list[dist.Pro
     Raises:
         NonFiniteGradientError: some rank found one; nothing was changed on any rank.
     """
-    found = torch.tensor([float(len(bad))], device=comm.device)
-    for group in groups:
-        comm.all_reduce_control(found, dist.ReduceOp.MAX, group)
-    if bad or found.item() > 0:
+    anywhere = bool(bad)
+    if groups:  # alone, this rank's own finding is everyone's: no tensor, no host sync
+        found = torch.tensor([float(len(bad))], device=comm.device)
+        for group in groups:
+            comm.all_reduce_control(found, dist.ReduceOp.MAX, group)
+        anywhere = anywhere or found.item() > 0
+    if anywhere:
         if bad:
             more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
             which = f"the gradients of {bad[:5]}{more} hold"
