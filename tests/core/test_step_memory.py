@@ -246,3 +246,56 @@ def test_one_process_reads_the_device_once_per_step(monkeypatch: pytest.MonkeyPa
             optimizer.step()
         optimizer.zero_grad()
         assert len(reads) == 1, (step, reads)
+
+
+def _trained_with_and_without_folding(rank: int, world: int) -> dict[str, bool]:
+    """FSDP2 + DMuon (Z3) trained 2 steps of 3 micro-batches under ``no_sync``, with each
+    gradient folded into its total as it arrives and with folding switched off, per
+    compute dtype: whether every parameter came out with the same bits."""
+    from tiny_llama import TinyLlama
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import dmuon
+    from dmuon._ownership import gradients
+
+    folding = gradients.fold_into_total
+    same = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        trained = []
+        for fold in (folding, lambda holder, leaf: None):
+            gradients.fold_into_total = fold
+            torch.manual_seed(0)
+            model = TinyLlama(vocab=64, dim=32, hidden=64, n_layers=2)
+            mesh = init_device_mesh("cpu", (world,))
+            dmuon.dedicate_params(model, mesh)
+            policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            for layer in model.layers:
+                fully_shard(layer, mesh=mesh, mp_policy=policy)
+            fully_shard(model, mesh=mesh, mp_policy=policy)
+            optimizer = dmuon.Muon(model, lr=0.02)
+            generator = torch.Generator().manual_seed(rank)
+            for _ in range(2):
+                for micro in range(3):
+                    tokens = torch.randint(0, 64, (2, 9), generator=generator)
+                    with dmuon.no_sync(model) if micro < 2 else nullcontext():
+                        (model(tokens[:, :-1], tokens[:, 1:]) / 3).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            state = dmuon.get_model_state_dict(model)
+            trained.append(
+                {k: getattr(v, "full_tensor", lambda v=v: v)() for k, v in state.items()}
+            )
+        gradients.fold_into_total = folding
+        same[str(dtype)] = all(torch.equal(trained[0][k], trained[1][k]) for k in trained[0])
+    return same
+
+
+def test_folding_gradients_into_their_totals_changes_no_bit() -> None:
+    """Adding each fresh gradient into its ``no_sync`` total as it arrives (to save memory)
+    sums what the boundary's reduce summed before: on 2 gloo ranks, float32 and bfloat16
+    compute, every parameter has the same bits with folding on and off."""
+    from dist_harness import spawn_ranks
+
+    for rank, same in enumerate(spawn_ranks(2, _trained_with_and_without_folding)):
+        assert same == {"torch.float32": True, "torch.bfloat16": True}, (rank, same)

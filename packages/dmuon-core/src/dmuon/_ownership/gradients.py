@@ -228,13 +228,15 @@ def accumulate(holder: nn.Parameter, grad: torch.Tensor) -> None:
 
 def fold_into_total(holder: nn.Parameter, leaf: nn.Parameter) -> None:
     """Add ``leaf.grad`` to ``holder``'s ``no_sync`` total now and drop it, where a total
-    exists and the gradient is a plain tensor of its dtype and shape (a DTensor's waits
-    for its boundary). The reduce or the next accumulation then finds the sum alone."""
+    exists and the gradient is a plain tensor of its shape (a DTensor's waits for its
+    boundary). The total is float32 whatever the gradient's dtype, as `accumulate` keeps
+    it; the reduce or the next accumulation then finds the sum alone, the same sum they
+    would have made."""
     acc = accumulated(holder)
     grad = leaf.grad
     if acc is None or grad is None or type(grad) is not torch.Tensor:
         return
-    if grad.dtype != acc.dtype or grad.shape != acc.shape:
+    if grad.shape != acc.shape:
         return
     acc.add_(grad.detach())
     leaf.grad = None
