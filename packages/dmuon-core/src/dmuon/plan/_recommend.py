@@ -215,13 +215,12 @@ def _fewest_micro_batches(
         tried += [dataclasses.replace(several, accum=a) for a in ACCUMULATIONS[1:]]
     best = min(tried, key=lambda p: p.memory_bytes)
     short = (best.memory_bytes - best.hardware.memory_gib * GIB) / GIB
+    tokens = f" of {Choice(best).micro_batch_tokens:,.0f} tokens per rank"
     return (
         Rejected(
             f"{_mesh(shard, world)}, {mode.upper()}",
-            f"does not fit by {short:.1f} GiB at best: "
-            f"{accumulation(best, f' of {Choice(best).micro_batch_tokens:,.0f} tokens per rank')}"
-            f", fullest rank "
-            f"{best.memory_bytes / GIB:.1f} of {best.hardware.memory_gib:g} GiB",
+            f"does not fit by {short:.1f} GiB at best: {accumulation(best, tokens)}, fullest "
+            f"rank {best.memory_bytes / GIB:.1f} of {best.hardware.memory_gib:g} GiB",
         ),
         made,
     )
