@@ -82,15 +82,25 @@ def peak_in_window(events: Any) -> int:
     window = [e for e in events if e.name() == _WINDOW]
     if len(window) != 1:
         raise RuntimeError(f"expected one {_WINDOW!r} span in the profile, got {len(window)}")
-    start, end = window[0].start_ns(), window[0].end_ns()
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if _is_cpu_memory(e))
+    return span_memory(cpu_memory_events(events), window[0].start_ns(), window[0].end_ns())[1]
+
+
+def cpu_memory_events(events: Any) -> list[tuple[int, int]]:
+    """``(time in ns, bytes)`` of the CPU allocator's events (a free is negative), in time
+    order."""
+    return sorted((e.start_ns(), e.nbytes()) for e in events if _is_cpu_memory(e))
+
+
+def span_memory(memory: list[tuple[int, int]], start: int, end: int) -> tuple[int, int, int]:
+    """Bytes alive before ``start``, the peak inside ``[start, end]`` and the bytes alive
+    at ``end``, as running sums of ``memory`` (`cpu_memory_events`) from its first event."""
     live = sum(nbytes for when, nbytes in memory if when < start)
-    peak = live
+    before = peak = live
     for when, nbytes in memory:
         if start <= when <= end:
             live += nbytes
             peak = max(peak, live)
-    return peak
+    return before, peak, live
 
 
 def _is_cpu_memory(event: Any) -> bool:

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from memory import PeakTensorMemory
+from memory import PeakTensorMemory, cpu_memory_events, span_memory
 
 from dmuon.optim._muon_step import Workspaces, workspace_nbytes
 
@@ -73,9 +73,9 @@ def test_clipping_makes_no_wide_copy_of_any_gradient() -> None:
 
 
 def _step_peaks(contender: str, accum: int, cap: int) -> tuple[list[int], int]:
-    """Each of 3 steps' peak tensor bytes, counted from before the model is built (its
-    weights, gradients, optimizer states, activations and workspaces), and the bytes of
-    DMuon's Newton-Schulz workspace at the end (0 for torch.optim.Muon)."""
+    """Each of 3 steps' peak tensor bytes (inside the step), counted from before the model
+    is built (its weights, gradients, optimizer states, activations and workspaces), and
+    the bytes of DMuon's Newton-Schulz workspace at the end (0 for torch.optim.Muon)."""
     from tiny_llama import TinyLlama
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -112,17 +112,9 @@ def _step_peaks(contender: str, accum: int, cap: int) -> tuple[list[int], int]:
     if contender == "dmuon":
         held = optimizers[0].workspace_bytes()
     events = prof.profiler.kineto_results.events()
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
-    peaks = []
-    for step in range(3):
-        end = next(e for e in events if e.name() == f"step {step}").end_ns()
-        live = peak = 0
-        for when, nbytes in memory:
-            if when > end:
-                break
-            live += nbytes
-            peak = max(peak, live)
-        peaks.append(peak)
+    memory = cpu_memory_events(events)
+    spans = [next(e for e in events if e.name() == f"step {step}") for step in range(3)]
+    peaks = [span_memory(memory, span.start_ns(), span.end_ns())[1] for span in spans]
     return peaks, held
 
 
@@ -174,17 +166,12 @@ def _step_transients(rank: int, world: int, cap: int) -> dict[str, Any]:
                 optimizer.step()
             optimizer.zero_grad()
     events = prof.profiler.kineto_results.events()
-    memory = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
+    memory = cpu_memory_events(events)
     transients = []
     for step in range(3):
         span = next(e for e in events if e.name() == f"optimizer step {step}")
-        before = sum(n for when, n in memory if when < span.start_ns())
-        live = peak = before
-        for when, nbytes in memory:
-            if span.start_ns() <= when <= span.end_ns():
-                live += nbytes
-                peak = max(peak, live)
-        transients.append(peak - max(before, live))
+        before, peak, after = span_memory(memory, span.start_ns(), span.end_ns())
+        transients.append(peak - max(before, after))
     return {"transients": transients, "workspace": optimizer.workspace_bytes()}
 
 
