@@ -502,7 +502,7 @@ def test_backward_keeps_a_bounded_window_of_reduce_inputs(spawned) -> None:
     backward: at most REDUCES_IN_FLIGHT + 2 of the 6 boundaries hold one at the end of the
     layers' backward (those in flight, the one issued last, and the one whose reduce-scatter
     between replicas is in flight), where all 6 used to."""
-    from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
+    from dmuon._ownership.gradients import REDUCES_IN_FLIGHT
 
     for rank, result in enumerate(_per_rank(spawned, "__reduce_window__")):
         assert result["boundaries"] == 6

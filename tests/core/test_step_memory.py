@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from memory import PeakTensorMemory, cpu_memory_events, span_memory
 
-from dmuon.optim._muon_step import Workspaces, workspace_nbytes
+from dmuon.optim._muon_step import Workspaces
+from dmuon.optim._orthogonalize import workspace_nbytes
 
 CPU = torch.device("cpu")
 

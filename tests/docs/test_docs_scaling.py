@@ -90,7 +90,7 @@ def test_typed_figures_come_from_the_code() -> None:
     lighter = 3 / (2 + 4096 / 14336)
     assert f"{lighter:.2f}x too light" in en and f"{lighter:.2f} 倍" in zh
     # The time model's rates are the presets'; the workspace cap is the optimizer's default.
-    from dmuon.optim._muon_step import DEFAULT_MAX_WORKSPACE_BYTES
+    from dmuon.optim._blocks import DEFAULT_MAX_WORKSPACE_BYTES
     from dmuon.plan._hardware import parse_hardware
 
     h100, h200 = parse_hardware("h100"), parse_hardware("h200")
@@ -108,7 +108,7 @@ def test_typed_figures_come_from_the_code() -> None:
 
 
 def test_the_reduce_window_on_the_z2_z3_page_is_the_runtimes() -> None:
-    from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
+    from dmuon._ownership.gradients import REDUCES_IN_FLIGHT
 
     words = {4: ("four", "四")}
     en_word, zh_word = words[REDUCES_IN_FLIGHT + 2]

@@ -37,6 +37,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+#: Hook boundaries whose gradient reduces may be in flight behind the one issued last.
+#: Older ones are waited on during backward and their float32 reduce inputs released, so a
+#: rank holds at most this many plus two boundaries' gradients at once (these, the one
+#: issued last, and one whose cross-replica reduce-scatter is in flight), not the model's.
+REDUCES_IN_FLIGHT = 2
+
 REDUCED = "_reduced_grad"
 ACCUMULATED = "_accumulated_grad"
 _MARKER = "_dmuon_grad_marker"

@@ -462,3 +462,16 @@ def find_hook_boundary(
         if in_list and depth >= 2 and parts[depth - 2] in BOUNDARY_CONTAINER_NAMES:
             return name
     return None
+
+
+def spread_over_tp(costs: Sequence[int], size: int) -> list[int]:
+    """The tp rank that orthogonalizes each of one owner's tp-sharded matrices (their
+    Newton-Schulz ``costs`` in dedication order): largest first, each to the least-loaded
+    tp rank (ties: the lowest). `assign_workers` and the cluster planner use it."""
+    loads = [0] * size
+    workers = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        worker = min(range(size), key=lambda r: (loads[r], r))
+        workers[index] = worker
+        loads[worker] += costs[index]
+    return workers

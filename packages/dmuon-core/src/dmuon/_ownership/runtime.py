@@ -65,6 +65,7 @@ from dmuon._ownership.boundary import (
 from dmuon._ownership.ddp_integration import active_ddp
 from dmuon._ownership.flat_buffer import FlatBuffer
 from dmuon._ownership.fsdp_integration import adopt_fsdp_policies
+from dmuon._ownership.gradients import REDUCES_IN_FLIGHT
 from dmuon._ownership.guards import (
     refuse_split_backward_schedule,
     refuse_unsynchronised_step,
@@ -73,12 +74,6 @@ from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.placement import Placement, current_placement, follow_placement
 from dmuon._ownership.replica_updates import ReplicaUpdates, UpdateSlot
 from dmuon._ownership.state_dict_hooks import install_state_dict_hooks
-
-#: Hook boundaries whose gradient reduces may be in flight behind the one issued last.
-#: Older ones are waited on during backward and their float32 reduce inputs released, so a
-#: rank holds at most this many plus two boundaries' gradients at once (these, the one
-#: issued last, and one whose cross-replica reduce-scatter is in flight), not the model's.
-REDUCES_IN_FLIGHT = 2
 
 
 class DedicationRuntime:

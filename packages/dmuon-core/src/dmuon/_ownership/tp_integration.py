@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from dmuon._ownership.planner import newton_schulz_cost
+from dmuon._ownership.planner import newton_schulz_cost, spread_over_tp
 
 __all__ = [
     "TensorParallel",
@@ -155,19 +155,6 @@ def local_grad(grad: torch.Tensor, leaf: torch.Tensor) -> torch.Tensor:
     if placements is not None and tuple(grad.placements) != placements:
         grad = grad.redistribute(placements=placements)
     return grad.to_local()
-
-
-def spread_over_tp(costs: Sequence[int], size: int) -> list[int]:
-    """The tp rank that orthogonalizes each of one owner's tp-sharded matrices (their
-    Newton-Schulz ``costs`` in dedication order): largest first, each to the least-loaded
-    tp rank (ties: the lowest). `assign_workers` and the cluster planner use it."""
-    loads = [0] * size
-    workers = [0] * len(costs)
-    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
-        worker = min(range(size), key=lambda r: (loads[r], r))
-        workers[index] = worker
-        loads[worker] += costs[index]
-    return workers
 
 
 def assign_workers(layouts: Sequence[tuple[TensorParallel, int]]) -> None:

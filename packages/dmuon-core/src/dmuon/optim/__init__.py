@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from dmuon._lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from dmuon.optim._blocks import DEFAULT_MAX_WORKSPACE_BYTES
     from dmuon.optim._muon import (
         ADJUST_LR_FNS,
         NONFINITE_POLICIES,
@@ -16,7 +17,6 @@ if TYPE_CHECKING:
         NonFiniteGradientError,
         adjust_lr_ratio,
     )
-    from dmuon.optim._muon_step import DEFAULT_MAX_WORKSPACE_BYTES, workspace_nbytes
     from dmuon.optim._normuon import NORMUON_EPS, VARIANTS
     from dmuon.optim._orthogonalize import (
         COEFFICIENT_SETS,
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         newton_schulz,
         resolve_coefficients,
         uses_gram,
+        workspace_nbytes,
     )
     from dmuon.optim._qk_clip import QKClipReport
     from dmuon.optim._qk_logits import record_attention_logits
@@ -47,8 +48,8 @@ _EXPORTS = {
     "Muon": "dmuon.optim._muon",
     "NonFiniteGradientError": "dmuon.optim._muon",
     "adjust_lr_ratio": "dmuon.optim._muon",
-    "DEFAULT_MAX_WORKSPACE_BYTES": "dmuon.optim._muon_step",
-    "workspace_nbytes": "dmuon.optim._muon_step",
+    "DEFAULT_MAX_WORKSPACE_BYTES": "dmuon.optim._blocks",
+    "workspace_nbytes": "dmuon.optim._orthogonalize",
     "NORMUON_EPS": "dmuon.optim._normuon",
     "VARIANTS": "dmuon.optim._normuon",
     "COEFFICIENT_SETS": "dmuon.optim._orthogonalize",

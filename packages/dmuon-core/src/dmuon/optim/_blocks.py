@@ -10,6 +10,19 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+DEFAULT_MAX_WORKSPACE_BYTES: int = 2 * 1024**3
+"""`dmuon.Muon`'s default cap on its Newton-Schulz buffers: 2 GiB."""
+
+
+def check_max_workspace_bytes(value: object) -> None:
+    """Raise unless ``value`` is a positive number of bytes."""
+    if isinstance(value, bool) or not (isinstance(value, int) and value > 0):
+        raise ValueError(
+            "max_workspace_bytes must be a positive number of bytes, such as 2**31 "
+            f"(2 GiB), got {value!r}"
+        )
+
+
 Allocate = Callable[[tuple[int, ...], torch.dtype], Tensor]
 """``allocate(shape, dtype)``: a new uninitialized tensor."""
 

@@ -39,9 +39,9 @@ from dmuon._ownership.fsdp_integration import verify_not_sharded
 from dmuon._ownership.param import DedicatedParam
 from dmuon._ownership.replica_updates import UpdateSlot
 from dmuon.optim._adamw_step import adamw_step
+from dmuon.optim._blocks import DEFAULT_MAX_WORKSPACE_BYTES, check_max_workspace_bytes
 from dmuon.optim._groups import build_param_groups, complete_group, route_group
 from dmuon.optim._muon_step import (
-    DEFAULT_MAX_WORKSPACE_BYTES,
     Workspaces,
     apply_muon_update,
     init_missing_state,
@@ -61,7 +61,6 @@ from dmuon.optim._validation import (
     ADJUST_LR_FNS,
     NONFINITE_POLICIES,
     adjust_lr_ratio,
-    check_max_workspace_bytes,
     check_params_are_the_models,
     dedicated_model,
     group_defaults,

@@ -35,31 +35,11 @@ from dmuon.optim._orthogonalize import (
     NewtonSchulzWorkspace,
     default_ns_dtype,
     iteration_dtype,
+    workspace_nbytes,
 )
 from dmuon.optim._split import matrix_pieces
 from dmuon.optim._tensor_parallel import tp_updates
 from dmuon.optim._validation import adjust_lr_ratio
-
-DEFAULT_MAX_WORKSPACE_BYTES: int = 2 * 1024**3
-"""`dmuon.Muon`'s default cap on its Newton-Schulz buffers: 2 GiB."""
-
-
-def workspace_nbytes(
-    batch: int,
-    rows: int,
-    cols: int,
-    dtype: torch.dtype,
-    device: torch.device,
-    gram: bool = False,
-    out_dtype: torch.dtype | None = None,
-) -> int:
-    """Bytes a `NewtonSchulzWorkspace` of ``batch`` ``rows x cols`` matrices takes when
-    carved from an `Arena`, computed on the meta device (nothing is allocated)."""
-    measure, used = Arena(torch.device("meta")).carver(measure_only=True)
-    NewtonSchulzWorkspace(
-        batch, rows, cols, dtype, device, gram=gram, allocate=measure, out_dtype=out_dtype
-    )
-    return used()
 
 
 class Workspaces:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmuon.optim._blocks import Allocate, SymmetricProduct
+from dmuon.optim._blocks import Allocate, Arena, SymmetricProduct
 from dmuon.optim._coefficients import (
     COEFFICIENT_SETS,
     KELLER_COEFFICIENTS,
@@ -64,6 +64,7 @@ __all__ = [
     "newton_schulz",
     "resolve_coefficients",
     "uses_gram",
+    "workspace_nbytes",
 ]
 
 
@@ -449,3 +450,21 @@ def newton_schulz(
             "orthogonalizing"
         )
     return _newton_schulz_unchecked(G, triples, dtype, eps, gram=bool(gram))
+
+
+def workspace_nbytes(
+    batch: int,
+    rows: int,
+    cols: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    gram: bool = False,
+    out_dtype: torch.dtype | None = None,
+) -> int:
+    """Bytes a `NewtonSchulzWorkspace` of ``batch`` ``rows x cols`` matrices takes when
+    carved from an `Arena`, computed on the meta device (nothing is allocated)."""
+    measure, used = Arena(torch.device("meta")).carver(measure_only=True)
+    NewtonSchulzWorkspace(
+        batch, rows, cols, dtype, device, gram=gram, allocate=measure, out_dtype=out_dtype
+    )
+    return used()

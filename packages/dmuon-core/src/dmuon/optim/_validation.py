@@ -160,15 +160,6 @@ def group_defaults(
     return defaults
 
 
-def check_max_workspace_bytes(value: object) -> None:
-    """Raise unless ``value`` is a positive number of bytes."""
-    if isinstance(value, bool) or not (isinstance(value, int) and value > 0):
-        raise ValueError(
-            "max_workspace_bytes must be a positive number of bytes, such as 2**31 "
-            f"(2 GiB), got {value!r}"
-        )
-
-
 def check_params_are_the_models(param_groups: list[dict[str, Any]], model: nn.Module) -> None:
     """Raise if the model's parameters were replaced after the optimizer was built.
 

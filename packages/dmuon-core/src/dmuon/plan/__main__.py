@@ -130,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     from dmuon.plan._estimate import plan_cluster
-    from dmuon.plan._model import active_parameters, load_config, meta_model
+    from dmuon.plan._model import active_parameters, planning_model
     from dmuon.plan._report import format_plan, print_recommendation
 
     try:
@@ -142,8 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             hardware = dataclasses.replace(hardware, mfu=args.mfu)
         tokens = parse_tokens(args.tokens_per_step)
-        config = load_config(args.model)
-        model = meta_model(config)
+        model, config = planning_model(args.model)
         kwargs = {"ns_split": args.ns_split}
         if args.max_workspace_bytes is not None:
             kwargs["max_workspace_bytes"] = args.max_workspace_bytes

@@ -16,7 +16,7 @@ from torch import nn
 
 from dmuon._ownership.planner import OwnerPlan, range_name
 from dmuon._ownership.replica_updates import chunk_bounds
-from dmuon.optim._muon_step import workspace_nbytes
+from dmuon.optim._orthogonalize import workspace_nbytes
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,7 @@ from torch import nn
 
 from dmuon._ownership.planner import OwnerPlan, SplitStacks
 from dmuon._ownership.selection import plan_selected, select_with_boundaries
-from dmuon.optim._muon_step import DEFAULT_MAX_WORKSPACE_BYTES
-from dmuon.optim._validation import check_max_workspace_bytes
+from dmuon.optim._blocks import DEFAULT_MAX_WORKSPACE_BYTES, check_max_workspace_bytes
 from dmuon.plan._collectives import (
     boundary_spans,
     plan_items,

@@ -24,6 +24,33 @@ def load_config(source: str | Path | Mapping[str, Any]) -> Any:
     """
     from transformers import AutoConfig
 
+    fields = _config_fields(source)
+    model_type = fields.pop("model_type")
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except ValueError as error:
+        raise ValueError(f"transformers cannot build a {model_type!r} model: {error}") from error
+
+
+def planning_model(source: str | Path | Mapping[str, Any]) -> tuple[nn.Module, Any]:
+    """The model to plan and its config, from a model directory, a ``config.json`` or a
+    dict: a standard decoder (`dmuon.plan._decoder`) is built without importing
+    transformers; any other model through `load_config` and `meta_model`.
+
+    Raises:
+        ValueError: As `load_config`.
+    """
+    from dmuon.plan._decoder import decoder_meta_model
+
+    model = decoder_meta_model(_config_fields(source))
+    if model is not None:
+        return model, model.config
+    config = load_config(source)
+    return meta_model(config), config
+
+
+def _config_fields(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of the config at ``source``, which must name its ``model_type``."""
     if isinstance(source, Mapping):
         fields = dict(source)
     else:
@@ -36,16 +63,12 @@ def load_config(source: str | Path | Mapping[str, Any]) -> Any:
                 "(weights are not needed)"
             )
         fields = json.loads(file.read_text(encoding="utf-8"))
-    model_type = fields.pop("model_type", None)
-    if not model_type:
+    if not fields.get("model_type"):
         raise ValueError(
             'the config has no "model_type" (such as "llama" or "qwen3_moe"); it is needed '
             "to know which model to build"
         )
-    try:
-        return AutoConfig.for_model(model_type, **fields)
-    except ValueError as error:
-        raise ValueError(f"transformers cannot build a {model_type!r} model: {error}") from error
+    return fields
 
 
 def meta_model(config: Any) -> nn.Module:

@@ -16,11 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dmuon._ownership.planner import OwnerPlan, newton_schulz_cost, newton_schulz_flops
+from dmuon._ownership.gradients import REDUCES_IN_FLIGHT
+from dmuon._ownership.planner import (
+    OwnerPlan,
+    newton_schulz_cost,
+    newton_schulz_flops,
+    spread_over_tp,
+)
 from dmuon._ownership.replica_updates import record_nbytes, values_nbytes
-from dmuon._ownership.runtime import REDUCES_IN_FLIGHT
 from dmuon._ownership.split_iterations import block_of, split_iteration_cost
-from dmuon._ownership.tp_integration import spread_over_tp
 from dmuon.optim._gram import gram_restarts, uses_gram
 from dmuon.plan._collectives import (
     Span,
@@ -369,16 +373,9 @@ def _rank_plan(
     stepped = sum(setup.local(n, t) for n in mine)
     held_bytes = setup.param_bytes if setup.narrow_masters else FLOAT32
     split, split_flops, split_seconds = _split_share(setup, replica * setup.shard + shard)
-    whole = [n for n in orthogonalized if n not in setup.plan.split]
-    restarts = setup.gram_restarts
-    flops = split_flops + sum(
-        newton_schulz_flops(setup.item_shapes[n], setup.ns_steps, gram, restarts if gram else 0)
-        for n in whole
-        for gram in [
-            uses_gram(
-                setup.item_shapes[n][1], setup.item_shapes[n][2], setup.ns_gram, setup.ns_dtype
-            )
-        ]
+    whole = tuple(sorted(setup.item_shapes[n] for n in orthogonalized if n not in setup.plan.split))
+    flops = split_flops + _iteration_flops(
+        whole, setup.ns_steps, setup.ns_gram, setup.ns_dtype, setup.gram_restarts
     )
     tensor_tallies: dict[str, Tally] = {}
     if sharded_mine:
@@ -404,8 +401,8 @@ def _rank_plan(
         update_seconds=update,
         master_bytes=stepped * FLOAT32 + (owned_elements - stepped) * held_bytes,
         momentum_bytes=stepped * FLOAT32,
-        workspace_bytes=workspace_bytes(
-            [setup.item_shapes[n] for n in orthogonalized],
+        workspace_bytes=_workspace_bytes(
+            tuple(sorted(setup.item_shapes[n] for n in orthogonalized)),
             setup.ns_dtype,
             setup.device,
             setup.max_workspace_bytes,
@@ -430,6 +427,35 @@ def _rank_plan(
         split_collectives=split,
         split_seconds=split_seconds,
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _iteration_flops(
+    shapes: tuple[tuple[int, int, int], ...],
+    ns_steps: int,
+    ns_gram: bool,
+    ns_dtype: torch.dtype,
+    restarts: int,
+) -> int:
+    """Newton-Schulz FLOPs of one rank's whole items (their shapes, sorted): remembered,
+    since thousands of ranks step the same few sets of shapes."""
+    flops = 0
+    for shape in shapes:
+        gram = uses_gram(shape[1], shape[2], ns_gram, ns_dtype)
+        flops += newton_schulz_flops(shape, ns_steps, gram, restarts if gram else 0)
+    return flops
+
+
+@functools.lru_cache(maxsize=1024)
+def _workspace_bytes(
+    shapes: tuple[tuple[int, int, int], ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    cap: int,
+    gram: bool,
+) -> int:
+    """`workspace_bytes` of one rank's items (their shapes, sorted), remembered alike."""
+    return workspace_bytes(list(shapes), dtype, device, cap, gram)
 
 
 def _split_share(setup: ClusterSetup, position: int) -> tuple[dict[str, Tally], int, float]:
