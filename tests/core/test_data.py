@@ -42,6 +42,15 @@ def test_default_corpus_is_the_stdlib_split_by_file(stdlib_cache: Path) -> None:
     rel = [f.relative for f in files]
     assert "os.py" in rel and "json/__init__.py" in rel
     assert not any("site-packages" in r for r in rel)
+    # The documented definition, walked the slow way (every folder, filtered after).
+    every = [
+        f.relative_to(root).as_posix()
+        for f in root.rglob("*.py")
+        if f.is_file()
+        and f.stat().st_size > 0
+        and not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts)
+    ]
+    assert rel == sorted(every)
     train, val = split_files(rel, 0.05)
     assert set(train).isdisjoint(val) and set(train) | set(val) == set(rel)
     assert len(val) == -(-len(rel) * 5 // 100)  # ceil(5%)

@@ -159,6 +159,25 @@ def _walk(path: str, source: Path) -> list[Path]:
     return found
 
 
+#: Folders of the standard library that hold installed packages, not its source.
+_INSTALLED_PACKAGES = frozenset({"site-packages", "dist-packages"})
+
+
+def _stdlib_files(root: Path) -> list[Path]:
+    """Every non-empty ``*.py`` file under ``root``, the installed-package folders left
+    unwalked (they hold most of the tree's files); directory links are not followed, as
+    `pathlib.Path.rglob` does not follow them."""
+    found = []
+    for here, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _INSTALLED_PACKAGES]
+        for name in names:
+            if name.endswith(".py"):
+                file = Path(here, name)
+                if file.is_file() and file.stat().st_size > 0:
+                    found.append(file)
+    return found
+
+
 def list_source_files(path: str | os.PathLike[str] | None = None) -> tuple[Path, list[SourceFile]]:
     """Resolve the corpus source and list its files, sorted by relative path.
 
@@ -176,13 +195,7 @@ def list_source_files(path: str | os.PathLike[str] | None = None) -> tuple[Path,
     """
     if path is None:
         root = stdlib_root()
-        files = [
-            SourceFile(f, f.relative_to(root).as_posix(), "text")
-            for f in root.rglob("*.py")
-            if f.is_file()
-            and f.stat().st_size > 0
-            and not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts)
-        ]
+        files = [SourceFile(f, f.relative_to(root).as_posix(), "text") for f in _stdlib_files(root)]
         if not files:
             raise ValueError(
                 f"found no *.py files under the standard library folder {root}; "
