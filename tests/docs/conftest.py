@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -37,6 +39,7 @@ def _root_shims() -> str | None:
     if os.geteuid() != 0:
         return None
     shims = Path(tempfile.mkdtemp(prefix="dmuon-docs-shims-"))
+    atexit.register(shutil.rmtree, shims, ignore_errors=True)
     real = Path(sys.executable).parent / "dmuon-server"
     shim = shims / "dmuon-server"
     shim.write_text(f'#!/bin/sh\nexec "{real}" --allow-same-user-jobs "$@"\n')

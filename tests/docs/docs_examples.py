@@ -167,25 +167,26 @@ class Outcome:
 def single_process_outcomes(page: str) -> dict[str, Outcome]:
     """Run every single-process Python example of ``page`` in one interpreter (see
     example_runner)."""
-    root = Path(tempfile.mkdtemp(prefix="dmuon-docs-examples-"))
-    jobs = []
-    mine = [e for e in EXAMPLES if e.launcher == "python" and e.blocks[0].page == page]
-    for i, example in enumerate(mine):
-        workdir = root / f"ex{i}"
-        workdir.mkdir()
-        jobs.append({"id": example.id, "script": example.script, "dir": str(workdir)})
-    jobs_file = root / "jobs.json"
-    jobs_file.write_text(json.dumps(jobs), encoding="utf-8")
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("example_runner.py")), str(jobs_file)],
-        cwd=root,
-        env=docs_env(),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S * 2,
-    )
-    out_file = Path(str(jobs_file) + ".out")
-    results = json.loads(out_file.read_text(encoding="utf-8")) if out_file.exists() else {}
+    with tempfile.TemporaryDirectory(prefix="dmuon-docs-examples-") as folder:
+        root = Path(folder)
+        jobs = []
+        mine = [e for e in EXAMPLES if e.launcher == "python" and e.blocks[0].page == page]
+        for i, example in enumerate(mine):
+            workdir = root / f"ex{i}"
+            workdir.mkdir()
+            jobs.append({"id": example.id, "script": example.script, "dir": str(workdir)})
+        jobs_file = root / "jobs.json"
+        jobs_file.write_text(json.dumps(jobs), encoding="utf-8")
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("example_runner.py")), str(jobs_file)],
+            cwd=root,
+            env=docs_env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S * 2,
+        )
+        out_file = Path(str(jobs_file) + ".out")
+        results = json.loads(out_file.read_text(encoding="utf-8")) if out_file.exists() else {}
     outcomes = {}
     for job in jobs:
         r = results.get(job["id"])

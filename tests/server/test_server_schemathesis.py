@@ -11,7 +11,9 @@ express, so a random string is rightly refused with 422 (tested in test_server_r
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +27,7 @@ from server_helpers import SERVER_TESTS, kill_job_processes, make_settings, wait
 from dmuon_server.app import create_app
 
 _TMP = Path(tempfile.mkdtemp(prefix="dmuon-server-fuzz-"))
+atexit.register(shutil.rmtree, _TMP, ignore_errors=True)
 APP = create_app(make_settings(_TMP, max_concurrent_jobs=1))
 schema = schemathesis.openapi.from_asgi("/openapi.json", APP)
 
