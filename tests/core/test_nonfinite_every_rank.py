@@ -7,11 +7,17 @@ pattern checked is the one users write: catch the error, drop the batch, carry o
 
 Oracle: one process trained with ``reference_train`` on the global batches of the steps
 that were not dropped (float32, 1e-5), on 4 gloo ranks, flat (Z2) and HSDP 2x2 (Z3). The
-NaN is written into the averaged gradient on the one rank that steps the matrix.
+NaN is written into the averaged gradient on the one rank that steps the matrix. Each
+rank's ``optimizer.step()`` reads the device once (the norms and the agreement together),
+counted as DMuon's own ``Tensor.item`` and ``Tensor.tolist`` calls (2 before).
 """
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -36,6 +42,33 @@ TARGET = "layers.0.attn.q_proj.weight"
 LAYOUTS = {"flat-z2": ((WORLD,), "z2"), "hsdp-z3": ((2, 2), "z3")}
 
 
+@contextmanager
+def _counted_reads() -> Iterator[list[str]]:
+    """Every ``Tensor.item`` and ``Tensor.tolist`` DMuon's own code calls inside."""
+    package = str(Path(dmuon.__file__).parent)
+    reads: list[str] = []
+
+    def counted(name: str) -> Callable[..., Any]:
+        original = getattr(torch.Tensor, name)
+
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            caller = inspect.stack(context=0)[1]
+            if caller.filename.startswith(package):
+                reads.append(f"{name} in {Path(caller.filename).name}:{caller.lineno}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist")}
+    try:
+        for name in originals:
+            setattr(torch.Tensor, name, counted(name))
+        yield reads
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
 def _worker(rank: int, world: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -45,6 +78,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         model, optimizer = hsdp_model(mesh, mode, "nonfinite")
         raised: list[str | None] = []
+        reads: list[list[str]] = []
         poisoned_here = False
         for step in range(STEPS):
             tokens = global_batch(step, world, 1).chunk(world)[rank]
@@ -54,14 +88,17 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
                     if dp.fqn == TARGET and dp.updates_here:
                         dp.param._reduced_grad[0, 0] = float("nan")
                         poisoned_here = True
-            try:
-                optimizer.step()
-                raised.append(None)
-            except NonFiniteGradientError as e:
-                raised.append(str(e))
+            with _counted_reads() as step_reads:
+                try:
+                    optimizer.step()
+                    raised.append(None)
+                except NonFiniteGradientError as e:
+                    raised.append(str(e))
+            reads.append(step_reads)
             optimizer.zero_grad()
         out[layout] = {
             "raised": raised,
+            "reads": reads,
             "poisoned_here": poisoned_here,
             "params": full_parameters(model),
         }
@@ -94,6 +131,7 @@ def test_every_rank_raises_and_the_next_steps_match_one_process(
     assert sum(r["poisoned_here"] for r in results) == 1  # one rank saw the NaN
     for rank, r in enumerate(results):
         assert [m is not None for m in r["raised"]] == [False, True, False], rank
+        assert [len(step) for step in r["reads"]] == [1] * STEPS, (rank, r["reads"])
         message = r["raised"][POISONED_STEP]
         assert "nothing was changed, on any rank" in message
         if r["poisoned_here"]:

@@ -192,7 +192,9 @@ def test_the_example_script_streams_to_the_end_and_restarts_after_a_killed_rank(
             assert done["summary"]["steps"] == steps and done["summary"]["last_step"] == steps
             causes = [(a["cause"], a["resumed_from_step"]) for a in done["attempts"]]
             assert causes[0] == ("submitted", None) and causes[1][0] == "restart", causes
-            assert causes[1][1] in (5, 10) and len(causes) == 2
+            # The checkpoint of step 5, or (on a loaded machine, where the kill can come
+            # after the last step's save) the final one of step 8.
+            assert causes[1][1] in (5, steps) and len(causes) == 2
             points = c.get(f"/v1/jobs/{job_id}/metrics").json()["items"]
             assert [p["step"] for p in points] == list(range(1, steps + 1))
             assert all(math.isfinite(p["loss"]) and p["samples_per_s"] > 0 for p in points)

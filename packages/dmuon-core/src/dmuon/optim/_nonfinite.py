@@ -4,8 +4,9 @@ with a NaN or infinite one (raised on every rank alike, or skipped and counted).
 A non-finite gradient is seen by the rank that owns the matrix only. With
 ``nonfinite="raise"`` every rank must raise, or none: a rank that raised while the others
 stepped would skip the step's collectives (the updates between replicas, the next
-forward's gathers) and leave the others waiting. :func:`agree_on_nonfinite` settles it
-with one all-reduce of one number per mesh dimension, before anything changes."""
+forward's gathers) and leave the others waiting. :func:`muon_gradients` settles it with
+one all-reduce of one number per mesh dimension, before anything changes, read from the
+device together with the gradients' norms."""
 
 from __future__ import annotations
 
@@ -28,39 +29,38 @@ class NonFiniteGradientError(FloatingPointError):
     """A Muon gradient holds NaN or infinity, so the step would corrupt the weights."""
 
 
-def finite_only(
-    pairs: list[tuple[DedicatedParam, Tensor]],
-    buffers: dict[tuple[int, torch.device], Tensor],
-    comm: Communicator,
-) -> tuple[list[tuple[DedicatedParam, Tensor]], list[str]]:
-    """Drop matrices no rank had a gradient for, and those whose gradient is not finite.
-
-    ``buffers`` keeps the norm buffers between steps (one per count and device); ``comm``
-    sums the norms of matrices split by tensor parallelism over their tp group (so every
-    rank of a tp group finds the same ones). Returns the pairs to step and the names of
-    the matrices left out for a NaN or infinite gradient (``nonfinite`` is applied by the
-    caller, after :func:`agree_on_nonfinite`).
-    """
-    if not pairs:
-        return pairs, []
-    # Norms and first elements written into a kept buffer (one per count and device),
-    # read with one sync: the hot path allocates nothing.
-    device = pairs[0][1].device
+def _norms_and_firsts(
+    pairs: list[tuple[DedicatedParam, Tensor]], kept: Tensor, comm: Communicator
+) -> None:
+    """Write each gradient's float32 norm into ``kept[:count]`` and its first element into
+    ``kept[count:]``, on the device; the norms of matrices split by tensor parallelism are
+    summed over their tp group (so every rank of a tp group finds the same ones)."""
     count = len(pairs)
-    key = (count, device)
-    if key not in buffers:
-        buffers[key] = torch.empty(2 * count, dtype=torch.float32, device=device)
-    kept = buffers[key]
     for i, (_, grad) in enumerate(pairs):
-        torch.linalg.vector_norm(grad, dtype=torch.float32, out=kept[i])
+        if grad.device == kept.device:
+            torch.linalg.vector_norm(grad, dtype=torch.float32, out=kept[i])
+        else:
+            kept[i].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32))
         kept[count + i].copy_(grad.reshape(-1)[0])
     sharded = [i for i, (dp, _) in enumerate(pairs) if dp.tp_sharded]
     if sharded:  # whole matrices' norms, the same on every tp rank
-        index = torch.tensor(sharded, device=device)
+        index = torch.tensor(sharded, device=kept.device)
         norms, firsts = kept[index], kept[count + index]
         agree([pairs[i][0] for i in sharded], norms, firsts, comm)
         kept[index], kept[count + index] = norms, firsts
-    values = kept.tolist()
+
+
+def finite_only(
+    pairs: list[tuple[DedicatedParam, Tensor]], values: list[float]
+) -> tuple[list[tuple[DedicatedParam, Tensor]], list[str]]:
+    """Drop matrices no rank had a gradient for, and those whose gradient is not finite.
+
+    ``values`` are the pairs' norms then their first elements, as `_norms_and_firsts`
+    wrote them. Returns the pairs to step and the names of the matrices left out for a
+    NaN or infinite gradient (``nonfinite`` is applied by the caller, after
+    :func:`agree_on_nonfinite`).
+    """
+    count = len(pairs)
     # A matrix no rank had a gradient for (an expert no token was routed to anywhere)
     # is left alone, as torch's optimizers leave a parameter whose .grad is None; a
     # gradient of zeros is a gradient, as in torch.
@@ -77,65 +77,83 @@ def finite_only(
     return [pair for pair, ok in zip(pairs, finite, strict=True) if ok], bad
 
 
-def agree_on_nonfinite(bad: list[str], comm: Communicator, groups: list[dist.ProcessGroup]) -> None:
-    """Raise on every rank of ``groups`` (whose product spans the ranks that step) when
-    any of them found a non-finite gradient in a ``nonfinite="raise"`` group; ``bad`` is
-    what this rank found. One all-reduce of one number per group, issued by every rank
-    whatever its gradients hold.
+def raise_if_found(bad: list[str], found_anywhere: bool) -> None:
+    """Raise, on every rank alike, when some rank found a non-finite gradient in a
+    ``nonfinite="raise"`` group; ``bad`` is what this rank found.
 
     Raises:
         NonFiniteGradientError: some rank found one; nothing was changed on any rank.
     """
-    anywhere = bool(bad)
-    if groups:  # alone, this rank's own finding is everyone's: no tensor, no host sync
-        found = torch.tensor([float(len(bad))], device=comm.device)
-        for group in groups:
-            comm.all_reduce_control(found, dist.ReduceOp.MAX, group)
-        anywhere = anywhere or found.item() > 0
-    if anywhere:
-        if bad:
-            more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
-            which = f"the gradients of {bad[:5]}{more} hold"
-        else:
-            which = "another rank found Muon gradients that hold"
-        raise NonFiniteGradientError(
-            f"{which} NaN or infinity, so this step would turn their weights into NaN; "
-            "nothing was changed, on any rank. Lower the learning rate, clip gradients, or "
-            "create dmuon.Muon(..., nonfinite='skip') to skip such updates."
-        )
+    if not (bad or found_anywhere):
+        return
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        which = f"the gradients of {bad[:5]}{more} hold"
+    else:
+        which = "another rank found Muon gradients that hold"
+    raise NonFiniteGradientError(
+        f"{which} NaN or infinity, so this step would turn their weights into NaN; "
+        "nothing was changed, on any rank. Lower the learning rate, clip gradients, or "
+        "create dmuon.Muon(..., nonfinite='skip') to skip such updates."
+    )
 
 
 def muon_gradients(
     param_groups: list[dict[str, Any]],
     dedicated: dict[int, DedicatedParam],
     runtime: DedicationRuntime,
-    buffers: dict[tuple[int, torch.device], Tensor],
+    buffers: dict[tuple[tuple[int, ...], torch.device], Tensor],
     groups: list[dist.ProcessGroup],
 ) -> tuple[dict[int, list[tuple[DedicatedParam, Tensor]]], int]:
     """Each Muon group's owned matrices with a finite averaged gradient here, by group
     index, and how many were skipped (``nonfinite="skip"``).
 
-    Where a group has ``nonfinite="raise"``, every rank of ``groups`` agrees first (see
-    :func:`agree_on_nonfinite`), so that the error is raised on all of them or none.
+    Every group's norms and first elements go into one kept buffer (one per layout and
+    device: the hot path allocates nothing). Where a group has ``nonfinite="raise"``, the
+    count of non-finite norms in those groups is all-reduced (MAX) over ``groups`` (whose
+    product spans the ranks that step) on the device, issued by every rank whatever its
+    gradients hold, and read with the norms: one host read per step, alone or not.
 
     Raises:
         NonFiniteGradientError: some rank found a NaN or infinite gradient in a
             ``"raise"`` group; nothing was changed on any rank.
     """
+    muon = [i for i, group in enumerate(param_groups) if group["algorithm"] == "muon"]
+    pairs_of = {i: owned_gradients(param_groups[i]["params"], dedicated, runtime) for i in muon}
+    raising = [i for i in muon if param_groups[i]["nonfinite"] == "raise"]
+    agreeing = bool(raising and groups)
+    counts = tuple(len(pairs_of[i]) for i in muon)
+    if not any(counts) and not agreeing:
+        return {i: [] for i in muon}, 0
+    device = next((p[0][1].device for p in pairs_of.values() if p), runtime.comm.device)
+    key = (counts, device)
+    if key not in buffers:
+        buffers[key] = torch.empty(2 * sum(counts) + 1, dtype=torch.float32, device=device)
+    kept = buffers[key]
+    offsets, offset = {}, 0
+    for i in muon:
+        offsets[i] = offset
+        _norms_and_firsts(pairs_of[i], kept[offset : offset + 2 * len(pairs_of[i])], runtime.comm)
+        offset += 2 * len(pairs_of[i])
+    if agreeing:
+        found = kept[offset:]
+        found.zero_()
+        for i in raising:  # a gradient no rank had has norm 0: never counted
+            norms = kept[offsets[i] : offsets[i] + len(pairs_of[i])]
+            found.add_(norms.isfinite().logical_not().sum())
+        for group in groups:
+            runtime.comm.all_reduce_control(found, dist.ReduceOp.MAX, group)
+    values = kept.tolist()
     out: dict[int, list[tuple[DedicatedParam, Tensor]]] = {}
     to_raise: list[str] = []
     skipped = 0
-    raising = False
-    for i, group in enumerate(param_groups):
-        if group["algorithm"] != "muon":
-            continue
-        pairs = owned_gradients(group["params"], dedicated, runtime)
-        out[i], bad = finite_only(pairs, buffers, runtime.comm)
-        if group["nonfinite"] == "raise":
-            raising = True
+    for i in muon:
+        pairs = pairs_of[i]
+        out[i], bad = finite_only(pairs, values[offsets[i] : offsets[i] + 2 * len(pairs)])
+        if param_groups[i]["nonfinite"] == "raise":
             to_raise += bad
         else:
             skipped += len(bad)
     if raising:
-        agree_on_nonfinite(to_raise, runtime.comm, groups)
+        raise_if_found(to_raise, agreeing and values[-1] > 0)
     return out, skipped
