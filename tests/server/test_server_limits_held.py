@@ -1,5 +1,7 @@
 """A limit asked for that the machine cannot hold stops the server at start-up; with
 ``--allow-unenforced-limits`` it starts and ``GET /v1/server`` says which limits are off.
+A users file reloaded on SIGHUP is held to the same rule: refused (the users before stay),
+or, with the flag, loaded and reported.
 
 Oracles: the exit status and message of a real ``dmuon-server`` process run as a normal
 account (which cannot create cgroups or mount volumes) and as root; what the machine
@@ -13,6 +15,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -30,11 +33,18 @@ from dmuon_server.launching.volumes import UserVolumes
 TOKEN = secrets.token_urlsafe(24)
 
 
-def _users_file(folder: Path, **limits: Any) -> Path:
+BOB_TOKEN = secrets.token_urlsafe(24)
+
+
+def _users_file(folder: Path, bob: dict[str, Any] | None = None, **limits: Any) -> Path:
+    """Ada (an admin, with ``limits``) and, given his limits, Bob."""
     path = folder / "users.json"
     digest = hashlib.sha256(TOKEN.encode()).hexdigest()
-    entry = {"name": "ada", "token_sha256": digest, "admin": True, "limits": limits}
-    path.write_text(json.dumps({"users": [entry]}))
+    entries = [{"name": "ada", "token_sha256": digest, "admin": True, "limits": limits}]
+    if bob is not None:
+        bob_digest = hashlib.sha256(BOB_TOKEN.encode()).hexdigest()
+        entries.append({"name": "bob", "token_sha256": bob_digest, "limits": bob})
+    path.write_text(json.dumps({"users": entries}))
     path.chmod(0o600)
     return path
 
@@ -49,15 +59,19 @@ def account_folder() -> Iterator[tuple[tuple[int, int], Path]]:
         yield account, folder
 
 
-def _server_as(account: tuple[int, int], folder: Path, *flags: str) -> subprocess.Popen[str]:
-    """``dmuon-server`` as ``account`` with its data in ``folder``."""
+def _server_as(
+    account: tuple[int, int], folder: Path, *flags: str, log: Path | None = None
+) -> subprocess.Popen[str]:
+    """``dmuon-server`` as ``account`` with its data in ``folder`` (its standard error
+    into ``log`` where given)."""
     for path in folder.iterdir():
         os.chown(path, *account)
     cmd = [sys.executable, "-m", "dmuon_server.cli", "--port", "0", "--gpus", "none",
            "--data-dir", str(folder / "data"), "--sandbox", "none", *flags]  # fmt: skip
     env = {**os.environ, "HOME": str(folder)}
+    stderr = log.open("w") if log is not None else subprocess.PIPE
     return subprocess.Popen(
-        cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cmd, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
         user=account[0], group=account[1], extra_groups=[],
     )  # fmt: skip
 
@@ -137,6 +151,60 @@ def test_defaults_a_normal_account_cannot_hold_are_reported_not_refused(
         ("memory", None, False),
         ("pids", None, False),
     ]
+
+
+def _status(url: str, token: str) -> int:
+    return httpx.get(url + "/v1/server", headers={"Authorization": f"Bearer {token}"}).status_code
+
+
+def _reload(
+    account: tuple[int, int], folder: Path, proc: subprocess.Popen[str], **bob: Any
+) -> None:
+    """Rewrite the users file with Bob's ``bob`` limits and send the server SIGHUP."""
+    users = _users_file(folder, bob=bob)
+    os.chown(users, *account)
+    proc.send_signal(signal.SIGHUP)
+
+
+@pytest.mark.parametrize("allowed", [False, True], ids=["refused", "allowed"])
+def test_a_reload_asking_for_a_limit_not_held_is_refused_or_reported(
+    account_folder: tuple[tuple[int, int], Path], allowed: bool
+) -> None:
+    """A normal account cannot mount disk volumes. Reloading a users file that gives Bob a
+    ``disk_gib`` keeps the users before (Bob's token is refused, the log says why and
+    what to do); with ``--allow-unenforced-limits`` Bob is let in and the disk limit is
+    reported off. A later good file loads either way."""
+    account, folder = account_folder
+    users, log = _users_file(folder), folder / "server.err"
+    flags = ("--allow-unenforced-limits",) if allowed else ()
+    proc = _server_as(account, folder, "--users-file", str(users), *flags, log=log)
+    info_path = folder / "data" / "server.json"
+    try:
+        wait_until(lambda: proc.poll() is not None or info_path.exists(), 30, "the server to start")
+        assert proc.poll() is None, log.read_text()
+        url = json.loads(info_path.read_text())["url"]
+        wait_until(lambda: _get(url + "/healthz", {}) is not None, 30, "the server to answer")
+        _reload(account, folder, proc, disk_gib=0.1)
+        if allowed:
+            wait_until(lambda: _status(url, BOB_TOKEN) == 200, 30, "Bob to be let in")
+            info = _get(url + "/v1/server", {"Authorization": f"Bearer {TOKEN}"})
+            assert info is not None and "disk" in info["unenforced"]
+            disk = next(x for x in info["limits"] if x["name"] == "disk")
+            assert disk["asked_by"] == "disk_gib in the users file (bob)" and not disk["held"]
+        else:
+            refused = "users not reloaded, the previous ones stay: limits were asked for"
+            wait_until(lambda: refused in log.read_text(), 30, "the reload to be refused")
+            text = log.read_text()
+            assert "disk (asked by disk_gib in the users file (bob))" in text, text
+            assert "--allow-unenforced-limits" in text
+            assert _status(url, BOB_TOKEN) == 401 and _status(url, TOKEN) == 200
+            info = _get(url + "/v1/server", {"Authorization": f"Bearer {TOKEN}"})
+            assert info is not None and "disk" not in [x["name"] for x in info["limits"]]
+        _reload(account, folder, proc)  # Bob without limits: loads either way
+        wait_until(lambda: _status(url, BOB_TOKEN) == 200, 30, "Bob to be let in")
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=20)
 
 
 def test_root_without_usr_sbin_on_path_holds_disk_quotas_or_refuses(tmp_path: Path) -> None:

@@ -234,6 +234,12 @@ class Users:
         self._lock = threading.Lock()
         self._entries = self._load()
         self._generation = 0
+        self._reload_check: Callable[[list[User]], str | None] | None = None
+
+    def check_reloads_with(self, check: Callable[[list[User]], str | None]) -> None:
+        """Have every reload ask ``check(users)`` first: a message refuses the new users
+        (the ones loaded before stay), as a bad file does; None accepts them."""
+        self._reload_check = check
 
     @property
     def enabled(self) -> bool:
@@ -267,6 +273,11 @@ class Users:
         except UsersFileError as e:
             log.error("users not reloaded, the previous ones stay: %s", e)
             return str(e)
+        if self._reload_check is not None:
+            problem = self._reload_check([user for user, _ in entries])
+            if problem is not None:
+                log.error("users not reloaded, the previous ones stay: %s", problem)
+                return problem
         with self._lock:
             self._entries = entries
             self._generation += 1

@@ -7,7 +7,8 @@ A limit is *asked for* by a flag given on the command line (``--max-job-memory``
 is reported, not refused. A limit asked for that the machine cannot hold stops the
 server at start-up (exit status 2) with what is missing and how to get it, unless the
 operator passes ``--allow-unenforced-limits``; ``GET /v1/server`` and the dashboard then
-say which limits are off.
+say which limits are off. A users file reloaded on SIGHUP is held to the same rule: one
+that asks for a limit the machine cannot hold is not loaded (`HeldLimits.recheck`).
 """
 
 from __future__ import annotations
@@ -128,12 +129,43 @@ def refuse_unheld(statuses: Iterable[LimitStatus], allowed: bool) -> list[str]:
     return warnings
 
 
-def hold_limits(
-    settings: Settings, users: Iterable[User]
-) -> tuple[Cgroups | None, UserVolumes | None, tuple[LimitStatus, ...]]:
+@dataclass
+class HeldLimits:
+    """What a local server found it can hold (job cgroups, disk volumes, each with the
+    line saying why or why not) and the status of each limit for the users it serves."""
+
+    cgroups: Cgroups | None
+    cgroups_note: str
+    volumes: UserVolumes | None
+    volumes_note: str
+    statuses: tuple[LimitStatus, ...]
+
+    def recheck(self, settings: Settings, users: Iterable[User]) -> str | None:
+        """For a reload of the users file: why ``users`` cannot be served (a limit they
+        ask for that this machine cannot hold, without ``--allow-unenforced-limits``), or
+        None, the statuses then being those of ``users``."""
+        statuses = limit_statuses(
+            settings,
+            users,
+            self.cgroups,
+            self.cgroups_note,
+            self.volumes is not None,
+            self.volumes_note,
+        )
+        try:
+            warnings = refuse_unheld(statuses, settings.allow_unenforced_limits)
+        except StartupError as error:
+            return str(error)
+        self.statuses = statuses
+        for line in warnings:
+            log.warning("%s", line)
+        return None
+
+
+def hold_limits(settings: Settings, users: Iterable[User]) -> HeldLimits:
     """Find what this machine offers a local server (job cgroups, disk volumes), refuse
     to start without a limit asked for that it cannot hold (:func:`refuse_unheld`), and
-    log what holds and what does not: ``(cgroups, volumes, the status of each limit)``."""
+    log what holds and what does not."""
     cgroups, cgroups_note = Cgroups.detect()
     volumes, volumes_note = UserVolumes.detect(settings.data_dir, settings.jobs_dir)
     statuses = limit_statuses(
@@ -145,4 +177,4 @@ def hold_limits(
             log.info("%s", note)
     for line in warnings:
         log.warning("%s", line)
-    return cgroups, volumes, statuses
+    return HeldLimits(cgroups, cgroups_note, volumes, volumes_note, statuses)

@@ -42,7 +42,7 @@ from dmuon_server.config import Settings
 from dmuon_server.launching import attempts, sandbox
 from dmuon_server.launching.attempts import Move
 from dmuon_server.launching.cgroups import CgroupError, JobCgroup, JobLimits, limit_hit
-from dmuon_server.launching.enforcement import hold_limits
+from dmuon_server.launching.enforcement import LimitStatus, hold_limits
 from dmuon_server.launching.full_disk import FullDisk
 from dmuon_server.launching.identity import IdentityError, JobIdentities
 from dmuon_server.launching.job_process import (
@@ -102,15 +102,20 @@ class LocalLauncher:
         self.full_disk = FullDisk(settings)
         #: Whether each unsandboxed job gets a /tmp and /dev/shm of its own.
         self.private_tmp = settings.sandbox == "none" and private_tmp_unavailable() is None
-        self.cgroups, self.volumes, self.limit_statuses = hold_limits(
-            settings, identities.users.all()
-        )
+        self.held = hold_limits(settings, identities.users.all())
+        self.cgroups, self.volumes = self.held.cgroups, self.held.volumes
+        identities.users.check_reloads_with(lambda users: self.held.recheck(settings, users))
         self.limits = JobLimits(
             settings.max_job_memory, settings.max_job_pids, settings.max_job_cpus
         )
         self._cgroup: dict[str, JobCgroup] = {}
         #: Why a job was stopped for its user's disk quota, by job id.
         self._over_quota: dict[str, str] = {}
+
+    @property
+    def limit_statuses(self) -> tuple[LimitStatus, ...]:
+        """The status of each kind of limit for the users served now."""
+        return self.held.statuses
 
     # ------------------------------------------------------------------- recovery
 

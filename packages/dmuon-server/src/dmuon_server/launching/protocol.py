@@ -31,9 +31,12 @@ class Launcher(Protocol):
     capacity: int | None
     #: Attempts launched by this server process.
     launched_total: int
-    #: The kernel limits the launcher holds for jobs, and those it cannot (empty where a
-    #: scheduler such as Slurm holds its own).
-    limit_statuses: tuple[LimitStatus, ...]
+
+    @property
+    def limit_statuses(self) -> tuple[LimitStatus, ...]:
+        """The kernel limits the launcher holds for jobs, and those it cannot (empty where
+        a scheduler such as Slurm holds its own); a reload of the users file may change
+        them."""
 
     def recover(self) -> None:
         """Re-attach to the jobs a previous server launched."""
