@@ -105,9 +105,6 @@ class LocalLauncher:
         self.held = hold_limits(settings, identities.users.all())
         self.cgroups, self.volumes = self.held.cgroups, self.held.volumes
         identities.users.check_reloads_with(lambda users: self.held.recheck(settings, users))
-        self.limits = JobLimits(
-            settings.max_job_memory, settings.max_job_pids, settings.max_job_cpus
-        )
         self._cgroup: dict[str, JobCgroup] = {}
         #: Why a job was stopped for its user's disk quota, by job id.
         self._over_quota: dict[str, str] = {}
@@ -279,9 +276,11 @@ class LocalLauncher:
 
     def _limits_of(self, job: JobRecord) -> JobLimits:
         """The kernel's limits of ``job``: the server's, with its user's memory_gib."""
-        users = self.identities.users
-        memory, source = users.limits_of(job.user).job_memory(self.settings.max_job_memory)
-        return dataclasses.replace(self.limits, memory_bytes=memory, memory_source=source)
+        settings = self.settings
+        memory, source = self.identities.users.limits_of(job.user).job_memory(
+            settings.max_job_memory
+        )
+        return JobLimits(memory, settings.max_job_pids, settings.max_job_cpus, source)
 
     def _new_cgroup(self, job: JobRecord, attempt: int) -> JobCgroup | None:
         """The cgroup of a new attempt (None where the machine has none to give)."""
