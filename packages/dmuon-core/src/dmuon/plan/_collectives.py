@@ -157,15 +157,17 @@ def tp_split_dims(
     return dims
 
 
+@functools.lru_cache(maxsize=1024)
 def workspace_bytes(
-    items: list[tuple[int, int, int]],
+    items: tuple[tuple[int, int, int], ...],
     dtype: torch.dtype,
     device: torch.device,
     cap: int,
     gram: bool,
 ) -> int:
-    """Bytes of the Newton-Schulz workspace `dmuon.Muon` keeps for these items: the largest
-    bucket of one shape, run in chunks within ``cap``."""
+    """Bytes of the Newton-Schulz workspace `dmuon.Muon` keeps for these items (a tuple,
+    sorted: thousands of ranks ask for the same few sets, and the answer is remembered):
+    the largest bucket of one shape, run in chunks within ``cap``."""
     counts: dict[tuple[int, int], int] = defaultdict(int)
     for matrices, rows, cols in items:
         counts[rows, cols] += matrices

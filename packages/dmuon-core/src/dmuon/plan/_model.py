@@ -42,10 +42,11 @@ def planning_model(source: str | Path | Mapping[str, Any]) -> tuple[nn.Module, A
     """
     from dmuon.plan._decoder import decoder_meta_model
 
-    model = decoder_meta_model(_config_fields(source))
+    fields = _config_fields(source)
+    model = decoder_meta_model(fields)
     if model is not None:
         return model, model.config
-    config = load_config(source)
+    config = load_config(fields)
     return meta_model(config), config
 
 

@@ -401,7 +401,7 @@ def _rank_plan(
         update_seconds=update,
         master_bytes=stepped * FLOAT32 + (owned_elements - stepped) * held_bytes,
         momentum_bytes=stepped * FLOAT32,
-        workspace_bytes=_workspace_bytes(
+        workspace_bytes=workspace_bytes(
             tuple(sorted(setup.item_shapes[n] for n in orthogonalized)),
             setup.ns_dtype,
             setup.device,
@@ -444,18 +444,6 @@ def _iteration_flops(
         gram = uses_gram(shape[1], shape[2], ns_gram, ns_dtype)
         flops += newton_schulz_flops(shape, ns_steps, gram, restarts if gram else 0)
     return flops
-
-
-@functools.lru_cache(maxsize=1024)
-def _workspace_bytes(
-    shapes: tuple[tuple[int, int, int], ...],
-    dtype: torch.dtype,
-    device: torch.device,
-    cap: int,
-    gram: bool,
-) -> int:
-    """`workspace_bytes` of one rank's items (their shapes, sorted), remembered alike."""
-    return workspace_bytes(list(shapes), dtype, device, cap, gram)
 
 
 def _split_share(setup: ClusterSetup, position: int) -> tuple[dict[str, Tally], int, float]:
