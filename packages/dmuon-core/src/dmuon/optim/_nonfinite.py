@@ -57,8 +57,8 @@ def finite_only(
 
     ``values`` are the pairs' norms then their first elements, as `_norms_and_firsts`
     wrote them. Returns the pairs to step and the names of the matrices left out for a
-    NaN or infinite gradient (``nonfinite`` is applied by the caller, after
-    :func:`agree_on_nonfinite`).
+    NaN or infinite gradient (``nonfinite`` is applied by the caller: see
+    :func:`raise_if_found`).
     """
     count = len(pairs)
     # A matrix no rank had a gradient for (an expert no token was routed to anywhere)
