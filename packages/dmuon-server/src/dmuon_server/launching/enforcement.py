@@ -138,12 +138,12 @@ class HeldLimits:
     cgroups_note: str
     volumes: UserVolumes | None
     volumes_note: str
-    statuses: tuple[LimitStatus, ...]
+    statuses: tuple[LimitStatus, ...] = ()
 
-    def recheck(self, settings: Settings, users: Iterable[User]) -> str | None:
-        """For a reload of the users file: why ``users`` cannot be served (a limit they
-        ask for that this machine cannot hold, without ``--allow-unenforced-limits``), or
-        None, the statuses then being those of ``users``."""
+    def hold(self, settings: Settings, users: Iterable[User]) -> None:
+        """Serve ``users``: take their limits' statuses and log those not held, or raise
+        :class:`StartupError` for a limit they ask for that this machine cannot hold
+        (:func:`refuse_unheld`), the statuses then staying as they were."""
         statuses = limit_statuses(
             settings,
             users,
@@ -152,29 +152,30 @@ class HeldLimits:
             self.volumes is not None,
             self.volumes_note,
         )
-        try:
-            warnings = refuse_unheld(statuses, settings.allow_unenforced_limits)
-        except StartupError as error:
-            return str(error)
+        warnings = refuse_unheld(statuses, settings.allow_unenforced_limits)
         self.statuses = statuses
         for line in warnings:
             log.warning("%s", line)
+
+    def recheck(self, settings: Settings, users: Iterable[User]) -> str | None:
+        """For a reload of the users file: `hold` ``users``, or say why they cannot be
+        served (nothing changes then)."""
+        try:
+            self.hold(settings, users)
+        except StartupError as error:
+            return str(error)
         return None
 
 
 def hold_limits(settings: Settings, users: Iterable[User]) -> HeldLimits:
     """Find what this machine offers a local server (job cgroups, disk volumes), refuse
-    to start without a limit asked for that it cannot hold (:func:`refuse_unheld`), and
-    log what holds and what does not."""
+    to start without a limit asked for that it cannot hold (`HeldLimits.hold`), and log
+    what holds and what does not."""
     cgroups, cgroups_note = Cgroups.detect()
     volumes, volumes_note = UserVolumes.detect(settings.data_dir, settings.jobs_dir)
-    statuses = limit_statuses(
-        settings, users, cgroups, cgroups_note, volumes is not None, volumes_note
-    )
-    warnings = refuse_unheld(statuses, settings.allow_unenforced_limits)
-    for held, note in ((cgroups, cgroups_note), (volumes, volumes_note)):
-        if held is not None:
+    held = HeldLimits(cgroups, cgroups_note, volumes, volumes_note)
+    held.hold(settings, users)
+    for found, note in ((cgroups, cgroups_note), (volumes, volumes_note)):
+        if found is not None:
             log.info("%s", note)
-    for line in warnings:
-        log.warning("%s", line)
-    return HeldLimits(cgroups, cgroups_note, volumes, volumes_note, statuses)
+    return held
