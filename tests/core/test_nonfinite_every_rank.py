@@ -14,10 +14,6 @@ counted as DMuon's own ``Tensor.item`` and ``Tensor.tolist`` calls (2 before).
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +27,7 @@ from dist_harness import (
     reference_train,
     spawn_ranks,
 )
+from host_reads import counted_host_reads
 
 import dmuon
 from dmuon.optim import NonFiniteGradientError
@@ -40,33 +37,6 @@ STEPS = 3
 POISONED_STEP = 1
 TARGET = "layers.0.attn.q_proj.weight"
 LAYOUTS = {"flat-z2": ((WORLD,), "z2"), "hsdp-z3": ((2, 2), "z3")}
-
-
-@contextmanager
-def _counted_reads() -> Iterator[list[str]]:
-    """Every ``Tensor.item`` and ``Tensor.tolist`` DMuon's own code calls inside."""
-    package = str(Path(dmuon.__file__).parent)
-    reads: list[str] = []
-
-    def counted(name: str) -> Callable[..., Any]:
-        original = getattr(torch.Tensor, name)
-
-        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            caller = inspect.stack(context=0)[1]
-            if caller.filename.startswith(package):
-                reads.append(f"{name} in {Path(caller.filename).name}:{caller.lineno}")
-            return original(self, *args, **kwargs)
-
-        return read
-
-    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist")}
-    try:
-        for name in originals:
-            setattr(torch.Tensor, name, counted(name))
-        yield reads
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
 
 
 def _worker(rank: int, world: int) -> dict[str, Any]:
@@ -88,7 +58,7 @@ def _worker(rank: int, world: int) -> dict[str, Any]:
                     if dp.fqn == TARGET and dp.updates_here:
                         dp.param._reduced_grad[0, 0] = float("nan")
                         poisoned_here = True
-            with _counted_reads() as step_reads:
+            with counted_host_reads() as step_reads:
                 try:
                     optimizer.step()
                     raised.append(None)

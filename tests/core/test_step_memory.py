@@ -13,7 +13,6 @@ own events (torch.profiler's memory records), summed in time order, against the 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -194,31 +193,16 @@ def test_the_busiest_ranks_step_transient_stays_within_its_workspace() -> None:
     assert max(max(r["transients"]) for r in results) > 0  # the measurement sees the step
 
 
-def test_one_process_reads_the_device_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_one_process_reads_the_device_once_per_step() -> None:
     """Issue 57: at most one host synchronisation per step beyond AdamW's. Counted on CPU
     as every ``Tensor.item`` and ``Tensor.tolist`` (each a device-to-host read on a GPU)
     that DMuon's own code makes during ``optimizer.step()`` in one process: the norms and
     first elements of the owned gradients, read together. The NaN check that agrees across
     ranks made a second read with nobody to agree with (before: 2)."""
-    import inspect
-
+    from host_reads import counted_host_reads
     from tiny_llama import TinyLlama
 
     import dmuon
-
-    package = str(Path(dmuon.__file__).parent)
-    reads: list[str] = []
-
-    def counted(name: str) -> Callable[..., Any]:
-        original = getattr(torch.Tensor, name)
-
-        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            caller = inspect.stack(context=0)[1]
-            if caller.filename.startswith(package):
-                reads.append(f"{name} in {Path(caller.filename).name}:{caller.lineno}")
-            return original(self, *args, **kwargs)
-
-        return read
 
     torch.manual_seed(0)
     model = TinyLlama(vocab=64, dim=32, hidden=64, n_layers=2)
@@ -227,10 +211,7 @@ def test_one_process_reads_the_device_once_per_step(monkeypatch: pytest.MonkeyPa
     tokens = torch.randint(0, 64, (2, 9))
     for step in range(2):
         model(tokens[:, :-1], tokens[:, 1:]).backward()
-        reads.clear()
-        with monkeypatch.context() as patch:
-            for name in ("item", "tolist"):
-                patch.setattr(torch.Tensor, name, counted(name))
+        with counted_host_reads() as reads:
             optimizer.step()
         optimizer.zero_grad()
         assert len(reads) == 1, (step, reads)
