@@ -24,7 +24,7 @@ from torch import nn
 
 from dmuon._ownership.selection import select_with_boundaries
 from dmuon.plan import load_config, meta_model, plan_cluster
-from dmuon.plan._decoder import FAMILIES, DecoderForPlanning, decoder_meta_model
+from dmuon.plan._decoder import FAMILIES, DecoderForPlanning, decoder_config, decoder_meta_model
 from dmuon.plan._model import active_parameters, planning_model
 
 MODELS = Path(__file__).resolve().parents[2] / "benchmarks" / "models"
@@ -175,6 +175,20 @@ def test_what_the_decoder_does_not_describe_goes_to_transformers(
     model, config = planning_model(fields)
     assert type(model).__module__.startswith("transformers.")
     assert config is model.config
+
+
+@pytest.mark.parametrize(
+    "change",
+    [{"head_dim": 0}, {"num_hidden_layers": True}, {"vocab_size": -5}],
+    ids=["zero-head-dim", "bool-size", "negative-size"],
+)
+def test_sizes_that_are_not_sizes_are_refused_by_name(change: dict[str, Any]) -> None:
+    """Not described here (transformers decides), and what transformers cannot build is
+    a ValueError naming the model type, which the command line prints as its error."""
+    fields = {"model_type": "llama", **_BASE, **change}
+    assert decoder_config(fields) is None
+    with pytest.raises(ValueError, match="transformers cannot build a 'llama' model"):
+        planning_model(fields)
 
 
 def test_a_config_without_model_type_is_refused_with_what_to_do(tmp_path: Path) -> None:

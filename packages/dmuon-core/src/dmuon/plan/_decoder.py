@@ -116,9 +116,11 @@ def decoder_config(fields: Mapping[str, Any]) -> DecoderConfig | None:
     if set(fields) - known:
         return None
     sizes = [fields.get(name) for name in REQUIRED_FIELDS]
+    if "head_dim" in fields:  # given as anything but a size: transformers decides
+        sizes.append(fields["head_dim"])
     if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
         return None
-    vocab, hidden, ffn, layers, heads, kv_heads = sizes
+    vocab, hidden, ffn, layers, heads, kv_heads = sizes[: len(REQUIRED_FIELDS)]
     head_dim = fields.get("head_dim") or family.head_dim or hidden // heads
 
     def bias(setting: bool | str) -> bool:

@@ -28,7 +28,7 @@ def load_config(source: str | Path | Mapping[str, Any]) -> Any:
     model_type = fields.pop("model_type")
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except ValueError as error:
+    except Exception as error:  # transformers' field validation raises several kinds
         raise ValueError(f"transformers cannot build a {model_type!r} model: {error}") from error
 
 
@@ -38,7 +38,8 @@ def planning_model(source: str | Path | Mapping[str, Any]) -> tuple[nn.Module, A
     transformers; any other model through `load_config` and `meta_model`.
 
     Raises:
-        ValueError: As `load_config`.
+        ValueError: As `load_config`, or transformers cannot lay the model out from these
+            sizes (a head size of 0, say).
     """
     from dmuon.plan._decoder import decoder_meta_model
 
@@ -47,7 +48,13 @@ def planning_model(source: str | Path | Mapping[str, Any]) -> tuple[nn.Module, A
     if model is not None:
         return model, model.config
     config = load_config(fields)
-    return meta_model(config), config
+    try:
+        return meta_model(config), config
+    except (ArithmeticError, TypeError, ValueError, RuntimeError) as error:  # bad sizes
+        raise ValueError(
+            f"transformers cannot build a {fields['model_type']!r} model from this config: "
+            f"{type(error).__name__}: {error}"
+        ) from error
 
 
 def _config_fields(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
