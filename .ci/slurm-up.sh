@@ -84,25 +84,18 @@ if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
     munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 || die "munged did not start"
 fi
 
-running() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
-stop() {
-    running "$1" || return 0
-    local pid
-    pid="$(cat "$1")"
-    kill "$pid"
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.2; done
-    die "$2 (pid $pid) did not stop"
-}
+# shellcheck source=daemons.sh
+source "$(dirname "${BASH_SOURCE[0]}")/daemons.sh"
 if [ "$config_changed" = 1 ]; then  # plugins change only with a restart
     stop /run/slurmd.pid slurmd
     stop /run/slurmctld.pid slurmctld
 fi
-running /run/slurmctld.pid || slurmctld 9>&-
-running /run/slurmd.pid || slurmd 9>&-
+running /run/slurmctld.pid slurmctld || { rm -f /run/slurmctld.pid; slurmctld 9>&-; }
+running /run/slurmd.pid slurmd || { rm -f /run/slurmd.pid; slurmd 9>&-; }
 
 state=""
 for _ in $(seq 60); do
-    state="$(sinfo --noheader --nodes="$node" --format=%T 2>/dev/null || true)"
+    state="$(timeout 5 sinfo --noheader --nodes="$node" --format=%T 2>/dev/null || true)"
     case "$state" in
         idle|mixed|allocated) exit 0 ;;
         down*|drain*) scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true ;;
