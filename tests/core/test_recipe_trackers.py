@@ -165,7 +165,14 @@ def test_wandb_offline_run_holds_the_metrics_and_config(
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_PROJECT", "dmuon-tests")
     cfg = replace(base, report_to="wandb")
-    run(cfg)
+    import wandb
+
+    try:
+        run(cfg)
+    finally:
+        # The run started W&B's service process; end it here, not in an exit handler
+        # after the suite has ended every process its tests started.
+        wandb.teardown()
     files = list((tmp_path / "runs").rglob("*.wandb"))
     assert len(files) == 1
     records = wandb_records(files[0])
