@@ -36,7 +36,7 @@ def _cli(path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]
 
 
 def test_a_whole_checkpoint_verifies(folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert manifest.verify(folder) == []
+    assert manifest.verify_checkpoint(folder) == []
     names = set(manifest._read(folder)["files"])  # type: ignore[index]
     assert ".metadata" in names and any(n.endswith(".distcp") for n in names)
     code, out, _ = _cli(folder, capsys)
@@ -53,16 +53,16 @@ def test_truncated_altered_and_missing_files_are_named(
     shard = _shard(folder)
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    assert manifest.verify(folder) == [
+    assert manifest.verify_checkpoint(folder) == [
         f"{shard.name} has {len(data) // 2} bytes, {len(data)} were written"
     ]
     shard.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
-    assert manifest.verify(folder) == [
+    assert manifest.verify_checkpoint(folder) == [
         f"{shard.name} has changed since it was written (its checksum differs)"
     ]
-    assert manifest.verify(folder, checksums=False) == []  # the size alone cannot tell
+    assert manifest.verify_checkpoint(folder, checksums=False) == []  # the size alone cannot tell
     (folder / ".metadata").unlink()
-    problems = manifest.verify(folder)
+    problems = manifest.verify_checkpoint(folder)
     assert ".metadata is missing" in problems
     code, _, err = _cli(folder, capsys)
     assert code == 1 and ".metadata is missing" in err
@@ -72,6 +72,8 @@ def test_truncated_altered_and_missing_files_are_named(
 
 def test_a_folder_without_its_manifest_is_incomplete(folder: Path) -> None:
     (folder / manifest.MANIFEST).unlink()
-    (problem,) = manifest.verify(folder)
+    (problem,) = manifest.verify_checkpoint(folder)
     assert "has no dmuon-manifest.json: the save did not finish" in problem
-    assert manifest.verify(folder / "nothing") == [f"{folder / 'nothing'} is not a folder"]
+    assert manifest.verify_checkpoint(folder / "nothing") == [
+        f"{folder / 'nothing'} is not a folder"
+    ]

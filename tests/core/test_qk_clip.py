@@ -426,6 +426,43 @@ def test_the_recipes_own_model_records_through_record_attention_logits() -> None
     )
 
 
+def test_recording_is_left_out_of_compiled_layers_and_still_counts() -> None:
+    """Under ``layer.compile()`` the recorder runs eagerly between compiled regions (it is
+    built for ``torch.compiler.disable`` when the optimizer attaches it, not at import) and
+    the report holds the same maxima as an eager forward of the same batch."""
+    from dataclasses import replace
+
+    import torch._dynamo
+
+    from dmuon.train.models.preset import PRESETS, build_model
+
+    model = build_model(replace(PRESETS["tiny"], n_layers=2), seed=0)
+    dmuon.dedicate_params(model)
+    optimizer = dmuon.Muon(model, lr=0.0, adamw_lr=0.0, adamw_weight_decay=0.0, qk_clip=1e9)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
+
+    def report() -> dict[str, float]:
+        model(tokens).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return optimizer.qk_clip_report.max_logits
+
+    eager = report()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    try:
+        for layer in model.layers:
+            layer.compile(backend="eager")
+        compiled = report()
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0
+        breaks = list(torch._dynamo.utils.counters["graph_break"])
+        assert any("function _record " in b and "compiler.disable" in b for b in breaks), breaks
+    finally:
+        torch._dynamo.reset()
+    assert set(compiled) == {"layers.0.attn", "layers.1.attn"}
+    assert compiled == pytest.approx(eager, rel=1e-6)
+
+
 class _Silent(nn.Module):
     """Attention whose forward never reports its logits."""
 

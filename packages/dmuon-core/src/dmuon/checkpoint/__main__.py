@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     if args.command == "verify":
-        problems = manifest.verify(args.checkpoint_dir, checksums=not args.sizes_only)
+        problems = manifest.verify_checkpoint(args.checkpoint_dir, checksums=not args.sizes_only)
         for problem in problems:
             print(f"{args.checkpoint_dir}: {problem}", file=sys.stderr)
         if not problems:

@@ -5,9 +5,9 @@ A DCP checkpoint is one folder of files written by every rank (``__R_0.distcp``)
 file missing, shorter than written or changed, and torch's loader then fails deep inside
 its unpickler without naming the file. `write_manifest` runs once every file is written:
 it flushes each file and the folder to disk (``fsync``), records each file's size and
-SHA-256, and writes ``dmuon-manifest.json`` last, atomically. `verify` checks a folder
-against its manifest without loading anything: a folder without a manifest is incomplete,
-and a missing, truncated or altered file is named.
+SHA-256, and writes ``dmuon-manifest.json`` last, atomically. `verify_checkpoint` checks a
+folder against its manifest without loading anything: a folder without a manifest is
+incomplete, and a missing, truncated or altered file is named.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ __all__ = [
     "fsync_dir",
     "fsync_tree",
     "replace_folder",
-    "verify",
+    "verify_checkpoint",
     "write_manifest",
 ]
 
@@ -46,7 +46,7 @@ _digest = contract.file_sha256
 _read = contract.read_manifest
 
 
-def verify(folder: str | os.PathLike[str], checksums: bool = True) -> list[str]:
+def verify_checkpoint(folder: str | os.PathLike[str], checksums: bool = True) -> list[str]:
     """The problems of a checkpoint folder against its manifest; ``[]`` when it is whole.
 
     ``checksums=False`` checks presence and sizes only (no file is read).
@@ -116,7 +116,7 @@ def write_manifest(folder: str | os.PathLike[str]) -> Path:
 
 def check(folder: str | os.PathLike[str]) -> None:
     """Raise `CheckpointDamagedError` naming the folder and its problems, if it has any."""
-    problems = verify(folder)
+    problems = verify_checkpoint(folder)
     if problems:
         raise CheckpointDamagedError(
             f"the checkpoint {folder} is damaged: " + "; ".join(problems) + ". Resume from an "

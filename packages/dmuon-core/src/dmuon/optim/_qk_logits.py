@@ -73,8 +73,17 @@ class HeadMaxima:
         return values
 
 
+#: `_record` as ``torch.compile`` leaves it, made by the first `attach`: the recording
+#: sites run it only for a module with a recorder, and ``torch.compiler.disable`` loads
+#: torch's compiler (0.8 s of CPU), which a process that never clips should not pay.
+_record_eagerly: Callable[..., None] | None = None
+
+
 def attach(module: nn.Module) -> HeadMaxima:
     """Give an attention module a recorder (or return the one it has)."""
+    global _record_eagerly
+    if _record_eagerly is None:
+        _record_eagerly = torch.compiler.disable(_record)
     existing = module.__dict__.get(_ATTR)
     if isinstance(existing, HeadMaxima):
         return existing
@@ -113,7 +122,7 @@ def record_attention_logits(
     recorder = module.__dict__.get(_ATTR)
     if recorder is not None and module.training:
         kwargs = {"scaling": scaling, "is_causal": is_causal}
-        _record(recorder, module, query, key, attention_mask, kwargs)
+        _record_eagerly(recorder, module, query, key, attention_mask, kwargs)  # type: ignore[misc]
 
 
 def is_hugging_face(model: nn.Module) -> bool:
@@ -168,7 +177,7 @@ def _recording(inner: str) -> Callable[..., Any]:
     ) -> Any:
         recorder = module.__dict__.get(_ATTR)
         if recorder is not None and module.training:
-            _record(recorder, module, query, key, attention_mask, kwargs)
+            _record_eagerly(recorder, module, query, key, attention_mask, kwargs)  # type: ignore[misc]
         implementation = _eager_of(module) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
         return implementation(module, query, key, value, attention_mask, **kwargs)
 
@@ -187,7 +196,6 @@ def _eager_of(module: nn.Module) -> Callable[..., Any]:
     return function  # type: ignore[no-any-return]
 
 
-@torch.compiler.disable
 @torch.no_grad()
 def _record(
     recorder: HeadMaxima,

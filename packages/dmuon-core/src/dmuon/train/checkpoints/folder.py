@@ -40,16 +40,16 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import dmuon_recipe_contract as contract
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.stateful import Stateful
 
 from dmuon.checkpoint import _manifest as manifest
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.stateful import Stateful
 
 __all__ = [
     "TRAINER_STATE_FILE",
@@ -137,7 +137,7 @@ def latest_checkpoint(
     and passed to ``on_damaged(path, problems)``; None when no checkpoint verifies.
     """
     for _, path in reversed(find_checkpoints(directory)):
-        problems = manifest.verify(path)
+        problems = manifest.verify_checkpoint(path)
         if not problems:
             return path
         if on_damaged is not None:
@@ -190,7 +190,7 @@ def require_checkpoint(path: str | os.PathLike[str], flag: str) -> Path:
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory; pass a step_NNNNNNNN checkpoint")
     if is_complete(path) and not _TMP_NAME.fullmatch(path.name):
-        problems = manifest.verify(path)
+        problems = manifest.verify_checkpoint(path)
         if problems:
             raise CheckpointError(
                 f"{path}: the checkpoint is damaged: " + "; ".join(problems) + ". Pass an "
@@ -236,6 +236,8 @@ def _bytes_of(states: Mapping[str, Stateful]) -> int:
 
 def _first_cause(error: BaseException) -> OSError:
     """The OSError behind ``error`` (DCP wraps each rank's exception), or one describing it."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     if isinstance(error, CheckpointException):
         for wrapped, _ in error.failures.values():
             return _first_cause(wrapped)
@@ -312,6 +314,10 @@ def save_checkpoint(
     except OSError as e:
         error = e
     barrier()
+    # DCP (about 1 s to import) is loaded by the first checkpoint, not by every run.
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         with _quiet_single_process():
             dcp.save(dict(distributed), checkpoint_id=tmp, no_dist=_no_dist())
@@ -391,6 +397,8 @@ def load_checkpoint(
     restored only when the checkpoint has a file for this rank (it may have been written
     at a smaller world size).
     """
+    import torch.distributed.checkpoint as dcp
+
     path = Path(path)
     with _quiet_single_process():
         dcp.load(dict(distributed), checkpoint_id=path, no_dist=_no_dist())

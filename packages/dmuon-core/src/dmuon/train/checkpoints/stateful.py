@@ -1,7 +1,9 @@
 """The trainer's state as ``torch.distributed.checkpoint.stateful.Stateful`` objects.
 
 A checkpoint is the ``state_dict()`` of each of these, and resuming is their
-``load_state_dict()``; `dmuon.train.checkpoints.folder` decides where each one is stored:
+``load_state_dict()``; `dmuon.train.checkpoints.folder` decides where each one is stored.
+DCP's ``Stateful`` is a protocol, so they need not import it, nor DCP (about 1 s), which a
+run without checkpoints never loads:
 
 * `ModelState` and `OptimizerState` go through DCP (every rank writes its part; any world
   size reads them back), with `dmuon.get_model_state_dict` / `dmuon.get_optimizer_state_dict`
@@ -19,19 +21,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.stateful import Stateful
 
-from dmuon import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+import dmuon
 
 __all__ = ["ModelState", "OptimizerState", "RNGState", "TrainState"]
 
 
-class ModelState(Stateful):
+class ModelState:
     """The model's weights (sharded: FSDP2 DTensors and the owners' dedicated matrices)."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -40,14 +36,14 @@ class ModelState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         """`dmuon.get_model_state_dict` of the model."""
-        return get_model_state_dict(self.model)
+        return dmuon.get_model_state_dict(self.model)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """`dmuon.set_model_state_dict` (every rank, a collective)."""
-        set_model_state_dict(self.model, state_dict)
+        dmuon.set_model_state_dict(self.model, state_dict)
 
 
-class OptimizerState(Stateful):
+class OptimizerState:
     """The optimizer's state, keyed by parameter name."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -57,15 +53,15 @@ class OptimizerState(Stateful):
 
     def state_dict(self) -> dict[str, Any]:
         """`dmuon.get_optimizer_state_dict`."""
-        return get_optimizer_state_dict(self.model, self.optimizer)
+        return dmuon.get_optimizer_state_dict(self.model, self.optimizer)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """`dmuon.set_optimizer_state_dict` (every rank, a collective)."""
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        dmuon.set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 
 @dataclass
-class TrainState(Stateful):
+class TrainState:
     """Where the run is, and what it was started with (to refuse resuming another run).
 
     Attributes:
@@ -102,7 +98,7 @@ class TrainState(Stateful):
                 setattr(self, key, value)
 
 
-class RNGState(Stateful):
+class RNGState:
     """This process's random number generators: torch's CPU one, CUDA's if used, Python's."""
 
     def __init__(self, device: torch.device) -> None:
