@@ -73,16 +73,13 @@ class HeadMaxima:
         return values
 
 
-#: `_record` as ``torch.compile`` leaves it, made by the first `attach`: the recording
-#: sites run it only for a module with a recorder, and ``torch.compiler.disable`` loads
-#: torch's compiler (0.8 s of CPU), which a process that never clips should not pay.
-_record_eagerly: Callable[..., None] | None = None
-
-
 def attach(module: nn.Module) -> HeadMaxima:
     """Give an attention module a recorder (or return the one it has)."""
     global _record_eagerly
-    if _record_eagerly is None:
+    if _record_eagerly is _record:
+        # Done here, not at import: ``torch.compiler.disable`` loads torch's compiler
+        # (0.8 s of CPU), which a process that never clips should not pay. The recording
+        # sites call `_record_eagerly` only for a module with a recorder, so after this.
         _record_eagerly = torch.compiler.disable(_record)
     existing = module.__dict__.get(_ATTR)
     if isinstance(existing, HeadMaxima):
@@ -122,7 +119,7 @@ def record_attention_logits(
     recorder = module.__dict__.get(_ATTR)
     if recorder is not None and module.training:
         kwargs = {"scaling": scaling, "is_causal": is_causal}
-        _record_eagerly(recorder, module, query, key, attention_mask, kwargs)  # type: ignore[misc]
+        _record_eagerly(recorder, module, query, key, attention_mask, kwargs)
 
 
 def is_hugging_face(model: nn.Module) -> bool:
@@ -177,7 +174,7 @@ def _recording(inner: str) -> Callable[..., Any]:
     ) -> Any:
         recorder = module.__dict__.get(_ATTR)
         if recorder is not None and module.training:
-            _record_eagerly(recorder, module, query, key, attention_mask, kwargs)  # type: ignore[misc]
+            _record_eagerly(recorder, module, query, key, attention_mask, kwargs)
         implementation = _eager_of(module) if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
         return implementation(module, query, key, value, attention_mask, **kwargs)
 
@@ -206,6 +203,10 @@ def _record(
     kwargs: dict[str, Any],
 ) -> None:
     recorder.update(head_maxima(module, query, key, attention_mask, kwargs))
+
+
+#: `_record` as ``torch.compile`` leaves it, once `attach` has wrapped it.
+_record_eagerly: Callable[..., None] = _record
 
 
 def head_maxima(
