@@ -104,6 +104,10 @@ class DecoderConfig:
     base_model_tp_plan: Mapping[str, str]
 
 
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def decoder_config(fields: Mapping[str, Any]) -> DecoderConfig | None:
     """The `DecoderConfig` of ``config.json``'s fields, or ``None`` where this module does
     not describe the model (another family, a field it does not know, one missing)."""
@@ -116,11 +120,11 @@ def decoder_config(fields: Mapping[str, Any]) -> DecoderConfig | None:
     if set(fields) - known:
         return None
     sizes = [fields.get(name) for name in REQUIRED_FIELDS]
-    if "head_dim" in fields:  # given as anything but a size: transformers decides
-        sizes.append(fields["head_dim"])
-    if not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in sizes):
+    # A head_dim given as anything but a size is left to transformers too.
+    given_head_dim = [fields["head_dim"]] if "head_dim" in fields else []
+    if not all(_is_size(s) for s in sizes + given_head_dim):
         return None
-    vocab, hidden, ffn, layers, heads, kv_heads = sizes[: len(REQUIRED_FIELDS)]
+    vocab, hidden, ffn, layers, heads, kv_heads = sizes
     head_dim = fields.get("head_dim") or family.head_dim or hidden // heads
 
     def bias(setting: bool | str) -> bool:
