@@ -13,14 +13,20 @@ import pytest
 DAEMONS = Path(__file__).resolve().parents[2] / ".ci" / "daemons.sh"
 
 
-def is_running(pid_file: Path, name: str) -> bool:
-    """What the script's ``running PIDFILE NAME`` answers, asked of a fresh bash."""
-    out = subprocess.run(
-        ["bash", "-c", f'source "{DAEMONS}"; running "$1" "$2"', "_", str(pid_file), name],
+def call(function: str, pid_file: Path, name: str) -> subprocess.CompletedProcess[str]:
+    """``function PIDFILE NAME`` of the helpers, in a fresh bash with the script's `die`."""
+    script = f'die() {{ echo "$*" >&2; exit 1; }}; source "{DAEMONS}"; {function} "$1" "$2"'
+    return subprocess.run(
+        ["bash", "-c", script, "_", str(pid_file), name],
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+def is_running(pid_file: Path, name: str) -> bool:
+    """What the script's ``running PIDFILE NAME`` answers."""
+    out = call("running", pid_file, name)
     assert out.stderr == "", out.stderr
     return out.returncode == 0
 
@@ -59,18 +65,7 @@ def test_stop_leaves_another_process_alone_and_removes_the_stale_file(
 ) -> None:
     pid_file = tmp_path / "slurmd.pid"
     pid_file.write_text(f"{sleeper.pid}\n")
-    out = subprocess.run(
-        [
-            "bash",
-            "-c",
-            f'die() {{ echo "$*" >&2; exit 1; }}; source "{DAEMONS}"; stop "$1" slurmd',
-            "_",
-            str(pid_file),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    out = call("stop", pid_file, "slurmd")
     assert out.returncode == 0, out.stderr
     assert sleeper.poll() is None, "stop killed a process that was not the daemon"
     assert not pid_file.exists()
