@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import atexit
-import functools
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,28 +25,8 @@ class Build:
     log: str
 
 
-@functools.lru_cache(maxsize=1)
-def _root_shims() -> str | None:
-    """As root, a folder whose ``dmuon-server`` adds ``--allow-same-user-jobs``, else None.
-
-    The pages' examples are written for a workstation, where the server runs jobs as the
-    person who started it. A root server refuses to start until told which account runs
-    its jobs (job-service.md#isolation); here, the examples' own account, as elsewhere.
-    """
-    if os.geteuid() != 0:
-        return None
-    shims = Path(tempfile.mkdtemp(prefix="dmuon-docs-shims-"))
-    atexit.register(shutil.rmtree, shims, ignore_errors=True)
-    real = Path(sys.executable).parent / "dmuon-server"
-    shim = shims / "dmuon-server"
-    shim.write_text(f'#!/bin/sh\nexec "{real}" --allow-same-user-jobs "$@"\n')
-    shim.chmod(0o755)
-    return str(shims)
-
-
 def docs_env() -> dict[str, str]:
-    """Environment for subprocesses of the docs tests: CPU only, quiet, venv first on PATH
-    (as root, behind :func:`_root_shims`)."""
+    """Environment for subprocesses of the docs tests: CPU only, quiet, venv first on PATH."""
     env = dict(os.environ)
     env["NO_MKDOCS_2_WARNING"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -57,9 +34,6 @@ def docs_env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     bindir = str(Path(sys.executable).parent)
     env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    shims = _root_shims()
-    if shims is not None:
-        env["PATH"] = shims + os.pathsep + env["PATH"]
     # The training recipe caches its tokenized corpus here instead of in ~/.cache/dmuon.
     env.setdefault("DMUON_CACHE_DIR", str(Path(tempfile.gettempdir()) / "dmuon-docs-cache"))
     return env
@@ -139,10 +113,8 @@ from accounts import NORMAL_ACCOUNT, normal_account  # noqa: E402,F401  (tests i
 
 
 def account_env(folder: Path) -> dict[str, str]:
-    """`docs_env` for a run as `NORMAL_ACCOUNT` in ``folder``: no root shim, its own home
-    and cache."""
+    """`docs_env` for a run as `NORMAL_ACCOUNT` in ``folder``: its own home and cache."""
     env = docs_env()
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + os.environ.get("PATH", "")
     env["HOME"] = str(folder)
     env["DMUON_CACHE_DIR"] = str(folder / "cache")
     return env

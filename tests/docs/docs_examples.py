@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from conftest import docs_env
+from conftest import NORMAL_ACCOUNT, account_env, docs_env, normal_account, run_shell_script
 from docs_md import (
     DOCS,
     PYTHON_LANGS,
@@ -197,7 +198,39 @@ def single_process_outcomes(page: str) -> dict[str, Outcome]:
     return outcomes
 
 
+def _starts_the_job_service(example: Example) -> bool:
+    return example.launcher == "bash" and "dmuon-server " in example.script
+
+
+def _run_as_a_normal_account(example: Example, tmp_path: Path) -> Outcome:
+    """Run a shell session that starts the job service as a person on a workstation would.
+
+    Under root, the tests' account, a server refuses to start until told which account
+    runs its jobs (job-service.md#isolation): the page is written for a normal account,
+    so it runs as one (and as the tests' own account when that is not root).
+    """
+    account = normal_account()
+    if account is None and os.geteuid() == 0:
+        pytest.skip("the job service's examples need a normal account to run as (useradd)")
+    # pytest's own folders are the tests' account's alone: the session gets one in /tmp.
+    folder = Path(tempfile.mkdtemp(prefix="dmuon-page-", dir="/tmp")) if account else tmp_path
+    script = folder / "example.sh"
+    script.write_text(example.script, encoding="utf-8")
+    env = account_env(folder) if account is not None else docs_env()
+    try:
+        code, out, err = run_shell_script(script, env, TIMEOUT_S, account)
+    except subprocess.TimeoutExpired:
+        return Outcome(False, "", "", f"bash, timed out after {TIMEOUT_S} s")
+    finally:
+        if account is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    who = f"as {NORMAL_ACCOUNT}, " if account is not None else ""
+    return Outcome(code == 0, out, err, f"bash {who}exit code {code}")
+
+
 def _run_alone(example: Example, tmp_path: Path) -> Outcome:
+    if _starts_the_job_service(example):
+        return _run_as_a_normal_account(example, tmp_path)
     suffix = ".sh" if example.launcher == "bash" else ".py"
     script = tmp_path / f"example{suffix}"
     script.write_text(example.script, encoding="utf-8")
