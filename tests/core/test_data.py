@@ -93,6 +93,38 @@ def test_data_folder_reads_text_files_only(tmp_path: Path) -> None:
     assert bytes(corpus.val.tolist()) == joined(files[r] for r in val_rel)
 
 
+def test_a_run_lists_its_data_once_and_plans_as_a_fresh_listing_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`preflight` hands its listing to `plan_corpus`: one walk of the data per run, and
+    the same plan (splits, cache file) as planning from scratch."""
+    import dmuon.train.data.corpus as corpus_module
+    import dmuon.train.preflight as preflight_module
+    from dmuon.train.cli import parse_args
+    from dmuon.train.data import plan_corpus
+
+    files = _write_tree(tmp_path / "data")
+    config = parse_args(["--data", str(tmp_path / "data"), "--cache-dir", str(tmp_path / "c")])
+    walks: list[object] = []
+
+    def counted(path: object = None) -> tuple[Path, list]:
+        walks.append(path)
+        return list_source_files(path)
+
+    monkeypatch.setattr(preflight_module, "list_source_files", counted)
+    monkeypatch.setattr(corpus_module, "list_source_files", counted)
+    planned = preflight_module.preflight(config).corpus
+    assert walks == [config.data]
+    monkeypatch.undo()
+    fresh = plan_corpus(config.data, cache_dir=tmp_path / "c", tokenizer=planned.tokenizer)
+    assert (planned.train, planned.val, planned.cache_bin) == (
+        fresh.train,
+        fresh.val,
+        fresh.cache_bin,
+    )
+    assert len(planned.train) + len(planned.val) == len(files) and planned.val
+
+
 def test_data_single_file_is_split_by_tokens(tmp_path: Path) -> None:
     text = bytes(range(32, 127)) * 40  # 3800 bytes
     (tmp_path / "book.txt").write_bytes(text)

@@ -46,7 +46,8 @@ def preflight(config: TrainConfig) -> Inputs:
         check_export_target(config.export_hf)
     model_dir = None if source.hf is None else source.hf.path
     # Token files need no tokenizer; a model directory without one still trains on them.
-    _, files = list_source_files(config.data)
+    listing = list_source_files(config.data)
+    files = listing[1]
     needs_tokenizer = files[0].kind != "tokens"
     tokenizer: TextTokenizer | None
     try:
@@ -66,6 +67,7 @@ def preflight(config: TrainConfig) -> Inputs:
         cache_dir=config.cache_dir,
         tokenizer=tokenizer,
         text_field=config.text_field,
+        listing=listing,
     )
     if plan.cache_bin is not None:
         if not plan.is_cached:

@@ -368,8 +368,12 @@ def plan_corpus(
     cache_dir: str | os.PathLike[str] | None = None,
     tokenizer: TextTokenizer | None = None,
     text_field: str = contract.DEFAULT_TEXT_FIELD,
+    listing: tuple[Path, list[SourceFile]] | None = None,
 ) -> CorpusPlan:
     """List and split the files of ``path`` and name the cache, reading no data.
+
+    ``listing`` is what `list_source_files` returned for ``path``, when the caller has
+    it (listing the standard library walks a few thousand files).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -379,7 +383,7 @@ def plan_corpus(
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     tokenizer = tokenizer or ByteTokenizer()
-    root, files = list_source_files(path)
+    root, files = list_source_files(path) if listing is None else listing
     source = str(stdlib_root() if path is None else Path(path).expanduser().resolve())
     by_tokens = len(files) == 1
     if by_tokens:
