@@ -21,16 +21,14 @@ IMPORTS = {
 
 SCRIPT = """
 {imports}
-import sys, tempfile
+import sys
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 sys.path.insert(0, {here!r})
 from tiny_llama import TinyLlama
 
-dist.init_process_group(
-    "gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1
-)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 model = TinyLlama(n_layers=2)
 shapes = {{n: p.shape for n, p in model.named_parameters()}}
@@ -89,13 +87,13 @@ def test_explicit_ignored_params_work_without_the_filter() -> None:
 
 
 SHARDED_SCRIPT = """
-import dmuon, sys, tempfile
+import dmuon, sys
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, {here!r})
 from tiny_llama import TinyLlama
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 model = TinyLlama(n_layers=2)
 dmuon.dedicate_params(model, mesh)

@@ -80,7 +80,6 @@ def test_the_wait_gives_up_at_its_limit(busy_worker) -> None:
 
 
 EXITING_SCRIPT = """
-import tempfile
 from pathlib import Path
 
 import torch
@@ -103,7 +102,7 @@ def reporting_wait(*args, **kwargs):
 
 
 _teardown.wait_for_idle_gloo_workers = reporting_wait
-dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 mesh = init_device_mesh("cpu", (1,))
 model = nn.Module()
 model.layers = nn.ModuleList([nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8, bias=False))])
