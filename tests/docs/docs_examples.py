@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from accounts import folder_of
 from conftest import NORMAL_ACCOUNT, account_env, docs_env, normal_account, run_shell_script
 from docs_md import (
     DOCS,
@@ -210,21 +210,25 @@ def _run_as_a_normal_account(example: Example, tmp_path: Path) -> Outcome:
     so it runs as one (and as the tests' own account when that is not root).
     """
     account = normal_account()
-    if account is None and os.geteuid() == 0:
-        pytest.skip("the job service's examples need a normal account to run as (useradd)")
+    if account is None:
+        if os.geteuid() == 0:
+            pytest.skip("the job service's examples need a normal account to run as (useradd)")
+        return _run_shell_session(example, tmp_path, docs_env(), None)
     # pytest's own folders are the tests' account's alone: the session gets one in /tmp.
-    folder = Path(tempfile.mkdtemp(prefix="dmuon-page-", dir="/tmp")) if account else tmp_path
+    with folder_of(account, "dmuon-page-") as folder:
+        return _run_shell_session(example, folder, account_env(folder), account)
+
+
+def _run_shell_session(
+    example: Example, folder: Path, env: dict[str, str], account: tuple[int, int] | None
+) -> Outcome:
     script = folder / "example.sh"
     script.write_text(example.script, encoding="utf-8")
-    env = account_env(folder) if account is not None else docs_env()
+    who = f"as {NORMAL_ACCOUNT}, " if account is not None else ""
     try:
         code, out, err = run_shell_script(script, env, TIMEOUT_S, account)
     except subprocess.TimeoutExpired:
-        return Outcome(False, "", "", f"bash, timed out after {TIMEOUT_S} s")
-    finally:
-        if account is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-    who = f"as {NORMAL_ACCOUNT}, " if account is not None else ""
+        return Outcome(False, "", "", f"bash {who}timed out after {TIMEOUT_S} s")
     return Outcome(code == 0, out, err, f"bash {who}exit code {code}")
 
 
