@@ -79,7 +79,8 @@ def attach(module: nn.Module) -> HeadMaxima:
     if _record_eagerly is _record:
         # Done here, not at import: ``torch.compiler.disable`` loads torch's compiler
         # (0.8 s of CPU), which a process that never clips should not pay. The recording
-        # sites call `_record_eagerly` only for a module with a recorder, so after this.
+        # sites call `_record_eagerly` only for a module that has a recorder, so only once
+        # this has run.
         _record_eagerly = torch.compiler.disable(_record)
     existing = module.__dict__.get(_ATTR)
     if isinstance(existing, HeadMaxima):
