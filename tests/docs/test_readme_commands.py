@@ -1,6 +1,7 @@
-"""The README's job-service commands run as written, as the account that runs the tests
-(root in CI, where the server refuses to run jobs as root unless told, as the README says)
-and, where the tests run as root, as a normal account too.
+"""The README's job-service commands run as written, once: as a normal account when the
+tests run as root (the README is written for a person at a workstation; a root server
+runs jobs as root with ``--allow-same-user-jobs``, the flag every live-server test of
+``tests/server`` starts with), as the tests' own account otherwise.
 
 The one change: the README's port 8000 becomes a free one (tests never take a fixed
 port). Oracles: the shell's exit status under ``set -euo pipefail``, the server's own
@@ -13,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import socket
 import stat
-import tempfile
 from pathlib import Path
 
 import pytest
+from accounts import folder_of
 from conftest import account_env, normal_account, run_shell_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,16 +46,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.mark.parametrize("who", ["this account", "a normal account"])
-def test_the_readmes_service_commands_run_as_written(who: str) -> None:
-    account = normal_account() if who == "a normal account" else None
-    if who == "a normal account" and account is None:
-        pytest.skip("running as another account needs root (and useradd)")
-    folder = Path(tempfile.mkdtemp(prefix="dmuon-readme-", dir="/tmp"))
-    try:
+def test_the_readmes_service_commands_run_as_written(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        _run_readme(tmp_path, None)
+        return
+    account = normal_account()
+    if account is None:
+        pytest.skip("the README's commands need a normal account to run as (useradd)")
+    # pytest's own folders are the tests' account's alone: the run gets one in /tmp.
+    with folder_of(account, "dmuon-readme-") as folder:
         _run_readme(folder, account)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _run_readme(folder: Path, account: tuple[int, int] | None) -> None:
