@@ -44,27 +44,32 @@ SCHEMA_TESTS := tests/server/test_server_schemathesis.py
 # Plugins only the schemathesis module needs stay unloaded elsewhere: 1.2 s of start-up
 # for each pytest process (the two workers and their controller).
 LEAN := -p no:schemathesis -p no:hypothesispytest -p no:anyio
+# Python keeps its byte-code caches during the tests even where the environment turns
+# them off (PYTHONDONTWRITEBYTECODE, as some container images set): the suite starts
+# hundreds of processes (recipe ranks, servers, job runners) that import dmuon, and each
+# would compile its sources again (0.6 s of a 4 s recipe process).
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 # Progress: one line per finished test file (its kind, counts and time), no dots; the
 # slowest tests are listed at the end, and each of the two runs prints its time.
 timed = start=$$(date +%s); status=0; $(2) || status=$$?; \
 	echo "make test: $(1) took $$(( $$(date +%s) - start )) s"; exit $$status
 test: setup
-	@$(call timed,pytest,$(BIN)/python -m pytest -n 2 --dist loadfile --file-progress --ignore=$(SCHEMA_TESTS) $(LEAN))
-	@$(call timed,schemathesis,$(BIN)/python -m pytest --file-progress $(SCHEMA_TESTS))
+	@$(call timed,pytest,$(PYTEST) -n 2 --dist loadfile --file-progress --ignore=$(SCHEMA_TESTS) $(LEAN))
+	@$(call timed,schemathesis,$(PYTEST) --file-progress $(SCHEMA_TESTS))
 
 # The tests that start no process, server, site build or browser (kinds are marked by
 # tests/conftest.py: pure, subprocess, multi_process, live_server, site_build, browser).
 test-fast: setup
-	$(BIN)/python -m pytest -n 2 -m pure --ignore=$(SCHEMA_TESTS) $(LEAN)
+	$(PYTEST) -n 2 -m pure --ignore=$(SCHEMA_TESTS) $(LEAN)
 
 test-core: setup
-	$(BIN)/python -m pytest tests/core
+	$(PYTEST) tests/core
 
 test-server: setup
-	$(BIN)/python -m pytest tests/server
+	$(PYTEST) tests/server
 
 test-docs: setup
-	$(BIN)/python -m pytest tests/docs
+	$(PYTEST) tests/docs
 
 # The randomized differential suite for FUZZ_MINUTES minutes: generated models and
 # distributed runs against one process; prints every case it runs and a shrunk
