@@ -9,8 +9,9 @@ of log). Checked here with a real `Store` (SQLite) and files written by the test
 * a line longer than `MAX_LINE_BYTES` is rejected, never stored;
 * the points and events a job stores stop at its cap: the database file grows by less
   than the cap, `over_limit` names the limit and its source, and nothing more is read;
-* a file that shrinks closes its attempt's stream: the same lines written again are not
-  stored twice, and the job is stopped, naming the append-only contract;
+* a file that shrinks, or is rewritten in place to its old length or longer, closes its
+  attempt's stream: the same lines written again are not stored twice, and the job is
+  stopped, naming the append-only contract;
 * rejected lines are logged once per interval per job, the rest counted ("and N more"),
   so 20,000 bad lines make a few log records; past `MAX_REJECTED_LINES` the job is
   stopped, naming why;
@@ -124,6 +125,39 @@ def test_a_file_that_shrinks_is_not_read_again_from_the_start(
     assert "never truncate or rewrite it" in tail.over_limit["calm"]
 
 
+def test_a_file_rewritten_to_its_old_length_or_longer_is_not_read_on(
+    tailer: tuple[MetricsTailer, Store], tmp_path: Path
+) -> None:
+    """A rewrite that leaves the file no shorter than the stored offset (the flooding
+    script's rounds of equal lines): its size shows nothing, the bytes before the offset
+    do. Across a server restart (a new tailer, no bytes kept) the next rewrite is caught."""
+    tail, store = tailer
+    path = tmp_path / "calm.jsonl"
+    path.write_bytes(_point(1) + _point(2))
+    assert tail.poll("calm", path) == 2
+    with path.open("ab") as f:
+        f.write(_point(3))
+    assert tail.poll("calm", path) == 1 and tail.poll("calm", path) == 0  # appended: read on
+    offset = store.get_offset("calm", "metrics")
+    path.write_bytes(b"".join(_point(s) for s in (4, 5, 6, 7)))  # in place, and longer
+    assert tail.poll("calm", path) == 0
+    assert _steps(store, "calm") == [1, 2, 3]
+    assert store.get_offset("calm", "metrics") == CLOSED_OFFSET
+    assert f"metrics file was rewritten before byte {offset:,}" in tail.over_limit["calm"]
+    assert "never truncate or rewrite it" in tail.over_limit["calm"]
+
+    restarted = MetricsTailer(store, Hub())
+    path = tmp_path / "flood.jsonl"
+    path.write_bytes(_point(1))
+    assert tail.poll("flood", path) == 1
+    with path.open("ab") as f:
+        f.write(_point(2))
+    assert restarted.poll("flood", path) == 1  # nothing kept yet: read on from the offset
+    path.write_bytes(_point(8) + _point(9))
+    assert restarted.poll("flood", path) == 0 and _steps(store, "flood") == [1, 2]
+    assert "was rewritten before byte" in restarted.over_limit["flood"]
+
+
 def test_rejected_lines_are_counted_not_echoed_and_a_flood_stops_the_job(
     tailer: tuple[MetricsTailer, Store], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -189,10 +223,11 @@ with open(os.environ["DMUON_METRICS_FILE"], "a") as f:
 
 
 def test_the_server_fails_a_job_that_floods_its_metrics(data_dir: Path, tmp_path: Path) -> None:
-    """A live server with a 1 MiB cap: a job that floods its metrics file ends ``failed``
-    with the cap in its reason, one that truncates its file each round ends ``failed``
-    naming that; the database grows by less than the cap plus SQLite's pages, and a calm
-    job beside them stores every point and succeeds."""
+    """A live server with a 1 MiB cap, the three jobs running side by side: a job that
+    floods its metrics file ends ``failed`` with the cap in its reason, one that truncates
+    its file each round ends ``failed`` naming that; the database grows by less than the
+    cap plus SQLite's pages, and the calm job beside them stores every point and
+    succeeds."""
     from server_helpers import TERMINAL, LiveServer, wait_until
 
     code = tmp_path / "code"
@@ -202,8 +237,9 @@ def test_the_server_fails_a_job_that_floods_its_metrics(data_dir: Path, tmp_path
     (code / "calm.py").write_text(CALM)
     cap = 1 << 20
     server = LiveServer(
-        data_dir, "--code-root", str(code), "--max-job-metrics-bytes", str(cap)
-    ).start()
+        data_dir, "--code-root", str(code), "--max-job-metrics-bytes", str(cap),
+        "--max-concurrent-jobs", "3",
+    ).start()  # fmt: skip
     try:
         with server.client() as c:
 
@@ -225,7 +261,7 @@ def test_the_server_fails_a_job_that_floods_its_metrics(data_dir: Path, tmp_path
             assert "--max-job-metrics-bytes" in done["reason"], done["reason"]
             done = wait_until(lambda: ended(truncating), 120, "the truncating job to be stopped")
             assert done["state"] == "failed", done
-            assert "metrics file shrank" in done["reason"], done["reason"]
+            assert "never truncate or rewrite it" in done["reason"], done["reason"]
             calm_done = wait_until(lambda: ended(calm), 120, "the calm job")
             assert calm_done["state"] == "succeeded", calm_done
             points = c.get(f"/v1/jobs/{calm}/metrics").json()["items"]

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from dmuon_server.schemas import encode_nonfinite
 from dmuon_server.storage.safefiles import open_in
@@ -41,6 +41,9 @@ MAX_LINE_BYTES = 64 << 10
 #: The offset of a stream that is read no more: its file shrank, so what follows its old
 #: offset is no longer the lines after those already stored.
 CLOSED_OFFSET = 1 << 62
+#: Bytes before a stream's offset kept to notice a file rewritten in place to at least
+#: its old length (which its size alone does not show).
+TAIL_BYTES = 64
 #: Rejected lines a job may write before it is stopped (its log stays bounded either way).
 MAX_REJECTED_LINES = 10_000
 #: Seconds between two log records of one job's rejected lines; the lines in between are
@@ -291,11 +294,14 @@ class MetricsTailer:
         self.over_limit: dict[str, str] = {}
         self._stored_bytes: dict[str, int] = {}
         self._rejected: dict[str, _RejectedLog] = {}
+        #: Per job and stream: the last `TAIL_BYTES` read before the stored offset.
+        self._tails: dict[str, dict[str, bytes]] = {}
 
     def forget(self, job_id: str) -> None:
         """Drop what is kept about a job (its attempt ended and was recorded)."""
         self.over_limit.pop(job_id, None)
         self._stored_bytes.pop(job_id, None)
+        self._tails.pop(job_id, None)
         log_state = self._rejected.pop(job_id, None)
         if log_state is not None and log_state.unlogged:
             log.warning("job %s: and %d more rejected metrics lines", job_id, log_state.unlogged)
@@ -372,17 +378,23 @@ class MetricsTailer:
         except OSError as e:
             log.warning("job %s: cannot read its metrics file: %s", job_id, e.strerror or e)
             return 0
+        tails = self._tails.setdefault(job_id, {})
         with f:
             size = os.fstat(f.fileno()).st_size
+            how = None
             if size < offset:
+                how = f"shrank from {offset:,} to {size:,} bytes"
+            elif stream in tails and _read_tail(f, offset) != tails[stream]:
+                how = f"was rewritten before byte {offset:,}"
+            if how is not None:
                 # Re-read from the start, a file that restarts would be stored again and
                 # again: the attempt's stream closes, and the job ends on this contract.
                 self.store.ingest(job_id, stream, CLOSED_OFFSET, [])
                 self._stop(
                     job_id,
-                    f"stopped: its metrics file shrank from {offset:,} to {size:,} bytes "
-                    f"(attempt {attempt}); the service reads it as append-only: append one "
-                    "JSON object per step, never truncate or rewrite it",
+                    f"stopped: its metrics file {how} (attempt {attempt}); the service "
+                    "reads it as append-only: append one JSON object per step, never "
+                    "truncate or rewrite it",
                 )
                 return 0
             while True:
@@ -410,6 +422,7 @@ class MetricsTailer:
                 noted += len(events)
                 if last_chunk:
                     break
+            tails[stream] = _read_tail(f, offset)
         if stored or noted:
             self.points_total += stored
             self.hub.notify(job_id)
@@ -449,3 +462,10 @@ class MetricsTailer:
                 self.rejected_total += 1
         self.store.ingest(job_id, stream, offset, [], chunk.summary, rejected, events)
         return stored
+
+
+def _read_tail(f: BinaryIO, offset: int) -> bytes:
+    """The last `TAIL_BYTES` of ``f`` before ``offset`` (fewer near its start)."""
+    start = max(0, offset - TAIL_BYTES)
+    f.seek(start)
+    return f.read(offset - start)
