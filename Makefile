@@ -37,7 +37,8 @@ dist: setup
 	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir dist packages/dmuon-core packages/dmuon-server
 
 # Two pytest workers, each taking whole test files (their module fixtures stay shared):
-# many tests wait on processes they start, so two workers fill both cores. The
+# many tests wait on processes they start, so two workers fill both cores. The files go
+# out longest first, in the order tests/file_order.py collects them. The
 # schemathesis module runs after them, alone: its tests (one per API operation) share one
 # node id, which pytest-xdist would count as a single test.
 SCHEMA_TESTS := tests/server/test_server_schemathesis.py
@@ -54,7 +55,7 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest
 timed = start=$$(date +%s); status=0; $(2) || status=$$?; \
 	echo "make test: $(1) took $$(( $$(date +%s) - start )) s"; exit $$status
 test: setup
-	@$(call timed,pytest,$(PYTEST) -n 2 --dist loadfile --file-progress --ignore=$(SCHEMA_TESTS) $(LEAN))
+	@$(call timed,pytest,$(PYTEST) -n 2 --dist loadfile --no-loadscope-reorder --file-progress --ignore=$(SCHEMA_TESTS) $(LEAN))
 	@$(call timed,schemathesis,$(PYTEST) --file-progress $(SCHEMA_TESTS))
 
 # The tests that start no process, server, site build or browser (kinds are marked by

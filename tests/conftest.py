@@ -22,8 +22,9 @@ from collections.abc import Iterator
 
 import pytest
 
-#: One line per finished test file (``--file-progress``, which ``make test`` passes).
-pytest_plugins = ["file_progress"]
+#: One line per finished test file (``--file-progress``, which ``make test`` passes); the
+#: files handed to pytest-xdist's workers longest first.
+pytest_plugins = ["file_progress", "file_order"]
 
 #: Skips CI accepts: the machines it runs on have no GPU.
 DECLARED_CI_SKIPS = re.compile(r"\bCUDA\b")

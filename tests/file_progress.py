@@ -10,6 +10,7 @@ file's tests from the workers' collection).
 
 from __future__ import annotations
 
+import json
 import time
 from collections import Counter, defaultdict
 from typing import Any
@@ -85,6 +86,15 @@ class FileProgress:
         if reporter is not None:
             reporter.ensure_newline()
             reporter.write_line(line, red=bool(counts["failed"] or counts["error"]))
+
+    def pytest_sessionfinish(self) -> None:
+        """Keep each finished file's time in ``test-artifacts/file-seconds.json``, the
+        table ``file_order`` hands the files out by (``tests/file_seconds.json``)."""
+        times = {path: round(self.seconds[path], 1) for path in sorted(self.done)}
+        if times:
+            out = self.config.rootpath / "test-artifacts" / "file-seconds.json"
+            out.parent.mkdir(exist_ok=True)
+            out.write_text(json.dumps(times, indent=0) + "\n")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
