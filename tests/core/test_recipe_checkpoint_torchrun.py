@@ -45,7 +45,9 @@ def cache_dir(cache_dir: str) -> Path:
 
 
 def _launch(cache: Path, run_dir: Path, extra: list[str]) -> subprocess.Popen[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=str(cache))
+    # TMPDIR: torchrun's log folder (it makes one per launch and leaves it) goes to pytest's.
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=str(cache), TMPDIR=str(run_dir))
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "dmuon.train", *COMMON, *extra,

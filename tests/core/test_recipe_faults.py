@@ -172,14 +172,17 @@ def test_a_full_disk_stops_the_run_or_warns_and_the_earlier_checkpoints_stay_int
 
 
 def test_a_full_disk_under_torchrun_fails_every_rank_alike_with_exit_4(
-    base: TrainConfig, small_disk: Path
+    base: TrainConfig, small_disk: Path, tmp_path: Path
 ) -> None:
     """Two ranks write their shards to one full disk: no rank hangs in the save's
     collectives, both stop with the recipe's exit status, and the kept checkpoints verify."""
     assert base.cache_dir is not None
     load_corpus(None, cache_dir=Path(base.cache_dir))
     folder = small_disk / "c"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=base.cache_dir)
+    # TMPDIR: torchrun's log folder (it makes one per launch and leaves it) goes to pytest's.
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=base.cache_dir, TMPDIR=str(tmp_path)
+    )
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "dmuon.train", "--model", "tiny", "--steps", "4", "--seq-len", "32",
@@ -267,7 +270,10 @@ def test_a_stalled_rank_fails_the_run_within_the_collective_timeout(
     load_corpus(None, cache_dir=Path(base.cache_dir))
     timeout_s = 5
     metrics = tmp_path / "m.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=base.cache_dir)
+    # TMPDIR: torchrun's log folder (it makes one per launch and leaves it) goes to pytest's.
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=base.cache_dir, TMPDIR=str(tmp_path)
+    )
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "dmuon.train", "--model", "tiny", "--steps", "100000", "--seq-len", "32",

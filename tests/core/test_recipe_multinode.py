@@ -40,8 +40,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _env(cache_dir: str) -> dict[str, str]:
-    return dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=cache_dir)
+def _env(cache_dir: str, tmp_path: Path) -> dict[str, str]:
+    """The agents' environment; TMPDIR: torchrun's log folder (it makes one per launch and
+    leaves it) goes to pytest's."""
+    return dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=cache_dir, TMPDIR=str(tmp_path))
 
 
 def _final_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
@@ -78,7 +80,11 @@ def test_two_torchrun_agents_as_hsdp_match_one_process(
     started = time.monotonic()
     agents = [
         subprocess.Popen(
-            agent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(cache_dir)
+            agent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(cache_dir, tmp_path),
         )
         for _ in range(2)
     ]

@@ -35,7 +35,8 @@ COMMON = [
 
 def _run(tmp_path: Path, cache: str, name: str, nproc: int, extra: list[str]) -> list[dict]:
     metrics = tmp_path / f"{name}.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=str(cache))
+    # TMPDIR: torchrun's log folder (it makes one per launch and leaves it) goes to pytest's.
+    env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=str(cache), TMPDIR=str(tmp_path))
     if nproc == 1:
         launcher = [sys.executable, "-m", "dmuon.train"]
     else:

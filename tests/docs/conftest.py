@@ -113,10 +113,12 @@ from accounts import NORMAL_ACCOUNT, normal_account  # noqa: E402,F401  (tests i
 
 
 def account_env(folder: Path) -> dict[str, str]:
-    """`docs_env` for a run as `NORMAL_ACCOUNT` in ``folder``: its own home and cache."""
+    """`docs_env` for a run as `NORMAL_ACCOUNT` in ``folder``: its own home, cache and
+    temporary files."""
     env = docs_env()
     env["HOME"] = str(folder)
     env["DMUON_CACHE_DIR"] = str(folder / "cache")
+    env["TMPDIR"] = str(folder)
     return env
 
 

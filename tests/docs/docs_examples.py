@@ -240,10 +240,12 @@ def _run_alone(example: Example, tmp_path: Path) -> Outcome:
     script.write_text(example.script, encoding="utf-8")
     # A session of its own, so that a timeout ends everything the example started (a
     # background server, torchrun and its workers), not only the shell or launcher.
+    env = docs_env()
+    env["TMPDIR"] = str(tmp_path)  # torchrun's log folder (one per launch, left) goes there
     proc = subprocess.Popen(
         _command(example, script),
         cwd=tmp_path,
-        env=docs_env(),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
