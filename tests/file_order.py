@@ -69,21 +69,24 @@ def longest_files_first(items: list[pytest.Item], root: Path) -> list[pytest.Ite
     # worker shares, so all workers agree on the order (xdist checks that they do).
     by_time = sorted(files, key=seconds, reverse=True)
     site = [name for name in by_time if any(_reads_the_site(i) for i in files[name])]
+    waiting = list(site)
     ordered: list[str] = []
     handed_out = 0.0
     for name in by_time:
         if name in site:
             continue
-        if site and handed_out >= SITE_AFTER_SECONDS:
-            ordered += site
-            site = []
+        if waiting and handed_out >= SITE_AFTER_SECONDS:
+            ordered += waiting
+            waiting = []
         ordered.append(name)
         handed_out += seconds(name)
-    ordered += site
+    ordered += waiting
     return [item for name in ordered for item in files[name]]
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Order the files (after ``tests/conftest.py`` has marked each test's kind)."""
-    items[:] = longest_files_first(items, config.rootpath)
+    ordered = longest_files_first(items, config.rootpath)
+    assert sorted(map(id, ordered)) == sorted(map(id, items)), "file order: a test lost or twice"
+    items[:] = ordered

@@ -78,14 +78,20 @@ def test_files_that_read_the_site_go_out_once_enough_work_has(
         "tests/site.py": [("x", "site_build", ["site"])],
         "tests/next.py": [("n", "multi_process", [])],
         "tests/long.py": [("l", "subprocess", [])],
+        # Shorter than the files that go out before the site's: still once, with them.
+        "tests/site_short.py": [("y", "site_build", ["build"]), ("z", "pure", [])],
     })  # fmt: skip
     ordered = file_order.longest_files_first(items, ROOT)  # type: ignore[arg-type]
     # The longest file is the site's, but it waits until 1.1 x SITE_AFTER_SECONDS of
     # work went out before it.
-    assert _files(ordered) == ["tests/long.py", "tests/next.py", "tests/site.py", "tests/short.py"]
+    assert _files(ordered) == [
+        "tests/long.py", "tests/next.py", "tests/site.py", "tests/site_short.py", "tests/short.py"
+    ]  # fmt: skip
+    assert sorted(map(id, ordered)) == sorted(map(id, items))  # every test once
     # Too little work to wait for: the site's files go out last.
     table["tests/long.py"] = table["tests/next.py"] = 1.0
-    assert _files(file_order.longest_files_first(items, ROOT))[-1] == "tests/site.py"  # type: ignore[arg-type]
+    last = _files(file_order.longest_files_first(items, ROOT))[-2:]  # type: ignore[arg-type]
+    assert last == ["tests/site.py", "tests/site_short.py"]
 
 
 def test_the_table_names_files_that_exist() -> None:
