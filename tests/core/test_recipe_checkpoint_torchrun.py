@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from recipe_launch import recipe_env
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from dmuon.train.checkpoints.folder import find_checkpoints, is_complete
@@ -45,9 +46,8 @@ def cache_dir(cache_dir: str) -> Path:
 
 
 def _launch(cache: Path, run_dir: Path, extra: list[str]) -> subprocess.Popen[str]:
-    # TMPDIR: torchrun's log folder (it makes one per launch and leaves it) goes to pytest's.
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=str(cache), TMPDIR=str(run_dir))
+    env = recipe_env(cache, run_dir)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "dmuon.train", *COMMON, *extra,

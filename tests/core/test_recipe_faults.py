@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from typing import Any
 import dmuon_recipe_contract as contract
 import psutil
 import pytest
+from recipe_launch import recipe_env
 
 from dmuon.checkpoint import verify_checkpoint
 from dmuon.train import TrainConfig, run
@@ -179,10 +179,7 @@ def test_a_full_disk_under_torchrun_fails_every_rank_alike_with_exit_4(
     assert base.cache_dir is not None
     load_corpus(None, cache_dir=Path(base.cache_dir))
     folder = small_disk / "c"
-    # TMPDIR: torchrun's log folder (it makes one per launch and leaves it) goes to pytest's.
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=base.cache_dir, TMPDIR=str(tmp_path)
-    )
+    env = recipe_env(base.cache_dir, tmp_path)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "dmuon.train", "--model", "tiny", "--steps", "4", "--seq-len", "32",
@@ -270,10 +267,7 @@ def test_a_stalled_rank_fails_the_run_within_the_collective_timeout(
     load_corpus(None, cache_dir=Path(base.cache_dir))
     timeout_s = 5
     metrics = tmp_path / "m.jsonl"
-    # TMPDIR: torchrun's log folder (it makes one per launch and leaves it) goes to pytest's.
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=base.cache_dir, TMPDIR=str(tmp_path)
-    )
+    env = recipe_env(base.cache_dir, tmp_path)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
         "-m", "dmuon.train", "--model", "tiny", "--steps", "100000", "--seq-len", "32",

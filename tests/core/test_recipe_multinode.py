@@ -10,7 +10,6 @@ checkpoint's weights must match within 1e-5 per parameter. The runs are Z2
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from recipe_launch import recipe_env
 
 from dmuon.checkpoint._export import load_full_weights
 from dmuon.train.__main__ import main
@@ -38,12 +38,6 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def _env(cache_dir: str, tmp_path: Path) -> dict[str, str]:
-    """The agents' environment; TMPDIR: torchrun's log folder (it makes one per launch and
-    leaves it) goes to pytest's."""
-    return dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=cache_dir, TMPDIR=str(tmp_path))
 
 
 def _final_weights(checkpoint_dir: Path) -> dict[str, torch.Tensor]:
@@ -84,7 +78,7 @@ def test_two_torchrun_agents_as_hsdp_match_one_process(
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(cache_dir, tmp_path),
+            env=recipe_env(cache_dir, tmp_path),
         )
         for _ in range(2)
     ]

@@ -15,13 +15,13 @@ agents as HSDP 2x1, against one process).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from recipe_launch import recipe_env
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 STEPS = 20
@@ -35,8 +35,7 @@ COMMON = [
 
 def _run(tmp_path: Path, cache: str, name: str, nproc: int, extra: list[str]) -> list[dict]:
     metrics = tmp_path / f"{name}.jsonl"
-    # TMPDIR: torchrun's log folder (it makes one per launch and leaves it) goes to pytest's.
-    env = dict(os.environ, OMP_NUM_THREADS="1", DMUON_CACHE_DIR=str(cache), TMPDIR=str(tmp_path))
+    env = recipe_env(cache, tmp_path)
     if nproc == 1:
         launcher = [sys.executable, "-m", "dmuon.train"]
     else:
