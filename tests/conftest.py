@@ -21,6 +21,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from file_order import reads_the_site
 
 #: One line per finished test file (``--file-progress``, which ``make test`` passes); the
 #: files handed to pytest-xdist's workers longest first.
@@ -84,7 +85,7 @@ def _kind(item: pytest.Item) -> str:
     path = str(item.path)
     if "browser" in path or "browser" in fixtures:
         return "browser"
-    if fixtures & {"site", "build"}:
+    if reads_the_site(item):
         return "site_build"
     if "LiveServer" in names or fixtures & {"slurm_cluster", "live", "team"}:
         return "live_server"

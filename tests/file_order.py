@@ -49,7 +49,9 @@ def _kind_of(item: pytest.Item) -> str:
     return next((m.name for m in item.iter_markers() if m.name in KIND_SECONDS), "pure")
 
 
-def _reads_the_site(item: pytest.Item) -> bool:
+def reads_the_site(item: pytest.Item) -> bool:
+    """Whether ``item`` uses the built site (the ``site`` or ``build`` fixture of
+    ``tests/docs/conftest.py``)."""
     return bool({"site", "build"} & set(getattr(item, "fixturenames", ())))
 
 
@@ -68,8 +70,8 @@ def longest_files_first(items: list[pytest.Item], root: Path) -> list[pytest.Ite
     # sorted() is stable: files of equal time keep the collection's order, which every
     # worker shares, so all workers agree on the order (xdist checks that they do).
     by_time = sorted(files, key=seconds, reverse=True)
-    site = [name for name in by_time if any(_reads_the_site(i) for i in files[name])]
-    waiting = list(site)
+    waiting = [name for name in by_time if any(map(reads_the_site, files[name]))]
+    site = set(waiting)
     ordered: list[str] = []
     handed_out = 0.0
     for name in by_time:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 from docs_md import REPO
+from file_order import reads_the_site
 from filelock import FileLock
 
 
@@ -56,7 +57,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     as a collected test needs it: the workers run other tests meanwhile."""
     if session.config.option.collectonly:
         return
-    if any({"site", "build"} & set(getattr(item, "fixturenames", ())) for item in session.items):
+    if any(map(reads_the_site, session.items)):
         _start_build(_build_root(session.config))
 
 
