@@ -366,7 +366,7 @@ class MetricsTailer:
         With ``final`` (the attempt has ended) a last line without a newline is taken too.
         Returns the number of points stored.
         """
-        offset = self.store.get_offset(job_id, stream)
+        offset = read_from = self.store.get_offset(job_id, stream)
         if offset >= CLOSED_OFFSET or job_id in self.over_limit:
             return 0
         stored = noted = 0
@@ -422,7 +422,8 @@ class MetricsTailer:
                 noted += len(events)
                 if last_chunk:
                     break
-            tails[stream] = _read_tail(f, offset)
+            if offset != read_from or stream not in tails:  # else the bytes just compared
+                tails[stream] = _read_tail(f, offset)
         if stored or noted:
             self.points_total += stored
             self.hub.notify(job_id)
