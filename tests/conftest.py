@@ -21,11 +21,15 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from file_order import reads_the_site
 
 #: One line per finished test file (``--file-progress``, which ``make test`` passes); the
 #: files handed to pytest-xdist's workers longest first.
 pytest_plugins = ["file_progress", "file_order"]
+# Marked before this file imports one of them, as pytest does for the plugins it loads:
+# otherwise every run warns that the module was imported before it could be rewritten.
+pytest.register_assert_rewrite(*pytest_plugins)
+
+from file_order import reads_the_site  # noqa: E402
 
 #: Skips CI accepts: the machines it runs on have no GPU.
 DECLARED_CI_SKIPS = re.compile(r"\bCUDA\b")
