@@ -39,7 +39,7 @@ class FileProgress:
         self.seconds: Counter[str] = Counter()
         self.start = time.monotonic()
         self.done: set[str] = set()
-        self._collected_by: set[str] = set()
+        self.letters_on_the_line = False
 
     def _expect(self, nodeids: list[str]) -> None:
         if self.expected:
@@ -52,12 +52,15 @@ class FileProgress:
         if not hasattr(self.config, "workerinput"):
             self._expect([item.nodeid for item in items])
 
+    @pytest.hookimpl(optionalhook=True)  # known only where pytest-xdist is loaded
     def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
         self._expect(list(ids))
 
     def pytest_report_teststatus(self, report: pytest.TestReport) -> tuple[str, str, str] | None:
         if report.passed and report.when == "call":
             return "passed", "", "PASSED"
+        if report.failed or report.skipped:
+            self.letters_on_the_line = True  # the reporter writes its F or s
         return None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -85,16 +88,28 @@ class FileProgress:
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:
             reporter.ensure_newline()
+            if self.letters_on_the_line:
+                reporter.write("\n")
+                self.letters_on_the_line = False
             reporter.write_line(line, red=bool(counts["failed"] or counts["error"]))
 
     def pytest_sessionfinish(self) -> None:
         """Keep each finished file's time in ``test-artifacts/file-seconds.json``, the
-        table ``file_order`` hands the files out by (``tests/file_seconds.json``)."""
-        times = {path: round(self.seconds[path], 1) for path in sorted(self.done)}
-        if times:
-            out = self.config.rootpath / "test-artifacts" / "file-seconds.json"
-            out.parent.mkdir(exist_ok=True)
-            out.write_text(json.dumps(times, indent=0) + "\n")
+        table ``file_order`` hands the files out by (``tests/file_seconds.json``).
+
+        The times are added to what the file holds, so the two sessions of ``make test``
+        (which empties it first) leave every file of the suite there."""
+        times = {path: round(self.seconds[path], 1) for path in self.done}
+        if not times:
+            return
+        out = self.config.rootpath / "test-artifacts" / "file-seconds.json"
+        out.parent.mkdir(exist_ok=True)
+        try:
+            kept = json.loads(out.read_text())
+        except (OSError, ValueError):
+            kept = {}
+        merged = {**(kept if isinstance(kept, dict) else {}), **times}
+        out.write_text(json.dumps(dict(sorted(merged.items())), indent=0) + "\n")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -105,6 +120,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
 def pytest_configure(config: pytest.Config) -> None:
     if config.getoption("--file-progress") and not hasattr(config, "workerinput"):
         config.pluginmanager.register(FileProgress(config), "file-progress")
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            # Without pytest-xdist the reporter would start a line with each file's name
+            # that nothing else is written on.
+            reporter.showfspath = False
