@@ -15,6 +15,12 @@ FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 UV_INSTALL := $(BIN)/python -m pip install --quiet uv --constraint constraints.txt
 INSTALL := $(BIN)/python -m uv pip install --quiet --python $(BIN)/python \
 	--constraint constraints.txt $(FIND_LINKS)
+# The start of both installs below: the venv, uv in it, and torch.
+define venv_with_torch
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(UV_INSTALL)
+	$(INSTALL) torch==2.13.0
+endef
 
 .PHONY: setup demo dist test test-fast test-core test-server test-docs fuzz lint format docs docs-serve bench bench-setup bench-quick bench-moe bench-optimizer clean
 
@@ -22,17 +28,13 @@ setup: $(STAMP)
 
 # Reinstall only when a dependency list changed; otherwise `make setup` is a no-op.
 $(STAMP): constraints.txt requirements-dev.txt packages/dmuon-core/pyproject.toml packages/dmuon-server/pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(UV_INSTALL)
-	$(INSTALL) torch==2.13.0
+	$(venv_with_torch)
 	$(INSTALL) -e packages/dmuon-core -e packages/dmuon-server -r requirements-dev.txt
 	touch $(STAMP)
 
 # What the demo runs and nothing of the developer tools: torch and the two packages.
 $(DEMO_STAMP): constraints.txt packages/dmuon-core/pyproject.toml packages/dmuon-server/pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(UV_INSTALL)
-	$(INSTALL) torch==2.13.0
+	$(venv_with_torch)
 	$(INSTALL) -e packages/dmuon-core -e packages/dmuon-server
 	touch $(DEMO_STAMP)
 
