@@ -14,6 +14,7 @@ kills those still alive 3 seconds later.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import re
 import signal
@@ -138,3 +139,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Mark each test with its kind."""
     for item in items:
         item.add_marker(getattr(pytest.mark, _kind(item)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Keep what collection made out of the garbage collector's reach for the session.
+
+    Collection imported torch, transformers, the job service and every test module: a few
+    million objects that live as long as the pytest process, and that each full collection
+    during the tests would scan again. Frozen (after one collection of their leftovers),
+    the collections made while tests run scan only what the tests create: a fifth less
+    CPU time in the files that train in-process. Objects a test makes are collected as
+    before.
+    """
+    gc.collect()
+    gc.freeze()

@@ -44,6 +44,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from dmuon._startup import imports_kept_for_life
 from dmuon_server.config import EXIT_FILE
 
 #: Seconds between two looks for ranks stopped while told to end.
@@ -153,9 +154,10 @@ def run(job_dir: Path, torchrun_args: list[str]) -> int:
     )
     watchdog.start()
     try:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-        from torch.distributed.run import main as torchrun_main
+        with imports_kept_for_life():
+            from torch.distributed.elastic.multiprocessing.api import SignalException
+            from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+            from torch.distributed.run import main as torchrun_main
 
         try:
             torchrun_main(torchrun_args)
