@@ -46,6 +46,16 @@ def run_one(script: str, workdir: str, name: str) -> dict[str, object]:
 
 def main() -> None:
     path = sys.argv[1]
+    # Every page's examples import torch and dmuon, and their optimizers torch's compiler:
+    # imported first, out of the garbage collector's reach, they cost less CPU time, and
+    # the collections the examples cause skip them (see dmuon._startup).
+    from dmuon._startup import imports_kept_for_life
+
+    with imports_kept_for_life():
+        import torch._dynamo  # noqa: F401
+
+        import dmuon._ownership.runtime
+        import dmuon.optim._muon  # noqa: F401
     with open(path, encoding="utf-8") as f:
         jobs = json.load(f)
     results = {}
