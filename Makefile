@@ -10,7 +10,7 @@ BENCH_STAMP := $(VENV)/.bench-installed
 # Machines that keep wheels on local disk (torch among them) expose them in /opt/wheels.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 # Installs go through uv, put into the venv first by pip: it resolves as pip does and
-# installs the same releases, in a seventh of the time (a fresh clone's setup: 151 s with
+# installs the same releases, faster (a fresh clone's setup: 151 s with
 # pip, 21 s with uv, on 2 cores).
 UV_INSTALL := $(BIN)/python -m pip install --quiet uv --constraint constraints.txt
 INSTALL := $(BIN)/python -m uv pip install --quiet --python $(BIN)/python \
