@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cli_types import positive_int
+from cli_types import non_negative_int, positive_int
 from machine import machine_info
 
 #: The two ways of starting the recipe; the flags follow as ``sys.argv[1:]``.
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--steps", type=positive_int, default=5)
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    parser.add_argument("--warmup", type=non_negative_int, default=1, help="untimed runs first")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)

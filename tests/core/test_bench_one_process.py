@@ -5,34 +5,22 @@ reports is the median of its rounds' ratios."""
 
 from __future__ import annotations
 
-import importlib
 import json
 import statistics
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from bench_modules import import_benchmark
 
 import dmuon
 from dmuon._ownership import gradients
 from dmuon.train import build_model
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _benchmark() -> ModuleType:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        return importlib.import_module("one_process_overhead")
-    finally:
-        sys.path.remove(str(BENCH_DIR))
-
 
 @pytest.mark.parametrize("accum", [1, 3])
 def test_the_timed_models_compute_the_same_gradients(accum: int) -> None:
-    bench = _benchmark()
+    bench = import_benchmark("one_process_overhead")
     plain = build_model("tiny", max_seq_len=16)
     dedicated = build_model("tiny", max_seq_len=16)
     dedicated.load_state_dict(plain.state_dict())
@@ -51,7 +39,7 @@ def test_the_timed_models_compute_the_same_gradients(accum: int) -> None:
 
 
 def test_the_reported_ratio_is_the_median_of_the_rounds(tmp_path: Path) -> None:
-    bench = _benchmark()
+    bench = import_benchmark("one_process_overhead")
     out = tmp_path / "r.json"
     argv = ["--model", "tiny", "--rounds", "3", "--warmup", "1", "--seq-len", "16",
             "--batch", "2", "--accum", "2", "--out", str(out)]  # fmt: skip

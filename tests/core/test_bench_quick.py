@@ -10,29 +10,14 @@ printed by the benchmark but never asserted.
 
 from __future__ import annotations
 
-import importlib
-import sys
-from pathlib import Path
-from types import ModuleType
-
 import pytest
+from bench_modules import import_benchmark
 from dist_harness import spawn_ranks
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _import_benchmark(name: str) -> ModuleType:
-    """A module of ``benchmarks/`` (``bench``, ``traffic``), imported from its folder."""
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        return importlib.import_module(name)
-    finally:
-        sys.path.remove(str(BENCH_DIR))
 
 
 @pytest.fixture(scope="module")
 def quick_result() -> dict:
-    bench = _import_benchmark("bench")
+    bench = import_benchmark("bench")
     # DMuon's own contenders only: the peers' traffic is checked by `make bench-quick`.
     return bench.run(bench.parse_args(["--quick", "--contenders", *bench.OWN]))
 
@@ -49,7 +34,7 @@ def quick_result() -> dict:
 def test_a_count_below_one_is_refused_naming_the_flag(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench = _import_benchmark("bench")
+    bench = import_benchmark("bench")
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(flags)
     assert exit_info.value.code == 2
@@ -85,11 +70,7 @@ def test_adamw_traffic_is_fsdp2s_only(quick_result: dict) -> None:
 
 
 def test_steps_to_reach_interpolates_between_evaluations() -> None:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        from quality import steps_to_reach
-    finally:
-        sys.path.remove(str(BENCH_DIR))
+    steps_to_reach = import_benchmark("quality").steps_to_reach
     curve = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.5)]
     # 3.5 lies halfway between the evaluations at steps 10 (4.0) and 20 (3.0).
     assert steps_to_reach(curve, 3.5) == pytest.approx(15.0)
@@ -126,7 +107,7 @@ def _count_with_the_replicate_group_ignored(rank: int, world: int) -> dict[str, 
     import torch
     import torch.distributed as dist
 
-    traffic = _import_benchmark("traffic")
+    traffic = import_benchmark("traffic")
     shard = dist.new_group([0, 1]), dist.new_group([2, 3])
     replicate = dist.new_group([0, 2]), dist.new_group([1, 3])
     mine = shard[rank // 2], replicate[rank % 2]
@@ -147,7 +128,7 @@ def test_the_replicate_groups_collectives_are_left_out_under_hsdp() -> None:
 def test_the_naive_contender_runs_under_hsdp_at_its_traffic_formula() -> None:
     """``--hsdp 2`` on 4 ranks: the naive baseline (which cut its update by one placement
     and failed on the 2-D mesh) runs, and its counted traffic matches its formula."""
-    bench = _import_benchmark("bench")
+    bench = import_benchmark("bench")
     flags = ["--quick", "--nproc", "4", "--hsdp", "2", "--accum", "1"]
     result = bench.run(bench.parse_args([*flags, "--contenders", "naive-z3", "dmuon-z3"]))
     assert [r["contender"] for r in result["rows"]].count("naive-z3") == 1, result["not_run"]

@@ -9,20 +9,17 @@ for the whole process), and the metrics of the same run started through ``main``
 from __future__ import annotations
 
 import gc
-import importlib
 import json
 import subprocess
 import sys
 import weakref
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from bench_modules import import_benchmark
 from recipe_launch import recipe_env
 
 from dmuon.train.__main__ import main
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 
 GC_STATE = """
 import gc, json
@@ -83,14 +80,6 @@ def test_main_called_in_process_freezes_nothing(tmp_path: Path, cache_dir: str) 
     assert ref() is None, "main froze what was alive while it ran: it is never collected"
 
 
-def _benchmark() -> ModuleType:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        return importlib.import_module("recipe_startup")
-    finally:
-        sys.path.remove(str(BENCH_DIR))
-
-
 def test_the_program_trains_as_main_does(
     tmp_path: Path, cache_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -99,10 +88,8 @@ def test_the_program_trains_as_main_does(
     for name, value in recipe_env(cache_dir, tmp_path).items():
         monkeypatch.setenv(name, value)
     out = tmp_path / "startup.json"
-    assert (
-        _benchmark().main(["--rounds", "1", "--steps", "2", "--warmup", "0", "--json", str(out)])
-        == 0
-    )
+    argv = ["--rounds", "1", "--steps", "2", "--warmup", "0", "--json", str(out)]
+    assert import_benchmark("recipe_startup").main(argv) == 0
     result = json.loads(out.read_text())
     (round_,) = result["rounds"]
     assert set(round_) == {"kept", "plain"}
